@@ -1,0 +1,270 @@
+//! `config.json` → [`LlamaConfig`].
+//!
+//! Hugging Face configs come in two RoPE styles, and kiln reads both:
+//! - the hub style: top-level `rope_theta` and an optional `rope_scaling` object;
+//! - the newer style written by recent transformers: a `rope_parameters` object that holds
+//!   `rope_theta` together with the scaling fields.
+//!
+//! Unknown fields are ignored (configs carry many that inference does not need); a missing
+//! required field is an error that names it. `head_dim` is read when present and only
+//! defaults to `hidden_size / num_attention_heads` when absent.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// How RoPE frequencies are adjusted for long contexts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE: `inv_freq[i] = theta^(-2i/head_dim)`.
+    Default,
+    /// Positions divided by `factor` (all frequencies divided by `factor`).
+    Linear { factor: f64 },
+    /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The architecture facts the forward pass needs. Invariants (checked by [`LlamaConfig::from_json`]):
+/// `num_attention_heads % num_key_value_heads == 0`, `head_dim` is even, every size is non-zero.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    /// Bias on q/k/v projections (Qwen2 always; Llama when `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama `attention_bias`).
+    pub o_bias: bool,
+    /// Bias on gate/up/down projections (Llama `mlp_bias`).
+    pub mlp_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// `eos_token_id` is an integer or a list of integers.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            TokenIds::One(id) => vec![id],
+            TokenIds::Many(ids) => ids,
+        }
+    }
+}
+
+/// The RoPE object of either style. `type` is the older spelling of `rope_type`.
+#[derive(Debug, Default, Deserialize)]
+struct RawRope {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
+    rope_theta: Option<f64>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    max_position_embeddings: usize,
+    rms_norm_eps: f64,
+    hidden_act: Option<String>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<RawRope>,
+    rope_parameters: Option<RawRope>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    use_sliding_window: Option<bool>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<TokenIds>,
+}
+
+impl LlamaConfig {
+    /// Reads and validates `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        Self::from_json(&text, &path)
+    }
+
+    /// Parses a config; `path` is only used in error messages.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+        let bad = |message: String| Error::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+
+        let model_type = raw.model_type.unwrap_or_else(|| "llama".to_string());
+        let is_qwen2 = match model_type.as_str() {
+            "llama" | "mistral" => false,
+            "qwen2" => true,
+            other => {
+                return Err(bad(format!(
+                    "model_type `{other}` is not supported (expected llama, mistral or qwen2)"
+                )));
+            }
+        };
+        if let Some(act) = raw.hidden_act.as_deref()
+            && act != "silu"
+        {
+            return Err(bad(format!(
+                "hidden_act `{act}` is not supported (expected silu)"
+            )));
+        }
+        if raw.use_sliding_window == Some(true) {
+            return Err(bad("sliding-window attention is not supported".to_string()));
+        }
+
+        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.num_attention_heads > 0 => raw.hidden_size / raw.num_attention_heads,
+            None => 0,
+        };
+        for (name, value) in [
+            ("vocab_size", raw.vocab_size),
+            ("hidden_size", raw.hidden_size),
+            ("intermediate_size", raw.intermediate_size),
+            ("num_hidden_layers", raw.num_hidden_layers),
+            ("num_attention_heads", raw.num_attention_heads),
+            ("num_key_value_heads", num_key_value_heads),
+            ("head_dim", head_dim),
+            ("max_position_embeddings", raw.max_position_embeddings),
+        ] {
+            if value == 0 {
+                return Err(bad(format!("{name} must be positive")));
+            }
+        }
+        if raw.num_attention_heads % num_key_value_heads != 0 {
+            return Err(bad(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_key_value_heads})",
+                raw.num_attention_heads
+            )));
+        }
+        if head_dim % 2 != 0 {
+            return Err(bad(format!("head_dim ({head_dim}) must be even for RoPE")));
+        }
+        if raw.rms_norm_eps.is_nan() || raw.rms_norm_eps <= 0.0 {
+            return Err(bad("rms_norm_eps must be positive".to_string()));
+        }
+
+        // The newer `rope_parameters` wins over the hub-style fields when both are present.
+        let rope = raw.rope_parameters.or(raw.rope_scaling).unwrap_or_default();
+        let rope_theta = rope.rope_theta.or(raw.rope_theta).unwrap_or(10_000.0);
+        if rope_theta.is_nan() || rope_theta <= 0.0 {
+            return Err(bad("rope_theta must be positive".to_string()));
+        }
+        let rope_scaling = parse_rope_scaling(&rope).map_err(bad)?;
+
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        Ok(LlamaConfig {
+            model_type,
+            vocab_size: raw.vocab_size,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: raw.num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            max_position_embeddings: raw.max_position_embeddings,
+            rms_norm_eps: raw.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: is_qwen2 || attention_bias,
+            o_bias: !is_qwen2 && attention_bias,
+            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids: raw.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
+        })
+    }
+
+    /// Query heads that share one key/value head (1 for MHA).
+    pub fn num_queries_per_kv(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+}
+
+fn parse_rope_scaling(rope: &RawRope) -> std::result::Result<RopeScaling, String> {
+    let kind = rope
+        .rope_type
+        .as_deref()
+        .or(rope.legacy_type.as_deref())
+        .unwrap_or("default");
+    let field = |name: &str, value: Option<f64>| {
+        value.ok_or_else(|| format!("rope scaling `{kind}` needs `{name}`"))
+    };
+    match kind {
+        "default" => Ok(RopeScaling::Default),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: field("factor", rope.factor)?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: field("factor", rope.factor)?,
+            low_freq_factor: field("low_freq_factor", rope.low_freq_factor)?,
+            high_freq_factor: field("high_freq_factor", rope.high_freq_factor)?,
+            original_max_position_embeddings: rope.original_max_position_embeddings.ok_or_else(
+                || format!("rope scaling `{kind}` needs `original_max_position_embeddings`"),
+            )?,
+        }),
+        other => Err(format!(
+            "rope scaling `{other}` is not supported (expected default, linear or llama3)"
+        )),
+    }
+}
+
+/// The stop token ids a model declares: `generation_config.json`'s `eos_token_id` when that file
+/// exists (it is what `transformers`' `generate` uses), else `config.json`'s.
+pub fn eos_token_ids(dir: &Path, config: &LlamaConfig) -> Result<Vec<u32>> {
+    #[derive(Deserialize)]
+    struct GenerationConfig {
+        eos_token_id: Option<TokenIds>,
+    }
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(config.eos_token_ids.clone());
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let generation: GenerationConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(generation
+        .eos_token_id
+        .map(TokenIds::into_vec)
+        .unwrap_or_else(|| config.eos_token_ids.clone()))
+}

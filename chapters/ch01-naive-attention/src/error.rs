@@ -1,0 +1,65 @@
+//! The crate's one error type. Every variant names the file, tensor or limit at fault, so a
+//! user who points kiln at a broken checkpoint learns what to fix.
+
+use std::path::PathBuf;
+
+use crate::sampler::SamplingError;
+
+/// Errors from loading a model or running it on user input.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("invalid config {path}: {message}")]
+    Config { path: PathBuf, message: String },
+
+    #[error("invalid safetensors file {path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+
+    #[error("tensor `{name}` not found in {location}")]
+    MissingTensor { name: String, location: PathBuf },
+
+    #[error("tensor `{name}` has shape {actual:?}, expected {expected:?}")]
+    ShapeMismatch {
+        name: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
+
+    #[error("tensor `{name}` has dtype {dtype}, expected F32, F16 or BF16")]
+    UnsupportedDtype { name: String, dtype: String },
+
+    #[error("invalid tokenizer {path}: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+
+    #[error("prompt is empty: at least one token is needed")]
+    EmptyPrompt,
+
+    #[error("sequence of {len} tokens exceeds the model's context of {max_len} tokens")]
+    ContextOverflow { len: usize, max_len: usize },
+
+    #[error("token id {id} is outside the vocabulary of {vocab_size}")]
+    TokenOutOfRange { id: u32, vocab_size: usize },
+
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

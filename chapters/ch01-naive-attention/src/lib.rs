@@ -1,0 +1,56 @@
+//! # Chapter 1: a naive Llama that talks
+//!
+//! Everything needed to turn a Hugging Face checkpoint into text, written to be read:
+//!
+//! | module        | what it does                                                                    |
+//! |---------------|---------------------------------------------------------------------------------|
+//! | [`config`]    | `config.json` → [`LlamaConfig`] (both RoPE config styles, GQA, `head_dim`)     |
+//! | [`weights`]   | safetensors (single or sharded) → f32 tensors, with shape checks               |
+//! | [`tokenizer`] | `tokenizer.json` → ids and back, with streaming detokenisation                  |
+//! | [`rope`]      | rotary position embeddings (default, linear and llama3 frequency scaling)       |
+//! | [`attention`] | causal self-attention that materialises the full score matrix: the oracle     |
+//! | [`linear`]    | the [`Linear`] seam: dense f32 here, quantized kinds in chapter 5               |
+//! | [`model`]     | the Llama forward pass: embedding → N × (RMSNorm, attention, SwiGLU) → logits   |
+//! | [`sampler`]   | greedy, temperature, top-k/top-p/min-p, penalties, seeded                       |
+//! | [`generate`]  | the generation loop that recomputes the whole sequence for every token          |
+//! | [`perplexity`]| llama.cpp-style perplexity over a text                                          |
+//!
+//! Generation here is deliberately wasteful: each new token runs the whole sequence through
+//! the model again, so the cost of token `t` grows like `t²`. Chapter 2 fixes that with a KV
+//! cache; this chapter's forward stays as the reference every faster path is tested against.
+
+pub mod attention;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod linear;
+pub mod model;
+pub mod perplexity;
+pub mod rope;
+pub mod sampler;
+pub mod stop;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{LlamaConfig, eos_token_ids};
+pub use error::{Error, Result};
+pub use generate::{FinishReason, GenerateOptions, Generation, generate};
+pub use linear::{DenseLinear, Linear};
+pub use model::Llama;
+pub use sampler::{Sampler, SamplingParams};
+pub use tokenizer::{TextStream, Tokenizer};
+pub use weights::Weights;
+
+pub mod testing;
+
+use std::path::{Path, PathBuf};
+
+/// The repository's `fixtures/` directory, resolved when the crate is compiled.
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}
+
+/// The embedded default model: `fixtures/shakespeare-small`, trained by the project on Shakespeare.
+pub fn default_model_dir() -> PathBuf {
+    fixtures_dir().join("shakespeare-small")
+}

@@ -1,0 +1,287 @@
+//! The Llama forward pass, written to be read top to bottom.
+//!
+//! ```text
+//! tokens [T] ─ embed_tokens ─▶ x [T, hidden]
+//!   repeat num_hidden_layers times:
+//!     x = x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = rms_norm(x)
+//!     x = x + down_proj(silu(gate_proj(n)) * up_proj(n))                      n = rms_norm(x)
+//! x = rms_norm(x) ─ lm_head ─▶ logits [T, vocab]
+//! ```
+//!
+//! Weight names mirror Hugging Face (`model.layers.3.self_attn.q_proj.weight`), so the loader
+//! reads checkpoints exactly as `transformers` saves them.
+
+use std::path::Path;
+
+use ndarray::{Array1, Array2, ArrayView2, Axis};
+
+use crate::attention::{AttentionShape, causal_attention};
+use crate::config::LlamaConfig;
+use crate::error::{Error, Result};
+use crate::linear::{DenseLinear, DenseLoader, Linear, LinearLoader};
+use crate::rope::Rope;
+use crate::weights::Weights;
+
+/// Root-mean-square normalisation: `x / sqrt(mean(x²) + eps) * weight`, row by row.
+pub struct RmsNorm {
+    weight: Array1<f32>, // [hidden]
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Array1<f32>, eps: f64) -> Self {
+        RmsNorm {
+            weight,
+            eps: eps as f32,
+        }
+    }
+
+    /// x: [T, hidden] → [T, hidden]
+    pub fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
+        let mut out = x.to_owned();
+        for mut row in out.rows_mut() {
+            let mean_square = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
+            let inv_rms = 1.0 / (mean_square + self.eps).sqrt();
+            row.zip_mut_with(&self.weight, |v, w| *v = *v * inv_rms * w);
+        }
+        out
+    }
+}
+
+/// Multi-head self-attention with grouped key/value heads and RoPE.
+pub struct SelfAttention {
+    q_proj: Box<dyn Linear>, // hidden → num_heads * head_dim
+    k_proj: Box<dyn Linear>, // hidden → num_kv_heads * head_dim
+    v_proj: Box<dyn Linear>, // hidden → num_kv_heads * head_dim
+    o_proj: Box<dyn Linear>, // num_heads * head_dim → hidden
+    shape: AttentionShape,
+}
+
+impl SelfAttention {
+    /// x: [T, hidden] for positions 0..T → [T, hidden]
+    // ANCHOR: self_attention
+    pub fn forward(&self, x: ArrayView2<f32>, rope: &Rope) -> Array2<f32> {
+        let mut q = self.q_proj.forward(x); // [T, num_heads * head_dim]
+        let mut k = self.k_proj.forward(x); // [T, num_kv_heads * head_dim]
+        let v = self.v_proj.forward(x); // [T, num_kv_heads * head_dim]
+        for (pos, (mut q_t, mut k_t)) in q.rows_mut().into_iter().zip(k.rows_mut()).enumerate() {
+            rope.rotate(q_t.as_slice_mut().expect("contiguous row"), pos);
+            rope.rotate(k_t.as_slice_mut().expect("contiguous row"), pos);
+        }
+        let attn = causal_attention(q.view(), k.view(), v.view(), self.shape); // [T, num_heads * head_dim]
+        self.o_proj.forward(attn.view()) // [T, hidden]
+    }
+    // ANCHOR_END: self_attention
+}
+
+/// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+pub struct Mlp {
+    gate_proj: Box<dyn Linear>, // hidden → intermediate
+    up_proj: Box<dyn Linear>,   // hidden → intermediate
+    down_proj: Box<dyn Linear>, // intermediate → hidden
+}
+
+impl Mlp {
+    /// x: [T, hidden] → [T, hidden]
+    pub fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
+        let mut gate = self.gate_proj.forward(x); // [T, intermediate]
+        let up = self.up_proj.forward(x); // [T, intermediate]
+        gate.zip_mut_with(&up, |g, u| *g = silu(*g) * u);
+        self.down_proj.forward(gate.view())
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// One transformer block: pre-norm attention and pre-norm MLP, each with a residual.
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    // ANCHOR: decoder_layer
+    /// x: [T, hidden] → [T, hidden]
+    pub fn forward(&self, x: &Array2<f32>, rope: &Rope) -> Array2<f32> {
+        let h = x + &self
+            .self_attn
+            .forward(self.input_layernorm.forward(x.view()).view(), rope);
+        &h + &self
+            .mlp
+            .forward(self.post_attention_layernorm.forward(h.view()).view())
+    }
+    // ANCHOR_END: decoder_layer
+}
+
+/// A Llama-family decoder (Llama, Mistral without sliding window, Qwen2).
+pub struct Llama {
+    pub config: LlamaConfig,
+    embed_tokens: Array2<f32>, // [vocab, hidden]
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Box<dyn Linear>, // hidden → vocab
+    rope: Rope,
+}
+
+impl Llama {
+    /// Loads `config.json` and the safetensors weights of a Hugging Face model directory.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = LlamaConfig::from_dir(dir)?;
+        let weights = Weights::open(dir)?;
+        Llama::from_weights(config, &weights, &DenseLoader)
+    }
+
+    /// Builds the model from already-opened weights, with `loader` choosing each projection's kind.
+    pub fn from_weights(
+        config: LlamaConfig,
+        weights: &Weights,
+        loader: &dyn LinearLoader,
+    ) -> Result<Self> {
+        let c = &config;
+        let (hidden, q_dim, kv_dim) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let norm = |name: &str| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(weights.vector(name, hidden)?, c.rms_norm_eps))
+        };
+        let embed_tokens = weights.matrix("model.embed_tokens.weight", c.vocab_size, hidden)?;
+
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let attn = format!("{p}.self_attn");
+            let mlp = format!("{p}.mlp");
+            layers.push(DecoderLayer {
+                input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
+                self_attn: SelfAttention {
+                    q_proj: loader.load(
+                        weights,
+                        &format!("{attn}.q_proj"),
+                        hidden,
+                        q_dim,
+                        c.qkv_bias,
+                    )?,
+                    k_proj: loader.load(
+                        weights,
+                        &format!("{attn}.k_proj"),
+                        hidden,
+                        kv_dim,
+                        c.qkv_bias,
+                    )?,
+                    v_proj: loader.load(
+                        weights,
+                        &format!("{attn}.v_proj"),
+                        hidden,
+                        kv_dim,
+                        c.qkv_bias,
+                    )?,
+                    o_proj: loader.load(
+                        weights,
+                        &format!("{attn}.o_proj"),
+                        q_dim,
+                        hidden,
+                        c.o_bias,
+                    )?,
+                    shape: AttentionShape {
+                        num_heads: c.num_attention_heads,
+                        num_kv_heads: c.num_key_value_heads,
+                        head_dim: c.head_dim,
+                    },
+                },
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                mlp: Mlp {
+                    gate_proj: loader.load(
+                        weights,
+                        &format!("{mlp}.gate_proj"),
+                        hidden,
+                        c.intermediate_size,
+                        c.mlp_bias,
+                    )?,
+                    up_proj: loader.load(
+                        weights,
+                        &format!("{mlp}.up_proj"),
+                        hidden,
+                        c.intermediate_size,
+                        c.mlp_bias,
+                    )?,
+                    down_proj: loader.load(
+                        weights,
+                        &format!("{mlp}.down_proj"),
+                        c.intermediate_size,
+                        hidden,
+                        c.mlp_bias,
+                    )?,
+                },
+            });
+        }
+
+        // Tied embeddings: the output head reuses the input embedding matrix [vocab, hidden].
+        let lm_head: Box<dyn Linear> =
+            if c.tie_word_embeddings && !weights.contains("lm_head.weight") {
+                Box::new(DenseLinear::new(embed_tokens.clone(), None))
+            } else {
+                loader.load(weights, "lm_head", hidden, c.vocab_size, false)?
+            };
+
+        Ok(Llama {
+            rope: Rope::from_config(c),
+            norm: norm("model.norm.weight")?,
+            embed_tokens,
+            layers,
+            lm_head,
+            config,
+        })
+    }
+
+    /// Checks that `tokens` can be run: non-empty, within the context, every id in the vocabulary.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        if tokens.len() > self.config.max_position_embeddings {
+            return Err(Error::ContextOverflow {
+                len: tokens.len(),
+                max_len: self.config.max_position_embeddings,
+            });
+        }
+        if let Some(&id) = tokens
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
+            return Err(Error::TokenOutOfRange {
+                id,
+                vocab_size: self.config.vocab_size,
+            });
+        }
+        Ok(())
+    }
+
+    /// The logits of every position: tokens [T] (positions 0..T) → [T, vocab].
+    /// Everything is recomputed from scratch on every call; nothing is cached.
+    // ANCHOR: forward
+    pub fn forward(&self, tokens: &[u32]) -> Result<Array2<f32>> {
+        self.check_tokens(tokens)?;
+        let mut x = self.embed_tokens.select(
+            Axis(0),
+            &tokens.iter().map(|&t| t as usize).collect::<Vec<_>>(),
+        ); // [T, hidden]
+        for layer in &self.layers {
+            x = layer.forward(&x, &self.rope); // [T, hidden]
+        }
+        let x = self.norm.forward(x.view()); // [T, hidden]
+        Ok(self.lm_head.forward(x.view())) // [T, vocab]
+    }
+    // ANCHOR_END: forward
+
+    /// Logits of the last position only: what generation needs. [vocab]
+    pub fn next_token_logits(&self, tokens: &[u32]) -> Result<Array1<f32>> {
+        let logits = self.forward(tokens)?;
+        Ok(logits.row(logits.nrows() - 1).to_owned())
+    }
+}

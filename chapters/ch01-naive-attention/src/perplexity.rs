@@ -1,0 +1,74 @@
+//! Perplexity as llama.cpp's `perplexity` tool computes it, so the two can be compared.
+//!
+//! The text is tokenized without special tokens and cut into `tokens.len() / ctx` chunks of
+//! `ctx` tokens (a remainder is dropped). When the tokenizer adds BOS, each chunk's first token
+//! is replaced by BOS. Only the second half of each chunk is scored — positions
+//! `ctx/2 .. ctx-1` predicting the next token — so every scored token has at least `ctx/2`
+//! tokens of context. Perplexity is `exp(mean negative log-likelihood)` over all scored tokens.
+
+use crate::error::{Error, Result};
+use crate::model::Llama;
+
+/// The result of scoring a text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Perplexity {
+    pub perplexity: f64,
+    pub num_chunks: usize,
+    pub scored_tokens: usize,
+    /// Running perplexity after each chunk (llama.cpp prints these as `[1]40.1,[2]...`).
+    pub per_chunk: Vec<f64>,
+}
+
+/// Scores `tokens` (already tokenized without special tokens) in chunks of `ctx`.
+/// `bos` replaces each chunk's first token when given. At most `max_chunks` chunks when given.
+pub fn perplexity(
+    model: &Llama,
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    max_chunks: Option<usize>,
+) -> Result<Perplexity> {
+    if ctx < 4 {
+        return Err(Error::InvalidArgument(format!(
+            "--ctx {ctx} is too small (at least 4)"
+        )));
+    }
+    let available = tokens.len() / ctx;
+    let num_chunks = max_chunks.map_or(available, |m| m.min(available));
+    if num_chunks == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "the text has {} tokens, fewer than one chunk of {ctx}",
+            tokens.len()
+        )));
+    }
+
+    let first = ctx / 2;
+    let (mut nll_sum, mut scored) = (0.0f64, 0usize);
+    let mut per_chunk = Vec::with_capacity(num_chunks);
+    for chunk in tokens.chunks_exact(ctx).take(num_chunks) {
+        let mut input = chunk.to_vec();
+        if let Some(bos) = bos {
+            input[0] = bos;
+        }
+        let logits = model.forward(&input)?; // [ctx, vocab]
+        for j in first..ctx - 1 {
+            let row = logits.row(j);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let log_sum_exp = max
+                + row
+                    .iter()
+                    .map(|&l| (l as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            nll_sum += log_sum_exp - row[chunk[j + 1] as usize] as f64;
+            scored += 1;
+        }
+        per_chunk.push((nll_sum / scored as f64).exp());
+    }
+    Ok(Perplexity {
+        perplexity: (nll_sum / scored as f64).exp(),
+        num_chunks,
+        scored_tokens: scored,
+        per_chunk,
+    })
+}

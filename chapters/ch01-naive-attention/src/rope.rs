@@ -1,0 +1,78 @@
+//! Rotary position embeddings (RoPE, Su et al. 2021), in the Hugging Face "rotate half" layout.
+//!
+//! A head vector `x` of even length `d` is split into halves `x[..d/2]` and `x[d/2..]`; pair
+//! `(x[i], x[i + d/2])` is rotated by the angle `pos · inv_freq[i]`. Rotations keep the vector's
+//! norm, and because `R(a)ᵀR(b) = R(b - a)`, the score `q·k` between a query at position `m` and a
+//! key at position `n` depends only on `n - m`: that is the whole point.
+
+use crate::config::{LlamaConfig, RopeScaling};
+
+/// Precomputed inverse frequencies for one head dimension. Invariant: `inv_freq.len() == head_dim / 2`.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    pub fn new(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Self {
+        let half = head_dim / 2;
+        let base: Vec<f64> = (0..half)
+            .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
+            .collect();
+        let inv_freq = match *scaling {
+            RopeScaling::Default => base,
+            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let old_len = original_max_position_embeddings as f64;
+                let low_freq_wavelen = old_len / low_freq_factor;
+                let high_freq_wavelen = old_len / high_freq_factor;
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_freq_wavelen {
+                            f // high frequency: unchanged
+                        } else if wavelen > low_freq_wavelen {
+                            f / factor // low frequency: scaled like linear
+                        } else {
+                            // in between: interpolate smoothly
+                            let smooth = (old_len / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        };
+        Rope { inv_freq }
+    }
+
+    pub fn from_config(config: &LlamaConfig) -> Self {
+        Rope::new(config.head_dim, config.rope_theta, &config.rope_scaling)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.inv_freq.len() * 2
+    }
+
+    /// Rotates every head of one token in place.
+    /// `x`: [num_heads * head_dim] for the token at position `pos`.
+    pub fn rotate(&self, x: &mut [f32], pos: usize) {
+        let head_dim = self.head_dim();
+        let half = head_dim / 2;
+        for head in x.chunks_exact_mut(head_dim) {
+            for (i, &freq) in self.inv_freq.iter().enumerate() {
+                // Like transformers: the angle in f32, then cos/sin.
+                let angle = (pos as f32) * (freq as f32);
+                let (sin, cos) = angle.sin_cos();
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * cos - b * sin;
+                head[i + half] = b * cos + a * sin;
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! `tokenizer.json` → token ids and back.
+//!
+//! The heavy lifting (byte-level BPE, normalisers, special tokens) is Hugging Face's `tokenizers`
+//! crate, so ids match `transformers` exactly. What this module adds is what serving needs:
+//! the special ids from `tokenizer_config.json`, and [`TextStream`], which turns a stream of ids
+//! into a stream of text without ever emitting half a UTF-8 character.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// A loaded tokenizer with its special tokens.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<u32>,
+}
+
+impl Tokenizer {
+    /// Loads `dir/tokenizer.json` and, when present, `dir/tokenizer_config.json` for the
+    /// `bos_token` / `eos_token` names.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let mut tokenizer = Tokenizer {
+            inner,
+            path,
+            bos_token_id: None,
+            eos_token_id: None,
+        };
+
+        let config_path = dir.join("tokenizer_config.json");
+        if config_path.exists() {
+            let text =
+                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+            let config: Value = serde_json::from_str(&text).map_err(|e| Error::Tokenizer {
+                path: config_path.clone(),
+                message: e.to_string(),
+            })?;
+            tokenizer.bos_token_id = tokenizer.special_id(&config, "bos_token", &config_path)?;
+            tokenizer.eos_token_id = tokenizer.special_id(&config, "eos_token", &config_path)?;
+        }
+        Ok(tokenizer)
+    }
+
+    /// `config[key]` is a token string or `{"content": string, ...}`; it must be in the vocabulary.
+    fn special_id(&self, config: &Value, key: &str, path: &Path) -> Result<Option<u32>> {
+        let token = match config.get(key) {
+            None | Some(Value::Null) => return Ok(None),
+            Some(Value::String(s)) => s.as_str(),
+            Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or_default(),
+            Some(other) => {
+                return Err(Error::Tokenizer {
+                    path: path.to_path_buf(),
+                    message: format!("`{key}` must be a string, found {other}"),
+                });
+            }
+        };
+        match self.inner.token_to_id(token) {
+            Some(id) => Ok(Some(id)),
+            None => Err(Error::Tokenizer {
+                path: path.to_path_buf(),
+                message: format!("`{key}` {token:?} is not in the vocabulary"),
+            }),
+        }
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.eos_token_id
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Text → ids. With `add_special_tokens` the tokenizer's own post-processor runs (for Llama-style
+    /// tokenizers it prepends BOS), as `transformers`' `encode` does by default.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| self.error(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Ids → text, leaving out special tokens such as BOS and EOS.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| self.error(e.to_string()))
+    }
+
+    /// Whether encoding with special tokens prepends BOS (llama.cpp's `add_bos`).
+    pub fn adds_bos(&self) -> bool {
+        match (self.bos_token_id, self.encode("a", true)) {
+            (Some(bos), Ok(ids)) => ids.first() == Some(&bos),
+            _ => false,
+        }
+    }
+
+    fn error(&self, message: String) -> Error {
+        Error::Tokenizer {
+            path: self.path.clone(),
+            message,
+        }
+    }
+}
+
+/// Incremental detokenisation.
+///
+/// Decoding ids one at a time is wrong twice over: a character can span several byte-level
+/// tokens (the first ones decode to U+FFFD), and some tokenizers drop or add spaces depending on
+/// the neighbouring token. So the stream re-decodes a short window,
+/// `tokens[prefix_offset..]`, and emits only the text past `tokens[prefix_offset..read_offset]`,
+/// holding it back while it ends in an incomplete character.
+///
+/// Invariant: the concatenation of everything returned by [`TextStream::push`] and
+/// [`TextStream::finish`] equals `decode(all tokens)` when that decodes cleanly.
+pub struct TextStream<'t> {
+    tokenizer: &'t Tokenizer,
+    tokens: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl<'t> TextStream<'t> {
+    pub fn new(tokenizer: &'t Tokenizer) -> Self {
+        TextStream {
+            tokenizer,
+            tokens: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+
+    /// Adds one token; returns the new text it completes, if any.
+    pub fn push(&mut self, token: u32) -> Result<Option<String>> {
+        self.tokens.push(token);
+        let prefix_text = self
+            .tokenizer
+            .decode(&self.tokens[self.prefix_offset..self.read_offset])?;
+        let new_text = self.tokenizer.decode(&self.tokens[self.prefix_offset..])?;
+        if new_text.len() > prefix_text.len() && !new_text.ends_with('\u{FFFD}') {
+            let delta = new_text
+                .get(prefix_text.len()..)
+                .unwrap_or(&new_text)
+                .to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.tokens.len();
+            Ok(Some(delta))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Whatever text is still held back (an incomplete character decodes as U+FFFD here).
+    pub fn finish(&mut self) -> Result<Option<String>> {
+        let prefix_text = self
+            .tokenizer
+            .decode(&self.tokens[self.prefix_offset..self.read_offset])?;
+        let new_text = self.tokenizer.decode(&self.tokens[self.prefix_offset..])?;
+        self.prefix_offset = self.tokens.len();
+        self.read_offset = self.tokens.len();
+        Ok(new_text
+            .get(prefix_text.len()..)
+            .filter(|rest| !rest.is_empty())
+            .map(str::to_string))
+    }
+
+    /// Every token pushed so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}

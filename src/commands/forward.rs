@@ -1,0 +1,39 @@
+//! `kiln forward`: the logits of every prompt position, for debugging and external comparison.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use safetensors::{Dtype, tensor::TensorView};
+
+use super::ModelArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt, tokenized with the tokenizer's own special-token rules.
+    #[arg(long)]
+    pub prompt: String,
+    /// Output safetensors file: tensor `logits`, shape [T, vocab], f32.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let loaded = args.model.load()?;
+    let tokens = loaded.tokenizer.encode(&args.prompt, true)?;
+    let logits = loaded.model.forward(&tokens)?; // [T, vocab]
+    let shape = vec![logits.nrows(), logits.ncols()];
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = TensorView::new(Dtype::F32, shape.clone(), &bytes)?;
+    let metadata = HashMap::from([("input_ids".to_string(), format!("{tokens:?}"))]);
+    safetensors::serialize_to_file([("logits", view)], Some(metadata), &args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!(
+        "wrote logits {shape:?} for {} tokens to {}",
+        tokens.len(),
+        args.out.display()
+    );
+    Ok(())
+}

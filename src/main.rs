@@ -1,0 +1,41 @@
+//! `kiln`: one binary over the chapter crates.
+//!
+//! ```text
+//! kiln generate   --prompt TEXT            stream a completion, then timings on stderr
+//! kiln forward    --prompt TEXT --out FILE logits of every position as safetensors
+//! kiln perplexity --file TEXT --ctx 512    llama.cpp-style perplexity
+//! ```
+//! `--model` defaults to the embedded shakespeare-small fixture.
+
+mod commands;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "kiln",
+    version,
+    about = "LLM inference serving, built chapter by chapter"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(commands::generate::Args),
+    /// Write the logits of every prompt position to a safetensors file (tensor `logits`, [T, vocab], f32).
+    Forward(commands::forward::Args),
+    /// Score a text file as llama.cpp's perplexity tool does.
+    Perplexity(commands::perplexity::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Generate(args) => commands::generate::run(args),
+        Command::Forward(args) => commands::forward::run(args),
+        Command::Perplexity(args) => commands::perplexity::run(args),
+    }
+}
