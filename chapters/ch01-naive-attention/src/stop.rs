@@ -81,3 +81,66 @@ impl StopStrings {
             .unwrap_or(0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `pieces` and returns (emitted text, whether a stop string fired).
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let mut s = StopStrings::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for piece in pieces {
+            match s.push(piece) {
+                StopStatus::Continue(text) => out.push_str(&text),
+                StopStatus::Stopped(text) => {
+                    out.push_str(&text);
+                    assert_eq!(out, s.text());
+                    return (out, true);
+                }
+            }
+        }
+        out.push_str(&s.finish());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_string_split_across_pieces_is_caught_and_not_emitted() {
+        assert_eq!(
+            run(&["\n\n"], &["Ham", "let.\n", "\nEnter"]),
+            ("Hamlet.".to_string(), true)
+        );
+    }
+
+    #[test]
+    fn a_partial_match_is_held_back_then_released() {
+        let mut s = StopStrings::new(vec!["END".into()]);
+        assert_eq!(s.push("the EN"), StopStatus::Continue("the ".into()));
+        assert_eq!(s.push("ding"), StopStatus::Continue("ENding".into()));
+    }
+
+    #[test]
+    fn earliest_of_several_stops_wins() {
+        assert_eq!(
+            run(&["lord", "my"], &["Good my lord"]),
+            ("Good ".to_string(), true)
+        );
+    }
+
+    #[test]
+    fn without_stops_everything_is_emitted() {
+        assert_eq!(run(&[], &["a", "b"]), ("ab".to_string(), false));
+        assert_eq!(run(&[""], &["a", "b"]), ("ab".to_string(), false));
+    }
+
+    #[test]
+    fn held_back_text_is_released_at_finish() {
+        assert_eq!(run(&["xyz"], &["abcx"]), ("abcx".to_string(), false));
+    }
+
+    #[test]
+    fn multibyte_stop_strings_respect_char_boundaries() {
+        assert_eq!(run(&["é!"], &["café", "!"]), ("caf".to_string(), true));
+        assert_eq!(run(&["—x"], &["a—", "b"]), ("a—b".to_string(), false));
+    }
+}

@@ -1,0 +1,101 @@
+//! The tokenizer round-trips text, and the streaming detokeniser emits exactly the decoded text.
+
+use ch01_naive_attention::{TextStream, Tokenizer, fixtures_dir};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+fn runner(cases: u32) -> TestRunner {
+    let config = Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[11; 32]))
+}
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_dir(&fixtures_dir().join("tokenizer")).unwrap()
+}
+
+fn corpus() -> String {
+    std::fs::read_to_string(fixtures_dir().join("corpus/hamlet.txt")).unwrap()
+}
+
+/// Pushes ids one at a time through a [`TextStream`]; returns the pieces.
+fn stream_pieces(tokenizer: &Tokenizer, ids: &[u32]) -> Vec<String> {
+    let mut stream = TextStream::new(tokenizer);
+    let mut pieces: Vec<String> = ids
+        .iter()
+        .filter_map(|&id| stream.push(id).unwrap())
+        .collect();
+    pieces.extend(stream.finish().unwrap());
+    pieces
+}
+
+#[test]
+fn special_tokens_and_bos_rule() {
+    let tokenizer = tokenizer();
+    assert_eq!(tokenizer.bos_token_id(), Some(0));
+    assert_eq!(tokenizer.eos_token_id(), Some(1));
+    assert!(tokenizer.adds_bos());
+    let with = tokenizer.encode("Good night, sweet prince", true).unwrap();
+    let without = tokenizer.encode("Good night, sweet prince", false).unwrap();
+    assert_eq!(with[0], 0);
+    assert_eq!(&with[1..], &without[..]);
+    assert_eq!(tokenizer.decode(&with).unwrap(), "Good night, sweet prince");
+}
+
+#[test]
+fn corpus_text_round_trips() {
+    let tokenizer = tokenizer();
+    let text = corpus();
+    let chars: Vec<(usize, char)> = text.char_indices().collect();
+    let spans = (0..chars.len() - 1).prop_flat_map(|start| (Just(start), 1usize..600));
+    runner(200)
+        .run(&spans, |(start, len)| {
+            let end = chars.get(start + len).map_or(text.len(), |&(i, _)| i);
+            let piece = &text[chars[start].0..end];
+            let ids = tokenizer.encode(piece, false).unwrap();
+            prop_assert_eq!(tokenizer.decode(&ids).unwrap(), piece);
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn arbitrary_unicode_round_trips() {
+    let tokenizer = tokenizer();
+    runner(300)
+        .run(&any::<String>(), |text| {
+            let ids = tokenizer.encode(&text, false).unwrap();
+            prop_assert_eq!(tokenizer.decode(&ids).unwrap(), text);
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn streamed_text_equals_decoded_text_and_never_splits_a_character() {
+    let tokenizer = tokenizer();
+    let text_strategy = prop_oneof![
+        any::<String>(),
+        "[a-zA-Z ,.;:!?'\n]{0,80}",
+        "(café|naïve|Ophélie|— |😀|日本語|, my lord|\n){1,20}",
+    ];
+    runner(300)
+        .run(&text_strategy, |text| {
+            let ids = tokenizer.encode(&text, false).unwrap();
+            let pieces = stream_pieces(&tokenizer, &ids);
+            prop_assert_eq!(pieces.concat(), text.clone());
+            for piece in &pieces {
+                // A U+FFFD in a piece would mean half a character was emitted
+                prop_assert!(
+                    !piece.contains('\u{FFFD}') || text.contains('\u{FFFD}'),
+                    "piece {:?}",
+                    piece
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+}
