@@ -1,0 +1,44 @@
+# kiln: `just` lists the recipes.
+
+default:
+    @just --list
+
+# Run chapter N's tests, then its demo (e.g. `just chapter 1`).
+chapter n:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    dir=$(ls -d chapters/ch0{{n}}-* 2>/dev/null | head -n 1)
+    if [ -z "$dir" ]; then echo "no chapter {{n}} yet (chapters: $(ls chapters | tr '\n' ' '))"; exit 1; fi
+    pkg=$(basename "$dir")
+    echo "== chapter {{n}}: tests of $pkg"
+    cargo test --release -p "$pkg"
+    echo "== chapter {{n}}: demo"
+    case "{{n}}" in
+      1) cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 ;;
+      *) echo "(no demo for chapter {{n}} yet)" ;;
+    esac
+
+# Every test of the workspace (the README's test command).
+test:
+    cargo test --workspace
+
+# Build the book; `just book serve` serves it on localhost:3000.
+book action="build":
+    @command -v mdbook >/dev/null || cargo install --locked mdbook@0.5.4
+    mdbook {{action}} book
+
+# Regenerate every fixture (trains the models; makes its own Python venv; ~20-30 minutes on 2 cores).
+fixtures:
+    bash fixtures/scripts/make_all.sh
+
+# Run a benchmark and write its table and plot into the book (`just bench ch01`).
+bench which="ch01":
+    cargo run --release -- bench {{which}}
+
+# Generate with the embedded default model.
+generate prompt="ROMEO." *args:
+    cargo run --release -- generate --prompt "{{prompt}}" {{args}}
+
+# What CI runs.
+ci:
+    bash .ci/run
