@@ -45,9 +45,11 @@ pub mod testing;
 
 use std::path::{Path, PathBuf};
 
-/// The repository's `fixtures/` directory, resolved when the crate is compiled.
+/// The repository's `fixtures/` directory, resolved when the crate is compiled (this crate lives
+/// at `chapters/<name>/`, two levels below the repository root).
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    crate_dir.ancestors().nth(2).unwrap_or(crate_dir).join("fixtures")
 }
 
 /// The embedded default model: `fixtures/shakespeare-small`, trained by the project on Shakespeare.
