@@ -4,9 +4,11 @@
 //! kiln generate   --prompt TEXT            stream a completion, then timings on stderr
 //! kiln forward    --prompt TEXT --out FILE logits of every position as safetensors
 //! kiln perplexity --file TEXT --ctx 512    llama.cpp-style perplexity
+//! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
 //! ```
 //! `--model` defaults to the embedded shakespeare-small fixture.
 
+mod bench;
 mod commands;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +32,8 @@ enum Command {
     Forward(commands::forward::Args),
     /// Score a text file as llama.cpp's perplexity tool does.
     Perplexity(commands::perplexity::Args),
+    /// Run a chapter's benchmark: print a markdown table, write it and an SVG plot for the book.
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,5 +41,6 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => commands::generate::run(args),
         Command::Forward(args) => commands::forward::run(args),
         Command::Perplexity(args) => commands::perplexity::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

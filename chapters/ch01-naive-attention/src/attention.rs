@@ -71,6 +71,7 @@ pub fn causal_attention(
 
 /// Numerically stable softmax: subtract the row maximum before exponentiating.
 /// Invariant: for a row with at least one finite value the result sums to 1.
+// ANCHOR: softmax
 pub fn softmax_in_place(row: &mut [f32]) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0;
@@ -82,3 +83,4 @@ pub fn softmax_in_place(row: &mut [f32]) {
         *x /= sum;
     }
 }
+// ANCHOR_END: softmax

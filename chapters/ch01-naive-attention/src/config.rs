@@ -150,11 +150,13 @@ impl LlamaConfig {
         }
 
         let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        // ANCHOR: head_dim
         let head_dim = match raw.head_dim {
             Some(d) => d,
             None if raw.num_attention_heads > 0 => raw.hidden_size / raw.num_attention_heads,
             None => 0,
         };
+        // ANCHOR_END: head_dim
         for (name, value) in [
             ("vocab_size", raw.vocab_size),
             ("hidden_size", raw.hidden_size),
@@ -182,6 +184,7 @@ impl LlamaConfig {
             return Err(bad("rms_norm_eps must be positive".to_string()));
         }
 
+        // ANCHOR: rope_styles
         // The newer `rope_parameters` wins over the hub-style fields when both are present.
         let rope = raw.rope_parameters.or(raw.rope_scaling).unwrap_or_default();
         let rope_theta = rope.rope_theta.or(raw.rope_theta).unwrap_or(10_000.0);
@@ -189,6 +192,7 @@ impl LlamaConfig {
             return Err(bad("rope_theta must be positive".to_string()));
         }
         let rope_scaling = parse_rope_scaling(&rope).map_err(bad)?;
+        // ANCHOR_END: rope_styles
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
         Ok(LlamaConfig {

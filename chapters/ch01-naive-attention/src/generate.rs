@@ -88,12 +88,14 @@ pub fn generate(
     let mut finish_reason = FinishReason::Length;
     while output_tokens.len() < options.max_tokens && tokens.len() < max_len {
         let start = Instant::now();
+        // ANCHOR: recompute
         let logits = model.next_token_logits(&tokens)?; // recomputes all positions
         let next = sampler.sample(
             logits.as_slice().expect("contiguous"),
             prompt_tokens,
             &output_tokens,
         )?;
+        // ANCHOR_END: recompute
         if output_tokens.is_empty() {
             prompt_time = start.elapsed();
         } else {

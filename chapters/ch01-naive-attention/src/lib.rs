@@ -49,7 +49,11 @@ use std::path::{Path, PathBuf};
 /// at `chapters/<name>/`, two levels below the repository root).
 pub fn fixtures_dir() -> PathBuf {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    crate_dir.ancestors().nth(2).unwrap_or(crate_dir).join("fixtures")
+    crate_dir
+        .ancestors()
+        .nth(2)
+        .unwrap_or(crate_dir)
+        .join("fixtures")
 }
 
 /// The embedded default model: `fixtures/shakespeare-small`, trained by the project on Shakespeare.

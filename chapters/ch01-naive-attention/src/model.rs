@@ -37,6 +37,7 @@ impl RmsNorm {
     }
 
     /// x: [T, hidden] → [T, hidden]
+    // ANCHOR: rms_norm
     pub fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
         let mut out = x.to_owned();
         for mut row in out.rows_mut() {
@@ -46,6 +47,7 @@ impl RmsNorm {
         }
         out
     }
+    // ANCHOR_END: rms_norm
 }
 
 /// Multi-head self-attention with grouped key/value heads and RoPE.
@@ -83,17 +85,21 @@ pub struct Mlp {
 
 impl Mlp {
     /// x: [T, hidden] → [T, hidden]
+    // ANCHOR: mlp
     pub fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
         let mut gate = self.gate_proj.forward(x); // [T, intermediate]
         let up = self.up_proj.forward(x); // [T, intermediate]
         gate.zip_mut_with(&up, |g, u| *g = silu(*g) * u);
         self.down_proj.forward(gate.view())
     }
+    // ANCHOR_END: mlp
 }
 
+// ANCHOR: silu
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
+// ANCHOR_END: silu
 
 /// One transformer block: pre-norm attention and pre-norm MLP, each with a residual.
 pub struct DecoderLayer {
@@ -221,6 +227,7 @@ impl Llama {
             });
         }
 
+        // ANCHOR: lm_head
         // Tied embeddings: the output head reuses the input embedding matrix [vocab, hidden].
         let lm_head: Box<dyn Linear> =
             if c.tie_word_embeddings && !weights.contains("lm_head.weight") {
@@ -228,6 +235,7 @@ impl Llama {
             } else {
                 loader.load(weights, "lm_head", hidden, c.vocab_size, false)?
             };
+        // ANCHOR_END: lm_head
 
         Ok(Llama {
             rope: Rope::from_config(c),

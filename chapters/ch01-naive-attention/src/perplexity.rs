@@ -45,6 +45,7 @@ pub fn perplexity(
     let first = ctx / 2;
     let (mut nll_sum, mut scored) = (0.0f64, 0usize);
     let mut per_chunk = Vec::with_capacity(num_chunks);
+    // ANCHOR: perplexity_chunks
     for chunk in tokens.chunks_exact(ctx).take(num_chunks) {
         let mut input = chunk.to_vec();
         if let Some(bos) = bos {
@@ -65,6 +66,7 @@ pub fn perplexity(
         }
         per_chunk.push((nll_sum / scored as f64).exp());
     }
+    // ANCHOR_END: perplexity_chunks
     Ok(Perplexity {
         perplexity: (nll_sum / scored as f64).exp(),
         num_chunks,

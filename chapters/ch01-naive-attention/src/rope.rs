@@ -14,6 +14,7 @@ pub struct Rope {
 }
 
 impl Rope {
+    // ANCHOR: rope_new
     pub fn new(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Self {
         let half = head_dim / 2;
         let base: Vec<f64> = (0..half)
@@ -50,6 +51,7 @@ impl Rope {
         };
         Rope { inv_freq }
     }
+    // ANCHOR_END: rope_new
 
     pub fn from_config(config: &LlamaConfig) -> Self {
         Rope::new(config.head_dim, config.rope_theta, &config.rope_scaling)
@@ -61,6 +63,7 @@ impl Rope {
 
     /// Rotates every head of one token in place.
     /// `x`: [num_heads * head_dim] for the token at position `pos`.
+    // ANCHOR: rope_rotate
     pub fn rotate(&self, x: &mut [f32], pos: usize) {
         let head_dim = self.head_dim();
         let half = head_dim / 2;
@@ -75,4 +78,5 @@ impl Rope {
             }
         }
     }
+    // ANCHOR_END: rope_rotate
 }

@@ -426,6 +426,7 @@ impl Sampler {
     /// the module docs. Same seed and same inputs give the same token sequence.
     ///
     /// Errors: an empty row, every logit `-inf` or NaN, or a token id `>= vocab`.
+    // ANCHOR: sample
     pub fn sample(
         &mut self,
         logits: &[f32],
@@ -464,6 +465,7 @@ impl Sampler {
         let u: f64 = self.rng.random();
         draw(&self.candidates, u).ok_or(no_candidates)
     }
+    // ANCHOR_END: sample
 
     /// Steps 1-3 only: the logits after the repetition, frequency and presence penalties
     /// (before temperature). Uses no randomness. Exposed so the penalties can be checked

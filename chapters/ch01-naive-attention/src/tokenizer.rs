@@ -146,6 +146,7 @@ impl<'t> TextStream<'t> {
     }
 
     /// Adds one token; returns the new text it completes, if any.
+    // ANCHOR: text_stream_push
     pub fn push(&mut self, token: u32) -> Result<Option<String>> {
         self.tokens.push(token);
         let prefix_text = self
@@ -164,6 +165,7 @@ impl<'t> TextStream<'t> {
             Ok(None)
         }
     }
+    // ANCHOR_END: text_stream_push
 
     /// Whatever text is still held back (an incomplete character decodes as U+FFFD here).
     pub fn finish(&mut self) -> Result<Option<String>> {

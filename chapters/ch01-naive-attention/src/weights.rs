@@ -137,6 +137,7 @@ impl Weights {
 }
 
 /// Decodes little-endian F32/F16/BF16 bytes to f32 (the conversions are exact).
+// ANCHOR: to_f32
 fn to_f32(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
     let values = match dtype {
         Dtype::F32 => bytes
@@ -160,3 +161,4 @@ fn to_f32(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
     };
     Ok(values)
 }
+// ANCHOR_END: to_f32

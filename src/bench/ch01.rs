@@ -1,0 +1,347 @@
+//! `kiln bench ch01`: what recomputing everything costs.
+//!
+//! Chapter 1 produces the token at position T by running `Llama::forward` over all T tokens.
+//! This benchmark times that forward for a range of T (the cost of one token at position T)
+//! and one whole recompute-everything generation from a 1-token prompt (the cost of T tokens),
+//! then writes `latency.md` (table) and `latency.svg` (log-log plot) for the chapter page.
+//!
+//! ```text
+//! per length T:   1 untimed warm-up forward(T), then `reps` timed forward(T); report the median
+//! cumulative:     one pass t = 1, 2, …, T_max timing forward(t) once each; report Σ_{t ≤ T}
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use ch01::Llama;
+
+use super::svg::LinePlot;
+use super::table::Table;
+use super::{RunFacts, book_dir};
+use crate::commands::ModelArgs;
+
+const DEFAULT_LENGTHS: [usize; 6] = [16, 32, 64, 128, 256, 512];
+const QUICK_LENGTHS: [usize; 2] = [8, 16];
+const DEFAULT_REPS: usize = 5;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Where to write latency.md and latency.svg [default: book/src/ch01, or a temporary
+    /// directory with --quick].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// CI smoke run: lengths 8 and 16, one repetition, output to a temporary directory.
+    #[arg(long)]
+    pub quick: bool,
+    /// Sequence lengths to time, comma-separated [default: 16,32,64,128,256,512, those within
+    /// the model's context].
+    #[arg(long, value_delimiter = ',', value_name = "T,..")]
+    pub lengths: Vec<usize>,
+    /// Timed repetitions per length; the median is reported [default: 5, 1 with --quick].
+    #[arg(long, value_name = "N")]
+    pub reps: Option<usize>,
+}
+
+/// The measurements at one sequence length.
+struct Row {
+    len: usize,
+    /// Median of the timed forwards over `len` tokens.
+    median: Duration,
+    /// Σ forward(t) for t = 1..=len, from the cumulative pass.
+    cumulative: Duration,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let facts = RunFacts::collect();
+    let reps = args
+        .reps
+        .unwrap_or(if args.quick { 1 } else { DEFAULT_REPS });
+    if reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    let out = match (&args.out, args.quick) {
+        (Some(dir), _) => dir.clone(),
+        (None, true) => {
+            std::env::temp_dir().join(format!("kiln-bench-ch01-{}", std::process::id()))
+        }
+        (None, false) => book_dir("ch01"),
+    };
+
+    let loaded = args.model.load()?;
+    let model = &loaded.model;
+    let max_len = model.config.max_position_embeddings;
+    let mut lengths = if !args.lengths.is_empty() {
+        if let Some(&bad) = args.lengths.iter().find(|&&t| t == 0 || t > max_len) {
+            bail!(
+                "--lengths: {bad} is outside 1..={max_len} (the model's max_position_embeddings)"
+            );
+        }
+        args.lengths.clone()
+    } else if args.quick {
+        QUICK_LENGTHS.to_vec()
+    } else {
+        DEFAULT_LENGTHS.to_vec()
+    };
+    lengths.retain(|&t| t <= max_len);
+    lengths.sort_unstable();
+    lengths.dedup();
+    let Some(&longest) = lengths.last() else {
+        bail!("no benchmark length fits the model's context of {max_len} tokens");
+    };
+
+    let model_name = model_name(&args.model.model);
+    let tokens = bench_tokens(
+        longest,
+        model.config.vocab_size,
+        loaded.tokenizer.bos_token_id(),
+    );
+    eprintln!(
+        "kiln bench ch01: {model_name} ({:.2}M parameters), lengths {lengths:?}, {reps} timed reps each",
+        parameter_count(model) as f64 / 1e6
+    );
+
+    // Warm-up: the longest forward touches every buffer size the runs below will need.
+    model.forward(&tokens)?;
+    let mut medians = Vec::with_capacity(lengths.len());
+    for &len in &lengths {
+        model.forward(&tokens[..len])?; // untimed warm-up at this length
+        let mut times: Vec<Duration> = (0..reps)
+            .map(|_| time(|| model.forward(&tokens[..len])))
+            .collect::<Result<_, _>>()?;
+        times.sort_unstable();
+        let median = times[times.len() / 2];
+        eprintln!("  T = {len:4}: median {:.3} ms", ms(median));
+        medians.push(median);
+    }
+
+    eprintln!("  cumulative pass: forward over 1, 2, …, {longest} tokens, one run each");
+    let mut cumulative = Vec::with_capacity(lengths.len());
+    let mut total = Duration::ZERO;
+    for t in 1..=longest {
+        total += time(|| model.forward(&tokens[..t]))?;
+        if lengths.contains(&t) {
+            cumulative.push(total);
+        }
+    }
+
+    let rows: Vec<Row> = lengths
+        .iter()
+        .zip(medians)
+        .zip(cumulative)
+        .map(|((&len, median), cumulative)| Row {
+            len,
+            median,
+            cumulative,
+        })
+        .collect();
+
+    let markdown = format!(
+        "{}\n{}\n",
+        table(&rows).to_markdown(),
+        caption(&rows, &facts, &model_name, model, reps)
+    );
+    let svg = plot(&rows, &model_name).to_svg();
+
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let md_path = out.join("latency.md");
+    let svg_path = out.join("latency.svg");
+    std::fs::write(&md_path, &markdown)
+        .with_context(|| format!("writing {}", md_path.display()))?;
+    std::fs::write(&svg_path, &svg).with_context(|| format!("writing {}", svg_path.display()))?;
+    print!("{markdown}");
+    eprintln!("wrote {} and {}", md_path.display(), svg_path.display());
+    Ok(())
+}
+
+/// Runs `f` once and returns its wall time.
+fn time<T, E>(f: impl FnOnce() -> Result<T, E>) -> Result<Duration, E> {
+    let start = Instant::now();
+    std::hint::black_box(f()?);
+    Ok(start.elapsed())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// BOS (when the tokenizer has one) followed by a fixed pseudo-random walk over the vocabulary.
+/// The forward's cost does not depend on which ids it sees, only on how many.
+fn bench_tokens(len: usize, vocab_size: usize, bos: Option<u32>) -> Vec<u32> {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut tokens: Vec<u32> = bos.into_iter().collect();
+    while tokens.len() < len {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        tokens.push(((state >> 33) % vocab_size as u64) as u32);
+    }
+    tokens.truncate(len);
+    tokens
+}
+
+/// The model directory's name, e.g. `shakespeare-small`.
+fn model_name(dir: &Path) -> String {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    dir.file_name().map_or_else(
+        || dir.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+/// Parameters implied by the config (tied embeddings counted once).
+fn parameter_count(model: &Llama) -> usize {
+    let c = &model.config;
+    let (h, q, kv, i) = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    );
+    let mut attn = h * q + 2 * h * kv + q * h;
+    if c.qkv_bias {
+        attn += q + 2 * kv;
+    }
+    if c.o_bias {
+        attn += h;
+    }
+    let mut mlp = 3 * h * i;
+    if c.mlp_bias {
+        mlp += 2 * i + h;
+    }
+    let layer = attn + mlp + 2 * h;
+    let head = if c.tie_word_embeddings {
+        0
+    } else {
+        c.vocab_size * h
+    };
+    c.vocab_size * h + c.num_hidden_layers * layer + h + head
+}
+
+fn table(rows: &[Row]) -> Table {
+    let first = &rows[0];
+    let mut table = Table::new([
+        "T".to_string(),
+        "ms per token".to_string(),
+        "tokens/s".to_string(),
+        format!("ratio to T={}", first.len),
+        "ms to generate T tokens".to_string(),
+    ]);
+    for row in rows {
+        let m = ms(row.median);
+        table.row([
+            row.len.to_string(),
+            format!("{m:.2}"),
+            format!("{:.1}", 1e3 / m),
+            format!("{:.2}", m / ms(first.median)),
+            format!("{:.1}", ms(row.cumulative)),
+        ]);
+    }
+    table
+}
+
+/// Least-squares slope of ln(ms per token) against ln(T).
+fn log_log_slope(rows: &[Row]) -> Option<f64> {
+    if rows.len() < 2 {
+        return None;
+    }
+    let pts: Vec<(f64, f64)> = rows
+        .iter()
+        .map(|r| ((r.len as f64).ln(), ms(r.median).ln()))
+        .collect();
+    let n = pts.len() as f64;
+    let (mx, my) = (
+        pts.iter().map(|p| p.0).sum::<f64>() / n,
+        pts.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    Some(sxy / sxx)
+}
+
+fn caption(rows: &[Row], facts: &RunFacts, model_name: &str, model: &Llama, reps: usize) -> String {
+    let c = &model.config;
+    let slope = match (log_log_slope(rows), rows) {
+        (Some(all), [.., a, b]) => {
+            let last = (ms(b.median) / ms(a.median)).ln() / (b.len as f64 / a.len as f64).ln();
+            format!(
+                " Log-log slope of ms per token against T: {all:.2} fitted over all lengths, \
+                 {last:.2} between T={} and T={}.",
+                a.len, b.len
+            )
+        }
+        _ => String::new(),
+    };
+    format!(
+        "*Measured with `{command}` on {date}: model {model_name} ({params:.2}M parameters, \
+         {layers} layers, hidden {hidden}, {heads} query / {kv} key-value heads of {hd}), \
+         f32 on {cpu}, nproc {nproc}, 1 compute thread (chapter 1's forward is single-threaded). \
+         ms per token: median of {reps} timed `Llama::forward` runs over T tokens after one \
+         warm-up run, i.e. the time chapter 1 spends to produce the token at position T. \
+         ms to generate T tokens: measured in one pass of the recompute loop from a 1-token \
+         prompt, timing forward over 1, 2, …, T tokens once each and summing.{slope}*\n",
+        command = facts.command,
+        date = facts.date,
+        params = parameter_count(model) as f64 / 1e6,
+        layers = c.num_hidden_layers,
+        hidden = c.hidden_size,
+        heads = c.num_attention_heads,
+        kv = c.num_key_value_heads,
+        hd = c.head_dim,
+        cpu = facts.cpu.as_deref().unwrap_or("an unknown CPU"),
+        nproc = facts.nproc,
+    )
+}
+
+fn plot(rows: &[Row], model_name: &str) -> LinePlot {
+    let measured: Vec<(f64, f64)> = rows.iter().map(|r| (r.len as f64, ms(r.median))).collect();
+    let (x0, y0) = measured[0];
+    let guide = |power: i32| -> Vec<(f64, f64)> {
+        measured
+            .iter()
+            .map(|&(x, _)| (x, y0 * (x / x0).powi(power)))
+            .collect()
+    };
+    LinePlot::new(format!(
+        "Chapter 1, {model_name}: one forward over T tokens"
+    ))
+    .x_label("sequence length T (tokens)")
+    .y_label("ms per token at position T")
+    .log_x()
+    .log_y()
+    .series("measured (median)", &measured)
+    .reference("∝ T (slope 1)", &guide(1))
+    .reference("∝ T² (slope 2)", &guide(2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_tokens_are_deterministic_and_in_vocab() {
+        let a = bench_tokens(300, 50, Some(0));
+        assert_eq!(a, bench_tokens(300, 50, Some(0)));
+        assert_eq!(a.len(), 300);
+        assert_eq!(a[0], 0);
+        assert!(a.iter().all(|&t| t < 50));
+        assert_eq!(bench_tokens(1, 50, Some(7)), vec![7]);
+        assert_eq!(bench_tokens(5, 50, None).len(), 5);
+    }
+
+    #[test]
+    fn slope_of_a_power_law_is_its_exponent() {
+        let rows: Vec<Row> = [16usize, 32, 64, 128]
+            .iter()
+            .map(|&len| Row {
+                len,
+                median: Duration::from_secs_f64(1e-6 * (len * len) as f64),
+                cumulative: Duration::ZERO,
+            })
+            .collect();
+        assert!((log_log_slope(&rows).unwrap() - 2.0).abs() < 1e-6);
+        assert!(log_log_slope(&rows[..1]).is_none());
+    }
+}

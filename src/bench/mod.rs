@@ -1,0 +1,108 @@
+//! `kiln bench`: the benchmarks behind every speed claim in the book.
+//!
+//! Each chapter's benchmark prints a markdown table to stdout and writes it, with an SVG plot,
+//! into the chapter's book folder (`book/src/chNN/`), where the chapter page includes them.
+//! [`svg`] and [`table`] are the shared writers.
+
+pub mod ch01;
+// Shared by every chapter's benchmark; not all of their API is used by chapter 1.
+#[allow(dead_code)]
+pub mod svg;
+#[allow(dead_code)]
+pub mod table;
+
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    chapter: Chapter,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Chapter {
+    /// Chapter 1: the cost of recomputing the whole sequence for every token.
+    Ch01(ch01::Args),
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.chapter {
+        Chapter::Ch01(args) => ch01::run(args),
+    }
+}
+
+/// The book folder of a chapter, e.g. `book/src/ch01` in this repository.
+pub fn book_dir(chapter: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("book/src")
+        .join(chapter)
+}
+
+/// Facts about the machine and the run, for a benchmark's caption.
+pub struct RunFacts {
+    /// `nproc`: logical CPUs available to this process.
+    pub nproc: usize,
+    /// `model name` from /proc/cpuinfo, when there is one.
+    pub cpu: Option<String>,
+    /// Today, UTC, as YYYY-MM-DD.
+    pub date: String,
+    /// The command line as typed, with the program name shortened to `kiln`.
+    pub command: String,
+}
+
+impl RunFacts {
+    pub fn collect() -> Self {
+        let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|info| {
+                info.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, name)| name.split_whitespace().collect::<Vec<_>>().join(" "))
+            });
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+        let command = std::iter::once("kiln".to_string())
+            .chain(std::env::args().skip(1))
+            .collect::<Vec<_>>()
+            .join(" ");
+        RunFacts {
+            nproc,
+            cpu,
+            date: format!("{y:04}-{m:02}-{d:02}"),
+            command,
+        }
+    }
+}
+
+/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // [0, 146096]
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
+    let mp = (5 * doy + 2) / 153; // [0, 11], March = 0
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_from_days() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        assert_eq!(civil_from_days(11_017), (2000, 3, 1));
+        assert_eq!(civil_from_days(20_000), (2024, 10, 4));
+        assert_eq!(civil_from_days(-1), (1969, 12, 31));
+    }
+}
