@@ -8,12 +8,9 @@ use crate::sampler::SamplingError;
 /// Errors from loading a model or running it on user input.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The I/O error is part of the message (not a `source`), so it is printed once.
+    #[error("cannot read {path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
 
     #[error("invalid config {path}: {message}")]
     Config { path: PathBuf, message: String },
@@ -56,10 +53,10 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 }
