@@ -10,7 +10,10 @@ use crate::sampler::SamplingError;
 pub enum Error {
     /// The I/O error is part of the message (not a `source`), so it is printed once.
     #[error("cannot read {path}: {error}")]
-    Io { path: PathBuf, error: std::io::Error },
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
 
     #[error("invalid config {path}: {message}")]
     Config { path: PathBuf, message: String },

@@ -11,6 +11,8 @@
 
 use std::time::{Duration, Instant};
 
+use ndarray::Array1;
+
 use crate::error::Result;
 use crate::model::Llama;
 use crate::sampler::{Sampler, SamplingParams};
@@ -66,7 +68,8 @@ pub struct Generation {
     pub decode_steps: usize,
 }
 
-/// Generates from `prompt_tokens`, calling `on_text` with each piece of text as soon as it is final.
+/// Generates from `prompt_tokens` with chapter 1's model, calling `on_text` with each piece of
+/// text as soon as it is final.
 // ANCHOR: generate
 pub fn generate(
     model: &Llama,
@@ -76,6 +79,35 @@ pub fn generate(
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation> {
     model.check_tokens(prompt_tokens)?;
+    // ANCHOR: recompute
+    // Every step runs the whole sequence so far through the model: O(T²) attention.
+    let mut next_token_logits = |tokens: &[u32]| model.next_token_logits(tokens);
+    // ANCHOR_END: recompute
+    let max_len = model.config.max_position_embeddings;
+    generate_with(
+        tokenizer,
+        prompt_tokens,
+        max_len,
+        options,
+        &mut next_token_logits,
+        on_text,
+    )
+}
+// ANCHOR_END: generate
+
+/// The generation loop, whatever computes the logits: `next_token_logits(tokens)` returns the
+/// logits [vocab] of the position after `tokens` (the prompt plus everything generated so far).
+/// Chapter 1 recomputes the whole sequence there; chapter 2 passes a closure that reads a KV cache.
+/// `max_len` is the model's context: generation stops with [`FinishReason::Length`] when it is full.
+// ANCHOR: generate_loop
+pub fn generate_with(
+    tokenizer: &Tokenizer,
+    prompt_tokens: &[u32],
+    max_len: usize,
+    options: &GenerateOptions,
+    next_token_logits: &mut dyn FnMut(&[u32]) -> Result<Array1<f32>>,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<Generation> {
     let mut sampler = Sampler::new(options.sampling.clone())?;
     let mut stream = TextStream::new(tokenizer);
     let mut stops = StopStrings::new(options.stop.clone());
@@ -83,19 +115,16 @@ pub fn generate(
     let mut output_tokens = Vec::new();
     let (mut prompt_time, mut generation_time, mut decode_steps) =
         (Duration::ZERO, Duration::ZERO, 0);
-    let max_len = model.config.max_position_embeddings;
 
     let mut finish_reason = FinishReason::Length;
     while output_tokens.len() < options.max_tokens && tokens.len() < max_len {
         let start = Instant::now();
-        // ANCHOR: recompute
-        let logits = model.next_token_logits(&tokens)?; // recomputes all positions
+        let logits = next_token_logits(&tokens)?; // [vocab]
         let next = sampler.sample(
             logits.as_slice().expect("contiguous"),
             prompt_tokens,
             &output_tokens,
         )?;
-        // ANCHOR_END: recompute
         if output_tokens.is_empty() {
             prompt_time = start.elapsed();
         } else {
@@ -139,4 +168,4 @@ pub fn generate(
         decode_steps,
     })
 }
-// ANCHOR_END: generate
+// ANCHOR_END: generate_loop

@@ -34,7 +34,7 @@ pub mod weights;
 
 pub use config::{LlamaConfig, eos_token_ids};
 pub use error::{Error, Result};
-pub use generate::{FinishReason, GenerateOptions, Generation, generate};
+pub use generate::{FinishReason, GenerateOptions, Generation, generate, generate_with};
 pub use linear::{DenseLinear, Linear};
 pub use model::Llama;
 pub use sampler::{Sampler, SamplingParams};

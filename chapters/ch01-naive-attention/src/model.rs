@@ -60,18 +60,40 @@ pub struct SelfAttention {
 }
 
 impl SelfAttention {
+    pub fn shape(&self) -> AttentionShape {
+        self.shape
+    }
+
+    /// Projects `x` [n, hidden], the tokens at positions `start_pos..start_pos + n`, to
+    /// q [n, num_heads * head_dim], k and v [n, num_kv_heads * head_dim], with RoPE applied to q and k.
+    /// Chapter 1 always starts at 0; a KV cache (chapter 2) starts after the cached positions.
+    pub fn qkv(
+        &self,
+        x: ArrayView2<f32>,
+        rope: &Rope,
+        start_pos: usize,
+    ) -> (Array2<f32>, Array2<f32>, Array2<f32>) {
+        let mut q = self.q_proj.forward(x); // [n, num_heads * head_dim]
+        let mut k = self.k_proj.forward(x); // [n, num_kv_heads * head_dim]
+        let v = self.v_proj.forward(x); // [n, num_kv_heads * head_dim]
+        for (i, (mut q_t, mut k_t)) in q.rows_mut().into_iter().zip(k.rows_mut()).enumerate() {
+            rope.rotate(q_t.as_slice_mut().expect("contiguous row"), start_pos + i);
+            rope.rotate(k_t.as_slice_mut().expect("contiguous row"), start_pos + i);
+        }
+        (q, k, v)
+    }
+
+    /// The output projection: attention output [n, num_heads * head_dim] → [n, hidden].
+    pub fn output(&self, attn: ArrayView2<f32>) -> Array2<f32> {
+        self.o_proj.forward(attn)
+    }
+
     /// x: [T, hidden] for positions 0..T → [T, hidden]
     // ANCHOR: self_attention
     pub fn forward(&self, x: ArrayView2<f32>, rope: &Rope) -> Array2<f32> {
-        let mut q = self.q_proj.forward(x); // [T, num_heads * head_dim]
-        let mut k = self.k_proj.forward(x); // [T, num_kv_heads * head_dim]
-        let v = self.v_proj.forward(x); // [T, num_kv_heads * head_dim]
-        for (pos, (mut q_t, mut k_t)) in q.rows_mut().into_iter().zip(k.rows_mut()).enumerate() {
-            rope.rotate(q_t.as_slice_mut().expect("contiguous row"), pos);
-            rope.rotate(k_t.as_slice_mut().expect("contiguous row"), pos);
-        }
+        let (q, k, v) = self.qkv(x, rope, 0); // RoPE'd q [T, q_dim]; k, v [T, kv_dim]
         let attn = causal_attention(q.view(), k.view(), v.view(), self.shape); // [T, num_heads * head_dim]
-        self.o_proj.forward(attn.view()) // [T, hidden]
+        self.output(attn.view()) // [T, hidden]
     }
     // ANCHOR_END: self_attention
 }
@@ -102,11 +124,13 @@ fn silu(x: f32) -> f32 {
 // ANCHOR_END: silu
 
 /// One transformer block: pre-norm attention and pre-norm MLP, each with a residual.
+/// Fields are public so that a later chapter can run the same layer with its own attention
+/// (chapter 2 reads K/V from a cache) without copying the weights or the code.
 pub struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    self_attn: SelfAttention,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    pub input_layernorm: RmsNorm,
+    pub self_attn: SelfAttention,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: Mlp,
 }
 
 impl DecoderLayer {
@@ -126,11 +150,11 @@ impl DecoderLayer {
 /// A Llama-family decoder (Llama, Mistral without sliding window, Qwen2).
 pub struct Llama {
     pub config: LlamaConfig,
-    embed_tokens: Array2<f32>, // [vocab, hidden]
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Box<dyn Linear>, // hidden → vocab
-    rope: Rope,
+    pub embed_tokens: Array2<f32>, // [vocab, hidden]
+    pub layers: Vec<DecoderLayer>,
+    pub norm: RmsNorm,
+    pub lm_head: Box<dyn Linear>, // hidden → vocab
+    pub rope: Rope,
 }
 
 impl Llama {
@@ -270,15 +294,18 @@ impl Llama {
         Ok(())
     }
 
+    /// Rows of the embedding table: tokens [T] → [T, hidden]. Ids must be checked first.
+    pub fn embed(&self, tokens: &[u32]) -> Array2<f32> {
+        let ids: Vec<usize> = tokens.iter().map(|&t| t as usize).collect();
+        self.embed_tokens.select(Axis(0), &ids)
+    }
+
     /// The logits of every position: tokens [T] (positions 0..T) → [T, vocab].
     /// Everything is recomputed from scratch on every call; nothing is cached.
     // ANCHOR: forward
     pub fn forward(&self, tokens: &[u32]) -> Result<Array2<f32>> {
         self.check_tokens(tokens)?;
-        let mut x = self.embed_tokens.select(
-            Axis(0),
-            &tokens.iter().map(|&t| t as usize).collect::<Vec<_>>(),
-        ); // [T, hidden]
+        let mut x = self.embed(tokens); // [T, hidden]
         for layer in &self.layers {
             x = layer.forward(&x, &self.rope); // [T, hidden]
         }
