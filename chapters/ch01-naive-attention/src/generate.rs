@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use ndarray::Array1;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::Llama;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::stop::{StopStatus, StopStrings};
@@ -95,20 +95,23 @@ pub fn generate(
 }
 // ANCHOR_END: generate
 
+/// Computes the logits [vocab] of the position after `tokens` (prompt + output so far).
+pub type NextTokenLogits<'a, E> = dyn FnMut(&[u32]) -> Result<Array1<f32>, E> + 'a;
+
 /// The generation loop, whatever computes the logits: `next_token_logits(tokens)` returns the
 /// logits [vocab] of the position after `tokens` (the prompt plus everything generated so far).
 /// Chapter 1 recomputes the whole sequence there; chapter 2 passes a closure that reads a KV cache.
 /// `max_len` is the model's context: generation stops with [`FinishReason::Length`] when it is full.
 // ANCHOR: generate_loop
-pub fn generate_with(
+pub fn generate_with<E: From<Error>>(
     tokenizer: &Tokenizer,
     prompt_tokens: &[u32],
     max_len: usize,
     options: &GenerateOptions,
-    next_token_logits: &mut dyn FnMut(&[u32]) -> Result<Array1<f32>>,
+    next_token_logits: &mut NextTokenLogits<'_, E>,
     on_text: &mut dyn FnMut(&str),
-) -> Result<Generation> {
-    let mut sampler = Sampler::new(options.sampling.clone())?;
+) -> Result<Generation, E> {
+    let mut sampler = Sampler::new(options.sampling.clone()).map_err(Error::from)?;
     let mut stream = TextStream::new(tokenizer);
     let mut stops = StopStrings::new(options.stop.clone());
     let mut tokens = prompt_tokens.to_vec();
@@ -120,11 +123,13 @@ pub fn generate_with(
     while output_tokens.len() < options.max_tokens && tokens.len() < max_len {
         let start = Instant::now();
         let logits = next_token_logits(&tokens)?; // [vocab]
-        let next = sampler.sample(
-            logits.as_slice().expect("contiguous"),
-            prompt_tokens,
-            &output_tokens,
-        )?;
+        let next = sampler
+            .sample(
+                logits.as_slice().expect("contiguous"),
+                prompt_tokens,
+                &output_tokens,
+            )
+            .map_err(Error::from)?;
         if output_tokens.is_empty() {
             prompt_time = start.elapsed();
         } else {

@@ -41,3 +41,59 @@ pub fn assert_rel_close(what: &str, actual: &[f32], expected: &[f32], tolerance:
         );
     }
 }
+
+/// One golden case from `fixtures/golden/<name>.json` (written by `fixtures/scripts/make_golden.py`).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct GoldenCase {
+    pub prompt: String,
+    pub input_ids: Vec<u32>,
+    /// 32 greedy tokens after the prompt (full recompute, EOS ignored).
+    pub greedy_ids: Vec<u32>,
+    pub greedy_text: String,
+}
+
+/// A model's golden outputs: its directory (relative to `fixtures/`), its cases, and for case `i`
+/// the logits `[T, vocab]` that `transformers` computed in f32 (flattened row-major).
+#[derive(Debug, Clone)]
+pub struct Golden {
+    pub model_dir: std::path::PathBuf,
+    pub cases: Vec<GoldenCase>,
+    pub logits: Vec<Vec<f32>>,
+}
+
+/// Reads `fixtures/golden/<name>.json` and `<name>.safetensors`. Panics with the file's name on any
+/// problem: this is for tests, on committed files.
+pub fn load_golden(name: &str) -> Golden {
+    #[derive(serde::Deserialize)]
+    struct File {
+        model: String,
+        cases: Vec<GoldenCase>,
+    }
+    let dir = crate::fixtures_dir().join("golden");
+    let json_path = dir.join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&json_path)
+        .unwrap_or_else(|e| panic!("{}: {e}", json_path.display()));
+    let file: File =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", json_path.display()));
+    let tensors_path = dir.join(format!("{name}.safetensors"));
+    let bytes =
+        std::fs::read(&tensors_path).unwrap_or_else(|e| panic!("{}: {e}", tensors_path.display()));
+    let tensors = safetensors::SafeTensors::deserialize(&bytes)
+        .unwrap_or_else(|e| panic!("{}: {e}", tensors_path.display()));
+    let logits = (0..file.cases.len())
+        .map(|i| {
+            let view = tensors
+                .tensor(&format!("logits.{i}"))
+                .unwrap_or_else(|e| panic!("{}: {e}", tensors_path.display()));
+            view.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        })
+        .collect();
+    Golden {
+        model_dir: crate::fixtures_dir().join(file.model),
+        cases: file.cases,
+        logits,
+    }
+}

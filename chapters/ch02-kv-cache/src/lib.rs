@@ -1,0 +1,36 @@
+//! # Chapter 2: the KV cache
+//!
+//! Chapter 1 recomputes every position for every new token. But under a causal mask the keys
+//! and values of position `t` never change once computed, so they can be kept: a **KV cache**.
+//! Generation then splits into two phases:
+//!
+//! - **prefill**: the whole prompt in one pass (matrix-matrix work), filling the cache;
+//! - **decode**: one new position per step (matrix-vector work), reading every earlier
+//!   position's K/V from the cache.
+//!
+//! | module         | what it does                                                               |
+//! |----------------|----------------------------------------------------------------------------|
+//! | [`kv_store`]   | the [`KvStore`] seam: where K/V live and how queries read them             |
+//! | [`contiguous`] | [`ContiguousKvCache`]: one preallocated `[max_len, kv_dim]` buffer per layer |
+//! | [`cached`]     | the forward pass over new tokens only, and generation with a cache         |
+//!
+//! Chapter 3 plugs paged storage into the same [`KvStore`] seam without touching this chapter.
+
+pub mod cached;
+pub mod contiguous;
+pub mod kv_store;
+
+pub use cached::{CachedSession, forward_cached, generate_cached};
+pub use contiguous::ContiguousKvCache;
+pub use kv_store::{KvError, KvStore};
+
+/// Errors of the cached forward pass.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Model(#[from] ch01::Error),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
