@@ -16,6 +16,10 @@ pub struct ModelArgs {
     /// Defaults to the embedded shakespeare-small.
     #[arg(long, value_name = "DIR", default_value_os_t = ch01::default_model_dir())]
     pub model: PathBuf,
+    /// Storage of the projection weights: f32, or bf16 (half the bytes read per token;
+    /// arithmetic stays f32).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub dtype: String,
 }
 
 /// A model ready to run: weights, tokenizer and the ids that end generation.
@@ -29,7 +33,8 @@ impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
         let dir = &self.model;
         let context = || format!("loading model from {}", dir.display());
-        let model = Llama::load(dir).with_context(context)?;
+        let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
+        let model = ch02::load_fast(dir, dtype).with_context(context)?;
         let tokenizer = Tokenizer::from_dir(dir).with_context(context)?;
         let mut eos_token_ids = ch01::eos_token_ids(dir, &model.config).with_context(context)?;
         if let Some(eos) = tokenizer.eos_token_id()

@@ -75,22 +75,13 @@ impl Linear for DenseLinear {
 }
 
 /// Builds the projections of a model from a checkpoint: the hook a later chapter uses to load
-/// another kind of [`Linear`] (quantized, say) into the same forward pass.
+/// another kind of [`Linear`] (a faster kernel, quantized weights) into the same forward pass.
 pub trait LinearLoader {
-    fn load(
-        &self,
-        weights: &Weights,
-        prefix: &str,
-        in_features: usize,
-        out_features: usize,
-        bias: bool,
-    ) -> Result<Box<dyn Linear>>;
-}
+    /// Makes a layer from dense f32 weights `[out_features, in_features]` and an optional bias.
+    fn build(&self, weight: Array2<f32>, bias: Option<Array1<f32>>) -> Result<Box<dyn Linear>>;
 
-/// Loads every projection as [`DenseLinear`].
-pub struct DenseLoader;
-
-impl LinearLoader for DenseLoader {
+    /// Loads `{prefix}.weight` (and `{prefix}.bias` when `bias`), checking their shapes, and
+    /// builds the layer. A loader that reads another format overrides this.
     fn load(
         &self,
         weights: &Weights,
@@ -99,12 +90,16 @@ impl LinearLoader for DenseLoader {
         out_features: usize,
         bias: bool,
     ) -> Result<Box<dyn Linear>> {
-        Ok(Box::new(DenseLinear::load(
-            weights,
-            prefix,
-            in_features,
-            out_features,
-            bias,
-        )?))
+        let dense = DenseLinear::load(weights, prefix, in_features, out_features, bias)?;
+        self.build(dense.weight, dense.bias)
+    }
+}
+
+/// Loads every projection as [`DenseLinear`].
+pub struct DenseLoader;
+
+impl LinearLoader for DenseLoader {
+    fn build(&self, weight: Array2<f32>, bias: Option<Array1<f32>>) -> Result<Box<dyn Linear>> {
+        Ok(Box::new(DenseLinear::new(weight, bias)))
     }
 }

@@ -18,7 +18,7 @@ use ndarray::{Array1, Array2, ArrayView2, Axis};
 use crate::attention::{AttentionShape, causal_attention};
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::linear::{DenseLinear, DenseLoader, Linear, LinearLoader};
+use crate::linear::{DenseLoader, Linear, LinearLoader};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
@@ -255,7 +255,7 @@ impl Llama {
         // Tied embeddings: the output head reuses the input embedding matrix [vocab, hidden].
         let lm_head: Box<dyn Linear> =
             if c.tie_word_embeddings && !weights.contains("lm_head.weight") {
-                Box::new(DenseLinear::new(embed_tokens.clone(), None))
+                loader.build(embed_tokens.clone(), None)?
             } else {
                 loader.load(weights, "lm_head", hidden, c.vocab_size, false)?
             };

@@ -103,6 +103,7 @@ pub fn generate_cached(
     options: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation> {
+    model.check_tokens(prompt_tokens)?;
     if !store.is_empty() {
         return Err(KvError::NotAppending {
             start_pos: 0,

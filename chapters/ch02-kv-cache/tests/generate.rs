@@ -1,7 +1,7 @@
 //! Generation with the cache gives exactly chapter 1's tokens, greedy and seeded.
 
 use ch01::{GenerateOptions, Llama, SamplingParams, Tokenizer, fixtures_dir, generate};
-use ch02_kv_cache::{ContiguousKvCache, generate_cached};
+use ch02_kv_cache::{ContiguousKvCache, KvStore, generate_cached};
 
 #[test]
 fn cached_generation_equals_recompute_generation() {
@@ -85,4 +85,29 @@ fn cached_generation_matches_the_golden_greedy_continuation() {
         .unwrap();
         assert_eq!(generation.output_tokens, ids("greedy_ids"));
     }
+}
+
+#[test]
+fn prompts_over_the_context_are_rejected_before_anything_runs() {
+    let dir = fixtures_dir().join("random/gqa");
+    let (model, tokenizer) = (
+        Llama::load(&dir).unwrap(),
+        Tokenizer::from_dir(&dir).unwrap(),
+    );
+    let prompt = vec![5u32; model.config.max_position_embeddings + 1];
+    let mut cache = ContiguousKvCache::for_max_len(&model.config);
+    let error = generate_cached(
+        &model,
+        &tokenizer,
+        &prompt,
+        &mut cache,
+        &GenerateOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(
+        error.to_string().contains("exceeds the model's context"),
+        "{error}"
+    );
+    assert!(cache.is_empty());
 }

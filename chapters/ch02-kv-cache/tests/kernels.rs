@@ -1,0 +1,117 @@
+//! The fast kernels against chapter 1's dense reference, on random shapes that are not multiples
+//! of the kernels' lane, row-task or token-block sizes; and whole models on the fast path.
+
+use ch01::linear::{DenseLinear, Linear};
+use ch01::testing::{assert_rel_close, load_golden, relative_l2};
+use ch01::{Llama, fixtures_dir};
+use ch02_kv_cache::{ContiguousKvCache, FastLinear, WeightDtype, forward_cached, load_fast};
+use half::bf16;
+use ndarray::{Array1, Array2};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+fn runner(cases: u32) -> TestRunner {
+    let config = Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[3; 32]))
+}
+
+/// (weight [out, in], bias, x [T, in])
+fn layer_and_input() -> impl Strategy<Value = (Array2<f32>, Option<Array1<f32>>, Array2<f32>)> {
+    (1usize..150, 1usize..70, 1usize..20, any::<bool>()).prop_flat_map(
+        |(out_f, in_f, tokens, has_bias)| {
+            (
+                proptest::collection::vec(-1.0f32..1.0, out_f * in_f)
+                    .prop_map(move |w| Array2::from_shape_vec((out_f, in_f), w).unwrap()),
+                proptest::collection::vec(-1.0f32..1.0, out_f)
+                    .prop_map(move |b| has_bias.then(|| Array1::from_vec(b))),
+                proptest::collection::vec(-2.0f32..2.0, tokens * in_f)
+                    .prop_map(move |x| Array2::from_shape_vec((tokens, in_f), x).unwrap()),
+            )
+        },
+    )
+}
+
+#[test]
+fn f32_kernels_equal_the_dense_reference() {
+    runner(300)
+        .run(&layer_and_input(), |(w, b, x)| {
+            let expected = DenseLinear::new(w.clone(), b.clone()).forward(x.view());
+            let actual = FastLinear::new(w, b, WeightDtype::F32).forward(x.view());
+            let expected = expected.as_standard_layout();
+            let err = relative_l2(actual.as_slice().unwrap(), expected.as_slice().unwrap());
+            prop_assert!(
+                err < 1e-5,
+                "shape {:?} x {:?}: relative L2 {err:.2e}",
+                expected.dim(),
+                x.dim()
+            );
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn bf16_kernels_equal_the_dense_reference_on_bf16_rounded_weights() {
+    runner(300)
+        .run(&layer_and_input(), |(w, b, x)| {
+            let rounded = w.mapv(|v| bf16::from_f32(v).to_f32());
+            let expected = DenseLinear::new(rounded, b.clone()).forward(x.view());
+            let actual = FastLinear::new(w, b, WeightDtype::Bf16).forward(x.view());
+            let expected = expected.as_standard_layout();
+            let err = relative_l2(actual.as_slice().unwrap(), expected.as_slice().unwrap());
+            prop_assert!(err < 1e-5, "relative L2 {err:.2e}");
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// The fast f32 model on the cached path matches transformers' logits and greedy tokens.
+#[test]
+fn fast_model_matches_the_goldens() {
+    for name in ["random-qwen2", "random-untied", "shakespeare-small"] {
+        let golden = load_golden(name);
+        let model = load_fast(&golden.model_dir, WeightDtype::F32).unwrap();
+        for (case, expected) in golden.cases.iter().zip(&golden.logits) {
+            let mut cache = ContiguousKvCache::for_max_len(&model.config);
+            let logits = forward_cached(&model, &case.input_ids, &mut cache).unwrap();
+            assert_rel_close(
+                &format!("{name} fast logits"),
+                logits.as_slice().unwrap(),
+                expected,
+                1e-4,
+            );
+        }
+    }
+}
+
+/// A checkpoint stored in bf16 loses nothing in bf16 storage; an f32 one stays close.
+#[test]
+fn bf16_storage_tolerances() {
+    let golden = load_golden("random-bf16");
+    let model = load_fast(&golden.model_dir, WeightDtype::Bf16).unwrap();
+    let case = &golden.cases[0];
+    let logits = model.forward(&case.input_ids).unwrap();
+    assert_rel_close(
+        "bf16 checkpoint in bf16 storage",
+        logits.as_slice().unwrap(),
+        &golden.logits[0],
+        1e-4,
+    );
+
+    let dir = fixtures_dir().join("shakespeare-small");
+    let (f32_model, bf16_model) = (
+        Llama::load(&dir).unwrap(),
+        load_fast(&dir, WeightDtype::Bf16).unwrap(),
+    );
+    let tokens = [0u32, 412, 306, 13, 534, 325, 291, 306, 13, 330];
+    let (a, b) = (
+        f32_model.forward(&tokens).unwrap(),
+        bf16_model.forward(&tokens).unwrap(),
+    );
+    let err = relative_l2(b.as_slice().unwrap(), a.as_slice().unwrap());
+    assert!(err < 2e-2, "bf16 vs f32 logits: relative L2 {err:.2e}");
+}
