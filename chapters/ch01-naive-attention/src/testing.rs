@@ -1,6 +1,22 @@
 //! Comparison helpers shared by every chapter's tests: tolerances per dtype, and on failure a
 //! message that says where and by how much two outputs differ.
 
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+/// A proptest runner with a fixed seed, so every run checks the same `cases` inputs and a failure
+/// reproduces exactly. Each test file passes its own `seed`.
+pub fn seeded_runner(cases: u32, seed: u8) -> TestRunner {
+    let config = Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    TestRunner::new_with_rng(
+        config,
+        TestRng::from_seed(RngAlgorithm::ChaCha, &[seed; 32]),
+    )
+}
+
 /// `‖a - b‖₂ / ‖b‖₂` (b is the reference). Both slices have the same length.
 pub fn relative_l2(actual: &[f32], expected: &[f32]) -> f64 {
     assert_eq!(actual.len(), expected.len(), "length mismatch");

@@ -5,18 +5,14 @@
 use ch01_naive_attention::attention::{AttentionShape, causal_attention, softmax_in_place};
 use ch01_naive_attention::config::RopeScaling;
 use ch01_naive_attention::rope::Rope;
+use ch01_naive_attention::testing::seeded_runner;
 use ch01_naive_attention::{Llama, fixtures_dir};
 use ndarray::Array2;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::TestRunner;
 
 fn runner(cases: u32) -> TestRunner {
-    let config = Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]))
+    seeded_runner(cases, 7)
 }
 
 /// Causal attention in f64 with explicit loops: the reference for the reference.

@@ -1,16 +1,12 @@
 //! The tokenizer round-trips text, and the streaming detokeniser emits exactly the decoded text.
 
+use ch01_naive_attention::testing::seeded_runner;
 use ch01_naive_attention::{TextStream, Tokenizer, fixtures_dir};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::TestRunner;
 
 fn runner(cases: u32) -> TestRunner {
-    let config = Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[11; 32]))
+    seeded_runner(cases, 11)
 }
 
 fn tokenizer() -> Tokenizer {

@@ -3,18 +3,14 @@
 //! (f32: relative L2 error under 1e-5), for every fixture model shape.
 
 use ch01::testing::relative_l2;
+use ch01::testing::seeded_runner;
 use ch01::{Llama, fixtures_dir};
 use ch02_kv_cache::{ContiguousKvCache, KvError, KvStore, forward_cached};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::TestRunner;
 
 fn runner(cases: u32) -> TestRunner {
-    let config = Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[2; 32]))
+    seeded_runner(cases, 2)
 }
 
 /// Tokens, and the sizes of the chunks they are fed in (the first chunk is the "prefill").

@@ -2,21 +2,17 @@
 //! of the kernels' lane, row-task or token-block sizes; and whole models on the fast path.
 
 use ch01::linear::{DenseLinear, Linear};
+use ch01::testing::seeded_runner;
 use ch01::testing::{assert_rel_close, load_golden, relative_l2};
 use ch01::{Llama, fixtures_dir};
 use ch02_kv_cache::{ContiguousKvCache, FastLinear, WeightDtype, forward_cached, load_fast};
 use half::bf16;
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::TestRunner;
 
 fn runner(cases: u32) -> TestRunner {
-    let config = Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[3; 32]))
+    seeded_runner(cases, 3)
 }
 
 /// (weight [out, in], bias, x [T, in])
