@@ -70,7 +70,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, false) => book_dir("ch01"),
     };
 
-    let loaded = args.model.load()?;
+    // Chapter 1's model as chapter 1 builds it: dense ndarray projections, whatever --dtype says.
+    let loaded = args.model.load_with(&ch01::linear::DenseLoader)?;
     let model = &loaded.model;
     let max_len = model.config.max_position_embeddings;
     let mut lengths = if !args.lengths.is_empty() {

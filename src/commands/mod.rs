@@ -7,7 +7,8 @@ pub mod perplexity;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use ch01::{Llama, Tokenizer};
+use ch01::linear::LinearLoader;
+use ch01::{Llama, LlamaConfig, Tokenizer, Weights};
 
 /// `--model DIR`, shared by every command that loads a model.
 #[derive(clap::Args, Debug)]
@@ -30,11 +31,19 @@ pub struct LoadedModel {
 }
 
 impl ModelArgs {
+    /// Loads with chapter 2's fast projections, stored as `--dtype` says.
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
+        let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
+        self.load_with(&ch02::FastLoader { dtype })
+    }
+
+    /// Loads with the given kind of projection (chapter 1's benchmark measures `DenseLoader`).
+    pub fn load_with(&self, loader: &dyn LinearLoader) -> anyhow::Result<LoadedModel> {
         let dir = &self.model;
         let context = || format!("loading model from {}", dir.display());
-        let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
-        let model = ch02::load_fast(dir, dtype).with_context(context)?;
+        let config = LlamaConfig::from_dir(dir).with_context(context)?;
+        let weights = Weights::open(dir).with_context(context)?;
+        let model = Llama::from_weights(config, &weights, loader).with_context(context)?;
         let tokenizer = Tokenizer::from_dir(dir).with_context(context)?;
         let mut eos_token_ids = ch01::eos_token_ids(dir, &model.config).with_context(context)?;
         if let Some(eos) = tokenizer.eos_token_id()
