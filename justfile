@@ -14,7 +14,7 @@ chapter n:
     cargo test --release -p "$pkg"
     echo "== chapter {{n}}: demo"
     case "{{n}}" in
-      1) cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 ;;
+      1) cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --recompute ;;
       *) echo "(no demo for chapter {{n}} yet)" ;;
     esac
 
