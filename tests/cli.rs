@@ -97,64 +97,40 @@ fn generate_streams_text_and_reports_speed() {
     assert_eq!(output.stdout, again.stdout, "same seed, same text");
 }
 
+/// Runs kiln with `args`; it must fail, say `needle` on stderr, and not panic.
+#[track_caller]
+fn assert_fails_with(args: &[&str], needle: &str) {
+    let output = kiln(args);
+    let err = stderr(&output);
+    assert!(!output.status.success(), "kiln {args:?} should fail");
+    assert!(err.contains(needle), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 #[test]
 fn bad_inputs_exit_nonzero_with_a_clear_message() {
-    let missing = kiln(&["generate", "--model", "/nonexistent/model", "--prompt", "x"]);
-    assert!(!missing.status.success());
-    assert!(
-        stderr(&missing).contains("/nonexistent/model/config.json"),
-        "{}",
-        stderr(&missing)
+    assert_fails_with(
+        &["generate", "--model", "/nonexistent/model", "--prompt", "x"],
+        "/nonexistent/model/config.json",
     );
 
     let model = fixtures_dir().join("random/gqa");
-    let bad_param = kiln(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "x",
-        "--top-p",
-        "1.5",
-    ]);
-    assert!(!bad_param.status.success());
-    assert!(
-        stderr(&bad_param).contains("top_p"),
-        "{}",
-        stderr(&bad_param)
+    let model = model.to_str().unwrap();
+    assert_fails_with(
+        &[
+            "generate", "--model", model, "--prompt", "x", "--top-p", "1.5",
+        ],
+        "top_p",
     );
-
     let too_long = "word ".repeat(2000);
-    let overflow = kiln(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        &too_long,
-    ]);
-    assert!(!overflow.status.success());
-    assert!(
-        stderr(&overflow).contains("exceeds the model's context of 512 tokens"),
-        "{}",
-        stderr(&overflow)
+    assert_fails_with(
+        &["generate", "--model", model, "--prompt", &too_long],
+        "exceeds the model's context of 512 tokens",
     );
-
-    let no_file = kiln(&[
-        "perplexity",
-        "--model",
-        model.to_str().unwrap(),
-        "--file",
+    assert_fails_with(
+        &["perplexity", "--model", model, "--file", "/nonexistent.txt"],
         "/nonexistent.txt",
-    ]);
-    assert!(!no_file.status.success());
-    assert!(
-        stderr(&no_file).contains("/nonexistent.txt"),
-        "{}",
-        stderr(&no_file)
     );
-    for output in [missing, bad_param, overflow, no_file] {
-        assert!(!stderr(&output).contains("panicked"), "{}", stderr(&output));
-    }
 }
 
 /// `kiln perplexity` equals the PyTorch computation of the same llama.cpp-style score.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use ch01::linear::LinearLoader;
-use ch01::{Llama, LlamaConfig, Tokenizer, Weights};
+use ch01::{Llama, Tokenizer};
 
 /// `--model DIR`, shared by every command that loads a model.
 #[derive(clap::Args, Debug)]
@@ -41,9 +41,7 @@ impl ModelArgs {
     pub fn load_with(&self, loader: &dyn LinearLoader) -> anyhow::Result<LoadedModel> {
         let dir = &self.model;
         let context = || format!("loading model from {}", dir.display());
-        let config = LlamaConfig::from_dir(dir).with_context(context)?;
-        let weights = Weights::open(dir).with_context(context)?;
-        let model = Llama::from_weights(config, &weights, loader).with_context(context)?;
+        let model = Llama::load_with(dir, loader).with_context(context)?;
         let tokenizer = Tokenizer::from_dir(dir).with_context(context)?;
         let mut eos_token_ids = ch01::eos_token_ids(dir, &model.config).with_context(context)?;
         if let Some(eos) = tokenizer.eos_token_id()

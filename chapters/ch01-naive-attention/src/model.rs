@@ -160,9 +160,14 @@ pub struct Llama {
 impl Llama {
     /// Loads `config.json` and the safetensors weights of a Hugging Face model directory.
     pub fn load(dir: &Path) -> Result<Self> {
+        Llama::load_with(dir, &DenseLoader)
+    }
+
+    /// Loads a model directory with `loader` choosing each projection's kind.
+    pub fn load_with(dir: &Path, loader: &dyn LinearLoader) -> Result<Self> {
         let config = LlamaConfig::from_dir(dir)?;
         let weights = Weights::open(dir)?;
-        Llama::from_weights(config, &weights, &DenseLoader)
+        Llama::from_weights(config, &weights, loader)
     }
 
     /// Builds the model from already-opened weights, with `loader` choosing each projection's kind.

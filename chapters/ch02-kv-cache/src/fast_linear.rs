@@ -126,7 +126,5 @@ impl LinearLoader for FastLoader {
 
 /// Loads a model directory with fast projections.
 pub fn load_fast(dir: &std::path::Path, dtype: WeightDtype) -> ch01::Result<ch01::Llama> {
-    let config = ch01::LlamaConfig::from_dir(dir)?;
-    let weights = ch01::Weights::open(dir)?;
-    ch01::Llama::from_weights(config, &weights, &FastLoader { dtype })
+    ch01::Llama::load_with(dir, &FastLoader { dtype })
 }
