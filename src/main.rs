@@ -20,6 +20,9 @@ use clap::{Parser, Subcommand};
     about = "LLM inference serving, built chapter by chapter"
 )]
 struct Cli {
+    /// Worker threads for the kernels [default: one per CPU].
+    #[arg(long, short = 't', global = true, value_name = "N")]
+    threads: Option<usize>,
     #[command(subcommand)]
     command: Command,
 }
@@ -37,10 +40,16 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    // Every command runs on a worker of the kernels' thread pool: parallel loops started there
+    // queue their jobs on the worker's own deque, so a decode step allocates nothing.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(cli.threads.unwrap_or(0)) // 0: one per CPU
+        .build()?;
+    pool.install(|| match cli.command {
         Command::Generate(args) => commands::generate::run(args),
         Command::Forward(args) => commands::forward::run(args),
         Command::Perplexity(args) => commands::perplexity::run(args),
         Command::Bench(args) => bench::run(args),
-    }
+    })
 }

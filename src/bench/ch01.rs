@@ -10,15 +10,15 @@
 //! cumulative:     one pass t = 1, 2, …, T_max timing forward(t) once each; report Σ_{t ≤ T}
 //! ```
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use ch01::Llama;
 
 use super::svg::LinePlot;
 use super::table::Table;
-use super::{RunFacts, book_dir};
+use super::{RunFacts, bench_tokens, book_dir, model_name, ms, parameter_count, time};
 use crate::commands::ModelArgs;
 
 const DEFAULT_LENGTHS: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -155,70 +155,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     print!("{markdown}");
     eprintln!("wrote {} and {}", md_path.display(), svg_path.display());
     Ok(())
-}
-
-/// Runs `f` once and returns its wall time.
-fn time<T, E>(f: impl FnOnce() -> Result<T, E>) -> Result<Duration, E> {
-    let start = Instant::now();
-    std::hint::black_box(f()?);
-    Ok(start.elapsed())
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// BOS (when the tokenizer has one) followed by a fixed pseudo-random walk over the vocabulary.
-/// The forward's cost does not depend on which ids it sees, only on how many.
-fn bench_tokens(len: usize, vocab_size: usize, bos: Option<u32>) -> Vec<u32> {
-    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut tokens: Vec<u32> = bos.into_iter().collect();
-    while tokens.len() < len {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        tokens.push(((state >> 33) % vocab_size as u64) as u32);
-    }
-    tokens.truncate(len);
-    tokens
-}
-
-/// The model directory's name, e.g. `shakespeare-small`.
-fn model_name(dir: &Path) -> String {
-    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    dir.file_name().map_or_else(
-        || dir.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    )
-}
-
-/// Parameters implied by the config (tied embeddings counted once).
-fn parameter_count(model: &Llama) -> usize {
-    let c = &model.config;
-    let (h, q, kv, i) = (
-        c.hidden_size,
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-        c.intermediate_size,
-    );
-    let mut attn = h * q + 2 * h * kv + q * h;
-    if c.qkv_bias {
-        attn += q + 2 * kv;
-    }
-    if c.o_bias {
-        attn += h;
-    }
-    let mut mlp = 3 * h * i;
-    if c.mlp_bias {
-        mlp += 2 * i + h;
-    }
-    let layer = attn + mlp + 2 * h;
-    let head = if c.tie_word_embeddings {
-        0
-    } else {
-        c.vocab_size * h
-    };
-    c.vocab_size * h + c.num_hidden_layers * layer + h + head
 }
 
 fn table(rows: &[Row]) -> Table {

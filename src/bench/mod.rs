@@ -2,16 +2,22 @@
 //!
 //! Each chapter's benchmark prints a markdown table to stdout and writes it, with an SVG plot,
 //! into the chapter's book folder (`book/src/chNN/`), where the chapter page includes them.
-//! [`svg`] and [`table`] are the shared writers.
+//! [`svg`], [`bars`] and [`table`] are the shared writers.
 
 pub mod ch01;
+pub mod ch02;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
+#[allow(dead_code)]
+pub mod bars;
 #[allow(dead_code)]
 pub mod svg;
 #[allow(dead_code)]
 pub mod table;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ::ch01::Llama;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -23,11 +29,14 @@ pub struct Args {
 enum Chapter {
     /// Chapter 1: the cost of recomputing the whole sequence for every token.
     Ch01(ch01::Args),
+    /// Chapter 2: cached decode vs recompute, kiln vs other engines, the roofline, KV waste.
+    Ch02(ch02::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.chapter {
         Chapter::Ch01(args) => ch01::run(args),
+        Chapter::Ch02(args) => ch02::run(args),
     }
 }
 
@@ -91,6 +100,70 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
     let year = yoe + era * 400 + i64::from(month <= 2);
     (year, month, day)
+}
+
+/// Runs `f` once and returns its wall time.
+pub fn time<T, E>(f: impl FnOnce() -> Result<T, E>) -> Result<Duration, E> {
+    let start = Instant::now();
+    std::hint::black_box(f()?);
+    Ok(start.elapsed())
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// BOS (when the tokenizer has one) followed by a fixed pseudo-random walk over the vocabulary.
+/// The forward's cost does not depend on which ids it sees, only on how many.
+pub fn bench_tokens(len: usize, vocab_size: usize, bos: Option<u32>) -> Vec<u32> {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut tokens: Vec<u32> = bos.into_iter().collect();
+    while tokens.len() < len {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        tokens.push(((state >> 33) % vocab_size as u64) as u32);
+    }
+    tokens.truncate(len);
+    tokens
+}
+
+/// The model directory's name, e.g. `shakespeare-small`.
+pub fn model_name(dir: &Path) -> String {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    dir.file_name().map_or_else(
+        || dir.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+/// Parameters implied by the config (tied embeddings counted once).
+pub fn parameter_count(model: &Llama) -> usize {
+    let c = &model.config;
+    let (h, q, kv, i) = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    );
+    let mut attn = h * q + 2 * h * kv + q * h;
+    if c.qkv_bias {
+        attn += q + 2 * kv;
+    }
+    if c.o_bias {
+        attn += h;
+    }
+    let mut mlp = 3 * h * i;
+    if c.mlp_bias {
+        mlp += 2 * i + h;
+    }
+    let layer = attn + mlp + 2 * h;
+    let head = if c.tie_word_embeddings {
+        0
+    } else {
+        c.vocab_size * h
+    };
+    c.vocab_size * h + c.num_hidden_layers * layer + h + head
 }
 
 #[cfg(test)]

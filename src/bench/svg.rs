@@ -52,13 +52,13 @@ pub struct LinePlot {
 }
 
 /// Line colours, in the order series are added (then repeating).
-const PALETTE: [&str; 8] = [
+pub(super) const PALETTE: [&str; 8] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
 ];
 const MARGIN_LEFT: f64 = 80.0;
-const MARGIN_RIGHT: f64 = 200.0; // the legend lives here
-const MARGIN_TOP: f64 = 50.0;
-const MARGIN_BOTTOM: f64 = 60.0;
+pub(super) const MARGIN_RIGHT: f64 = 200.0; // the legend lives here
+pub(super) const MARGIN_TOP: f64 = 50.0;
+pub(super) const MARGIN_BOTTOM: f64 = 60.0;
 
 impl LinePlot {
     /// An empty 760 × 460 plot with linear axes.
@@ -299,7 +299,7 @@ fn shown(scale: Scale, v: f64) -> bool {
 
 /// One axis: a value range mapped linearly (in value or log10-value space) onto a pixel range.
 #[derive(Debug, Clone, Copy)]
-struct Axis {
+pub(super) struct Axis {
     scale: Scale,
     /// Range in transformed space (log10 of the value on a log axis).
     lo: f64,
@@ -311,7 +311,7 @@ struct Axis {
 
 impl Axis {
     /// An axis that covers every value (all already drawable on `scale`).
-    fn fit(scale: Scale, values: &[f64], px_lo: f64, px_hi: f64) -> Self {
+    pub(super) fn fit(scale: Scale, values: &[f64], px_lo: f64, px_hi: f64) -> Self {
         let t = |v: f64| match scale {
             Scale::Linear => v,
             Scale::Log => v.log10(),
@@ -355,7 +355,7 @@ impl Axis {
     }
 
     /// Value → pixel.
-    fn to_px(self, v: f64) -> f64 {
+    pub(super) fn to_px(self, v: f64) -> f64 {
         let t = match self.scale {
             Scale::Linear => v,
             Scale::Log => v.log10(),
@@ -364,7 +364,7 @@ impl Axis {
     }
 
     /// Tick values inside the range, in increasing order.
-    fn ticks(&self) -> Vec<f64> {
+    pub(super) fn ticks(&self) -> Vec<f64> {
         let eps = (self.hi - self.lo) * 1e-9;
         match self.scale {
             Scale::Linear => {
@@ -425,7 +425,7 @@ fn nice_step(raw: f64) -> f64 {
 
 /// A tick label: plain decimals with trailing zeros trimmed, scientific notation when very
 /// large or very small (`2e6`, `5e-5`).
-fn format_tick(v: f64) -> String {
+pub(super) fn format_tick(v: f64) -> String {
     if v == 0.0 {
         return "0".to_string();
     }
@@ -447,7 +447,7 @@ fn trim(s: String) -> String {
 }
 
 /// Escapes text for SVG element content and attribute values.
-fn escape(text: &str) -> String {
+pub(super) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {

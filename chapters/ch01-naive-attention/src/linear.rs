@@ -3,7 +3,7 @@
 //! Every projection of the model goes through this trait, so a later chapter can swap in
 //! another storage (chapter 5's quantized weights) without touching the forward pass.
 
-use ndarray::{Array1, Array2, ArrayView2};
+use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 
 use crate::error::Result;
 use crate::weights::Weights;
@@ -12,8 +12,16 @@ use crate::weights::Weights;
 pub trait Linear: Send + Sync {
     fn in_features(&self) -> usize;
     fn out_features(&self) -> usize;
+    /// Bytes of weight (and bias) storage: what one decode step reads from memory for this layer.
+    fn weight_bytes(&self) -> usize;
     /// x: [T, in_features] → [T, out_features]
     fn forward(&self, x: ArrayView2<f32>) -> Array2<f32>;
+
+    /// Writes `forward(x)` into `y` [T, out_features]. A layer on a decode path overrides it to
+    /// allocate nothing (chapter 2); this default allocates.
+    fn forward_into(&self, x: ArrayView2<f32>, mut y: ArrayViewMut2<f32>) {
+        y.assign(&self.forward(x));
+    }
 }
 
 /// Dense f32 weights, stored as Hugging Face stores them: `weight` is `[out_features, in_features]`.
@@ -63,6 +71,10 @@ impl Linear for DenseLinear {
 
     fn out_features(&self) -> usize {
         self.weight.nrows()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        (self.weight.len() + self.bias.as_ref().map_or(0, |b| b.len())) * size_of::<f32>()
     }
 
     fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {

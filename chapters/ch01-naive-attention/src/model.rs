@@ -13,7 +13,7 @@
 
 use std::path::Path;
 
-use ndarray::{Array1, Array2, ArrayView2, Axis};
+use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2, Axis};
 
 use crate::attention::{AttentionShape, causal_attention};
 use crate::config::LlamaConfig;
@@ -48,14 +48,26 @@ impl RmsNorm {
         out
     }
     // ANCHOR_END: rms_norm
+
+    /// `forward(x)` written into `out` [T, hidden], allocating nothing (chapter 2's decode path).
+    pub fn forward_into(&self, x: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) {
+        for (x_row, mut out_row) in x.rows().into_iter().zip(out.rows_mut()) {
+            let mean_square = x_row.iter().map(|v| v * v).sum::<f32>() / x_row.len() as f32;
+            let inv_rms = 1.0 / (mean_square + self.eps).sqrt();
+            for ((o, &v), &w) in out_row.iter_mut().zip(&x_row).zip(&self.weight) {
+                *o = v * inv_rms * w;
+            }
+        }
+    }
 }
 
 /// Multi-head self-attention with grouped key/value heads and RoPE.
+/// The projections are public so that a later chapter can run them into its own buffers.
 pub struct SelfAttention {
-    q_proj: Box<dyn Linear>, // hidden → num_heads * head_dim
-    k_proj: Box<dyn Linear>, // hidden → num_kv_heads * head_dim
-    v_proj: Box<dyn Linear>, // hidden → num_kv_heads * head_dim
-    o_proj: Box<dyn Linear>, // num_heads * head_dim → hidden
+    pub q_proj: Box<dyn Linear>, // hidden → num_heads * head_dim
+    pub k_proj: Box<dyn Linear>, // hidden → num_kv_heads * head_dim
+    pub v_proj: Box<dyn Linear>, // hidden → num_kv_heads * head_dim
+    pub o_proj: Box<dyn Linear>, // num_heads * head_dim → hidden
     shape: AttentionShape,
 }
 
@@ -100,9 +112,9 @@ impl SelfAttention {
 
 /// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
 pub struct Mlp {
-    gate_proj: Box<dyn Linear>, // hidden → intermediate
-    up_proj: Box<dyn Linear>,   // hidden → intermediate
-    down_proj: Box<dyn Linear>, // intermediate → hidden
+    pub gate_proj: Box<dyn Linear>, // hidden → intermediate
+    pub up_proj: Box<dyn Linear>,   // hidden → intermediate
+    pub down_proj: Box<dyn Linear>, // intermediate → hidden
 }
 
 impl Mlp {
@@ -118,7 +130,8 @@ impl Mlp {
 }
 
 // ANCHOR: silu
-fn silu(x: f32) -> f32 {
+/// The SiLU (swish) activation `x · sigmoid(x)`.
+pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 // ANCHOR_END: silu
@@ -318,6 +331,31 @@ impl Llama {
         Ok(self.lm_head.forward(x.view())) // [T, vocab]
     }
     // ANCHOR_END: forward
+
+    /// Bytes one decode step reads from the projections and the output head: every weight once.
+    /// (The embedding table contributes one row per token, the norms a few vectors: ignored.)
+    pub fn projection_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let (a, m) = (&l.self_attn, &l.mlp);
+                [
+                    &a.q_proj,
+                    &a.k_proj,
+                    &a.v_proj,
+                    &a.o_proj,
+                    &m.gate_proj,
+                    &m.up_proj,
+                    &m.down_proj,
+                ]
+                .iter()
+                .map(|p| p.weight_bytes())
+                .sum::<usize>()
+            })
+            .sum();
+        layers + self.lm_head.weight_bytes()
+    }
 
     /// Logits of the last position only: what generation needs. [vocab]
     pub fn next_token_logits(&self, tokens: &[u32]) -> Result<Array1<f32>> {

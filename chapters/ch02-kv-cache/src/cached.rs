@@ -5,26 +5,75 @@
 //! decode:   token  [1] at position  len         → K/V of len stored,     logits [1, vocab]
 //! ```
 //! The weights and layers are chapter 1's (`ch01::Llama`); only attention changes: the new
-//! queries attend to everything the store holds.
+//! queries attend to everything the store holds. Every intermediate lives in a [`Workspace`]
+//! that is reused from step to step, so a decode step allocates nothing.
 
 use ch01::generate::{GenerateOptions, Generation, generate_with};
-use ch01::{Llama, Tokenizer};
-use ndarray::{Array1, Array2, s};
+use ch01::model::silu;
+use ch01::{Llama, LlamaConfig, Tokenizer};
+use ndarray::{Array1, Array2, ArrayView1, s};
 
 use crate::kv_store::{KvError, KvStore};
 use crate::{Error, Result};
 
+/// The buffers of one forward step over up to `rows` tokens.
+/// Invariant: every `[rows, _]` buffer has the same `rows`; a step over `n <= rows` tokens uses
+/// the first `n` rows of each.
+pub struct Workspace {
+    rows: usize,
+    x: Array2<f32>,      // [rows, hidden]        the residual stream
+    h: Array2<f32>,      // [rows, hidden]        normed input, then a block's output
+    q: Array2<f32>,      // [rows, num_heads * head_dim]
+    k: Array2<f32>,      // [rows, num_kv_heads * head_dim]
+    v: Array2<f32>,      // [rows, num_kv_heads * head_dim]
+    attn: Array2<f32>,   // [rows, num_heads * head_dim]
+    gate: Array2<f32>,   // [rows, intermediate]
+    up: Array2<f32>,     // [rows, intermediate]
+    logits: Array2<f32>, // [1, vocab]                the last position's logits
+}
+
+impl Workspace {
+    pub fn new(config: &LlamaConfig, rows: usize) -> Self {
+        let c = config;
+        let (q_dim, kv_dim) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let buffer = |cols: usize| Array2::<f32>::zeros((rows, cols));
+        Workspace {
+            rows,
+            x: buffer(c.hidden_size),
+            h: buffer(c.hidden_size),
+            q: buffer(q_dim),
+            k: buffer(kv_dim),
+            v: buffer(kv_dim),
+            attn: buffer(q_dim),
+            gate: buffer(c.intermediate_size),
+            up: buffer(c.intermediate_size),
+            logits: Array2::zeros((1, c.vocab_size)),
+        }
+    }
+
+    /// Grows the buffers to hold `rows` tokens (prefill allocates here; decode never does).
+    fn reserve(&mut self, config: &LlamaConfig, rows: usize) {
+        if rows > self.rows {
+            *self = Workspace::new(config, rows);
+        }
+    }
+}
+
 /// Runs `tokens`, the positions `store.len()..store.len() + n`, through the model, storing their
-/// K/V. Returns the final hidden states after the last norm: [n, hidden].
+/// K/V. Leaves the final hidden states (after the last norm) in `ws.h[..n]`.
 // ANCHOR: forward_cached
 pub fn forward_hidden_cached(
     model: &Llama,
     tokens: &[u32],
     store: &mut dyn KvStore,
-) -> Result<Array2<f32>> {
+    ws: &mut Workspace,
+) -> Result<()> {
     model.check_tokens(tokens)?;
-    let start = store.len();
-    let context_len = start + tokens.len();
+    let (n, start) = (tokens.len(), store.len());
+    let context_len = start + n;
     if context_len > model.config.max_position_embeddings {
         return Err(ch01::Error::ContextOverflow {
             len: context_len,
@@ -32,63 +81,124 @@ pub fn forward_hidden_cached(
         }
         .into());
     }
+    ws.reserve(&model.config, n);
+    let rows = s![..n, ..];
+    for (mut x_t, &id) in ws.x.slice_mut(rows).rows_mut().into_iter().zip(tokens) {
+        x_t.assign(&model.embed_tokens.row(id as usize)); // [hidden]
+    }
 
-    let mut x = model.embed(tokens); // [n, hidden]
     for (i, layer) in model.layers.iter().enumerate() {
-        let h = layer.input_layernorm.forward(x.view()); // [n, hidden]
-        let (q, k, v) = layer.self_attn.qkv(h.view(), &model.rope, start); // q [n, q_dim]; k, v [n, kv_dim]
-        store.write(i, start, k.view(), v.view())?;
-        let attn = store.attend(i, q.view(), context_len, layer.self_attn.shape()); // [n, q_dim]
-        x += &layer.self_attn.output(attn.view()); // [n, hidden]
-        x += &layer
-            .mlp
-            .forward(layer.post_attention_layernorm.forward(x.view()).view());
+        let attn = &layer.self_attn;
+        layer
+            .input_layernorm
+            .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
+        attn.q_proj
+            .forward_into(ws.h.slice(rows), ws.q.slice_mut(rows)); // [n, q_dim]
+        attn.k_proj
+            .forward_into(ws.h.slice(rows), ws.k.slice_mut(rows)); // [n, kv_dim]
+        attn.v_proj
+            .forward_into(ws.h.slice(rows), ws.v.slice_mut(rows)); // [n, kv_dim]
+        for (t, (mut q_t, mut k_t)) in
+            ws.q.slice_mut(rows)
+                .rows_mut()
+                .into_iter()
+                .zip(ws.k.slice_mut(rows).rows_mut())
+                .enumerate()
+        {
+            model
+                .rope
+                .rotate(q_t.as_slice_mut().expect("contiguous row"), start + t);
+            model
+                .rope
+                .rotate(k_t.as_slice_mut().expect("contiguous row"), start + t);
+        }
+        store.write(i, start, ws.k.slice(rows), ws.v.slice(rows))?;
+        store.attend(
+            i,
+            ws.q.slice(rows),
+            context_len,
+            attn.shape(),
+            ws.attn.slice_mut(rows),
+        );
+        attn.o_proj
+            .forward_into(ws.attn.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+        ws.x.slice_mut(rows)
+            .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
+
+        let mlp = &layer.mlp;
+        layer
+            .post_attention_layernorm
+            .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
+        mlp.gate_proj
+            .forward_into(ws.h.slice(rows), ws.gate.slice_mut(rows)); // [n, inter]
+        mlp.up_proj
+            .forward_into(ws.h.slice(rows), ws.up.slice_mut(rows)); // [n, inter]
+        ws.gate
+            .slice_mut(rows)
+            .zip_mut_with(&ws.up.slice(rows), |g, u| *g = silu(*g) * u);
+        mlp.down_proj
+            .forward_into(ws.gate.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+        ws.x.slice_mut(rows)
+            .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
     }
     store.commit(context_len);
-    Ok(model.norm.forward(x.view())) // [n, hidden]
+    model
+        .norm
+        .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    Ok(())
 }
 // ANCHOR_END: forward_cached
 
-/// Logits of every new position: [n, vocab].
+/// Logits of every new position: [n, vocab]. Allocates its own workspace and result.
 pub fn forward_cached(
     model: &Llama,
     tokens: &[u32],
     store: &mut dyn KvStore,
 ) -> Result<Array2<f32>> {
-    let hidden = forward_hidden_cached(model, tokens, store)?;
-    Ok(model.lm_head.forward(hidden.view()))
+    let mut ws = Workspace::new(&model.config, tokens.len());
+    forward_hidden_cached(model, tokens, store, &mut ws)?;
+    Ok(model.lm_head.forward(ws.h.slice(s![..tokens.len(), ..])))
 }
 
-/// Logits of the last new position only (what generation needs): [vocab].
-pub fn next_token_logits_cached(
+/// Logits of the last new position only (what generation needs), in `ws`: [vocab].
+pub fn next_token_logits_cached<'w>(
     model: &Llama,
     tokens: &[u32],
     store: &mut dyn KvStore,
-) -> Result<Array1<f32>> {
-    let hidden = forward_hidden_cached(model, tokens, store)?;
-    let last = hidden.slice(s![hidden.nrows() - 1.., ..]); // [1, hidden]
-    Ok(model.lm_head.forward(last).row(0).to_owned())
+    ws: &'w mut Workspace,
+) -> Result<ArrayView1<'w, f32>> {
+    forward_hidden_cached(model, tokens, store, ws)?;
+    let n = tokens.len();
+    let last = ws.h.slice(s![n - 1..n, ..]); // [1, hidden]
+    model.lm_head.forward_into(last, ws.logits.view_mut());
+    Ok(ws.logits.row(0))
 }
 
-/// One sequence being generated: the model and its cache.
+/// One sequence being generated: the model, its cache and its step buffers.
 pub struct CachedSession<'m, S: KvStore> {
     pub model: &'m Llama,
     pub store: S,
+    workspace: Workspace,
 }
 
 impl<'m, S: KvStore> CachedSession<'m, S> {
     pub fn new(model: &'m Llama, store: S) -> Self {
-        CachedSession { model, store }
+        CachedSession {
+            model,
+            store,
+            workspace: Workspace::new(&model.config, 1),
+        }
     }
 
     /// Runs the prompt in one pass; returns the logits of its last position. [vocab]
-    pub fn prefill(&mut self, prompt: &[u32]) -> Result<Array1<f32>> {
-        next_token_logits_cached(self.model, prompt, &mut self.store)
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<ArrayView1<'_, f32>> {
+        next_token_logits_cached(self.model, prompt, &mut self.store, &mut self.workspace)
     }
 
     /// Runs one new token against the cache; returns the logits of the next position. [vocab]
-    pub fn decode(&mut self, token: u32) -> Result<Array1<f32>> {
-        next_token_logits_cached(self.model, &[token], &mut self.store)
+    /// Allocates nothing once the session has decoded a token (see the tests).
+    pub fn decode(&mut self, token: u32) -> Result<ArrayView1<'_, f32>> {
+        next_token_logits_cached(self.model, &[token], &mut self.store, &mut self.workspace)
     }
 }
 
@@ -111,9 +221,10 @@ pub fn generate_cached(
         }
         .into());
     }
+    let mut ws = Workspace::new(&model.config, prompt_tokens.len());
     let mut next_token_logits = |tokens: &[u32]| -> Result<Array1<f32>> {
         let new_tokens = &tokens[store.len()..]; // the whole prompt first, then one token
-        next_token_logits_cached(model, new_tokens, store)
+        Ok(next_token_logits_cached(model, new_tokens, store, &mut ws)?.to_owned())
     };
     let max_len = model.config.max_position_embeddings;
     generate_with::<Error>(

@@ -5,9 +5,10 @@
 //! reservation is what chapter 3's paged blocks stop wasting.
 
 use ch01::LlamaConfig;
-use ch01::attention::{AttentionShape, causal_attention};
-use ndarray::{Array2, ArrayView2, s};
+use ch01::attention::AttentionShape;
+use ndarray::{Array2, ArrayView2, ArrayViewMut2, s};
 
+use crate::attention::{cached_attention, scratch_len};
 use crate::kv_store::{KvError, KvStore};
 
 /// One sequence's K/V, contiguous per layer.
@@ -16,6 +17,7 @@ pub struct ContiguousKvCache {
     keys: Vec<Array2<f32>>,   // per layer [capacity, num_kv_heads * head_dim]
     values: Vec<Array2<f32>>, // per layer [capacity, num_kv_heads * head_dim]
     len: usize,
+    scores: Vec<f32>, // attention scratch; grows to the largest step seen, then stays
 }
 
 impl ContiguousKvCache {
@@ -27,6 +29,8 @@ impl ContiguousKvCache {
             keys: (0..config.num_hidden_layers).map(|_| buffer()).collect(),
             values: (0..config.num_hidden_layers).map(|_| buffer()).collect(),
             len: 0,
+            // Decode's scratch for the whole capacity now, so that no decode step allocates.
+            scores: vec![0.0; config.num_attention_heads * capacity],
         }
     }
 
@@ -94,15 +98,32 @@ impl KvStore for ContiguousKvCache {
     }
 
     fn attend(
-        &self,
+        &mut self,
         layer: usize,
         q: ArrayView2<f32>,
         context_len: usize,
         shape: AttentionShape,
-    ) -> Array2<f32> {
-        let k = self.keys[layer].slice(s![..context_len, ..]); // [context_len, kv_dim]
-        let v = self.values[layer].slice(s![..context_len, ..]); // [context_len, kv_dim]
-        causal_attention(q, k, v, shape) // queries are the last q.nrows() positions
+        mut out: ArrayViewMut2<f32>,
+    ) {
+        let needed = scratch_len(q.nrows(), context_len, shape);
+        if self.scores.len() < needed {
+            self.scores.resize(needed, 0.0);
+        }
+        let q = q.as_standard_layout(); // borrows: the forward pass's buffers are contiguous
+        cached_attention(
+            q.as_slice().expect("standard layout"),
+            self.keys[layer]
+                .as_slice()
+                .expect("a fresh buffer is contiguous"),
+            self.values[layer]
+                .as_slice()
+                .expect("a fresh buffer is contiguous"),
+            context_len,
+            shape,
+            out.as_slice_mut()
+                .expect("attention output must be contiguous"),
+            &mut self.scores,
+        );
     }
 
     fn commit(&mut self, new_len: usize) {

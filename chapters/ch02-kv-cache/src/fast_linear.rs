@@ -1,11 +1,10 @@
 //! [`FastLinear`]: chapter 1's [`Linear`] seam implemented with this chapter's kernels, with the
-//! weights stored once in their compute layout (`[out, in]` row-major, f32 or bf16).
+//! weights stored once in their compute layout ([`PackedWeight`], f32 or bf16).
 
 use ch01::linear::{Linear, LinearLoader};
-use half::bf16;
-use ndarray::{Array1, Array2, ArrayView2};
+use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 
-use crate::kernels::{WeightElement, matmul, matvec};
+use crate::kernels::{Isa, PackedWeight, WeightElement, linear};
 
 /// How projection weights are stored. Activations and accumulation are always f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -28,84 +27,103 @@ impl std::str::FromStr for WeightDtype {
 }
 
 enum Storage {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>), // bf16 bits
+    F32(PackedWeight<f32>),
+    Bf16(PackedWeight<u16>), // bf16 bits
 }
 
-/// A projection computed by [`matvec`] (one token) or [`matmul`] (several).
-/// Invariant: the weight holds `out_features * in_features` elements, row-major.
+/// A projection computed by [`crate::kernels::matvec`] (one token) or
+/// [`crate::kernels::matmul`] (several), on the fastest [`Isa`] of this CPU.
 pub struct FastLinear {
     weight: Storage,
     bias: Option<Array1<f32>>, // [out]
-    in_features: usize,
-    out_features: usize,
+    isa: Isa,
 }
 
 impl FastLinear {
+    /// `weight`: [out, in]; `bias`: [out].
     pub fn new(weight: Array2<f32>, bias: Option<Array1<f32>>, dtype: WeightDtype) -> Self {
         let (out_features, in_features) = weight.dim();
-        let values = weight
-            .as_standard_layout()
-            .iter()
-            .copied()
-            .collect::<Vec<f32>>();
+        let weight = weight.as_standard_layout();
+        let w = weight.as_slice().expect("standard layout is contiguous");
         let weight = match dtype {
-            WeightDtype::F32 => Storage::F32(values),
-            WeightDtype::Bf16 => Storage::Bf16(
-                values
-                    .into_iter()
-                    .map(|v| bf16::from_f32(v).to_bits())
-                    .collect(),
-            ),
+            WeightDtype::F32 => Storage::F32(PackedWeight::pack(w, out_features, in_features)),
+            WeightDtype::Bf16 => Storage::Bf16(PackedWeight::pack(w, out_features, in_features)),
         };
         FastLinear {
             weight,
             bias,
-            in_features,
-            out_features,
+            isa: Isa::detect(),
         }
     }
 
-    /// Bytes of weight storage: what one decode step reads for this layer.
-    pub fn weight_bytes(&self) -> usize {
+    /// The same layer computed by another implementation (tests compare them).
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.isa = isa;
+        self
+    }
+
+    fn dims(&self) -> (usize, usize) {
         match &self.weight {
-            Storage::F32(w) => w.len() * 4,
-            Storage::Bf16(w) => w.len() * 2,
+            Storage::F32(w) => (w.in_features(), w.out_features()),
+            Storage::Bf16(w) => (w.in_features(), w.out_features()),
         }
     }
 
-    fn run<W: WeightElement>(&self, w: &[W], x: &[f32], y: &mut [f32], tokens: usize) {
-        if tokens == 1 {
-            matvec(w, x, y);
-        } else {
-            matmul(w, x, y, self.in_features, self.out_features);
+    /// x: [T, in] → y: [T, out], both contiguous row-major.
+    fn run(&self, x: &[f32], y: &mut [f32], tokens: usize) {
+        fn go<W: WeightElement>(isa: Isa, w: &PackedWeight<W>, x: &[f32], y: &mut [f32], t: usize) {
+            linear(isa, w, x, y, t)
+        }
+        match &self.weight {
+            Storage::F32(w) => go(self.isa, w, x, y, tokens),
+            Storage::Bf16(w) => go(self.isa, w, x, y, tokens),
+        }
+        if let Some(bias) = &self.bias {
+            let bias = bias.as_slice().expect("a fresh bias is contiguous");
+            for y_t in y.chunks_exact_mut(bias.len()) {
+                y_t.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+            }
         }
     }
 }
 
 impl Linear for FastLinear {
     fn in_features(&self) -> usize {
-        self.in_features
+        self.dims().0
     }
 
     fn out_features(&self) -> usize {
-        self.out_features
+        self.dims().1
+    }
+
+    /// Packed weights (padding included) plus the f32 bias.
+    fn weight_bytes(&self) -> usize {
+        let weight = match &self.weight {
+            Storage::F32(w) => w.bytes(),
+            Storage::Bf16(w) => w.bytes(),
+        };
+        weight + self.bias.as_ref().map_or(0, |b| b.len() * size_of::<f32>())
     }
 
     fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
-        let tokens = x.nrows();
-        let x = x.as_standard_layout(); // [T, in], contiguous (a no-op for the model's arrays)
-        let x = x.as_slice().expect("standard layout is contiguous");
-        let mut y = Array2::<f32>::zeros((tokens, self.out_features)); // [T, out]
-        let y_slice = y.as_slice_mut().expect("fresh array is contiguous");
-        match &self.weight {
-            Storage::F32(w) => self.run(w, x, y_slice, tokens),
-            Storage::Bf16(w) => self.run(w, x, y_slice, tokens),
-        }
-        if let Some(bias) = &self.bias {
-            y += bias;
-        }
+        let mut y = Array2::<f32>::zeros((x.nrows(), self.out_features())); // [T, out]
+        self.forward_into(x, y.view_mut());
         y
+    }
+
+    /// Allocates nothing when `x` and `y` are contiguous row-major (the decode path's buffers).
+    fn forward_into(&self, x: ArrayView2<f32>, mut y: ArrayViewMut2<f32>) {
+        let tokens = x.nrows();
+        let x = x.as_standard_layout(); // borrows when already contiguous
+        let x = x.as_slice().expect("standard layout is contiguous");
+        match y.as_slice_mut() {
+            Some(y) => self.run(x, y, tokens),
+            None => {
+                let mut tmp = vec![0.0f32; tokens * self.out_features()];
+                self.run(x, &mut tmp, tokens);
+                y.iter_mut().zip(tmp).for_each(|(y, v)| *y = v);
+            }
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 //! store is one contiguous buffer per layer; chapter 3's is a table of fixed-size blocks.
 
 use ch01::attention::AttentionShape;
-use ndarray::{Array2, ArrayView2};
+use ndarray::{ArrayView2, ArrayViewMut2};
 
 /// Why a store could not take more positions.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -46,15 +46,17 @@ pub trait KvStore {
     ) -> Result<(), KvError>;
 
     /// Causal attention of the queries `q` [n, num_heads * head_dim], which are positions
-    /// `context_len - n..context_len`, against the stored positions `0..context_len` of `layer`.
-    /// Returns [n, num_heads * head_dim].
+    /// `context_len - n..context_len`, against the stored positions `0..context_len` of `layer`,
+    /// written into `out` [n, num_heads * head_dim]. `&mut self` lets a store keep the scratch it
+    /// needs, so that a decode step allocates nothing.
     fn attend(
-        &self,
+        &mut self,
         layer: usize,
         q: ArrayView2<f32>,
         context_len: usize,
         shape: AttentionShape,
-    ) -> Array2<f32>;
+        out: ArrayViewMut2<f32>,
+    );
 
     /// Declares positions `0..new_len` stored in every layer.
     fn commit(&mut self, new_len: usize);

@@ -12,19 +12,22 @@
 //! |----------------|----------------------------------------------------------------------------|
 //! | [`kv_store`]   | the [`KvStore`] seam: where K/V live and how queries read them             |
 //! | [`contiguous`] | [`ContiguousKvCache`]: one preallocated `[max_len, kv_dim]` buffer per layer |
+//! | [`attention`]  | attention of new queries against stored K/V, into reused buffers             |
 //! | [`cached`]     | the forward pass over new tokens only, and generation with a cache         |
 //! | [`kernels`]    | our matrix-vector and matrix-matrix products: threaded, vectorised, f32/bf16 |
 //! | [`fast_linear`]| [`FastLinear`]: chapter 1's `Linear` seam on those kernels                 |
 //!
 //! Chapter 3 plugs paged storage into the same [`KvStore`] seam without touching this chapter.
 
+pub mod attention;
 pub mod cached;
 pub mod contiguous;
 pub mod fast_linear;
 pub mod kernels;
 pub mod kv_store;
+pub mod workload;
 
-pub use cached::{CachedSession, forward_cached, generate_cached};
+pub use cached::{CachedSession, Workspace, forward_cached, generate_cached};
 pub use contiguous::ContiguousKvCache;
 pub use fast_linear::{FastLinear, FastLoader, WeightDtype, load_fast};
 pub use kv_store::{KvError, KvStore};

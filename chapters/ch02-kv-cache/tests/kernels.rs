@@ -1,10 +1,12 @@
 //! The fast kernels against chapter 1's dense reference, on random shapes that are not multiples
-//! of the kernels' lane, row-task or token-block sizes; and whole models on the fast path.
+//! of the kernels' panel (16 outputs), tile (6 tokens) or unroll (4 inputs) sizes, for every
+//! instruction set the CPU has; and whole models on the fast path.
 
 use ch01::linear::{DenseLinear, Linear};
 use ch01::testing::seeded_runner;
 use ch01::testing::{assert_rel_close, load_golden, relative_l2};
 use ch01::{Llama, fixtures_dir};
+use ch02_kv_cache::kernels::Isa;
 use ch02_kv_cache::{ContiguousKvCache, FastLinear, WeightDtype, forward_cached, load_fast};
 use half::bf16;
 use ndarray::{Array1, Array2};
@@ -31,32 +33,68 @@ fn layer_and_input() -> impl Strategy<Value = (Array2<f32>, Option<Array1<f32>>,
     )
 }
 
-#[test]
-fn f32_kernels_equal_the_dense_reference() {
+/// `y = x Wᵀ + b` in f64, on the weights as stored (bf16-rounded for bf16 storage).
+fn naive(
+    w: &Array2<f32>,
+    b: &Option<Array1<f32>>,
+    x: &Array2<f32>,
+    dtype: WeightDtype,
+) -> Vec<f32> {
+    let stored = |v: f32| match dtype {
+        WeightDtype::F32 => v,
+        WeightDtype::Bf16 => bf16::from_f32(v).to_f32(),
+    };
+    let mut y = Vec::with_capacity(x.nrows() * w.nrows());
+    for x_t in x.rows() {
+        for (o, w_o) in w.rows().into_iter().enumerate() {
+            let dot: f64 = w_o
+                .iter()
+                .zip(&x_t)
+                .map(|(&w, &x)| stored(w) as f64 * x as f64)
+                .sum();
+            y.push((dot + b.as_ref().map_or(0.0, |b| b[o] as f64)) as f32);
+        }
+    }
+    y
+}
+
+fn kernels_equal_the_naive_product(dtype: WeightDtype) {
     runner(300)
         .run(&layer_and_input(), |(w, b, x)| {
-            let expected = DenseLinear::new(w.clone(), b.clone()).forward(x.view());
-            let actual = FastLinear::new(w, b, WeightDtype::F32).forward(x.view());
-            let expected = expected.as_standard_layout();
-            let err = relative_l2(actual.as_slice().unwrap(), expected.as_slice().unwrap());
-            prop_assert!(
-                err < 1e-5,
-                "shape {:?} x {:?}: relative L2 {err:.2e}",
-                expected.dim(),
-                x.dim()
-            );
+            let expected = naive(&w, &b, &x, dtype);
+            for isa in Isa::available() {
+                let layer = FastLinear::new(w.clone(), b.clone(), dtype).with_isa(isa);
+                let actual = layer.forward(x.view());
+                let err = relative_l2(actual.as_slice().unwrap(), &expected);
+                prop_assert!(
+                    err < 1e-5,
+                    "{isa:?} {dtype:?}: W {:?}, x {:?}: relative L2 {err:.2e}",
+                    w.dim(),
+                    x.dim()
+                );
+            }
             Ok(())
         })
         .unwrap();
 }
 
 #[test]
-fn bf16_kernels_equal_the_dense_reference_on_bf16_rounded_weights() {
-    runner(300)
+fn f32_kernels_equal_the_naive_product() {
+    kernels_equal_the_naive_product(WeightDtype::F32);
+}
+
+#[test]
+fn bf16_kernels_equal_the_naive_product_on_bf16_rounded_weights() {
+    kernels_equal_the_naive_product(WeightDtype::Bf16);
+}
+
+/// The fast layer agrees with chapter 1's dense layer (ndarray's product) as well.
+#[test]
+fn fast_linear_equals_the_dense_layer() {
+    runner(100)
         .run(&layer_and_input(), |(w, b, x)| {
-            let rounded = w.mapv(|v| bf16::from_f32(v).to_f32());
-            let expected = DenseLinear::new(rounded, b.clone()).forward(x.view());
-            let actual = FastLinear::new(w, b, WeightDtype::Bf16).forward(x.view());
+            let expected = DenseLinear::new(w.clone(), b.clone()).forward(x.view());
+            let actual = FastLinear::new(w, b, WeightDtype::F32).forward(x.view());
             let expected = expected.as_standard_layout();
             let err = relative_l2(actual.as_slice().unwrap(), expected.as_slice().unwrap());
             prop_assert!(err < 1e-5, "relative L2 {err:.2e}");

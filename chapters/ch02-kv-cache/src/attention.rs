@@ -1,0 +1,116 @@
+//! Attention of a few new queries against a sequence's stored keys and values, written into a
+//! caller's buffer with a caller's score scratch, so that a decode step allocates nothing.
+//!
+//! Same arithmetic as chapter 1's oracle (`ch01::attention::causal_attention`), one query row
+//! at a time: query `i` is position `context_len − n + i` and sees keys `0..=` that position.
+//! ```text
+//! s[j] = q_h · k_j / √d        j ≤ pos      (one row of scores, in the scratch)
+//! p    = softmax(s)
+//! o_h  = Σ_j p[j] · v_j
+//! ```
+
+use ch01::attention::{AttentionShape, softmax_in_place};
+use rayon::prelude::*;
+
+/// Query rows one task handles when several are attended at once.
+const ROWS_PER_TASK: usize = 4;
+
+/// Score scratch [`cached_attention`] needs for `n` queries against `context_len` positions.
+pub fn scratch_len(n: usize, context_len: usize, shape: AttentionShape) -> usize {
+    if n == 1 {
+        shape.num_heads * context_len // one score row per head, heads in parallel
+    } else {
+        n.div_ceil(ROWS_PER_TASK) * context_len // one score row per task, tasks in parallel
+    }
+}
+
+/// `q`, `out`: [n, num_heads · head_dim]; `k`, `v`: at least [context_len, num_kv_heads · head_dim],
+/// row-major; `scores`: at least [`scratch_len`] elements.
+// ANCHOR: cached_attention
+pub fn cached_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    context_len: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let q_dim = shape.num_heads * shape.head_dim;
+    let n = q.len() / q_dim;
+    assert!(n >= 1 && n <= context_len, "queries are the last positions");
+    assert!(scores.len() >= scratch_len(n, context_len, shape));
+    let first_pos = context_len - n;
+    if n == 1 {
+        // Decode: heads in parallel, each with its own score row.
+        out.par_chunks_mut(shape.head_dim)
+            .zip(scores.par_chunks_mut(context_len))
+            .enumerate()
+            .for_each(|(h, (out_h, s))| {
+                attend_head(q, k, v, shape, h, first_pos, out_h, s);
+            });
+    } else {
+        // Prefill: query rows in parallel, heads one after another.
+        out.par_chunks_mut(ROWS_PER_TASK * q_dim)
+            .zip(scores.par_chunks_mut(context_len))
+            .enumerate()
+            .for_each(|(task, (out_rows, s))| {
+                for (r, out_row) in out_rows.chunks_mut(q_dim).enumerate() {
+                    let i = task * ROWS_PER_TASK + r;
+                    let q_row = &q[i * q_dim..][..q_dim];
+                    for (h, out_h) in out_row.chunks_mut(shape.head_dim).enumerate() {
+                        attend_head(q_row, k, v, shape, h, first_pos + i, out_h, s);
+                    }
+                }
+            });
+    }
+}
+
+/// One query row (position `pos`), head `h`: `out_h` [head_dim] = softmax(q_h Kᵀ/√d) V.
+#[allow(clippy::too_many_arguments)]
+fn attend_head(
+    q_row: &[f32],
+    k: &[f32],
+    v: &[f32],
+    shape: AttentionShape,
+    h: usize,
+    pos: usize,
+    out_h: &mut [f32],
+    scores: &mut [f32],
+) {
+    let d = shape.head_dim;
+    let kv_dim = shape.num_kv_heads * d;
+    let kv_head = h / (shape.num_heads / shape.num_kv_heads); // GQA: heads share K/V
+    let q_h = &q_row[h * d..][..d];
+    let scale = 1.0 / (d as f32).sqrt();
+    let scores = &mut scores[..=pos];
+    for (j, s) in scores.iter_mut().enumerate() {
+        *s = dot(q_h, &k[j * kv_dim + kv_head * d..][..d]) * scale;
+    }
+    softmax_in_place(scores);
+    out_h.fill(0.0);
+    for (j, &p) in scores.iter().enumerate() {
+        let v_j = &v[j * kv_dim + kv_head * d..][..d];
+        out_h.iter_mut().zip(v_j).for_each(|(o, v)| *o += p * v);
+    }
+}
+// ANCHOR_END: cached_attention
+
+/// Dot product with 8 independent partial sums, which the compiler vectorises.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let mut acc = [0.0f32; LANES];
+    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = a_chunks
+        .remainder()
+        .iter()
+        .zip(b_chunks.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (a8, b8) in a_chunks.zip(b_chunks) {
+        for l in 0..LANES {
+            acc[l] += a8[l] * b8[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}

@@ -1,0 +1,100 @@
+//! The kernels' inner loops with AVX2 + FMA intrinsics: 8 f32 lanes per register, one fused
+//! multiply-add per lane per instruction. Callers must check the CPU has both (see `Isa`).
+
+use std::arch::x86_64::*;
+
+use super::{MR, NR, WeightElement};
+
+/// 16 f32 weights as two 8-lane vectors.
+///
+/// # Safety
+/// `p` must point to 16 readable f32; the CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn load16_f32(p: *const f32) -> (__m256, __m256) {
+    unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) }
+}
+
+/// 16 bf16 weights widened to f32: zero-extend each 16-bit value to 32 bits, shift it into the
+/// high half.
+///
+/// # Safety
+/// `p` must point to 16 readable u16; the CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn load16_bf16(p: *const u16) -> (__m256, __m256) {
+    unsafe {
+        let bits = _mm256_loadu_si256(p as *const __m256i); // 16 × u16
+        let lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits));
+        let hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256::<1>(bits));
+        (
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lo)),
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(hi)),
+        )
+    }
+}
+
+/// `out[j] = Σ_k x[k] · panel[k][j]`, four `k` at a time into independent accumulators so that
+/// the fused multiply-adds do not wait on each other. `panel`: [in][NR], `x`: [in].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `panel.len() == x.len() * NR`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR]) {
+    debug_assert_eq!(panel.len(), x.len() * NR);
+    const UNROLL: usize = 4;
+    let p = panel.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 2 * UNROLL];
+    let main = x.len() / UNROLL * UNROLL;
+    unsafe {
+        for k in (0..main).step_by(UNROLL) {
+            for u in 0..UNROLL {
+                let x_k = _mm256_set1_ps(*x.get_unchecked(k + u));
+                let (w_lo, w_hi) = W::load16(p.add((k + u) * NR));
+                acc[2 * u] = _mm256_fmadd_ps(w_lo, x_k, acc[2 * u]);
+                acc[2 * u + 1] = _mm256_fmadd_ps(w_hi, x_k, acc[2 * u + 1]);
+            }
+        }
+        for (k, &x_k) in x.iter().enumerate().skip(main) {
+            let x_k = _mm256_set1_ps(x_k);
+            let (w_lo, w_hi) = W::load16(p.add(k * NR));
+            acc[0] = _mm256_fmadd_ps(w_lo, x_k, acc[0]);
+            acc[1] = _mm256_fmadd_ps(w_hi, x_k, acc[1]);
+        }
+        let lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[4], acc[6]));
+        let hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[3]), _mm256_add_ps(acc[5], acc[7]));
+        _mm256_storeu_ps(out.as_mut_ptr(), lo);
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), hi);
+    }
+}
+
+// ANCHOR: micro_kernel
+/// `c[r][j] = Σ_k a[k][r] · b[k][j]`: a 6 × 16 output tile held in 12 registers; per `k`, two
+/// weight loads, six broadcasts and twelve fused multiply-adds.
+/// `a`: [in][MR] (tokens), `b`: [in][NR] (a weight panel), `c`: [MR][NR].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a.len() / MR == b.len() / NR` and `c.len() == MR * NR`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn tile_matmul<W: WeightElement>(a: &[f32], b: &[W], c: &mut [f32]) {
+    let k = a.len() / MR;
+    debug_assert_eq!(b.len(), k * NR);
+    debug_assert_eq!(c.len(), MR * NR);
+    let (a, b) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    unsafe {
+        for kk in 0..k {
+            let (b_lo, b_hi) = W::load16(b.add(kk * NR));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let a_r = _mm256_broadcast_ss(&*a.add(kk * MR + r));
+                acc_r[0] = _mm256_fmadd_ps(a_r, b_lo, acc_r[0]);
+                acc_r[1] = _mm256_fmadd_ps(a_r, b_hi, acc_r[1]);
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            _mm256_storeu_ps(c.as_mut_ptr().add(r * NR), acc_r[0]);
+            _mm256_storeu_ps(c.as_mut_ptr().add(r * NR + 8), acc_r[1]);
+        }
+    }
+}
+// ANCHOR_END: micro_kernel

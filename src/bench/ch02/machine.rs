@@ -1,0 +1,98 @@
+//! What this machine can do, measured in the same run as the model: memory bandwidth (a large
+//! read and a large copy) and matrix-multiply throughput (our GEMM and matrixmultiply's).
+
+use std::time::Instant;
+
+use ch01::linear::Linear;
+use ch02::{FastLinear, WeightDtype};
+use ndarray::Array2;
+use rayon::prelude::*;
+
+/// Bytes streamed by the bandwidth probes: far larger than any cache.
+const PROBE_BYTES: usize = 1 << 30;
+/// The GEMM probe: x [M, K] · Wᵀ [K, N].
+const GEMM: (usize, usize, usize) = (384, 1024, 1024);
+
+pub struct Machine {
+    /// GB/s (10⁹ bytes) reading a 1 GiB buffer with every thread: what decode needs.
+    pub read_gb_s: f64,
+    /// GB/s copying 512 MiB to another 512 MiB buffer, read and write bytes both counted.
+    pub copy_gb_s: f64,
+    /// GFLOP/s of this chapter's GEMM (f32 weights) on [`GEMM`].
+    pub kiln_gemm_gflop_s: f64,
+    /// GFLOP/s of `matrixmultiply` (through ndarray, one thread: kiln does not enable its
+    /// threading), a tuned BLAS-like GEMM, on the same shape: a yardstick for one core.
+    pub reference_gemm_gflop_s: f64,
+}
+
+impl Machine {
+    pub fn measure(reps: usize, quick: bool) -> Machine {
+        let bytes = if quick { PROBE_BYTES / 16 } else { PROBE_BYTES };
+        Machine {
+            read_gb_s: best_of(reps, || read_probe(bytes)),
+            copy_gb_s: best_of(reps, || copy_probe(bytes / 2)),
+            kiln_gemm_gflop_s: best_of(reps, || gemm_probe(true)),
+            reference_gemm_gflop_s: best_of(reps, || gemm_probe(false)),
+        }
+    }
+}
+
+/// Runs a probe `reps` times after one warm-up and keeps the best rate (the least disturbed run).
+fn best_of(reps: usize, probe: impl Fn() -> f64) -> f64 {
+    probe();
+    (0..reps.max(1)).map(|_| probe()).fold(0.0, f64::max)
+}
+
+/// GB/s summing `bytes` of f32 in parallel.
+fn read_probe(bytes: usize) -> f64 {
+    let buffer = vec![1.0f32; bytes / 4];
+    let start = Instant::now();
+    let sum: f32 = buffer
+        .par_chunks(1 << 16)
+        .map(|chunk| {
+            let mut lanes = [0.0f32; 16];
+            for c in chunk.chunks_exact(16) {
+                for l in 0..16 {
+                    lanes[l] += c[l];
+                }
+            }
+            lanes.iter().sum::<f32>()
+        })
+        .sum();
+    let seconds = start.elapsed().as_secs_f64();
+    std::hint::black_box(sum);
+    bytes as f64 / seconds / 1e9
+}
+
+/// GB/s copying `bytes` in parallel, counting the bytes read and the bytes written.
+fn copy_probe(bytes: usize) -> f64 {
+    let src = vec![1.0f32; bytes / 4];
+    let mut dst = vec![2.0f32; bytes / 4]; // written now, so no page is first touched while timed
+    let start = Instant::now();
+    dst.par_chunks_mut(1 << 16)
+        .zip(src.par_chunks(1 << 16))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+    let seconds = start.elapsed().as_secs_f64();
+    std::hint::black_box(&dst);
+    2.0 * bytes as f64 / seconds / 1e9
+}
+
+/// GFLOP/s of one [`GEMM`]-shaped product, ours (`kiln`) or matrixmultiply's.
+fn gemm_probe(kiln: bool) -> f64 {
+    let (m, k, n) = GEMM;
+    let x = Array2::from_shape_fn((m, k), |(i, j)| ((i * 7 + j * 3) % 11) as f32 * 0.1);
+    let w = Array2::from_shape_fn((n, k), |(i, j)| ((i * 5 + j) % 13) as f32 * 0.1);
+    let mut y = Array2::<f32>::zeros((m, n));
+    let seconds = if kiln {
+        let layer = FastLinear::new(w, None, WeightDtype::F32);
+        let start = Instant::now();
+        layer.forward_into(x.view(), y.view_mut());
+        start.elapsed().as_secs_f64()
+    } else {
+        let start = Instant::now();
+        ndarray::linalg::general_mat_mul(1.0, &x, &w.t(), 0.0, &mut y);
+        start.elapsed().as_secs_f64()
+    };
+    std::hint::black_box(&y);
+    2.0 * (m * k * n) as f64 / seconds / 1e9
+}

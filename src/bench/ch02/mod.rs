@@ -1,0 +1,196 @@
+//! `kiln bench ch02`: what the KV cache and the fast kernels buy, and what the cache costs.
+//!
+//! ```text
+//! machine    read and copy bandwidth (1 GiB), GEMM GFLOP/s (ours; matrixmultiply on one thread)
+//! speed      prefill and decode tokens/s, f32 and bf16, kiln beside transformers and llama.cpp
+//! roofline   GFLOP/s of prefill at several lengths and of decode against the machine's limits
+//! latency    the cost of the token at position T: recompute (chapter 1) vs cached (chapter 2)
+//! waste      share of a contiguous, max-length KV reservation that ever holds a token
+//! ```
+//! Writes `speed`, `roofline`, `latency` and `waste` (`.md` table + `.svg` plot) into
+//! `book/src/ch02/` (or `--out`). Every ratio in the tables comes from this one run.
+
+mod machine;
+mod references;
+mod report;
+mod speed;
+mod waste;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use ch02::{FastLoader, WeightDtype};
+
+use super::{RunFacts, bench_tokens, book_dir, model_name};
+use crate::commands::ModelArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The model (`--dtype` is ignored: f32 and bf16 storage are both measured).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Where to write the tables and plots [default: book/src/ch02, or a temporary directory
+    /// with --quick].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// CI smoke run: small sizes, one repetition, no reference engines.
+    #[arg(long)]
+    pub quick: bool,
+    /// Prompt tokens of the prefill measurement.
+    #[arg(long, default_value_t = 128, value_name = "P")]
+    pub prompt_tokens: usize,
+    /// Tokens decoded after the prompt in the decode measurement.
+    #[arg(long, default_value_t = 64, value_name = "D")]
+    pub decode_tokens: usize,
+    /// Timed repetitions; medians are reported [default: 3, 1 with --quick].
+    #[arg(long, value_name = "N")]
+    pub reps: Option<usize>,
+    /// Skip transformers and llama.cpp.
+    #[arg(long)]
+    pub no_references: bool,
+    /// Context lengths of the latency comparison [default: 16,64,256,1024 within the context].
+    #[arg(long, value_delimiter = ',', value_name = "T,..")]
+    pub lengths: Vec<usize>,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let facts = RunFacts::collect();
+    let reps = args.reps.unwrap_or(if args.quick { 1 } else { 3 });
+    let (prompt, decode) = if args.quick {
+        (16, 8)
+    } else {
+        (args.prompt_tokens, args.decode_tokens)
+    };
+    if reps == 0 || prompt == 0 || decode == 0 {
+        bail!("--reps, --prompt-tokens and --decode-tokens must be at least 1");
+    }
+    let out = match (&args.out, args.quick) {
+        (Some(dir), _) => dir.clone(),
+        (None, true) => {
+            std::env::temp_dir().join(format!("kiln-bench-ch02-{}", std::process::id()))
+        }
+        (None, false) => book_dir("ch02"),
+    };
+
+    let dense = args.model.load_with(&ch01::linear::DenseLoader)?;
+    let fast_f32 = args.model.load_with(&FastLoader {
+        dtype: WeightDtype::F32,
+    })?;
+    let fast_bf16 = args.model.load_with(&FastLoader {
+        dtype: WeightDtype::Bf16,
+    })?;
+    let config = &fast_f32.model.config;
+    let max_len = config.max_position_embeddings;
+    let mut lengths = match (&args.lengths[..], args.quick) {
+        ([], true) => vec![8, 16],
+        ([], false) => vec![16, 64, 256, 1024],
+        (given, _) => given.to_vec(),
+    };
+    lengths.retain(|&t| t >= 1 && t + 2 <= max_len);
+    lengths.sort_unstable();
+    lengths.dedup();
+    if lengths.is_empty() || prompt + decode > max_len {
+        bail!("the benchmark lengths do not fit the model's context of {max_len} tokens");
+    }
+    let longest = prompt.max(decode).max(lengths[lengths.len() - 1]) + decode + 2;
+    let tokens = bench_tokens(
+        longest.min(max_len),
+        config.vocab_size,
+        fast_f32.tokenizer.bos_token_id(),
+    );
+    let model_name = model_name(&args.model.model);
+    let threads = rayon::current_num_threads();
+    eprintln!("kiln bench ch02: {model_name}, {threads} threads, {reps} reps");
+
+    eprintln!("== machine: bandwidth and GEMM");
+    let machine = machine::Machine::measure(reps, args.quick);
+    eprintln!(
+        "   read {:.1} GB/s, copy {:.1} GB/s, GEMM kiln {:.1} GFLOP/s, matrixmultiply (1 thread) {:.1}",
+        machine.read_gb_s,
+        machine.copy_gb_s,
+        machine.kiln_gemm_gflop_s,
+        machine.reference_gemm_gflop_s
+    );
+
+    eprintln!("== speed: kiln prefill {prompt} + decode {decode}");
+    let kiln_f32 = speed::measure(&fast_f32.model, &tokens, prompt, decode, reps);
+    let kiln_bf16 = speed::measure(&fast_bf16.model, &tokens, prompt, decode, reps);
+    eprintln!("   f32 {kiln_f32:?}\n   bf16 {kiln_bf16:?}");
+
+    let mut references = Vec::new();
+    let mut missing = Vec::new();
+    if !(args.quick || args.no_references) {
+        let setup = references::Setup {
+            model_dir: &args.model.model,
+            threads,
+            prompt,
+            decode,
+            reps,
+        };
+        for (name, result) in [
+            ("transformers", references::transformers(&setup)),
+            ("llama.cpp", references::llama_cpp(&setup)),
+        ] {
+            match result {
+                Ok(found) => references.extend(found),
+                Err(error) => {
+                    eprintln!("   {name}: not measured: {error:#}");
+                    missing.push(format!("{name}: not measured ({error:#})"));
+                }
+            }
+        }
+    }
+
+    eprintln!("== roofline: prefill at several lengths");
+    let prefill_lengths: Vec<usize> = [8, 32, 128, 512]
+        .into_iter()
+        .filter(|&t| t <= tokens.len() && (!args.quick || t <= 32))
+        .collect();
+    let prefill_seconds: Vec<(usize, f64)> = prefill_lengths
+        .iter()
+        .map(|&t| (t, speed::prefill_seconds(&fast_f32.model, &tokens, t, reps)))
+        .collect();
+
+    eprintln!("== latency: recompute vs cached at T = {lengths:?}");
+    let latency = speed::latency(&dense.model, &fast_f32.model, &tokens, &lengths, reps);
+
+    eprintln!("== waste: contiguous reservations");
+    let waste = waste::measure(config)?;
+
+    let report = report::Report {
+        facts: &facts,
+        model_name: &model_name,
+        config,
+        threads,
+        reps,
+        prompt,
+        decode,
+        machine: &machine,
+        f32_bytes: fast_f32.model.projection_bytes(),
+        bf16_bytes: fast_bf16.model.projection_bytes(),
+        kiln_f32,
+        kiln_bf16,
+        references: &references,
+        missing: &missing,
+        prefill_seconds: &prefill_seconds,
+        latency: &latency,
+        waste: &waste,
+    };
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    for (name, markdown, svg) in report.files() {
+        let (md_path, svg_path) = (
+            out.join(format!("{name}.md")),
+            out.join(format!("{name}.svg")),
+        );
+        std::fs::write(&md_path, &markdown)
+            .with_context(|| format!("writing {}", md_path.display()))?;
+        std::fs::write(&svg_path, svg)
+            .with_context(|| format!("writing {}", svg_path.display()))?;
+        println!("{markdown}");
+    }
+    eprintln!(
+        "wrote speed, roofline, latency and waste (.md, .svg) to {}",
+        out.display()
+    );
+    Ok(())
+}
