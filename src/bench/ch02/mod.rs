@@ -51,6 +51,18 @@ pub struct Args {
     /// Context lengths of the latency comparison [default: 16,64,256,1024 within the context].
     #[arg(long, value_delimiter = ',', value_name = "T,..")]
     pub lengths: Vec<usize>,
+    /// Run only these parts [default: all].
+    #[arg(long, value_delimiter = ',', value_name = "PART,..")]
+    pub only: Vec<Part>,
+}
+
+/// The parts of the benchmark, each one table and one plot.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Speed,
+    Roofline,
+    Latency,
+    Waste,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -102,62 +114,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
     eprintln!("kiln bench ch02: {model_name}, {threads} threads, {reps} reps");
 
-    eprintln!("== machine: bandwidth and GEMM");
-    let machine = machine::Machine::measure(reps, args.quick);
-    eprintln!(
-        "   read {:.1} GB/s, copy {:.1} GB/s, GEMM kiln {:.1} GFLOP/s, matrixmultiply (1 thread) {:.1}",
-        machine.read_gb_s,
-        machine.copy_gb_s,
-        machine.kiln_gemm_gflop_s,
-        machine.reference_gemm_gflop_s
-    );
-
-    eprintln!("== speed: kiln prefill {prompt} + decode {decode}");
-    let kiln_f32 = speed::measure(&fast_f32.model, &tokens, prompt, decode, reps);
-    let kiln_bf16 = speed::measure(&fast_bf16.model, &tokens, prompt, decode, reps);
-    eprintln!("   f32 {kiln_f32:?}\n   bf16 {kiln_bf16:?}");
-
-    let mut references = Vec::new();
-    let mut missing = Vec::new();
-    if !(args.quick || args.no_references) {
-        let setup = references::Setup {
-            model_dir: &args.model.model,
-            threads,
-            prompt,
-            decode,
-            reps,
-        };
-        for (name, result) in [
-            ("transformers", references::transformers(&setup)),
-            ("llama.cpp", references::llama_cpp(&setup)),
-        ] {
-            match result {
-                Ok(found) => references.extend(found),
-                Err(error) => {
-                    eprintln!("   {name}: not measured: {error:#}");
-                    missing.push(format!("{name}: not measured ({error:#})"));
-                }
-            }
-        }
-    }
-
-    eprintln!("== roofline: prefill at several lengths");
-    let prefill_lengths: Vec<usize> = [8, 32, 128, 512]
-        .into_iter()
-        .filter(|&t| t <= tokens.len() && (!args.quick || t <= 32))
-        .collect();
-    let prefill_seconds: Vec<(usize, f64)> = prefill_lengths
-        .iter()
-        .map(|&t| (t, speed::prefill_seconds(&fast_f32.model, &tokens, t, reps)))
-        .collect();
-
-    eprintln!("== latency: recompute vs cached at T = {lengths:?}");
-    let latency = speed::latency(&dense.model, &fast_f32.model, &tokens, &lengths, reps);
-
-    eprintln!("== waste: contiguous reservations");
-    let waste = waste::measure(config)?;
-
-    let report = report::Report {
+    let wants = |part: Part| args.only.is_empty() || args.only.contains(&part);
+    let mut report = report::Report {
         facts: &facts,
         model_name: &model_name,
         config,
@@ -165,17 +123,86 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         reps,
         prompt,
         decode,
-        machine: &machine,
         f32_bytes: fast_f32.model.projection_bytes(),
         bf16_bytes: fast_bf16.model.projection_bytes(),
-        kiln_f32,
-        kiln_bf16,
-        references: &references,
-        missing: &missing,
-        prefill_seconds: &prefill_seconds,
-        latency: &latency,
-        waste: &waste,
+        measured: None,
+        latency: None,
+        waste: None,
     };
+    if wants(Part::Speed) || wants(Part::Roofline) {
+        eprintln!("== machine: bandwidth and GEMM");
+        let machine = machine::Machine::measure(reps, args.quick);
+        eprintln!(
+            "   read {:.1} GB/s, copy {:.1} GB/s, GEMM kiln {:.1} GFLOP/s, matrixmultiply (1 thread) {:.1}",
+            machine.read_gb_s,
+            machine.copy_gb_s,
+            machine.kiln_gemm_gflop_s,
+            machine.reference_gemm_gflop_s
+        );
+
+        eprintln!("== speed: kiln prefill {prompt} + decode {decode}");
+        let kiln_f32 = speed::measure(&fast_f32.model, &tokens, prompt, decode, reps);
+        let kiln_bf16 = speed::measure(&fast_bf16.model, &tokens, prompt, decode, reps);
+        eprintln!("   f32 {kiln_f32:?}\n   bf16 {kiln_bf16:?}");
+
+        let mut references = Vec::new();
+        let mut missing = Vec::new();
+        if wants(Part::Speed) && !(args.quick || args.no_references) {
+            let setup = references::Setup {
+                model_dir: &args.model.model,
+                threads,
+                prompt,
+                decode,
+                reps,
+            };
+            for (name, result) in [
+                ("transformers", references::transformers(&setup)),
+                ("llama.cpp", references::llama_cpp(&setup)),
+            ] {
+                match result {
+                    Ok(found) => references.extend(found),
+                    Err(error) => {
+                        eprintln!("   {name}: not measured: {error:#}");
+                        missing.push(format!("{name}: not measured ({error:#})"));
+                    }
+                }
+            }
+        }
+
+        eprintln!("== roofline: prefill at several lengths");
+        let prefill_seconds = [8, 32, 128, 512]
+            .into_iter()
+            .filter(|&t| t <= tokens.len() && (!args.quick || t <= 32))
+            .map(|t| (t, speed::prefill_seconds(&fast_f32.model, &tokens, t, reps)))
+            .collect();
+        report.measured = Some(report::Measured {
+            parts: [Part::Speed, Part::Roofline]
+                .into_iter()
+                .filter(|&p| wants(p))
+                .collect(),
+            machine,
+            kiln_f32,
+            kiln_bf16,
+            references,
+            missing,
+            prefill_seconds,
+        });
+    }
+    if wants(Part::Latency) {
+        eprintln!("== latency: recompute vs cached at T = {lengths:?}");
+        report.latency = Some(speed::latency(
+            &dense.model,
+            &fast_f32.model,
+            &tokens,
+            &lengths,
+            reps,
+        ));
+    }
+    if wants(Part::Waste) {
+        eprintln!("== waste: contiguous reservations");
+        report.waste = Some(waste::measure(config)?);
+    }
+
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     for (name, markdown, svg) in report.files() {
         let (md_path, svg_path) = (
@@ -189,7 +216,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{markdown}");
     }
     eprintln!(
-        "wrote speed, roofline, latency and waste (.md, .svg) to {}",
+        "wrote the tables (.md) and plots (.svg) to {}",
         out.display()
     );
     Ok(())

@@ -82,55 +82,69 @@ fn common_args(setup: &Setup) -> Vec<String> {
     .collect()
 }
 
-/// llama.cpp's `llama-bench` on the F32 and F16 GGUF files of SmolLM2: `pp` (prompt processing)
-/// and `tg` (text generation) tokens/s. Its `tg` test decodes from an empty context.
+/// llama.cpp's `llama-bench` on the F32 and F16 GGUF files of SmolLM2 (bit-identical to kiln's
+/// f32 weights; F16 rounds them). Two runs per file, so that the positions match kiln's: `pp`
+/// (prompt processing) of the prompt into an empty cache, and `tg` (text generation) of the
+/// decode tokens at depth `-d P`, after the prompt.
 pub fn llama_cpp(setup: &Setup) -> anyhow::Result<Vec<Reference>> {
     let dir = fixtures().join(".cache/llama.cpp");
     let bench = dir.join("build/bin/llama-bench");
     if !bench.exists() {
         bail!(
-            "{} is missing (run fixtures/scripts/build_llama_cpp.sh)",
+            "{} is missing (run `just build-llama-cpp`)",
             bench.display()
         );
     }
+    let run = |gguf: &Path, args: &[String]| -> anyhow::Result<(f64, String)> {
+        let mut command = Command::new(&bench);
+        command
+            .arg("-m")
+            .arg(gguf)
+            .args(["-t", &setup.threads.to_string()])
+            .args(["-r", &setup.reps.to_string()])
+            .args(["-o", "json"])
+            .args(args);
+        let json = run_json(command)?;
+        let test = json
+            .as_array()
+            .and_then(|tests| tests.first())
+            .context("llama-bench -o json prints an array of tests")?;
+        let build = test["build_number"]
+            .as_u64()
+            .map_or(String::new(), |b| format!(" b{b}"));
+        Ok((f64_field(test, "avg_ts")?, build))
+    };
     ["F32", "F16"]
         .into_iter()
         .map(|dtype| {
             let gguf = dir.join(format!("SmolLM2-135M-Instruct-{dtype}.gguf"));
-            let mut command = Command::new(&bench);
-            command
-                .arg("-m")
-                .arg(&gguf)
-                .args(["-t", &setup.threads.to_string()])
-                .args(["-p", &setup.prompt.to_string()])
-                .args(["-n", &setup.decode.to_string()])
-                .args(["-r", &setup.reps.to_string()])
-                .args(["-o", "json"]);
-            let json = run_json(command)?;
-            let tests = json
-                .as_array()
-                .context("llama-bench -o json prints an array")?;
-            let rate = |key: &str| -> anyhow::Result<f64> {
-                let test = tests
-                    .iter()
-                    .find(|t| t[key].as_u64().is_some_and(|n| n > 0))
-                    .with_context(|| format!("no llama-bench result with {key} > 0"))?;
-                f64_field(test, "avg_ts")
-            };
-            let build = tests
-                .first()
-                .and_then(|t| t["build_number"].as_u64())
-                .map_or(String::new(), |b| format!(" b{b}"));
+            let (prefill, build) = run(
+                &gguf,
+                &strings(&["-p", &setup.prompt.to_string(), "-n", "0"]),
+            )?;
+            let decode_args = [
+                "-p",
+                "0",
+                "-n",
+                &setup.decode.to_string(),
+                "-d",
+                &setup.prompt.to_string(),
+            ];
+            let (decode, _) = run(&gguf, &strings(&decode_args))?;
             Ok(Reference {
                 engine: format!("llama.cpp{build}"),
                 dtype: dtype.to_string(),
                 speed: Speed {
-                    prefill_tok_s: rate("n_prompt")?,
-                    decode_tok_s: rate("n_gen")?,
+                    prefill_tok_s: prefill,
+                    decode_tok_s: decode,
                 },
             })
         })
         .collect()
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| a.to_string()).collect()
 }
 
 /// Runs `command` and parses its stdout as JSON (the last line, for tools that print more).

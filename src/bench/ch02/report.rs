@@ -2,6 +2,7 @@
 
 use ch01::LlamaConfig;
 
+use super::Part;
 use super::machine::Machine;
 use super::references::Reference;
 use super::speed::{LatencyRow, Speed};
@@ -20,29 +21,46 @@ pub struct Report<'a> {
     pub reps: usize,
     pub prompt: usize,
     pub decode: usize,
-    pub machine: &'a Machine,
     /// Bytes of projection and head weights one decode step reads, f32 and bf16 storage.
     pub f32_bytes: usize,
     pub bf16_bytes: usize,
+    pub measured: Option<Measured>,
+    pub latency: Option<Vec<LatencyRow>>,
+    pub waste: Option<Waste>,
+}
+
+/// The speed and roofline measurements (they share the machine probes and kiln's rates).
+pub struct Measured {
+    /// Which of [`Part::Speed`] and [`Part::Roofline`] to write.
+    pub parts: Vec<Part>,
+    pub machine: Machine,
     pub kiln_f32: Speed,
     pub kiln_bf16: Speed,
-    pub references: &'a [Reference],
-    pub missing: &'a [String],
+    pub references: Vec<Reference>,
+    pub missing: Vec<String>,
     /// (T, seconds) of a T-token prefill, f32.
-    pub prefill_seconds: &'a [(usize, f64)],
-    pub latency: &'a [LatencyRow],
-    pub waste: &'a Waste,
+    pub prefill_seconds: Vec<(usize, f64)>,
 }
 
 impl Report<'_> {
-    /// (file stem, markdown, svg) for each figure.
+    /// (file stem, markdown, svg) for each part measured.
     pub fn files(&self) -> Vec<(&'static str, String, String)> {
-        vec![
-            ("speed", self.speed_table(), self.speed_plot()),
-            ("roofline", self.roofline_table(), self.roofline_plot()),
-            ("latency", self.latency_table(), self.latency_plot()),
-            ("waste", self.waste.table(), self.waste.plot()),
-        ]
+        let mut files = Vec::new();
+        if let Some(m) = &self.measured {
+            if m.parts.contains(&Part::Speed) {
+                files.push(("speed", self.speed_table(m), self.speed_plot(m)));
+            }
+            if m.parts.contains(&Part::Roofline) {
+                files.push(("roofline", self.roofline_table(m), self.roofline_plot(m)));
+            }
+        }
+        if let Some(rows) = &self.latency {
+            files.push(("latency", self.latency_table(rows), self.latency_plot(rows)));
+        }
+        if let Some(waste) = &self.waste {
+            files.push(("waste", waste.table(), waste.plot()));
+        }
+        files
     }
 
     /// The common caption line: when, where, how.
@@ -60,8 +78,8 @@ impl Report<'_> {
         )
     }
 
-    fn speed_table(&self) -> String {
-        let read = self.machine.read_gb_s;
+    fn speed_table(&self, m: &Measured) -> String {
+        let read = m.machine.read_gb_s;
         let mut table = Table::new([
             "engine",
             "weights",
@@ -95,16 +113,17 @@ impl Report<'_> {
                 share,
             ]);
         };
-        row("kiln", "f32", self.kiln_f32, Some(self.f32_bytes));
-        row("kiln", "bf16", self.kiln_bf16, Some(self.bf16_bytes));
-        for r in self.references {
+        row("kiln", "f32", m.kiln_f32, Some(self.f32_bytes));
+        row("kiln", "bf16", m.kiln_bf16, Some(self.bf16_bytes));
+        for r in &m.references {
             let bytes = match r.dtype.as_str() {
                 "f32" | "F32" => Some(self.f32_bytes),
                 _ => Some(self.bf16_bytes), // bf16 and F16: two bytes a weight
             };
             row(&r.engine, &r.dtype, r.speed, bytes);
         }
-        let m = self.machine;
+        let missing = &m.missing;
+        let m = &m.machine;
         let mut text = format!(
             "{}\nBatch 1; prefill of {} prompt tokens, then {} decode steps. MB read per token: \
              the projection and output-head weights one decode step streams. Machine, same run: \
@@ -118,16 +137,16 @@ impl Report<'_> {
             m.read_gb_s * 1e9 / self.f32_bytes as f64,
             m.read_gb_s * 1e9 / self.bf16_bytes as f64,
         );
-        for line in self.missing {
+        for line in missing {
             text += &format!("\nNot in this run: {line}.\n");
         }
         text + "\n" + &self.caption() + "\n"
     }
 
-    fn speed_plot(&self) -> String {
-        let mut full = vec![("kiln".to_string(), self.kiln_f32.decode_tok_s)];
-        let mut half = vec![("kiln".to_string(), self.kiln_bf16.decode_tok_s)];
-        for r in self.references {
+    fn speed_plot(&self, m: &Measured) -> String {
+        let mut full = vec![("kiln".to_string(), m.kiln_f32.decode_tok_s)];
+        let mut half = vec![("kiln".to_string(), m.kiln_bf16.decode_tok_s)];
+        for r in &m.references {
             let name = r
                 .engine
                 .split_whitespace()
@@ -139,7 +158,7 @@ impl Report<'_> {
                 _ => half.push((name, r.speed.decode_tok_s)),
             }
         }
-        let read = self.machine.read_gb_s * 1e9;
+        let read = m.machine.read_gb_s * 1e9;
         BarChart::new(format!(
             "Decode, {}, batch 1, {} threads",
             self.model_name, self.threads
@@ -168,23 +187,23 @@ impl Report<'_> {
     }
 
     /// (label, tokens, GFLOP/s, FLOP per weight byte) of every measured point, f32 unless named.
-    fn roofline_points(&self) -> Vec<(String, usize, f64, f64)> {
+    fn roofline_points(&self, m: &Measured) -> Vec<(String, usize, f64, f64)> {
         let bytes = self.f32_bytes as f64;
         let mut points = vec![
             (
                 "decode, f32".to_string(),
                 1,
-                self.projection_flops(1) * self.kiln_f32.decode_tok_s / 1e9,
+                self.projection_flops(1) * m.kiln_f32.decode_tok_s / 1e9,
                 self.projection_flops(1) / bytes,
             ),
             (
                 "decode, bf16".to_string(),
                 1,
-                self.projection_flops(1) * self.kiln_bf16.decode_tok_s / 1e9,
+                self.projection_flops(1) * m.kiln_bf16.decode_tok_s / 1e9,
                 self.projection_flops(1) / self.bf16_bytes as f64,
             ),
         ];
-        for &(t, seconds) in self.prefill_seconds {
+        for &(t, seconds) in &m.prefill_seconds {
             let flops = self.projection_flops(t);
             points.push((
                 format!("prefill T={t}"),
@@ -196,8 +215,8 @@ impl Report<'_> {
         points
     }
 
-    fn roofline_table(&self) -> String {
-        let m = self.machine;
+    fn roofline_table(&self, measured: &Measured) -> String {
+        let m = &measured.machine;
         let mut table = Table::new([
             "step",
             "FLOP / weight byte",
@@ -207,7 +226,7 @@ impl Report<'_> {
             "of read bandwidth",
         ])
         .align(0, Align::Left);
-        for (label, _, gflop_s, intensity) in self.roofline_points() {
+        for (label, _, gflop_s, intensity) in self.roofline_points(measured) {
             let gb_s = gflop_s / intensity;
             table.row([
                 label,
@@ -234,8 +253,8 @@ impl Report<'_> {
         )
     }
 
-    fn roofline_plot(&self) -> String {
-        let m = self.machine;
+    fn roofline_plot(&self, measured: &Measured) -> String {
+        let m = &measured.machine;
         let ridge = m.kiln_gemm_gflop_s / m.read_gb_s;
         let roof = [
             (0.1, 0.1 * m.read_gb_s),
@@ -251,13 +270,13 @@ impl Report<'_> {
         .log_x()
         .log_y()
         .reference("roof: min(GEMM peak, bandwidth × intensity)", &roof);
-        for (label, _, gflop_s, intensity) in self.roofline_points() {
+        for (label, _, gflop_s, intensity) in self.roofline_points(measured) {
             plot = plot.series(label, &[(intensity, gflop_s)]);
         }
         plot.to_svg()
     }
 
-    fn latency_table(&self) -> String {
+    fn latency_table(&self, rows: &[LatencyRow]) -> String {
         let mut table = Table::new([
             "context T",
             "recompute, dense (ch. 1) ms",
@@ -265,7 +284,7 @@ impl Report<'_> {
             "cached decode (ch. 2) ms",
             "cache speed-up",
         ]);
-        for r in self.latency {
+        for r in rows {
             table.row([
                 r.len.to_string(),
                 format!("{:.2}", ms(r.recompute_dense)),
@@ -284,9 +303,9 @@ impl Report<'_> {
         )
     }
 
-    fn latency_plot(&self) -> String {
+    fn latency_plot(&self, rows: &[LatencyRow]) -> String {
         let series = |f: &dyn Fn(&LatencyRow) -> f64| -> Vec<(f64, f64)> {
-            self.latency.iter().map(|r| (r.len as f64, f(r))).collect()
+            rows.iter().map(|r| (r.len as f64, f(r))).collect()
         };
         LinePlot::new(format!("Per-token latency, {}", self.model_name))
             .x_label("context length T")

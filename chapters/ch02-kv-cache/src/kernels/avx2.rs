@@ -15,8 +15,10 @@ pub unsafe fn load16_f32(p: *const f32) -> (__m256, __m256) {
     unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) }
 }
 
-/// 16 bf16 weights widened to f32: zero-extend each 16-bit value to 32 bits, shift it into the
-/// high half.
+/// 16 bf16 weights widened to f32: interleaving a zero below each 16-bit value puts it in the
+/// high half of a 32-bit lane, which is the f32 with the same bits (exact). The interleave
+/// works within 128-bit halves, so the vectors hold stored elements 0-3, 8-11 and 4-7, 12-15;
+/// the packing stores outputs in that order (`u16::slot`), so they come out as outputs 0-7, 8-15.
 ///
 /// # Safety
 /// `p` must point to 16 readable u16; the CPU must support AVX2.
@@ -25,11 +27,10 @@ pub unsafe fn load16_f32(p: *const f32) -> (__m256, __m256) {
 pub unsafe fn load16_bf16(p: *const u16) -> (__m256, __m256) {
     unsafe {
         let bits = _mm256_loadu_si256(p as *const __m256i); // 16 × u16
-        let lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits));
-        let hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256::<1>(bits));
+        let zero = _mm256_setzero_si256();
         (
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lo)),
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(hi)),
+            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits)),
         )
     }
 }
@@ -67,6 +68,10 @@ pub unsafe fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [
         _mm256_storeu_ps(out.as_mut_ptr().add(8), hi);
     }
 }
+
+/// How far ahead of its reads the decode kernel prefetches.
+const PREFETCH_BYTES: usize = 2048;
+const PREFETCH_ON: usize = 1;
 
 // ANCHOR: micro_kernel
 /// `c[r][j] = Σ_k a[k][r] · b[k][j]`: a 6 × 16 output tile held in 12 registers; per `k`, two

@@ -23,6 +23,8 @@ mod avx2;
 mod packed;
 mod portable;
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
 pub use packed::{NR, PackedWeight, WeightElement};
@@ -107,56 +109,78 @@ pub fn matmul<W: WeightElement>(
     assert_eq!(x.len(), tokens * k, "x is [tokens, in]");
     assert_eq!(y.len(), tokens * n, "y is [tokens, out]");
     let tiles = tokens.div_ceil(MR);
-    let a = pack_tokens(x, tokens, k); // [tiles][k][MR], zero rows past `tokens`
-
-    // Panel-major output, so that each task owns a contiguous slice: [panels][tiles * MR][NR].
     let panel_out = tiles * MR * NR;
-    let mut y_panels = vec![0.0f32; w.num_panels() * panel_out];
-    let per_task = panels_per_task(w.num_panels());
-    y_panels
-        .par_chunks_mut(per_task * panel_out)
-        .enumerate()
-        .for_each(|(task, y_task)| {
-            // One weight panel at a time, so it stays in cache while every token tile uses it.
-            for (i, y_panel) in y_task.chunks_mut(panel_out).enumerate() {
-                let b = w.panel(task * per_task + i); // [k][NR]
-                for tile in 0..tiles {
-                    let a_tile = &a[tile * k * MR..][..k * MR]; // [k][MR]
-                    let c = &mut y_panel[tile * MR * NR..][..MR * NR]; // [MR][NR]
-                    match isa {
-                        Isa::Portable => portable::tile_matmul(a_tile, b, c),
-                        // SAFETY: only constructed when the CPU has AVX2 and FMA.
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2Fma => unsafe { avx2::tile_matmul(a_tile, b, c) },
+    with_buffers(|a, y_panels| {
+        pack_tokens(x, tokens, k, a); // [tiles][k][MR], zero rows past `tokens`
+        // Panel-major output, so that each task owns a contiguous slice: [panels][tiles * MR][NR].
+        y_panels.resize(w.num_panels() * panel_out, 0.0); // every element is overwritten below
+        let per_task = panels_per_task(w.num_panels());
+        y_panels
+            .par_chunks_mut(per_task * panel_out)
+            .enumerate()
+            .for_each(|(task, y_task)| {
+                // One weight panel at a time, so it stays in cache while every token tile uses it.
+                for (i, y_panel) in y_task.chunks_mut(panel_out).enumerate() {
+                    let b = w.panel(task * per_task + i); // [k][NR]
+                    for tile in 0..tiles {
+                        let a_tile = &a[tile * k * MR..][..k * MR]; // [k][MR]
+                        let c = &mut y_panel[tile * MR * NR..][..MR * NR]; // [MR][NR]
+                        match isa {
+                            Isa::Portable => portable::tile_matmul(a_tile, b, c),
+                            // SAFETY: only constructed when the CPU has AVX2 and FMA.
+                            #[cfg(target_arch = "x86_64")]
+                            Isa::Avx2Fma => unsafe { avx2::tile_matmul(a_tile, b, c) },
+                        }
                     }
                 }
-            }
-        });
+            });
 
-    // Back to row-major [tokens, out], dropping the padding.
-    for (t, y_row) in y.chunks_mut(n).enumerate() {
-        for (p, y_part) in y_row.chunks_mut(NR).enumerate() {
-            let from = &y_panels[p * panel_out + t * NR..][..y_part.len()];
-            y_part.copy_from_slice(from);
+        // Back to row-major [tokens, out], dropping the padding.
+        for (t, y_row) in y.chunks_mut(n).enumerate() {
+            for (p, y_part) in y_row.chunks_mut(NR).enumerate() {
+                let from = &y_panels[p * panel_out + t * NR..][..y_part.len()];
+                y_part.copy_from_slice(from);
+            }
         }
-    }
+    });
 }
 // ANCHOR_END: matmul
 
-/// `x` [tokens, k] row-major → `[tiles][k][MR]`: for each tile of [`MR`] tokens, the MR values of
-/// feature `k` adjacent (the micro-kernel broadcasts them one by one). Missing tokens are zero.
-fn pack_tokens(x: &[f32], tokens: usize, k: usize) -> Vec<f32> {
+thread_local! {
+    /// The calling thread's packed tokens and panel-major output, kept between calls: fresh
+    /// multi-megabyte buffers would come from the kernel as zeroed pages on every prefill.
+    static BUFFERS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Runs `f` with this thread's buffers, or with fresh ones if they are in use (a matmul started
+/// by a task that this thread runs while it waits inside another matmul).
+fn with_buffers(f: impl FnOnce(&mut Vec<f32>, &mut Vec<f32>)) {
+    BUFFERS.with(|buffers| match buffers.try_borrow_mut() {
+        Ok(mut buffers) => {
+            let (a, y) = &mut *buffers;
+            f(a, y)
+        }
+        Err(_) => f(&mut Vec::new(), &mut Vec::new()),
+    })
+}
+
+/// `x` [tokens, k] row-major → `a` = `[tiles][k][MR]`: for each tile of [`MR`] tokens, the MR
+/// values of feature `k` adjacent (the micro-kernel broadcasts them one by one). Missing tokens
+/// are zero.
+fn pack_tokens(x: &[f32], tokens: usize, k: usize, a: &mut Vec<f32>) {
     let tiles = tokens.div_ceil(MR);
-    let mut a = vec![0.0f32; tiles * k * MR];
+    a.clear();
+    a.resize(tiles * k * MR, 0.0);
+    if k == 0 {
+        return; // nothing to pack: every output is the empty sum
+    }
     for (t, row) in x.chunks_exact(k).enumerate() {
         let tile = &mut a[(t / MR) * k * MR..][..k * MR];
         for (kk, &v) in row.iter().enumerate() {
             tile[kk * MR + t % MR] = v;
         }
     }
-    a
 }
-
 /// `y = x Wᵀ` for any number of tokens, choosing the kernel: [`matvec`] for one, [`matmul`] for
 /// more. `x`: [tokens, in], `y`: [tokens, out].
 pub fn linear<W: WeightElement>(

@@ -8,6 +8,14 @@ pub trait WeightElement: Copy + Default + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 
+    /// Where output `j` (0..NR) of a panel row is stored within its 16 elements. The identity,
+    /// unless a type's fastest vector load delivers the lanes in another order (bf16: see
+    /// [`u16::slot`]).
+    #[inline(always)]
+    fn slot(j: usize) -> usize {
+        j
+    }
+
     /// Loads 16 consecutive elements as two 8-lane f32 vectors.
     ///
     /// # Safety
@@ -43,6 +51,17 @@ impl WeightElement for u16 {
     fn from_f32(v: f32) -> u16 {
         half::bf16::from_f32(v).to_bits()
     }
+    /// The AVX2 load widens bf16 to f32 by interleaving zeros below each value, which works
+    /// within 128-bit halves: it yields stored elements 0-3 and 8-11 as one vector, 4-7 and
+    /// 12-15 as the other. So outputs 4-7 are stored at 8-11 and outputs 8-11 at 4-7.
+    #[inline(always)]
+    fn slot(j: usize) -> usize {
+        match j / 4 {
+            1 => j + 4,
+            2 => j - 4,
+            _ => j,
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load16(p: *const u16) -> (Avx2, Avx2) {
@@ -52,7 +71,7 @@ impl WeightElement for u16 {
 
 // ANCHOR: packed_weight
 /// `W` [out, in] stored panel by panel: panel `p` holds output rows `p·NR .. p·NR + NR`, and
-/// element `(o, k)` sits at `p·in·NR + k·NR + (o − p·NR)`.
+/// element `(o, k)` sits at `p·in·NR + k·NR + slot(o − p·NR)` ([`WeightElement::slot`]).
 ///
 /// Invariants: `data.len() == num_panels · in · NR`, `num_panels = ceil(out / NR)`, and the rows
 /// of the last panel past `out` are zero, so kernels may always compute whole panels.
@@ -72,7 +91,7 @@ impl<W: WeightElement> PackedWeight<W> {
         for (o, row) in w.chunks_exact(in_features.max(1)).enumerate() {
             let panel = &mut data[(o / NR) * in_features * NR..][..in_features * NR];
             for (k, &v) in row.iter().enumerate() {
-                panel[k * NR + o % NR] = W::from_f32(v);
+                panel[k * NR + W::slot(o % NR)] = W::from_f32(v);
             }
         }
         PackedWeight {

@@ -8,7 +8,7 @@ pub fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR
     let mut acc = [0.0f32; NR];
     for (w_k, &x_k) in panel.chunks_exact(NR).zip(x) {
         for j in 0..NR {
-            acc[j] += w_k[j].to_f32() * x_k;
+            acc[j] += w_k[W::slot(j)].to_f32() * x_k;
         }
     }
     *out = acc;
@@ -21,7 +21,7 @@ pub fn tile_matmul<W: WeightElement>(a: &[f32], b: &[W], c: &mut [f32]) {
     for (a_k, b_k) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
         let mut b_f32 = [0.0f32; NR];
         for j in 0..NR {
-            b_f32[j] = b_k[j].to_f32();
+            b_f32[j] = b_k[W::slot(j)].to_f32();
         }
         for r in 0..MR {
             for j in 0..NR {
