@@ -69,10 +69,6 @@ pub unsafe fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [
     }
 }
 
-/// How far ahead of its reads the decode kernel prefetches.
-const PREFETCH_BYTES: usize = 2048;
-const PREFETCH_ON: usize = 1;
-
 // ANCHOR: micro_kernel
 /// `c[r][j] = Σ_k a[k][r] · b[k][j]`: a 6 × 16 output tile held in 12 registers; per `k`, two
 /// weight loads, six broadcasts and twelve fused multiply-adds.
