@@ -18,7 +18,11 @@ chapter n:
       2) echo "-- the cost of the next token: recompute everything (chapter 1) vs one cached step"
          cargo run --release -q -- bench ch02 --only latency --lengths 16,64,256,510 --reps 3 --out "$(mktemp -d)" 2>/dev/null
          echo "-- generation on the cached path (chapter 1 recompute: add --recompute)"
-         cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 ;;
+         cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --contiguous ;;
+      3) echo "-- KV memory, contiguous vs paged; sharing; the cost of paging (default model, quick sizes)"
+         cargo run --release -q -- bench ch03 --quick 2>/dev/null
+         echo "-- generation on paged blocks"
+         cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --kv-cache-memory 16MiB ;;
       *) echo "(no demo for chapter {{n}} yet)" ;;
     esac
 
@@ -36,14 +40,14 @@ fixtures:
     bash fixtures/scripts/make_all.sh
 
 # Run a benchmark and write its tables and plots into the book (`just bench ch01`).
-# ch02 measures SmolLM2-135M (fetched first) beside transformers (`just fixtures`) and llama.cpp
-# (`just build-llama-cpp`) when those are present.
+# ch02 and ch03 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
+# and llama.cpp (`just build-llama-cpp`) when those are present.
 bench which="ch01" *args:
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{which}}" in
-      ch02) bash fixtures/scripts/fetch_smollm2.sh
-            cargo run --release -- bench ch02 --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
+      ch02|ch03) bash fixtures/scripts/fetch_smollm2.sh
+            cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
       *) cargo run --release -- bench {{which}} {{args}} ;;
     esac
 

@@ -6,6 +6,7 @@
 
 pub mod ch01;
 pub mod ch02;
+pub mod ch03;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
 pub mod bars;
@@ -31,12 +32,15 @@ enum Chapter {
     Ch01(ch01::Args),
     /// Chapter 2: cached decode vs recompute, kiln vs other engines, the roofline, KV waste.
     Ch02(ch02::Args),
+    /// Chapter 3: KV memory contiguous vs paged, sharing, the cost of paging.
+    Ch03(ch03::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.chapter {
         Chapter::Ch01(args) => ch01::run(args),
         Chapter::Ch02(args) => ch02::run(args),
+        Chapter::Ch03(args) => ch03::run(args),
     }
 }
 

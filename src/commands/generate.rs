@@ -45,8 +45,41 @@ pub struct Args {
     #[arg(long)]
     pub ignore_eos: bool,
     /// Chapter 1's loop: recompute the whole sequence for every token instead of using the KV cache.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "contiguous")]
     pub recompute: bool,
+    /// Chapter 2's cache: one contiguous buffer reserved for the model's whole context, instead
+    /// of chapter 3's paged blocks.
+    #[arg(long)]
+    pub contiguous: bool,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// Chapter 3's paged KV cache, sized as vLLM's `--kv-cache-memory` and `--block-size`.
+#[derive(clap::Args, Debug)]
+pub struct KvArgs {
+    /// Memory for the paged KV cache, e.g. 512MiB, 2GiB, 1.5GB or a number of bytes.
+    #[arg(long, default_value = "512MiB", value_parser = super::parse_bytes)]
+    pub kv_cache_memory: u64,
+    /// Positions per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+}
+
+impl KvArgs {
+    /// The pool, logged as a server logs it: bytes, blocks, and how many tokens they hold.
+    pub fn pool(&self, config: &ch01::LlamaConfig) -> anyhow::Result<ch03::PagedKv> {
+        let kv = ch03::PagedKv::with_budget(config, self.block_size, self.kv_cache_memory, false)?;
+        eprintln!(
+            "kiln: KV cache {:.1} MiB = {} blocks of {} tokens = {} tokens ({} bytes per token)",
+            self.kv_cache_memory as f64 / (1u64 << 20) as f64,
+            kv.pool.num_blocks(),
+            self.block_size,
+            kv.pool.token_capacity(),
+            ch03::KvPool::bytes_per_block(config, 1),
+        );
+        Ok(kv)
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -81,6 +114,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         prompt_tokens.len()
     );
 
+    // Chapter 3's paged pool, checked before anything is printed.
+    let mut paged = None;
+    if !(args.recompute || args.contiguous) {
+        let config = &loaded.model.config;
+        let kv = args.kv.pool(config)?;
+        let needed = (prompt_tokens.len() + args.max_tokens).min(config.max_position_embeddings);
+        if needed > kv.pool.token_capacity() {
+            anyhow::bail!(
+                "the KV cache holds {} tokens, but the prompt ({}) plus --max-tokens ({}) needs {needed}: \
+                 raise --kv-cache-memory",
+                kv.pool.token_capacity(),
+                prompt_tokens.len(),
+                args.max_tokens
+            );
+        }
+        paged = Some(kv);
+    }
+
     let mut stdout = std::io::stdout().lock();
     write!(stdout, "{}", args.prompt)?;
     stdout.flush()?;
@@ -93,7 +144,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let generation = if args.recompute {
         ch01::generate(model, tokenizer, &prompt_tokens, &options, &mut on_text)?
-    } else {
+    } else if args.contiguous {
         let mut cache = ch02::ContiguousKvCache::for_max_len(&model.config);
         ch02::generate_cached(
             model,
@@ -103,6 +154,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             &options,
             &mut on_text,
         )?
+    } else {
+        let kv = paged
+            .as_mut()
+            .expect("made above unless --recompute or --contiguous");
+        ch03::generate_paged(model, tokenizer, &prompt_tokens, kv, &options, &mut on_text)?
     };
     writeln!(stdout)?;
     if let Some(e) = write_error {

@@ -56,3 +56,52 @@ impl ModelArgs {
         })
     }
 }
+
+/// Parses a memory size: a number of bytes, or a number with a unit: KB, MB, GB (powers of
+/// 1000) or KiB, MiB, GiB (powers of 1024), e.g. `512MiB`, `1.5GB`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size such as 512MiB, 2GB or 1000000"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?}: use KB, MB, GB, KiB, MiB or GiB"
+            ));
+        }
+    };
+    let bytes = number * scale;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        return Err(format!("{text:?} is not a usable size"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse_with_and_without_units() {
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert_eq!(parse_bytes(" 64 kib "), Ok(64 * 1024));
+        for bad in ["", "MiB", "12XB", "-3MiB", "0", "1e400GB", "nan"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+}

@@ -26,11 +26,28 @@ pub fn scratch_len(n: usize, context_len: usize, shape: AttentionShape) -> usize
 
 /// `q`, `out`: [n, num_heads · head_dim]; `k`, `v`: at least [context_len, num_kv_heads · head_dim],
 /// row-major; `scores`: at least [`scratch_len`] elements.
-// ANCHOR: cached_attention
 pub fn cached_attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    context_len: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    cached_attention_mapped(q, k, v, &|pos| pos, context_len, shape, out, scores);
+}
+
+/// [`cached_attention`] with the K/V of position `pos` in row `row_of(pos)` of `k` and `v`
+/// (rows of `num_kv_heads · head_dim`): contiguous storage maps `pos` to itself, chapter 3's
+/// paged storage through a block table.
+// ANCHOR: cached_attention
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention_mapped<R: Fn(usize) -> usize + Sync>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    row_of: &R,
     context_len: usize,
     shape: AttentionShape,
     out: &mut [f32],
@@ -47,7 +64,7 @@ pub fn cached_attention(
             .zip(scores.par_chunks_mut(context_len))
             .enumerate()
             .for_each(|(h, (out_h, s))| {
-                attend_head_fastest(q, k, v, shape, h, first_pos, out_h, s);
+                attend_head_fastest(q, k, v, row_of, shape, h, first_pos, out_h, s);
             });
     } else {
         // Prefill: query rows in parallel, heads one after another.
@@ -59,7 +76,7 @@ pub fn cached_attention(
                     let i = task * ROWS_PER_TASK + r;
                     let q_row = &q[i * q_dim..][..q_dim];
                     for (h, out_h) in out_row.chunks_mut(shape.head_dim).enumerate() {
-                        attend_head_fastest(q_row, k, v, shape, h, first_pos + i, out_h, s);
+                        attend_head_fastest(q_row, k, v, row_of, shape, h, first_pos + i, out_h, s);
                     }
                 }
             });
@@ -69,10 +86,11 @@ pub fn cached_attention(
 /// One query row (position `pos`), head `h`: `out_h` [head_dim] = softmax(q_h Kᵀ/√d) V.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn attend_head(
+fn attend_head<R: Fn(usize) -> usize>(
     q_row: &[f32],
     k: &[f32],
     v: &[f32],
+    row_of: &R,
     shape: AttentionShape,
     h: usize,
     pos: usize,
@@ -86,12 +104,12 @@ fn attend_head(
     let scale = 1.0 / (d as f32).sqrt();
     let scores = &mut scores[..=pos];
     for (j, s) in scores.iter_mut().enumerate() {
-        *s = dot(q_h, &k[j * kv_dim + kv_head * d..][..d]) * scale;
+        *s = dot(q_h, &k[row_of(j) * kv_dim + kv_head * d..][..d]) * scale;
     }
     softmax_in_place(scores);
     out_h.fill(0.0);
     for (j, &p) in scores.iter().enumerate() {
-        let v_j = &v[j * kv_dim + kv_head * d..][..d];
+        let v_j = &v[row_of(j) * kv_dim + kv_head * d..][..d];
         out_h.iter_mut().zip(v_j).for_each(|(o, v)| *o += p * v);
     }
 }
@@ -100,10 +118,11 @@ fn attend_head(
 /// [`attend_head`] compiled for AVX2 + FMA when the CPU has them (the same Rust, vectorised
 /// 8 lanes wide by the compiler), else as plain Rust.
 #[allow(clippy::too_many_arguments)]
-fn attend_head_fastest(
+fn attend_head_fastest<R: Fn(usize) -> usize>(
     q_row: &[f32],
     k: &[f32],
     v: &[f32],
+    row_of: &R,
     shape: AttentionShape,
     h: usize,
     pos: usize,
@@ -114,22 +133,23 @@ fn attend_head_fastest(
     if crate::kernels::Isa::detect() != crate::kernels::Isa::Portable {
         #[target_feature(enable = "avx2,fma")]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(
+        unsafe fn avx2<R: Fn(usize) -> usize>(
             q_row: &[f32],
             k: &[f32],
             v: &[f32],
+            row_of: &R,
             shape: AttentionShape,
             h: usize,
             pos: usize,
             out_h: &mut [f32],
             scores: &mut [f32],
         ) {
-            attend_head(q_row, k, v, shape, h, pos, out_h, scores)
+            attend_head(q_row, k, v, row_of, shape, h, pos, out_h, scores)
         }
         // SAFETY: `Isa::detect` found AVX2 and FMA on this CPU.
-        return unsafe { avx2(q_row, k, v, shape, h, pos, out_h, scores) };
+        return unsafe { avx2(q_row, k, v, row_of, shape, h, pos, out_h, scores) };
     }
-    attend_head(q_row, k, v, shape, h, pos, out_h, scores)
+    attend_head(q_row, k, v, row_of, shape, h, pos, out_h, scores)
 }
 
 /// Dot product with 8 independent partial sums, which the compiler vectorises.

@@ -15,6 +15,10 @@ pub enum KvError {
     CacheFull { needed: usize, capacity: usize },
     #[error("KV write at position {start_pos} but {len} positions are stored: writes must append")]
     NotAppending { start_pos: usize, len: usize },
+    /// A store that draws blocks from a shared pool (chapter 3) found too few free: the caller
+    /// can wait, free or preempt another sequence (chapter 4), and retry.
+    #[error("out of KV blocks: {needed} needed, {free} free")]
+    OutOfBlocks { needed: usize, free: usize },
 }
 
 // ANCHOR: kv_store

@@ -67,9 +67,9 @@ impl Report<'_> {
     fn caption(&self) -> String {
         let f = self.facts;
         format!(
-            "_{}, {} threads on {} ({} CPUs), {}, median of {} runs. Command: `{}`._",
+            "_{}, {} on {} ({} CPUs), {}, median of {} runs. Command: `{}`._",
             self.model_name,
-            self.threads,
+            plural(self.threads, "thread"),
             f.cpu.as_deref().unwrap_or("an unknown CPU"),
             f.nproc,
             f.date,
@@ -323,4 +323,9 @@ impl Report<'_> {
             .series("cached decode (ch. 2)", &series(&|r| ms(r.cached)))
             .to_svg()
     }
+}
+
+/// `1 thread`, `2 threads`.
+pub fn plural(n: usize, noun: &str) -> String {
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
 }

@@ -42,7 +42,7 @@ pub fn measure(model: &Llama, tokens: &[u32], prompt: usize, decode: usize, reps
 
 /// Seconds of a prefill of `len` tokens into a fresh cache, median of `reps`.
 pub fn prefill_seconds(model: &Llama, tokens: &[u32], len: usize, reps: usize) -> f64 {
-    let times = (0..reps.max(1))
+    let times = (0..=reps.max(1)) // the first run is a warm-up
         .map(|_| {
             let mut session = CachedSession::new(model, ContiguousKvCache::new(&model.config, len));
             let start = Instant::now();
@@ -51,6 +51,7 @@ pub fn prefill_seconds(model: &Llama, tokens: &[u32], len: usize, reps: usize) -
                 .expect("benchmark tokens are valid");
             start.elapsed()
         })
+        .skip(1)
         .collect();
     median(times).as_secs_f64()
 }

@@ -99,7 +99,7 @@ impl Waste {
             .unzip();
         format!(
             "{}\n{REQUESTS} requests (seed {SEED}): prompt lengths log-normal with median 100 and \
-             σ 1.0, outputs median 225 and σ 0.9, clipped to the {} -token context; measured \
+             σ 1.0, outputs median 225 and σ 0.9, clipped to a context of {} tokens; measured \
              prompt mean {:.0} (p99 {}), output mean {:.0} (p99 {}). A token of this model's f32 \
              cache takes {} bytes (2 × layers × kv_heads × head_dim × 4). \"Ever holds a token\": \
              reserved slots that some token fills before the request ends; time-weighted: the \

@@ -1,0 +1,143 @@
+//! The K/V memory of every sequence: per layer, one K and one V array of fixed-size blocks.
+
+use ch01::LlamaConfig;
+use ch01::attention::AttentionShape;
+use ch02::attention::{cached_attention_mapped, scratch_len};
+use ndarray::ArrayView1;
+
+use crate::block_manager::BlockCopy;
+use crate::block_table::BlockTable;
+
+/// Why a pool could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    #[error("a KV budget of {budget} bytes holds no block of {block_bytes} bytes")]
+    BudgetTooSmall { budget: u64, block_bytes: u64 },
+    #[error("block size must be at least 1")]
+    ZeroBlockSize,
+}
+
+// ANCHOR: pool
+/// Per layer, K and V laid out `[num_blocks, block_size, num_kv_heads, head_dim]`, f32.
+/// Slot `s = block · block_size + offset` holds one position's K (or V): row `s` of
+/// `[num_blocks · block_size, kv_dim]`.
+///
+/// Invariant: `keys.len() == values.len() == num_layers`, each `num_blocks · block_size · kv_dim`
+/// long. The pool does not know who owns a block: the [`crate::BlockManager`] does.
+pub struct KvPool {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    num_blocks: usize,
+    block_size: usize,
+    kv_dim: usize,
+    scores: Vec<f32>, // attention scratch; sized for a decode step over the whole context
+}
+// ANCHOR_END: pool
+
+impl KvPool {
+    /// Bytes one block takes: K and V, every layer, `block_size` positions, f32.
+    pub fn bytes_per_block(config: &LlamaConfig, block_size: usize) -> u64 {
+        ch02::workload::bytes_per_token(config, size_of::<f32>()) * block_size as u64
+    }
+
+    pub fn new(
+        config: &LlamaConfig,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Self, PoolError> {
+        if block_size == 0 {
+            return Err(PoolError::ZeroBlockSize);
+        }
+        let kv_dim = config.num_key_value_heads * config.head_dim;
+        let layer = || vec![0.0f32; num_blocks * block_size * kv_dim];
+        Ok(KvPool {
+            keys: (0..config.num_hidden_layers).map(|_| layer()).collect(),
+            values: (0..config.num_hidden_layers).map(|_| layer()).collect(),
+            num_blocks,
+            block_size,
+            kv_dim,
+            scores: vec![0.0; config.num_attention_heads * config.max_position_embeddings],
+        })
+    }
+
+    /// As many blocks as `budget` bytes hold (the `--kv-cache-memory` of a server).
+    pub fn with_budget(
+        config: &LlamaConfig,
+        block_size: usize,
+        budget: u64,
+    ) -> Result<Self, PoolError> {
+        if block_size == 0 {
+            return Err(PoolError::ZeroBlockSize);
+        }
+        let block_bytes = Self::bytes_per_block(config, block_size);
+        let num_blocks = budget / block_bytes.max(1);
+        if num_blocks == 0 {
+            return Err(PoolError::BudgetTooSmall {
+                budget,
+                block_bytes,
+            });
+        }
+        Self::new(config, block_size, num_blocks as usize)
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Positions the whole pool holds.
+    pub fn token_capacity(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    /// Copies block `src`'s K/V into block `dst` in every layer (copy-on-write).
+    pub fn copy_block(&mut self, copy: BlockCopy) {
+        let len = self.block_size * self.kv_dim;
+        let (src, dst) = (copy.src as usize * len, copy.dst as usize * len);
+        for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            buffer.copy_within(src..src + len, dst);
+        }
+    }
+
+    /// Writes one position's K and V rows (`kv_dim` values each) of `layer` into `slot`.
+    pub fn write<'r>(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        k: ArrayView1<'r, f32>,
+        v: ArrayView1<'r, f32>,
+    ) {
+        let at = slot * self.kv_dim;
+        for (buffer, row) in [(&mut self.keys[layer], k), (&mut self.values[layer], v)] {
+            for (dst, &x) in buffer[at..at + self.kv_dim].iter_mut().zip(row.iter()) {
+                *dst = x;
+            }
+        }
+    }
+
+    /// Paged attention: chapter 2's attention, reading position `p`'s K/V from slot
+    /// `table.slot(p)`. `q`, `out`: [n, num_heads · head_dim], positions `context_len − n..context_len`.
+    // ANCHOR: paged_attention
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        table: &BlockTable,
+        q: &[f32],
+        context_len: usize,
+        shape: AttentionShape,
+        out: &mut [f32],
+    ) {
+        let n = q.len() / (shape.num_heads * shape.head_dim);
+        let needed = scratch_len(n, context_len, shape);
+        if self.scores.len() < needed {
+            self.scores.resize(needed, 0.0); // a long prefill; decode never grows it
+        }
+        let row_of = |pos: usize| table.slot(pos); // the block table is the only change
+        let (k, v) = (&self.keys[layer], &self.values[layer]);
+        cached_attention_mapped(q, k, v, &row_of, context_len, shape, out, &mut self.scores);
+    }
+    // ANCHOR_END: paged_attention
+}
