@@ -96,7 +96,7 @@ pub fn ttft(
     };
     let mut cold = Vec::new();
     let mut hit = Vec::new();
-    for _ in 0..reps.max(1) {
+    for _ in 0..=reps.max(1) {
         let pool =
             KvPool::new(&model.config, block_size, 4 * len.div_ceil(block_size)).expect("pool");
         let mut kv = PagedKv::new(pool, true);
@@ -109,11 +109,11 @@ pub fn ttft(
             kv.free(seq);
         }
     }
-    (median(cold), median(hit))
+    (median(cold[1..].to_vec()), median(hit[1..].to_vec())) // the first round warms up
 }
 
 /// Decode tokens/s after a `prompt`-token prefill: (contiguous, paged), one after the other in
-/// each of `reps` rounds, medians.
+/// each of `reps` rounds after an untimed one, medians.
 pub fn decode_speed(
     model: &Llama,
     tokens: &[u32],
@@ -123,7 +123,7 @@ pub fn decode_speed(
     reps: usize,
 ) -> (f64, f64) {
     let (mut contiguous, mut paged) = (Vec::new(), Vec::new());
-    for _ in 0..reps.max(1) {
+    for _ in 0..=reps.max(1) {
         let mut session = CachedSession::new(
             model,
             ContiguousKvCache::new(&model.config, prompt + decode),
@@ -152,7 +152,8 @@ pub fn decode_speed(
         }
         paged.push(start.elapsed());
     }
-    let rate = |times: Vec<Duration>| decode as f64 / median(times).as_secs_f64();
+    // The first round warms both paths up.
+    let rate = |times: Vec<Duration>| decode as f64 / median(times[1..].to_vec()).as_secs_f64();
     (rate(contiguous), rate(paged))
 }
 

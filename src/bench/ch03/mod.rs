@@ -37,7 +37,7 @@ pub struct Args {
     /// CI smoke run: small sizes, one repetition.
     #[arg(long)]
     pub quick: bool,
-    /// Timed repetitions; medians are reported [default: 3, 1 with --quick].
+    /// Timed repetitions; medians are reported [default: 5, 1 with --quick].
     #[arg(long, value_name = "N")]
     pub reps: Option<usize>,
     /// Positions per block.
@@ -50,7 +50,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let facts = RunFacts::collect();
-    let reps = args.reps.unwrap_or(if args.quick { 1 } else { 3 });
+    let reps = args.reps.unwrap_or(if args.quick { 1 } else { 5 });
     if reps == 0 || args.block_size == 0 {
         bail!("--reps and --block-size must be at least 1");
     }
