@@ -131,6 +131,44 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
         &["perplexity", "--model", model, "--file", "/nonexistent.txt"],
         "/nonexistent.txt",
     );
+    assert_fails_with(
+        &[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "x",
+            "--kv-cache-memory",
+            "12XB",
+        ],
+        "unknown size unit",
+    );
+    assert_fails_with(
+        &[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "x",
+            "--kv-cache-memory",
+            "1KiB",
+        ],
+        "holds no block",
+    );
+    assert_fails_with(
+        &[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "x",
+            "--kv-cache-memory",
+            "64KiB",
+            "--max-tokens",
+            "500",
+        ],
+        "raise --kv-cache-memory",
+    );
 }
 
 /// `kiln perplexity` equals the PyTorch computation of the same llama.cpp-style score.

@@ -10,7 +10,6 @@
 //! cumulative:     one pass t = 1, 2, …, T_max timing forward(t) once each; report Σ_{t ≤ T}
 //! ```
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -18,7 +17,7 @@ use ch01::Llama;
 
 use super::svg::LinePlot;
 use super::table::Table;
-use super::{RunFacts, bench_tokens, book_dir, model_name, ms, parameter_count, time};
+use super::{Output, RunFacts, bench_tokens, model_name, ms, parameter_count, time};
 use crate::commands::ModelArgs;
 
 const DEFAULT_LENGTHS: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -29,20 +28,12 @@ const DEFAULT_REPS: usize = 5;
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Where to write latency.md and latency.svg [default: book/src/ch01, or a temporary
-    /// directory with --quick].
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-    /// CI smoke run: lengths 8 and 16, one repetition, output to a temporary directory.
-    #[arg(long)]
-    pub quick: bool,
+    #[command(flatten)]
+    pub output: Output,
     /// Sequence lengths to time, comma-separated [default: 16,32,64,128,256,512, those within
     /// the model's context].
     #[arg(long, value_delimiter = ',', value_name = "T,..")]
     pub lengths: Vec<usize>,
-    /// Timed repetitions per length; the median is reported [default: 5, 1 with --quick].
-    #[arg(long, value_name = "N")]
-    pub reps: Option<usize>,
 }
 
 /// The measurements at one sequence length.
@@ -56,19 +47,8 @@ struct Row {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let facts = RunFacts::collect();
-    let reps = args
-        .reps
-        .unwrap_or(if args.quick { 1 } else { DEFAULT_REPS });
-    if reps == 0 {
-        bail!("--reps must be at least 1");
-    }
-    let out = match (&args.out, args.quick) {
-        (Some(dir), _) => dir.clone(),
-        (None, true) => {
-            std::env::temp_dir().join(format!("kiln-bench-ch01-{}", std::process::id()))
-        }
-        (None, false) => book_dir("ch01"),
-    };
+    let reps = args.output.reps(DEFAULT_REPS)?;
+    let out = args.output.dir("ch01");
 
     // Chapter 1's model as chapter 1 builds it: dense ndarray projections, whatever --dtype says.
     let loaded = args.model.load_with(&ch01::linear::DenseLoader)?;
@@ -81,7 +61,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             );
         }
         args.lengths.clone()
-    } else if args.quick {
+    } else if args.output.quick {
         QUICK_LENGTHS.to_vec()
     } else {
         DEFAULT_LENGTHS.to_vec()

@@ -44,6 +44,41 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
+/// Where a benchmark writes and how long it runs: the options every chapter's benchmark shares.
+#[derive(clap::Args, Debug)]
+pub struct Output {
+    /// Where to write the tables and plots [default: the chapter's folder under book/src, or a
+    /// temporary directory with --quick].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// CI smoke run: small sizes, one repetition, output to a temporary directory.
+    #[arg(long)]
+    pub quick: bool,
+    /// Timed repetitions; medians are reported [default: the chapter's, 1 with --quick].
+    #[arg(long, value_name = "N")]
+    pub reps: Option<usize>,
+}
+
+impl Output {
+    /// The folder to write into: `--out`, else a temporary one with `--quick`, else the book's.
+    pub fn dir(&self, chapter: &str) -> PathBuf {
+        match (&self.out, self.quick) {
+            (Some(dir), _) => dir.clone(),
+            (None, true) => {
+                std::env::temp_dir().join(format!("kiln-bench-{chapter}-{}", std::process::id()))
+            }
+            (None, false) => book_dir(chapter),
+        }
+    }
+
+    /// `--reps`, else `default` (1 with `--quick`); at least 1.
+    pub fn reps(&self, default: usize) -> anyhow::Result<usize> {
+        let reps = self.reps.unwrap_or(if self.quick { 1 } else { default });
+        anyhow::ensure!(reps >= 1, "--reps must be at least 1");
+        Ok(reps)
+    }
+}
+
 /// The book folder of a chapter, e.g. `book/src/ch01` in this repository.
 pub fn book_dir(chapter: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -58,13 +58,19 @@ pub fn cached_attention_mapped<R: Fn(usize) -> usize + Sync>(
     assert!(n >= 1 && n <= context_len, "queries are the last positions");
     assert!(scores.len() >= scratch_len(n, context_len, shape));
     let first_pos = context_len - n;
+    let stored = Stored {
+        k,
+        v,
+        row_of,
+        shape,
+    };
     if n == 1 {
         // Decode: heads in parallel, each with its own score row.
         out.par_chunks_mut(shape.head_dim)
             .zip(scores.par_chunks_mut(context_len))
             .enumerate()
             .for_each(|(h, (out_h, s))| {
-                attend_head_fastest(q, k, v, row_of, shape, h, first_pos, out_h, s);
+                attend_head_fastest(&stored, q, h, first_pos, out_h, s);
             });
     } else {
         // Prefill: query rows in parallel, heads one after another.
@@ -76,27 +82,38 @@ pub fn cached_attention_mapped<R: Fn(usize) -> usize + Sync>(
                     let i = task * ROWS_PER_TASK + r;
                     let q_row = &q[i * q_dim..][..q_dim];
                     for (h, out_h) in out_row.chunks_mut(shape.head_dim).enumerate() {
-                        attend_head_fastest(q_row, k, v, row_of, shape, h, first_pos + i, out_h, s);
+                        attend_head_fastest(&stored, q_row, h, first_pos + i, out_h, s);
                     }
                 }
             });
     }
 }
 
+/// A layer's stored keys and values as attention reads them: position `pos` is row
+/// `row_of(pos)` of `k` and `v` (rows of `num_kv_heads · head_dim`).
+struct Stored<'a, R> {
+    k: &'a [f32],
+    v: &'a [f32],
+    row_of: &'a R,
+    shape: AttentionShape,
+}
+
 /// One query row (position `pos`), head `h`: `out_h` [head_dim] = softmax(q_h Kᵀ/√d) V.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn attend_head<R: Fn(usize) -> usize>(
+    kv: &Stored<R>,
     q_row: &[f32],
-    k: &[f32],
-    v: &[f32],
-    row_of: &R,
-    shape: AttentionShape,
     h: usize,
     pos: usize,
     out_h: &mut [f32],
     scores: &mut [f32],
 ) {
+    let Stored {
+        k,
+        v,
+        row_of,
+        shape,
+    } = kv;
     let d = shape.head_dim;
     let kv_dim = shape.num_kv_heads * d;
     let kv_head = h / (shape.num_heads / shape.num_kv_heads); // GQA: heads share K/V
@@ -117,13 +134,9 @@ fn attend_head<R: Fn(usize) -> usize>(
 
 /// [`attend_head`] compiled for AVX2 + FMA when the CPU has them (the same Rust, vectorised
 /// 8 lanes wide by the compiler), else as plain Rust.
-#[allow(clippy::too_many_arguments)]
 fn attend_head_fastest<R: Fn(usize) -> usize>(
+    kv: &Stored<R>,
     q_row: &[f32],
-    k: &[f32],
-    v: &[f32],
-    row_of: &R,
-    shape: AttentionShape,
     h: usize,
     pos: usize,
     out_h: &mut [f32],
@@ -132,24 +145,20 @@ fn attend_head_fastest<R: Fn(usize) -> usize>(
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::Isa::detect() != crate::kernels::Isa::Portable {
         #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
         unsafe fn avx2<R: Fn(usize) -> usize>(
+            kv: &Stored<R>,
             q_row: &[f32],
-            k: &[f32],
-            v: &[f32],
-            row_of: &R,
-            shape: AttentionShape,
             h: usize,
             pos: usize,
             out_h: &mut [f32],
             scores: &mut [f32],
         ) {
-            attend_head(q_row, k, v, row_of, shape, h, pos, out_h, scores)
+            attend_head(kv, q_row, h, pos, out_h, scores)
         }
         // SAFETY: `Isa::detect` found AVX2 and FMA on this CPU.
-        return unsafe { avx2(q_row, k, v, row_of, shape, h, pos, out_h, scores) };
+        return unsafe { avx2(kv, q_row, h, pos, out_h, scores) };
     }
-    attend_head(q_row, k, v, row_of, shape, h, pos, out_h, scores)
+    attend_head(kv, q_row, h, pos, out_h, scores)
 }
 
 /// Dot product with 8 independent partial sums, which the compiler vectorises.

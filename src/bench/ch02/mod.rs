@@ -16,12 +16,10 @@ mod report;
 mod speed;
 mod waste;
 
-use std::path::PathBuf;
-
 use anyhow::{Context, bail};
 use ch02::{FastLoader, WeightDtype};
 
-use super::{RunFacts, bench_tokens, book_dir, model_name};
+use super::{Output, RunFacts, bench_tokens, model_name};
 use crate::commands::ModelArgs;
 
 #[derive(clap::Args, Debug)]
@@ -29,22 +27,14 @@ pub struct Args {
     /// The model (`--dtype` is ignored: f32 and bf16 storage are both measured).
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Where to write the tables and plots [default: book/src/ch02, or a temporary directory
-    /// with --quick].
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-    /// CI smoke run: small sizes, one repetition, no reference engines.
-    #[arg(long)]
-    pub quick: bool,
+    #[command(flatten)]
+    pub output: Output,
     /// Prompt tokens of the prefill measurement.
     #[arg(long, default_value_t = 128, value_name = "P")]
     pub prompt_tokens: usize,
     /// Tokens decoded after the prompt in the decode measurement.
     #[arg(long, default_value_t = 64, value_name = "D")]
     pub decode_tokens: usize,
-    /// Timed repetitions; medians are reported [default: 3, 1 with --quick].
-    #[arg(long, value_name = "N")]
-    pub reps: Option<usize>,
     /// Skip transformers and llama.cpp.
     #[arg(long)]
     pub no_references: bool,
@@ -67,22 +57,16 @@ pub enum Part {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let facts = RunFacts::collect();
-    let reps = args.reps.unwrap_or(if args.quick { 1 } else { 3 });
-    let (prompt, decode) = if args.quick {
+    let reps = args.output.reps(3)?;
+    let (prompt, decode) = if args.output.quick {
         (16, 8)
     } else {
         (args.prompt_tokens, args.decode_tokens)
     };
-    if reps == 0 || prompt == 0 || decode == 0 {
-        bail!("--reps, --prompt-tokens and --decode-tokens must be at least 1");
+    if prompt == 0 || decode == 0 {
+        bail!("--prompt-tokens and --decode-tokens must be at least 1");
     }
-    let out = match (&args.out, args.quick) {
-        (Some(dir), _) => dir.clone(),
-        (None, true) => {
-            std::env::temp_dir().join(format!("kiln-bench-ch02-{}", std::process::id()))
-        }
-        (None, false) => book_dir("ch02"),
-    };
+    let out = args.output.dir("ch02");
 
     let dense = args.model.load_with(&ch01::linear::DenseLoader)?;
     let fast_f32 = args.model.load_with(&FastLoader {
@@ -93,7 +77,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })?;
     let config = &fast_f32.model.config;
     let max_len = config.max_position_embeddings;
-    let mut lengths = match (&args.lengths[..], args.quick) {
+    let mut lengths = match (&args.lengths[..], args.output.quick) {
         ([], true) => vec![8, 16],
         ([], false) => vec![16, 64, 256, 1024],
         (given, _) => given.to_vec(),
@@ -131,7 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     if wants(Part::Speed) || wants(Part::Roofline) {
         eprintln!("== machine: bandwidth and GEMM");
-        let machine = machine::Machine::measure(reps, args.quick);
+        let machine = machine::Machine::measure(reps, args.output.quick);
         eprintln!(
             "   read {:.1} GB/s, copy {:.1} GB/s, GEMM kiln {:.1} GFLOP/s, matrixmultiply (1 thread) {:.1}",
             machine.read_gb_s,
@@ -147,7 +131,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
         let mut references = Vec::new();
         let mut missing = Vec::new();
-        if wants(Part::Speed) && !(args.quick || args.no_references) {
+        if wants(Part::Speed) && !(args.output.quick || args.no_references) {
             let setup = references::Setup {
                 model_dir: &args.model.model,
                 threads,
@@ -172,7 +156,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         eprintln!("== roofline: prefill at several lengths");
         let prefill_seconds = [8, 32, 128, 512]
             .into_iter()
-            .filter(|&t| t <= tokens.len() && (!args.quick || t <= 32))
+            .filter(|&t| t <= tokens.len() && (!args.output.quick || t <= 32))
             .map(|t| (t, speed::prefill_seconds(&fast_f32.model, &tokens, t, reps)))
             .collect();
         report.measured = Some(report::Measured {

@@ -327,5 +327,9 @@ impl Report<'_> {
 
 /// `1 thread`, `2 threads`.
 pub fn plural(n: usize, noun: &str) -> String {
-    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }

@@ -11,8 +11,6 @@
 
 mod measure;
 
-use std::path::PathBuf;
-
 use anyhow::{Context, bail};
 use ch02::workload::{ContiguousUtilisation, LogNormalLengths, Reservation, bytes_per_token};
 use ch03::utilisation::{PagedUtilisation, requests_that_fit};
@@ -20,7 +18,7 @@ use ch03::utilisation::{PagedUtilisation, requests_that_fit};
 use super::bars::BarChart;
 use super::svg::LinePlot;
 use super::table::{Align, Table};
-use super::{RunFacts, bench_tokens, book_dir, model_name, ms};
+use super::{Output, RunFacts, bench_tokens, model_name, ms};
 use crate::commands::{ModelArgs, parse_bytes};
 
 const REQUESTS: usize = 1000;
@@ -30,16 +28,8 @@ const SEED: u64 = 0;
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Where to write the tables and plots [default: book/src/ch03, or a temporary directory
-    /// with --quick].
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-    /// CI smoke run: small sizes, one repetition.
-    #[arg(long)]
-    pub quick: bool,
-    /// Timed repetitions; medians are reported [default: 5, 1 with --quick].
-    #[arg(long, value_name = "N")]
-    pub reps: Option<usize>,
+    #[command(flatten)]
+    pub output: Output,
     /// Positions per block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -50,17 +40,11 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let facts = RunFacts::collect();
-    let reps = args.reps.unwrap_or(if args.quick { 1 } else { 5 });
-    if reps == 0 || args.block_size == 0 {
-        bail!("--reps and --block-size must be at least 1");
+    let reps = args.output.reps(5)?;
+    if args.block_size == 0 {
+        bail!("--block-size must be at least 1");
     }
-    let out = match (&args.out, args.quick) {
-        (Some(dir), _) => dir.clone(),
-        (None, true) => {
-            std::env::temp_dir().join(format!("kiln-bench-ch03-{}", std::process::id()))
-        }
-        (None, false) => book_dir("ch03"),
-    };
+    let out = args.output.dir("ch03");
     let loaded = args.model.load()?;
     let model = &loaded.model;
     let config = &model.config;
@@ -144,7 +128,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .to_svg();
 
     eprintln!("== sharing: forks and a shared system prompt");
-    let (system, user, n_requests) = if args.quick {
+    let (system, user, n_requests) = if args.output.quick {
         (32, 8, 10)
     } else {
         (256, 32, 100)
@@ -207,7 +191,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .to_svg();
 
     eprintln!("== speed: decode paged vs contiguous");
-    let (prompt, decode) = if args.quick { (16, 8) } else { (128, 64) };
+    let (prompt, decode) = if args.output.quick {
+        (16, 8)
+    } else {
+        (128, 64)
+    };
     let (contiguous_tok_s, paged_tok_s) =
         measure::decode_speed(model, &tokens, prompt, decode, bs, reps);
     let mut speed = Table::new(["KV cache", "decode tok/s", "relative"]).align(0, Align::Left);
