@@ -6,7 +6,7 @@ use ch02::attention::{cached_attention_mapped, scratch_len};
 use ndarray::ArrayView1;
 
 use crate::block_manager::BlockCopy;
-use crate::block_table::BlockTable;
+use crate::block_table::{BlockId, BlockTable};
 
 /// Why a pool could not be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -99,6 +99,32 @@ impl KvPool {
         let (src, dst) = (copy.src as usize * len, copy.dst as usize * len);
         for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
             buffer.copy_within(src..src + len, dst);
+        }
+    }
+
+    /// Block `id`'s K and V in every layer, one after the other: what swapping copies out to
+    /// CPU memory (chapter 4).
+    pub fn read_block(&self, id: BlockId) -> Vec<f32> {
+        let len = self.block_size * self.kv_dim;
+        let at = id as usize * len;
+        let mut data = Vec::with_capacity(2 * self.keys.len() * len);
+        for buffer in self.keys.iter().chain(&self.values) {
+            data.extend_from_slice(&buffer[at..at + len]);
+        }
+        data
+    }
+
+    /// Writes back what [`KvPool::read_block`] read, into block `id`.
+    pub fn write_block(&mut self, id: BlockId, data: &[f32]) {
+        let len = self.block_size * self.kv_dim;
+        let at = id as usize * len;
+        for (buffer, part) in self
+            .keys
+            .iter_mut()
+            .chain(self.values.iter_mut())
+            .zip(data.chunks_exact(len))
+        {
+            buffer[at..at + len].copy_from_slice(part);
         }
     }
 

@@ -1,0 +1,23 @@
+//! # Chapter 4: continuous batching
+//!
+//! Chapters 2 and 3 serve one sequence at a time: every decode step reads all the weights to
+//! produce one token. Reading them once for many sequences costs hardly more, so an engine
+//! should run every active sequence in each step. This chapter's engine decides, **once per
+//! step** (iteration-level scheduling, as Orca and vLLM do), which sequences run and how many
+//! of their tokens, and lets requests join and leave between any two steps.
+//!
+//! | module        | what it does                                                              |
+//! |---------------|---------------------------------------------------------------------------|
+//! | [`request`]   | [`Request`], its [`Status`] (waiting, running, swapped, finished)          |
+//! | [`engine`]    | [`Engine`]: the scheduler and the step loop; preemption; counters          |
+//! | [`runner`]    | [`ModelRunner`]: one forward over a flattened batch of prefill chunks and decodes |
+
+pub mod engine;
+pub mod request;
+pub mod runner;
+
+pub use engine::{
+    Completion, Counters, Engine, EngineConfig, EngineError, Preemption, RequestOutput,
+};
+pub use request::{FinishReason, Request, RequestId, Status};
+pub use runner::{ModelRunner, ScheduledBatch, ScheduledSeq};

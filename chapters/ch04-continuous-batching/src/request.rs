@@ -1,0 +1,96 @@
+//! What a caller asks for, and the state of each request inside the engine.
+
+use ch01::{Sampler, SamplingParams};
+use ch03::BlockTable;
+
+/// Engine-wide request id, in arrival order.
+pub type RequestId = u64;
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Prompt token ids (non-empty, within the vocabulary).
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Token ids that end generation (EOS), unless `ignore_eos`.
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Scheduling priority: lower runs first (as vLLM's `priority`); FCFS among equals.
+    pub priority: i32,
+}
+
+impl Request {
+    /// A greedy request with no stop token.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Request {
+            prompt,
+            params: SamplingParams::greedy(),
+            max_tokens,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            priority: 0,
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token.
+    Stop,
+    /// `max_tokens`, or the model's context is full.
+    Length,
+    /// The caller aborted it.
+    Abort,
+}
+
+/// Where a request is in its life.
+// ANCHOR: status
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Queued: not admitted yet, or preempted by recomputation (its blocks freed).
+    Waiting,
+    /// Admitted: holds blocks; scheduled in a step whenever the token budget allows.
+    Running,
+    /// Preempted by swapping: its K/V copied to CPU memory, its blocks freed.
+    Swapped,
+    Finished(FinishReason),
+}
+// ANCHOR_END: status
+
+/// A request inside the engine.
+///
+/// Invariants: `tokens = prompt ++ output`; positions `0..num_computed` hold K/V in `table`'s
+/// blocks (or in `swap` while swapped); `num_computed < tokens.len()` while unfinished, since
+/// the last token is the one the next step runs.
+pub(crate) struct Sequence {
+    pub id: RequestId,
+    pub request: Request,
+    pub status: Status,
+    pub tokens: Vec<u32>,
+    pub num_computed: usize,
+    pub table: Option<BlockTable>,
+    /// K/V of `0..num_computed` while swapped: one copy of each block (see `KvPool::read_block`).
+    pub swap: Vec<Vec<f32>>,
+    pub sampler: Sampler,
+    /// Tokens sent to the caller so far (`output_len()` when finished).
+    pub streamed: usize,
+}
+
+impl Sequence {
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.request.prompt.len()..]
+    }
+
+    /// Tokens the next steps must run before this sequence has logits again.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+
+    /// Orders victims of preemption: lowest priority (largest value) first, then latest arrival.
+    pub fn victim_key(&self) -> (i32, RequestId) {
+        (self.request.priority, self.id)
+    }
+}
