@@ -89,6 +89,17 @@ pub struct Completion {
     pub finish_reason: FinishReason,
 }
 
+/// What one step did: for the demo's trace and for tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepTrace {
+    /// (request, tokens run, whether they were prompt tokens: a prefill or a chunk of one).
+    pub scheduled: Vec<(RequestId, usize, bool)>,
+    /// Requests preempted while scheduling this step.
+    pub preempted: Vec<RequestId>,
+    /// Requests admitted (from waiting or swapped) this step.
+    pub admitted: Vec<RequestId>,
+}
+
 /// Counters for the server's metrics (chapter 8).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -107,6 +118,7 @@ pub struct Engine<'m> {
     seqs: BTreeMap<RequestId, Sequence>,
     next_id: RequestId,
     counters: Counters,
+    trace: StepTrace,
 }
 
 impl<'m> Engine<'m> {
@@ -127,6 +139,7 @@ impl<'m> Engine<'m> {
             seqs: BTreeMap::new(),
             next_id: 0,
             counters: Counters::default(),
+            trace: StepTrace::default(),
         })
     }
 
@@ -187,6 +200,11 @@ impl<'m> Engine<'m> {
         self.counters
     }
 
+    /// What the last step scheduled, preempted and admitted.
+    pub fn last_step(&self) -> &StepTrace {
+        &self.trace
+    }
+
     pub fn prefix_stats(&self) -> PrefixStats {
         self.kv.manager.stats()
     }
@@ -237,7 +255,13 @@ impl<'m> Engine<'m> {
     /// One engine step; returns what each request produced. A step with nothing to run
     /// returns an empty list.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, EngineError> {
+        self.trace = StepTrace::default();
         let scheduled = self.schedule();
+        for &(id, n) in &scheduled {
+            let s = &self.seqs[&id];
+            let prompt = s.num_computed < s.request.prompt.len();
+            self.trace.scheduled.push((id, n, prompt));
+        }
         if scheduled.is_empty() {
             return Ok(Vec::new());
         }
@@ -484,6 +508,7 @@ impl<'m> Engine<'m> {
     /// Frees `id`'s blocks: recomputed later, or its K/V kept in CPU memory (swap).
     fn preempt(&mut self, id: RequestId) {
         self.counters.preemptions += 1;
+        self.trace.preempted.push(id);
         let seq = self.seqs.get_mut(&id).expect("known");
         let table = seq.table.take().expect("preempted sequences hold blocks");
         match self.config.preemption {
@@ -533,6 +558,7 @@ impl<'m> Engine<'m> {
         }
         seq.table = Some(table);
         seq.status = Status::Running;
+        self.trace.admitted.push(id);
         true
     }
 }

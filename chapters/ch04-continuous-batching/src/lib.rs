@@ -17,7 +17,7 @@ pub mod request;
 pub mod runner;
 
 pub use engine::{
-    Completion, Counters, Engine, EngineConfig, EngineError, Preemption, RequestOutput,
+    Completion, Counters, Engine, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace,
 };
 pub use request::{FinishReason, Request, RequestId, Status};
 pub use runner::{ModelRunner, ScheduledBatch, ScheduledSeq};
