@@ -23,6 +23,10 @@ chapter n:
          cargo run --release -q -- bench ch03 --quick 2>/dev/null
          echo "-- generation on paged blocks"
          cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --kv-cache-memory 16MiB ;;
+      4) echo "-- six prompts at once through the engine, one line per step: at most 16 tokens a step"
+         echo "   (prompts split into chunks) in a KV cache of 9 blocks (sequences preempted, recomputed later)"
+         cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
+           --temperature 0 --max-num-batched-tokens 16 --kv-cache-memory 432KiB --trace ;;
       *) echo "(no demo for chapter {{n}} yet)" ;;
     esac
 

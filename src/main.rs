@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! kiln generate   --prompt TEXT            stream a completion, then timings on stderr
+//! kiln generate   --prompts-file FILE      one prompt per line, all at once through the engine
 //! kiln forward    --prompt TEXT --out FILE logits of every position as safetensors
 //! kiln perplexity --file TEXT --ctx 512    llama.cpp-style perplexity
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
@@ -29,7 +30,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate text from a prompt, streaming it to stdout.
+    /// Generate text from a prompt, streaming it to stdout, or from a file of prompts at once.
     Generate(commands::generate::Args),
     /// Write the logits of every prompt position to a safetensors file (tensor `logits`, [T, vocab], f32).
     Forward(commands::forward::Args),

@@ -171,6 +171,217 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
     );
 }
 
+/// `kiln generate --prompt LINE` with `args`: the completion, without the echoed prompt.
+fn single_completion(line: &str, args: &[&str]) -> String {
+    let output = kiln(&[&["generate", "--prompt", line], args].concat());
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let text = stdout
+        .strip_prefix(line)
+        .expect("the prompt is echoed first");
+    text.strip_suffix('\n')
+        .expect("a final newline")
+        .to_string()
+}
+
+/// The number after `label: ` on stderr, e.g. `preemptions` in "| preemptions: 2 |".
+fn count_after(err: &str, label: &str) -> u64 {
+    err.split(&format!("{label}: "))
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no {label} count in {err}"))
+}
+
+/// `--prompts-file` runs every line at once through chapter 4's engine. Greedy, each completion
+/// is the single-prompt one, whatever the scheduler does: chunked prefill under a small token
+/// budget, preemption (recompute or swap) in a small cache, whole prompts, the prefix cache.
+#[test]
+fn prompts_file_completions_equal_single_prompt_generate() {
+    let model = fixtures_dir().join("random/gqa");
+    let model = model.to_str().unwrap();
+    let lines = [
+        "ROMEO.",
+        "To be, or not to be, that is the question:",
+        "JULIET. O Romeo, Romeo! wherefore art thou Romeo?",
+    ];
+    let file = tempfile::NamedTempFile::new().unwrap();
+    // Empty and blank lines are skipped.
+    let text = format!("{}\n\n{}\n   \n{}\n", lines[0], lines[1], lines[2]);
+    std::fs::write(file.path(), text).unwrap();
+    let file = file.path().to_str().unwrap();
+
+    let common = ["--model", model, "--temperature", "0", "--max-tokens", "16"];
+    let expected: String = lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| format!("=== [{i}] {line}\n{}\n", single_completion(line, &common)))
+        .collect();
+    // 16KiB = 4 blocks of 16 positions on this model (256 bytes per token): too few for all three.
+    let small = [
+        "--kv-cache-memory",
+        "16KiB",
+        "--max-num-batched-tokens",
+        "8",
+    ];
+    let runs: [(&[&str], bool); 5] = [
+        (&[], false),
+        (&small, true),
+        (&[&small[..], &["--preemption-mode", "swap"]].concat(), true),
+        (
+            &["--no-enable-chunked-prefill", "--max-num-seqs", "2"],
+            false,
+        ),
+        (&[&small[..], &["--enable-prefix-caching"]].concat(), true),
+    ];
+    for (engine_args, preempts) in runs {
+        let args = [
+            &["generate", "--prompts-file", file],
+            &common[..],
+            engine_args,
+        ]
+        .concat();
+        let output = kiln(&args);
+        let err = stderr(&output);
+        assert!(output.status.success(), "{engine_args:?}: {err}");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            expected,
+            "{engine_args:?}"
+        );
+        assert_eq!(count_after(&err, "requests"), 3, "{err}");
+        assert_eq!(
+            count_after(&err, "preemptions") > 0,
+            preempts,
+            "{engine_args:?}: {err}"
+        );
+    }
+
+    // Stop strings end a request early (the engine aborts it), as they end a single generation.
+    let stops = [&common[..], &["--stop", "BAPT", "--stop", "MIAN"]].concat();
+    let expected: String = lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| format!("=== [{i}] {line}\n{}\n", single_completion(line, &stops)))
+        .collect();
+    let output = kiln(
+        &[
+            &["generate", "--prompts-file", file],
+            &stops[..],
+            &small[..],
+        ]
+        .concat(),
+    );
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), expected);
+    assert!(count_after(&err, "generated tokens") < 3 * 16, "{err}");
+}
+
+/// Sampling: prompt i of the file samples with seed + i, so it equals `--prompt` with that seed.
+#[test]
+fn prompts_file_seeds_prompt_i_with_seed_plus_i() {
+    let model = fixtures_dir().join("random/gqa");
+    let model = model.to_str().unwrap();
+    let lines = ["ROMEO.", "ROMEO."];
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), lines.join("\n")).unwrap();
+    let common = ["--model", model, "--max-tokens", "12", "--ignore-eos"];
+    let output = kiln(
+        &[
+            &["generate", "--prompts-file", file.path().to_str().unwrap()],
+            &common[..],
+            &["--seed", "40", "--trace"],
+        ]
+        .concat(),
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    let expected: String = lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| {
+            let seed = (40 + i).to_string();
+            let args = [&common[..], &["--seed", &seed]].concat();
+            format!("=== [{i}] {line}\n{}\n", single_completion(line, &args))
+        })
+        .collect();
+    assert_eq!(String::from_utf8_lossy(&output.stdout), expected);
+    // --trace: one line per step; both prompts (6 tokens each) run in the first.
+    let err = stderr(&output);
+    assert!(
+        err.contains("step 1: run [0] prefill 6, [1] prefill 6 | admitted [0] [1]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn prompts_file_errors_are_clear() {
+    let model = fixtures_dir().join("random/gqa");
+    let model = model.to_str().unwrap();
+    assert_fails_with(
+        &[
+            "generate",
+            "--model",
+            model,
+            "--prompts-file",
+            "/nonexistent/prompts.txt",
+        ],
+        "reading prompts from /nonexistent/prompts.txt",
+    );
+    let empty = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(empty.path(), "\n  \n\n").unwrap();
+    let empty = empty.path().to_str().unwrap();
+    assert_fails_with(
+        &["generate", "--model", model, "--prompts-file", empty],
+        "holds no prompt",
+    );
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), "ROMEO.\n").unwrap();
+    let file = file.path().to_str().unwrap();
+    for (args, needle) in [
+        (&["--prompt", "x"][..], "cannot be used with"),
+        (&["--contiguous"], "cannot be used with"),
+        (
+            &["--kv-cache-memory", "4KiB", "--max-tokens", "100"],
+            "raise --kv-cache-memory",
+        ),
+        (
+            &[
+                "--no-enable-chunked-prefill",
+                "--max-num-batched-tokens",
+                "8",
+            ],
+            "without chunked prefill",
+        ),
+        (&["--max-num-seqs", "0"], "max_num_seqs"),
+    ] {
+        let args = [
+            &["generate", "--model", model, "--prompts-file", file],
+            args,
+        ]
+        .concat();
+        assert_fails_with(&args, needle);
+    }
+    // Engine flags and --trace need --prompts-file.
+    assert_fails_with(
+        &[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "x",
+            "--max-num-seqs",
+            "4",
+        ],
+        "cannot be used with",
+    );
+    assert_fails_with(
+        &["generate", "--model", model, "--prompt", "x", "--trace"],
+        "cannot be used with",
+    );
+    assert_fails_with(&["generate", "--model", model], "--prompts-file");
+}
+
 /// `kiln perplexity` equals the PyTorch computation of the same llama.cpp-style score.
 #[test]
 fn perplexity_matches_pytorch_on_held_out_hamlet() {

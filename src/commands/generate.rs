@@ -1,18 +1,33 @@
 //! `kiln generate`: stream a completion to stdout, timings to stderr (as llama.cpp prints them).
+//! With `--prompts-file`, every prompt of the file runs at once through chapter 4's engine.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
-use ch01::{FinishReason, GenerateOptions, SamplingParams};
+use anyhow::Context;
+use ch01::stop::{StopStatus, StopStrings};
+use ch01::{FinishReason, GenerateOptions, SamplingParams, TextStream};
+use ch04::{Engine, Request, RequestId, StepTrace};
 
-use super::ModelArgs;
+use super::engine_args::{EngineArgs, KvArgs, PreemptionMode};
+use super::{LoadedModel, ModelArgs};
 
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompts_file"])))]
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt, tokenized with the tokenizer's own special-token rules.
-    #[arg(long)]
-    pub prompt: String,
+    // "EngineArgs": the group clap makes of that struct's flags, which only the engine uses.
+    #[arg(long, conflicts_with = "EngineArgs")]
+    pub prompt: Option<String>,
+    /// A file of prompts, one per line (empty lines skipped), all run at once through chapter
+    /// 4's engine; prompt i (from 0) samples with seed + i. Completions are printed in order
+    /// once all have finished.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["recompute", "contiguous"])]
+    pub prompts_file: Option<PathBuf>,
     /// Maximum number of tokens to generate.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -53,36 +68,21 @@ pub struct Args {
     pub contiguous: bool,
     #[command(flatten)]
     pub kv: KvArgs,
-}
-
-/// Chapter 3's paged KV cache, sized as vLLM's `--kv-cache-memory` and `--block-size`.
-#[derive(clap::Args, Debug)]
-pub struct KvArgs {
-    /// Memory for the paged KV cache, e.g. 512MiB, 2GiB, 1.5GB or a number of bytes.
-    #[arg(long, default_value = "512MiB", value_parser = super::parse_bytes)]
-    pub kv_cache_memory: u64,
-    /// Positions per KV block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-}
-
-impl KvArgs {
-    /// The pool, logged as a server logs it: bytes, blocks, and how many tokens they hold.
-    pub fn pool(&self, config: &ch01::LlamaConfig) -> anyhow::Result<ch03::PagedKv> {
-        let kv = ch03::PagedKv::with_budget(config, self.block_size, self.kv_cache_memory, false)?;
-        eprintln!(
-            "kiln: KV cache {:.1} MiB = {} blocks of {} tokens = {} tokens ({} bytes per token)",
-            self.kv_cache_memory as f64 / (1u64 << 20) as f64,
-            kv.pool.num_blocks(),
-            self.block_size,
-            kv.pool.token_capacity(),
-            ch03::KvPool::bytes_per_block(config, 1),
-        );
-        Ok(kv)
-    }
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// With --prompts-file: print on stderr, for each engine step, what it ran, admitted and
+    /// preempted.
+    // Conflicting with --prompt means requiring --prompts-file: one of the two is given.
+    #[arg(long, conflicts_with = "prompt")]
+    pub trace: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // A bad prompts file fails before the model loads.
+    let prompts = match &args.prompts_file {
+        Some(path) => Some(read_prompts(path)?),
+        None => None,
+    };
     let loaded = args.model.load()?;
     let seed = args.seed.unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now()
@@ -102,12 +102,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             presence_penalty: args.presence_penalty,
             seed,
         },
-        stop: args.stop,
+        stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
         eos_token_ids: loaded.eos_token_ids.clone(),
     };
     options.sampling.validate()?;
-    let prompt_tokens = loaded.tokenizer.encode(&args.prompt, true)?;
+    match (&args.prompt, prompts) {
+        (Some(prompt), None) => run_one(&args, prompt, &loaded, &options),
+        (None, Some(prompts)) => run_many(&args, &prompts, &loaded, &options),
+        _ => unreachable!("clap requires exactly one of --prompt and --prompts-file"),
+    }
+}
+
+/// One prompt, streamed: chapter 3's paged cache (or chapter 2's, or chapter 1's loop).
+fn run_one(
+    args: &Args,
+    prompt: &str,
+    loaded: &LoadedModel,
+    options: &GenerateOptions,
+) -> anyhow::Result<()> {
+    let seed = options.sampling.seed;
+    let prompt_tokens = loaded.tokenizer.encode(prompt, true)?;
     eprintln!(
         "kiln: {} | prompt {} tokens | seed {seed}",
         args.model.model.display(),
@@ -118,7 +133,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut paged = None;
     if !(args.recompute || args.contiguous) {
         let config = &loaded.model.config;
-        let kv = args.kv.pool(config)?;
+        let kv = args.kv.pool(config, false)?;
         let needed = (prompt_tokens.len() + args.max_tokens).min(config.max_position_embeddings);
         if needed > kv.pool.token_capacity() {
             anyhow::bail!(
@@ -133,7 +148,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 
     let mut stdout = std::io::stdout().lock();
-    write!(stdout, "{}", args.prompt)?;
+    write!(stdout, "{prompt}")?;
     stdout.flush()?;
     let mut write_error = None;
     let mut on_text = |text: &str| {
@@ -143,7 +158,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let generation = if args.recompute {
-        ch01::generate(model, tokenizer, &prompt_tokens, &options, &mut on_text)?
+        ch01::generate(model, tokenizer, &prompt_tokens, options, &mut on_text)?
     } else if args.contiguous {
         let mut cache = ch02::ContiguousKvCache::for_max_len(&model.config);
         ch02::generate_cached(
@@ -151,14 +166,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tokenizer,
             &prompt_tokens,
             &mut cache,
-            &options,
+            options,
             &mut on_text,
         )?
     } else {
         let kv = paged
             .as_mut()
             .expect("made above unless --recompute or --contiguous");
-        ch03::generate_paged(model, tokenizer, &prompt_tokens, kv, &options, &mut on_text)?
+        ch03::generate_paged(model, tokenizer, &prompt_tokens, kv, options, &mut on_text)?
     };
     writeln!(stdout)?;
     if let Some(e) = write_error {
@@ -185,4 +200,247 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     );
     Ok(())
+}
+
+/// One completion of `--prompts-file`: its text as the single-prompt path streams it
+/// (incremental detokenisation, then the stop strings).
+struct Completion<'t> {
+    prompt: String,
+    stream: TextStream<'t>,
+    stops: StopStrings,
+    /// A stop string matched: the request was aborted and its text ends before the match.
+    stopped: bool,
+    finished: bool,
+}
+
+impl Completion<'_> {
+    /// Adds a generated token; true if it completed a stop string.
+    fn push(&mut self, token: u32) -> anyhow::Result<bool> {
+        if let Some(delta) = self.stream.push(token)?
+            && let StopStatus::Stopped(_) = self.stops.push(&delta)
+        {
+            self.stopped = true;
+        }
+        Ok(self.stopped)
+    }
+
+    /// The whole text: what the stream held back is released unless a stop string ended it.
+    fn finish(&mut self) -> anyhow::Result<()> {
+        if !self.stopped
+            && let Some(delta) = self.stream.finish()?
+            && let StopStatus::Stopped(_) = self.stops.push(&delta)
+        {
+            self.stopped = true;
+        }
+        self.finished = true;
+        Ok(())
+    }
+}
+
+/// The prompts of a `--prompts-file`: one per line, empty lines skipped.
+fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading prompts from {}", path.display()))?;
+    let prompts: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
+    if prompts.is_empty() {
+        anyhow::bail!(
+            "{} holds no prompt: write one per line (empty lines are skipped)",
+            path.display()
+        );
+    }
+    Ok(prompts)
+}
+
+/// Every prompt at once through chapter 4's engine; the completions in line order.
+fn run_many(
+    args: &Args,
+    prompts: &[String],
+    loaded: &LoadedModel,
+    options: &GenerateOptions,
+) -> anyhow::Result<()> {
+    let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
+    let kv = args
+        .kv
+        .pool(&model.config, args.engine.enable_prefix_caching)?;
+    let mut engine = Engine::new(model, kv, args.engine.config())?;
+    let tokenized = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            tokenizer
+                .encode(prompt, true)
+                .with_context(|| format!("prompt {i} ({prompt:?})"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let seed = options.sampling.seed;
+    eprintln!(
+        "kiln: {} | {} prompts | seed {seed} (+ i for prompt i)\nkiln: {}",
+        args.model.model.display(),
+        prompts.len(),
+        args.engine.describe()
+    );
+
+    if !args.engine.enable_chunked_prefill {
+        // Else a request could wait forever: a prompt runs in one step, and so does a prompt plus
+        // its output so far when preemption by recomputation readmits it.
+        let rerun = match args.engine.preemption_mode {
+            PreemptionMode::Recompute => options.max_tokens.saturating_sub(1),
+            PreemptionMode::Swap => 0,
+        };
+        let longest = tokenized.iter().map(Vec::len).max().unwrap_or(0) + rerun;
+        let longest = longest.min(model.config.max_position_embeddings);
+        if longest > args.engine.max_num_batched_tokens {
+            anyhow::bail!(
+                "without chunked prefill one step must hold a whole prompt (plus, when preemption \
+                 recomputes, its output so far): up to {longest} tokens here, but \
+                 --max-num-batched-tokens is {}",
+                args.engine.max_num_batched_tokens
+            );
+        }
+    }
+
+    let start = Instant::now();
+    let mut completions = Vec::with_capacity(prompts.len());
+    let mut index: BTreeMap<RequestId, usize> = BTreeMap::new();
+    for ((i, prompt), tokens) in prompts.iter().enumerate().zip(tokenized) {
+        let context = || format!("prompt {i} ({prompt:?})");
+        let request = Request {
+            prompt: tokens,
+            params: SamplingParams {
+                seed: seed.wrapping_add(i as u64),
+                ..options.sampling.clone()
+            },
+            max_tokens: options.max_tokens,
+            stop_token_ids: options.eos_token_ids.clone(),
+            ignore_eos: options.ignore_eos,
+            priority: 0,
+        };
+        let id = engine
+            .add_request(request)
+            .with_context(context)
+            .context("raise --kv-cache-memory or lower --max-tokens if the cache is too small")?;
+        index.insert(id, i);
+        completions.push(Completion {
+            prompt: prompt.clone(),
+            stream: TextStream::new(tokenizer),
+            stops: StopStrings::new(options.stop.clone()),
+            stopped: false,
+            finished: false,
+        });
+    }
+
+    // Requests preempted by recomputation: their next prompt-sized runs recompute K/V.
+    let mut recomputing = BTreeSet::new();
+    while engine.has_unfinished() {
+        let outputs = engine.step_or_stall()?;
+        if args.engine.preemption_mode == PreemptionMode::Recompute {
+            recomputing.extend(engine.last_step().preempted.iter().copied());
+        }
+        if args.trace {
+            let sampled: Vec<RequestId> = outputs.iter().map(|o| o.id).collect();
+            eprintln!("{}", trace_line(&engine, &sampled, &recomputing));
+        }
+        for output in outputs {
+            let completion = &mut completions[index[&output.id]];
+            let mut tokens = output.new_tokens;
+            if output.finished == Some(ch04::FinishReason::Stop) {
+                tokens.pop(); // the stop token (EOS) is not text
+            }
+            for token in tokens {
+                if completion.push(token)? {
+                    engine.abort(output.id);
+                    break;
+                }
+            }
+            if output.finished.is_some() || completion.stopped {
+                completion.finish()?;
+                engine.take(output.id);
+            }
+        }
+    }
+    let wall = start.elapsed().as_secs_f64();
+    debug_assert!(completions.iter().all(|c| c.finished));
+
+    let mut stdout = std::io::stdout().lock();
+    for (i, completion) in completions.iter().enumerate() {
+        writeln!(stdout, "=== [{i}] {}", completion.prompt)?;
+        writeln!(stdout, "{}", completion.stops.text())?;
+    }
+    stdout.flush()?;
+
+    let counters = engine.counters();
+    let prefix = engine.prefix_stats();
+    eprintln!(
+        "requests: {} | prompt tokens: {} | generated tokens: {} | wall: {:.2} s | {:.1} output tokens/s",
+        completions.len(),
+        counters.prompt_tokens,
+        counters.generation_tokens,
+        wall,
+        if wall > 0.0 {
+            counters.generation_tokens as f64 / wall
+        } else {
+            0.0
+        },
+    );
+    eprintln!(
+        "steps: {} | preemptions: {} | prefix cache hits: {} of {} blocks",
+        counters.steps, counters.preemptions, prefix.hit_blocks, prefix.queried_blocks
+    );
+    Ok(())
+}
+
+/// One line per engine step, e.g.
+/// `step 3: run [0] prefill 16 (chunk), [1] decode 1 | admitted [1] | preempted [2] | KV 94%, 1 waiting`.
+/// `sampled`: the requests that produced a token this step (a prompt run that did not is a chunk).
+fn trace_line(engine: &Engine, sampled: &[RequestId], recomputing: &BTreeSet<RequestId>) -> String {
+    let StepTrace {
+        scheduled,
+        preempted,
+        admitted,
+    } = engine.last_step();
+    let ids = |ids: &[RequestId]| {
+        ids.iter()
+            .map(|id| format!("[{id}]"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let runs: Vec<String> = scheduled
+        .iter()
+        .map(|&(id, n, prompt)| {
+            if !prompt && n == 1 {
+                return format!("[{id}] decode 1");
+            }
+            let kind = if recomputing.contains(&id) {
+                "recompute"
+            } else {
+                "prefill"
+            };
+            let chunk = if sampled.contains(&id) {
+                ""
+            } else {
+                " (chunk)"
+            };
+            format!("[{id}] {kind} {n}{chunk}")
+        })
+        .collect();
+    let mut line = format!("step {}: run {}", engine.counters().steps, runs.join(", "));
+    if !admitted.is_empty() {
+        line += &format!(" | admitted {}", ids(admitted));
+    }
+    if !preempted.is_empty() {
+        line += &format!(" | preempted {}", ids(preempted));
+    }
+    let (waiting, _, swapped) = engine.queue_lengths();
+    line += &format!(" | KV {:.0}%", engine.kv_usage() * 100.0);
+    if waiting > 0 {
+        line += &format!(", {waiting} waiting");
+    }
+    if swapped > 0 {
+        line += &format!(", {swapped} swapped");
+    }
+    line
 }

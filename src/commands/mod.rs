@@ -1,5 +1,6 @@
 //! One module per subcommand, plus what they share: loading a model directory.
 
+pub mod engine_args;
 pub mod forward;
 pub mod generate;
 pub mod perplexity;

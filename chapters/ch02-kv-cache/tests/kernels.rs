@@ -89,6 +89,20 @@ fn bf16_kernels_equal_the_naive_product_on_bf16_rounded_weights() {
 }
 
 /// The fast layer agrees with chapter 1's dense layer (ndarray's product) as well.
+/// No tokens in, no rows out (chapter 4's engine asks for no logits when a step only runs
+/// prompt chunks).
+#[test]
+fn zero_tokens_give_zero_rows() {
+    let w = Array2::from_shape_fn((40, 24), |(o, k)| (o * 24 + k) as f32 * 1e-3);
+    for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
+        for isa in Isa::available() {
+            let layer = FastLinear::new(w.clone(), None, dtype).with_isa(isa);
+            let y = layer.forward(Array2::<f32>::zeros((0, 24)).view());
+            assert_eq!(y.dim(), (0, 40), "{isa:?} {dtype:?}");
+        }
+    }
+}
+
 #[test]
 fn fast_linear_equals_the_dense_layer() {
     runner(100)

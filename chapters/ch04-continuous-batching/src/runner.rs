@@ -181,6 +181,9 @@ impl ModelRunner {
                 last_rows.push(end - 1);
             }
         }
+        if last_rows.is_empty() {
+            return Array2::zeros((0, model.config.vocab_size)); // only prompt chunks ran
+        }
         let picked = self.x.select(ndarray::Axis(0), &last_rows); // [S, hidden]
         let normed = model.norm.forward(picked.view());
         model.lm_head.forward(normed.view()) // [S, vocab]

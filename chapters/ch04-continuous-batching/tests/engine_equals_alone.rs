@@ -79,7 +79,8 @@ fn scenario(
 
 #[test]
 fn every_request_equals_generating_it_alone() {
-    let model = Llama::load(&fixtures_dir().join("shakespeare-tiny")).unwrap();
+    // Chapter 2's fast layers, as the binary runs them (matmul for batches, matvec alone).
+    let model = ch02::load_fast(&fixtures_dir().join("shakespeare-tiny"), ch02::WeightDtype::F32).unwrap();
     let vocab = model.config.vocab_size as u32;
     seeded_runner(48, 43)
         .run(

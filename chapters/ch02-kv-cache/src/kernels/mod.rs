@@ -108,6 +108,9 @@ pub fn matmul<W: WeightElement>(
     let (k, n) = (w.in_features(), w.out_features());
     assert_eq!(x.len(), tokens * k, "x is [tokens, in]");
     assert_eq!(y.len(), tokens * n, "y is [tokens, out]");
+    if tokens == 0 {
+        return; // nothing to compute (an engine step whose sequences all want no logits)
+    }
     let tiles = tokens.div_ceil(MR);
     let panel_out = tiles * MR * NR;
     with_buffers(|a, y_panels| {
