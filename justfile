@@ -44,13 +44,13 @@ fixtures:
     bash fixtures/scripts/make_all.sh
 
 # Run a benchmark and write its tables and plots into the book (`just bench ch01`).
-# ch02 and ch03 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
+# ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
 # and llama.cpp (`just build-llama-cpp`) when those are present.
 bench which="ch01" *args:
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{which}}" in
-      ch02|ch03) bash fixtures/scripts/fetch_smollm2.sh
+      ch02|ch03|ch04) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
       *) cargo run --release -- bench {{which}} {{args}} ;;
     esac

@@ -7,6 +7,7 @@
 pub mod ch01;
 pub mod ch02;
 pub mod ch03;
+pub mod ch04;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
 pub mod bars;
@@ -34,6 +35,8 @@ enum Chapter {
     Ch02(ch02::Args),
     /// Chapter 3: KV memory contiguous vs paged, sharing, the cost of paging.
     Ch03(ch03::Args),
+    /// Chapter 4: sequential vs static vs continuous batching, chunked prefill, max_num_seqs.
+    Ch04(ch04::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -41,6 +44,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch01(args) => ch01::run(args),
         Chapter::Ch02(args) => ch02::run(args),
         Chapter::Ch03(args) => ch03::run(args),
+        Chapter::Ch04(args) => ch04::run(args),
     }
 }
 

@@ -69,6 +69,11 @@ pub enum EngineError {
          above the free-block watermark"
     )]
     TooLong { needed: usize, capacity: usize },
+    #[error(
+        "without chunked prefill a step must hold a whole prompt: prompt + max_tokens ({needed}) \
+         exceeds max_num_batched_tokens ({budget})"
+    )]
+    OverBudget { needed: usize, budget: usize },
     #[error("the scheduler can run none of the {0} unfinished requests (a bug: please report)")]
     Stalled(usize),
 }
@@ -154,6 +159,12 @@ impl<'m> Engine<'m> {
         let capacity = blocks * self.kv.pool.block_size();
         if needed > capacity {
             return Err(EngineError::TooLong { needed, capacity });
+        }
+        // Unchunked, a request readmitted after preemption by recomputation reruns its prompt
+        // and its output so far in one step.
+        let budget = self.config.max_num_batched_tokens;
+        if !self.config.enable_chunked_prefill && needed > budget {
+            return Err(EngineError::OverBudget { needed, budget });
         }
         let id = self.next_id;
         self.next_id += 1;

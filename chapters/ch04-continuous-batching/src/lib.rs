@@ -11,10 +11,12 @@
 //! | [`request`]   | [`Request`], its [`Status`] (waiting, running, swapped, finished)          |
 //! | [`engine`]    | [`Engine`]: the scheduler and the step loop; preemption; counters          |
 //! | [`runner`]    | [`ModelRunner`]: one forward over a flattened batch of prefill chunks and decodes |
+//! | [`static_batch`] | [`StaticBatcher`](static_batch::StaticBatcher): static batching, only the benchmark's baseline |
 
 pub mod engine;
 pub mod request;
 pub mod runner;
+pub mod static_batch;
 
 pub use engine::{
     Completion, Counters, Engine, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace,

@@ -1,7 +1,7 @@
 //! Seeded sampling is batch-invariant: a request with a given seed produces the same tokens
 //! whether it runs alone or among other requests that come and go.
 
-use ch01::{Llama, SamplingParams, fixtures_dir};
+use ch01::{SamplingParams, fixtures_dir};
 use ch03::{KvPool, PagedKv};
 use ch04_continuous_batching::{Engine, EngineConfig, Request};
 
@@ -19,7 +19,12 @@ fn sampled(prompt: Vec<u32>, seed: u64) -> Request {
 
 #[test]
 fn the_same_seed_gives_the_same_tokens_in_any_batch() {
-    let model = Llama::load(&fixtures_dir().join("shakespeare-tiny")).unwrap();
+    // Chapter 2's fast layers, as the binary runs them.
+    let model = ch02::load_fast(
+        &fixtures_dir().join("shakespeare-tiny"),
+        ch02::WeightDtype::F32,
+    )
+    .unwrap();
     let engine = || {
         let pool = KvPool::new(&model.config, 8, 64).unwrap();
         let config = EngineConfig {
