@@ -80,7 +80,11 @@ fn scenario(
 #[test]
 fn every_request_equals_generating_it_alone() {
     // Chapter 2's fast layers, as the binary runs them (matmul for batches, matvec alone).
-    let model = ch02::load_fast(&fixtures_dir().join("shakespeare-tiny"), ch02::WeightDtype::F32).unwrap();
+    let model = ch02::load_fast(
+        &fixtures_dir().join("shakespeare-tiny"),
+        ch02::WeightDtype::F32,
+    )
+    .unwrap();
     let vocab = model.config.vocab_size as u32;
     seeded_runner(48, 43)
         .run(
