@@ -9,9 +9,10 @@
 //! that is reused from step to step, so a decode step allocates nothing.
 
 use ch01::generate::{GenerateOptions, Generation, generate_with};
-use ch01::model::silu;
+use ch01::model::{DecoderLayer, silu};
+use ch01::rope::Rope;
 use ch01::{Llama, LlamaConfig, Tokenizer};
-use ndarray::{Array1, Array2, ArrayView1, s};
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, s};
 
 use crate::kv_store::{KvError, KvStore};
 use crate::{Error, Result};
@@ -55,10 +56,23 @@ impl Workspace {
     }
 
     /// Grows the buffers to hold `rows` tokens (prefill allocates here; decode never does).
-    fn reserve(&mut self, config: &LlamaConfig, rows: usize) {
+    pub fn reserve(&mut self, config: &LlamaConfig, rows: usize) {
         if rows > self.rows {
             *self = Workspace::new(config, rows);
         }
+    }
+
+    /// Puts the embeddings of `tokens` (checked ids) in the residual stream's first rows.
+    pub fn embed(&mut self, model: &Llama, tokens: &[u32]) {
+        self.reserve(&model.config, tokens.len());
+        for (mut x_t, &id) in self.x.rows_mut().into_iter().zip(tokens) {
+            x_t.assign(&model.embed_tokens.row(id as usize)); // [hidden]
+        }
+    }
+
+    /// The residual stream: row `t` is token `t`'s hidden state. [rows, hidden]
+    pub fn residual(&self) -> ArrayView2<'_, f32> {
+        self.x.view()
     }
 }
 
@@ -81,73 +95,96 @@ pub fn forward_hidden_cached(
         }
         .into());
     }
-    ws.reserve(&model.config, n);
-    let rows = s![..n, ..];
-    for (mut x_t, &id) in ws.x.slice_mut(rows).rows_mut().into_iter().zip(tokens) {
-        x_t.assign(&model.embed_tokens.row(id as usize)); // [hidden]
-    }
-
+    ws.embed(model, tokens);
     for (i, layer) in model.layers.iter().enumerate() {
-        let attn = &layer.self_attn;
-        layer
-            .input_layernorm
-            .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
-        attn.q_proj
-            .forward_into(ws.h.slice(rows), ws.q.slice_mut(rows)); // [n, q_dim]
-        attn.k_proj
-            .forward_into(ws.h.slice(rows), ws.k.slice_mut(rows)); // [n, kv_dim]
-        attn.v_proj
-            .forward_into(ws.h.slice(rows), ws.v.slice_mut(rows)); // [n, kv_dim]
-        for (t, (mut q_t, mut k_t)) in
-            ws.q.slice_mut(rows)
-                .rows_mut()
-                .into_iter()
-                .zip(ws.k.slice_mut(rows).rows_mut())
-                .enumerate()
-        {
-            model
-                .rope
-                .rotate(q_t.as_slice_mut().expect("contiguous row"), start + t);
-            model
-                .rope
-                .rotate(k_t.as_slice_mut().expect("contiguous row"), start + t);
-        }
-        store.write(i, start, ws.k.slice(rows), ws.v.slice(rows))?;
-        store.attend(
-            i,
-            ws.q.slice(rows),
-            context_len,
-            attn.shape(),
-            ws.attn.slice_mut(rows),
-        );
-        attn.o_proj
-            .forward_into(ws.attn.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
-        ws.x.slice_mut(rows)
-            .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
-
-        let mlp = &layer.mlp;
-        layer
-            .post_attention_layernorm
-            .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
-        mlp.gate_proj
-            .forward_into(ws.h.slice(rows), ws.gate.slice_mut(rows)); // [n, inter]
-        mlp.up_proj
-            .forward_into(ws.h.slice(rows), ws.up.slice_mut(rows)); // [n, inter]
-        ws.gate
-            .slice_mut(rows)
-            .zip_mut_with(&ws.up.slice(rows), |g, u| *g = silu(*g) * u);
-        mlp.down_proj
-            .forward_into(ws.gate.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
-        ws.x.slice_mut(rows)
-            .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
+        let shape = layer.self_attn.shape();
+        let mut attend = |q: ArrayView2<f32>,
+                          k: ArrayView2<f32>,
+                          v: ArrayView2<f32>,
+                          out: ArrayViewMut2<f32>|
+         -> Result<()> {
+            store.write(i, start, k, v)?;
+            store.attend(i, q, context_len, shape, out);
+            Ok(())
+        };
+        decoder_layer(layer, &model.rope, &|t| start + t, n, ws, &mut attend)?;
     }
     store.commit(context_len);
+    let rows = s![..n, ..];
     model
         .norm
         .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
     Ok(())
 }
 // ANCHOR_END: forward_cached
+
+/// Attention for one layer: given the new tokens' q [n, q_dim], k and v [n, kv_dim] (RoPE
+/// applied), stores k and v and writes the attention output into `out` [n, q_dim].
+pub type Attend<'a, E> = dyn FnMut(ArrayView2<f32>, ArrayView2<f32>, ArrayView2<f32>, ArrayViewMut2<f32>) -> Result<(), E>
+    + 'a;
+
+/// One decoder layer over the `n` tokens in the residual stream `ws.x[..n]`, in place: chapter
+/// 1's layer with the attention supplied by the caller (one sequence's [`KvStore`] here, a
+/// batch of sequences over paged blocks in chapter 4). Token `t` is at position `position(t)`.
+// ANCHOR: decoder_layer
+pub fn decoder_layer<E>(
+    layer: &DecoderLayer,
+    rope: &Rope,
+    position: &dyn Fn(usize) -> usize,
+    n: usize,
+    ws: &mut Workspace,
+    attend: &mut Attend<'_, E>,
+) -> Result<(), E> {
+    let rows = s![..n, ..];
+    let attn = &layer.self_attn;
+    layer
+        .input_layernorm
+        .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
+    attn.q_proj
+        .forward_into(ws.h.slice(rows), ws.q.slice_mut(rows)); // [n, q_dim]
+    attn.k_proj
+        .forward_into(ws.h.slice(rows), ws.k.slice_mut(rows)); // [n, kv_dim]
+    attn.v_proj
+        .forward_into(ws.h.slice(rows), ws.v.slice_mut(rows)); // [n, kv_dim]
+    for t in 0..n {
+        rope.rotate(
+            ws.q.row_mut(t).as_slice_mut().expect("contiguous row"),
+            position(t),
+        );
+        rope.rotate(
+            ws.k.row_mut(t).as_slice_mut().expect("contiguous row"),
+            position(t),
+        );
+    }
+    attend(
+        ws.q.slice(rows),
+        ws.k.slice(rows),
+        ws.v.slice(rows),
+        ws.attn.slice_mut(rows),
+    )?;
+    attn.o_proj
+        .forward_into(ws.attn.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    ws.x.slice_mut(rows)
+        .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
+
+    let mlp = &layer.mlp;
+    layer
+        .post_attention_layernorm
+        .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
+    mlp.gate_proj
+        .forward_into(ws.h.slice(rows), ws.gate.slice_mut(rows)); // [n, inter]
+    mlp.up_proj
+        .forward_into(ws.h.slice(rows), ws.up.slice_mut(rows)); // [n, inter]
+    ws.gate
+        .slice_mut(rows)
+        .zip_mut_with(&ws.up.slice(rows), |g, u| *g = silu(*g) * u);
+    mlp.down_proj
+        .forward_into(ws.gate.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    ws.x.slice_mut(rows)
+        .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
+    Ok(())
+}
+// ANCHOR_END: decoder_layer
 
 /// Logits of every new position: [n, vocab]. Allocates its own workspace and result.
 pub fn forward_cached(
