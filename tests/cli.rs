@@ -131,44 +131,18 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
         &["perplexity", "--model", model, "--file", "/nonexistent.txt"],
         "/nonexistent.txt",
     );
-    assert_fails_with(
-        &[
-            "generate",
-            "--model",
-            model,
-            "--prompt",
-            "x",
-            "--kv-cache-memory",
-            "12XB",
-        ],
-        "unknown size unit",
-    );
-    assert_fails_with(
-        &[
-            "generate",
-            "--model",
-            model,
-            "--prompt",
-            "x",
-            "--kv-cache-memory",
-            "1KiB",
-        ],
-        "holds no block",
-    );
-    assert_fails_with(
-        &[
-            "generate",
-            "--model",
-            model,
-            "--prompt",
-            "x",
-            "--kv-cache-memory",
-            "64KiB",
-            "--max-tokens",
-            "500",
-        ],
-        "raise --kv-cache-memory",
-    );
+    for (kv_args, needle) in [
+        (&["--kv-cache-memory", "12XB"][..], "unknown size unit"),
+        (&["--kv-cache-memory", "1KiB"], "holds no block"),
+        (
+            &["--kv-cache-memory", "64KiB", "--max-tokens", "500"],
+            "raise --kv-cache-memory",
+        ),
+    ] {
+        let mut args = vec!["generate", "--model", model, "--prompt", "x"];
+        args.extend_from_slice(kv_args);
+        assert_fails_with(&args, needle);
+    }
 }
 
 /// `kiln generate --prompt LINE` with `args`: the completion, without the echoed prompt.

@@ -37,6 +37,16 @@ use workload::ScaledLengths;
 /// measured here).
 const LLAMA_CPP_BATCHED_TOK_S: f64 = 116.0;
 
+/// The latency columns of the batching and scaling tables, in [`Summary`] order.
+const LATENCY_COLUMNS: [&str; 6] = [
+    "TTFT p50 (s)",
+    "TTFT p99 (s)",
+    "TPOT p50 (ms)",
+    "TPOT p99 (ms)",
+    "E2E p50 (s)",
+    "E2E p99 (s)",
+];
+
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
@@ -337,18 +347,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .fold(0.0, f64::max);
     let workload_text = workload_text(&plan, &lengths, args.seed, corpus.len(), best);
 
-    let mut batching = Table::new([
-        "engine",
-        "output tok/s",
-        "× sequential",
-        "seqs per step",
-        "TTFT p50 (s)",
-        "TTFT p99 (s)",
-        "TPOT p50 (ms)",
-        "TPOT p99 (ms)",
-        "E2E p50 (s)",
-        "E2E p99 (s)",
-    ])
+    let mut batching = Table::new(
+        ["engine", "output tok/s", "× sequential", "seqs per step"]
+            .into_iter()
+            .chain(LATENCY_COLUMNS),
+    )
     .align(0, Align::Left);
     let mut row = |label: String, s: &Summary| {
         let mut cells = vec![
@@ -480,18 +483,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let chunked_svg = chunk_chart.to_svg();
 
-    let mut scaling = Table::new([
-        "max_num_seqs",
-        "output tok/s",
-        "× max_num_seqs 1",
-        "seqs per step",
-        "TTFT p50 (s)",
-        "TTFT p99 (s)",
-        "TPOT p50 (ms)",
-        "TPOT p99 (ms)",
-        "E2E p50 (s)",
-        "E2E p99 (s)",
-    ]);
+    let mut scaling = Table::new(
+        [
+            "max_num_seqs",
+            "output tok/s",
+            "× max_num_seqs 1",
+            "seqs per step",
+        ]
+        .into_iter()
+        .chain(LATENCY_COLUMNS),
+    );
     for (n, s) in &sweep {
         let mut cells = vec![
             n.to_string(),
