@@ -12,12 +12,12 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use ch01::Llama;
 
 use super::svg::LinePlot;
 use super::table::Table;
-use super::{Output, RunFacts, bench_tokens, model_name, ms, parameter_count, time};
+use super::{Output, RunFacts, bench_tokens, model_name, ms, parameter_count, time, write_figures};
 use crate::commands::ModelArgs;
 
 const DEFAULT_LENGTHS: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -126,14 +126,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let svg = plot(&rows, &model_name).to_svg();
 
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let md_path = out.join("latency.md");
-    let svg_path = out.join("latency.svg");
-    std::fs::write(&md_path, &markdown)
-        .with_context(|| format!("writing {}", md_path.display()))?;
-    std::fs::write(&svg_path, &svg).with_context(|| format!("writing {}", svg_path.display()))?;
-    print!("{markdown}");
-    eprintln!("wrote {} and {}", md_path.display(), svg_path.display());
+    write_figures(&out, &[("latency", Some(&markdown), &svg)])?;
     Ok(())
 }
 

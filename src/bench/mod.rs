@@ -83,6 +83,29 @@ impl Output {
     }
 }
 
+/// Writes each figure into `out` (created if missing): `{stem}.md`, a table that is also
+/// printed to stdout, when there is one, and `{stem}.svg`.
+pub fn write_figures(out: &Path, figures: &[(&str, Option<&str>, &str)]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    for &(stem, markdown, svg) in figures {
+        if let Some(markdown) = markdown {
+            let md_path = out.join(format!("{stem}.md"));
+            std::fs::write(&md_path, markdown)
+                .with_context(|| format!("writing {}", md_path.display()))?;
+            println!("{markdown}");
+        }
+        let svg_path = out.join(format!("{stem}.svg"));
+        std::fs::write(&svg_path, svg)
+            .with_context(|| format!("writing {}", svg_path.display()))?;
+    }
+    eprintln!(
+        "wrote the tables (.md) and plots (.svg) to {}",
+        out.display()
+    );
+    Ok(())
+}
+
 /// The book folder of a chapter, e.g. `book/src/ch01` in this repository.
 pub fn book_dir(chapter: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

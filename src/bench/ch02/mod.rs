@@ -16,10 +16,10 @@ mod report;
 mod speed;
 mod waste;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use ch02::{FastLoader, WeightDtype};
 
-use super::{Output, RunFacts, bench_tokens, model_name};
+use super::{Output, RunFacts, bench_tokens, model_name, write_figures};
 use crate::commands::ModelArgs;
 
 #[derive(clap::Args, Debug)]
@@ -187,21 +187,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         report.waste = Some(waste::measure(config)?);
     }
 
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    for (name, markdown, svg) in report.files() {
-        let (md_path, svg_path) = (
-            out.join(format!("{name}.md")),
-            out.join(format!("{name}.svg")),
-        );
-        std::fs::write(&md_path, &markdown)
-            .with_context(|| format!("writing {}", md_path.display()))?;
-        std::fs::write(&svg_path, svg)
-            .with_context(|| format!("writing {}", svg_path.display()))?;
-        println!("{markdown}");
-    }
-    eprintln!(
-        "wrote the tables (.md) and plots (.svg) to {}",
-        out.display()
-    );
+    let files = report.files();
+    let figures: Vec<_> = files
+        .iter()
+        .map(|(stem, markdown, svg)| (*stem, Some(markdown.as_str()), svg.as_str()))
+        .collect();
+    write_figures(&out, &figures)?;
     Ok(())
 }

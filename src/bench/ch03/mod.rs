@@ -11,14 +11,14 @@
 
 mod measure;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use ch02::workload::{ContiguousUtilisation, LogNormalLengths, Reservation, bytes_per_token};
 use ch03::utilisation::{PagedUtilisation, requests_that_fit};
 
 use super::bars::BarChart;
 use super::svg::LinePlot;
 use super::table::{Align, Table};
-use super::{Output, RunFacts, bench_tokens, model_name, ms};
+use super::{Output, RunFacts, bench_tokens, model_name, ms, write_figures};
 use crate::commands::{ModelArgs, parse_bytes};
 
 const REQUESTS: usize = 1000;
@@ -222,23 +222,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )
         .to_svg();
 
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    for (stem, markdown, svg) in [
-        ("memory", memory_md, memory_svg),
-        ("sharing", sharing_md, sharing_svg),
-        ("speed", speed_md, speed_svg),
-    ] {
-        let md_path = out.join(format!("{stem}.md"));
-        std::fs::write(&md_path, &markdown)
-            .with_context(|| format!("writing {}", md_path.display()))?;
-        let svg_path = out.join(format!("{stem}.svg"));
-        std::fs::write(&svg_path, svg)
-            .with_context(|| format!("writing {}", svg_path.display()))?;
-        println!("{markdown}");
-    }
-    eprintln!(
-        "wrote the tables (.md) and plots (.svg) to {}",
-        out.display()
-    );
+    write_figures(
+        &out,
+        &[
+            ("memory", Some(&memory_md), &memory_svg),
+            ("sharing", Some(&sharing_md), &sharing_svg),
+            ("speed", Some(&speed_md), &speed_svg),
+        ],
+    )?;
     Ok(())
 }

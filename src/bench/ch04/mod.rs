@@ -28,7 +28,7 @@ use ch04::static_batch::{Arrival, StaticBatcher, WallClock};
 use super::bars::BarChart;
 use super::svg::LinePlot;
 use super::table::{Align, Table};
-use super::{Output, RunFacts, model_name};
+use super::{Output, RunFacts, model_name, write_figures};
 use crate::commands::ModelArgs;
 use serve::{Run, Summary, median_summary, summarize};
 use workload::ScaledLengths;
@@ -529,28 +529,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .series("TPOT p99", &points(|s| s.tpot.p99))
         .to_svg();
 
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    for (stem, markdown, svg) in [
-        ("batching", Some(batching_md), batching_svg),
-        ("chunked", Some(chunked_md), chunked_svg),
-        ("scaling", Some(scaling_md), scaling_svg),
-        ("scaling-latency", None, scaling_latency_svg),
-    ] {
-        if let Some(markdown) = markdown {
-            let md_path = out.join(format!("{stem}.md"));
-            std::fs::write(&md_path, &markdown)
-                .with_context(|| format!("writing {}", md_path.display()))?;
-            println!("{markdown}");
-        }
-        let svg_path = out.join(format!("{stem}.svg"));
-        std::fs::write(&svg_path, svg)
-            .with_context(|| format!("writing {}", svg_path.display()))?;
-    }
-    eprintln!(
-        "wrote the tables (.md) and plots (.svg) to {} in {:.0} s",
-        out.display(),
-        started.elapsed().as_secs_f64()
-    );
+    write_figures(
+        &out,
+        &[
+            ("batching", Some(&batching_md), &batching_svg),
+            ("chunked", Some(&chunked_md), &chunked_svg),
+            ("scaling", Some(&scaling_md), &scaling_svg),
+            ("scaling-latency", None, &scaling_latency_svg),
+        ],
+    )?;
+    eprintln!("in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 
