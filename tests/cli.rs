@@ -138,6 +138,8 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
             &["--kv-cache-memory", "64KiB", "--max-tokens", "500"],
             "raise --kv-cache-memory",
         ),
+        // More than the address space, or than block ids can name: an error, not an abort.
+        (&["--kv-cache-memory", "1000000GiB"], "KV"),
     ] {
         let mut args = vec!["generate", "--model", model, "--prompt", "x"];
         args.extend_from_slice(kv_args);

@@ -15,6 +15,10 @@ pub enum PoolError {
     BudgetTooSmall { budget: u64, block_bytes: u64 },
     #[error("block size must be at least 1")]
     ZeroBlockSize,
+    #[error("{num_blocks} KV blocks are more than block ids can name ({max})")]
+    TooManyBlocks { num_blocks: usize, max: u64 },
+    #[error("could not allocate the KV pool ({bytes} bytes)")]
+    OutOfMemory { bytes: u128 },
 }
 
 // ANCHOR: pool
@@ -48,11 +52,33 @@ impl KvPool {
         if block_size == 0 {
             return Err(PoolError::ZeroBlockSize);
         }
+        if BlockId::try_from(num_blocks).is_err() {
+            return Err(PoolError::TooManyBlocks {
+                num_blocks,
+                max: BlockId::MAX.into(),
+            });
+        }
         let kv_dim = config.num_key_value_heads * config.head_dim;
-        let layer = || vec![0.0f32; num_blocks * block_size * kv_dim];
+        let bytes = 2
+            * config.num_hidden_layers as u128
+            * num_blocks as u128
+            * block_size as u128
+            * kv_dim as u128
+            * size_of::<f32>() as u128;
+        let layer = || -> Result<Vec<f32>, PoolError> {
+            let len = num_blocks
+                .checked_mul(block_size)
+                .and_then(|n| n.checked_mul(kv_dim))
+                .ok_or(PoolError::OutOfMemory { bytes })?;
+            zeroed(len).ok_or(PoolError::OutOfMemory { bytes })
+        };
         Ok(KvPool {
-            keys: (0..config.num_hidden_layers).map(|_| layer()).collect(),
-            values: (0..config.num_hidden_layers).map(|_| layer()).collect(),
+            keys: (0..config.num_hidden_layers)
+                .map(|_| layer())
+                .collect::<Result<_, _>>()?,
+            values: (0..config.num_hidden_layers)
+                .map(|_| layer())
+                .collect::<Result<_, _>>()?,
             num_blocks,
             block_size,
             kv_dim,
@@ -166,4 +192,21 @@ impl KvPool {
         cached_attention_mapped(q, k, v, &row_of, context_len, shape, out, &mut self.scores);
     }
     // ANCHOR_END: paged_attention
+}
+
+/// `len` zeros, or `None` if the memory cannot be had. Like `vec![0.0; len]`, the pages come
+/// zeroed from the system and are only touched when written, so a large pool costs nothing
+/// until blocks are used; unlike it, failure is a value instead of an abort.
+fn zeroed(len: usize) -> Option<Vec<f32>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size. A non-null result points to `len` zeroed f32s
+    // (all-zero bits are 0.0) allocated by the global allocator with this layout, which is what
+    // `Vec::from_raw_parts` requires for length and capacity `len`.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut f32;
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, len, len))
+    }
 }
