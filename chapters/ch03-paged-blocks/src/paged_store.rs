@@ -190,8 +190,9 @@ pub fn generate_paged(
     let mut workspace = Workspace::new(&model.config, prompt_tokens.len());
     let result = {
         let mut next_token_logits = |tokens: &[u32]| -> ch02::Result<Array1<f32>> {
-            seq.tokens.clear();
-            seq.tokens.extend_from_slice(tokens);
+            // `tokens` is the sequence so far: the prompt, then one more token per call.
+            debug_assert!(tokens.starts_with(&seq.tokens));
+            seq.tokens.extend_from_slice(&tokens[seq.tokens.len()..]);
             Ok(kv.step(model, &mut seq, &mut workspace)?.to_owned())
         };
         generate_with::<ch02::Error>(
