@@ -24,6 +24,27 @@ pub fn scratch_len(n: usize, context_len: usize, shape: AttentionShape) -> usize
     }
 }
 
+/// The score rows attention needs, kept by a store from call to call: sized at creation for a
+/// decode step over its whole capacity, so decode never allocates; grown only by a prefill that
+/// needs more.
+pub struct ScoreScratch(Vec<f32>);
+
+impl ScoreScratch {
+    /// Room for one decode step against `capacity` positions.
+    pub fn for_decode(num_heads: usize, capacity: usize) -> Self {
+        ScoreScratch(vec![0.0; num_heads * capacity])
+    }
+
+    /// Scratch for `n` queries against `context_len` positions ([`scratch_len`] elements).
+    pub fn get(&mut self, n: usize, context_len: usize, shape: AttentionShape) -> &mut [f32] {
+        let needed = scratch_len(n, context_len, shape);
+        if self.0.len() < needed {
+            self.0.resize(needed, 0.0);
+        }
+        &mut self.0[..needed]
+    }
+}
+
 /// `q`, `out`: [n, num_heads · head_dim]; `k`, `v`: at least [context_len, num_kv_heads · head_dim],
 /// row-major; `scores`: at least [`scratch_len`] elements.
 pub fn cached_attention(

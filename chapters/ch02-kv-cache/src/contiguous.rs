@@ -8,7 +8,7 @@ use ch01::LlamaConfig;
 use ch01::attention::AttentionShape;
 use ndarray::{Array2, ArrayView2, ArrayViewMut2, s};
 
-use crate::attention::{cached_attention, scratch_len};
+use crate::attention::{ScoreScratch, cached_attention};
 use crate::kv_store::{KvError, KvStore};
 
 /// One sequence's K/V, contiguous per layer.
@@ -17,7 +17,7 @@ pub struct ContiguousKvCache {
     keys: Vec<Array2<f32>>,   // per layer [capacity, num_kv_heads * head_dim]
     values: Vec<Array2<f32>>, // per layer [capacity, num_kv_heads * head_dim]
     len: usize,
-    scores: Vec<f32>, // attention scratch; grows to the largest step seen, then stays
+    scores: ScoreScratch,
 }
 
 impl ContiguousKvCache {
@@ -29,8 +29,7 @@ impl ContiguousKvCache {
             keys: (0..config.num_hidden_layers).map(|_| buffer()).collect(),
             values: (0..config.num_hidden_layers).map(|_| buffer()).collect(),
             len: 0,
-            // Decode's scratch for the whole capacity now, so that no decode step allocates.
-            scores: vec![0.0; config.num_attention_heads * capacity],
+            scores: ScoreScratch::for_decode(config.num_attention_heads, capacity),
         }
     }
 
@@ -105,10 +104,6 @@ impl KvStore for ContiguousKvCache {
         shape: AttentionShape,
         mut out: ArrayViewMut2<f32>,
     ) {
-        let needed = scratch_len(q.nrows(), context_len, shape);
-        if self.scores.len() < needed {
-            self.scores.resize(needed, 0.0);
-        }
         let q = q.as_standard_layout(); // borrows: the forward pass's buffers are contiguous
         cached_attention(
             q.as_slice().expect("standard layout"),
@@ -122,7 +117,7 @@ impl KvStore for ContiguousKvCache {
             shape,
             out.as_slice_mut()
                 .expect("attention output must be contiguous"),
-            &mut self.scores,
+            self.scores.get(q.nrows(), context_len, shape),
         );
     }
 

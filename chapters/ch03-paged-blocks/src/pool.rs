@@ -2,7 +2,7 @@
 
 use ch01::LlamaConfig;
 use ch01::attention::AttentionShape;
-use ch02::attention::{cached_attention_mapped, scratch_len};
+use ch02::attention::{ScoreScratch, cached_attention_mapped};
 use ndarray::ArrayView1;
 
 use crate::block_manager::BlockCopy;
@@ -34,7 +34,7 @@ pub struct KvPool {
     num_blocks: usize,
     block_size: usize,
     kv_dim: usize,
-    scores: Vec<f32>, // attention scratch; sized for a decode step over the whole context
+    scores: ScoreScratch,
 }
 // ANCHOR_END: pool
 
@@ -82,7 +82,10 @@ impl KvPool {
             num_blocks,
             block_size,
             kv_dim,
-            scores: vec![0.0; config.num_attention_heads * config.max_position_embeddings],
+            scores: ScoreScratch::for_decode(
+                config.num_attention_heads,
+                config.max_position_embeddings,
+            ),
         })
     }
 
@@ -183,13 +186,10 @@ impl KvPool {
         out: &mut [f32],
     ) {
         let n = q.len() / (shape.num_heads * shape.head_dim);
-        let needed = scratch_len(n, context_len, shape);
-        if self.scores.len() < needed {
-            self.scores.resize(needed, 0.0); // a long prefill; decode never grows it
-        }
         let row_of = |pos: usize| table.slot(pos); // the block table is the only change
         let (k, v) = (&self.keys[layer], &self.values[layer]);
-        cached_attention_mapped(q, k, v, &row_of, context_len, shape, out, &mut self.scores);
+        let scores = self.scores.get(n, context_len, shape);
+        cached_attention_mapped(q, k, v, &row_of, context_len, shape, out, scores);
     }
     // ANCHOR_END: paged_attention
 }
