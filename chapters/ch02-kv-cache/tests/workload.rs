@@ -91,31 +91,48 @@ fn the_empirical_median_and_spread_match_the_configuration() {
     assert!((var.sqrt() - 0.9).abs() < 0.03, "sd of ln X {}", var.sqrt());
 }
 
-#[test]
-fn clipped_lengths_are_at_least_one_and_fit_the_context() {
-    let strategy = (
-        (1.0f64..20_000.0, 0.0f64..3.0),
-        (1.0f64..20_000.0, 0.0f64..3.0),
-        2usize..10_000,
-        0usize..64,
+/// Random log-normal workloads (medians up to `max_median`, sigmas up to `max_sigma`, contexts
+/// of 2 to `max_context`), with a request count from `n` and a seed.
+fn workloads(
+    max_median: f64,
+    max_sigma: f64,
+    max_context: usize,
+    n: std::ops::Range<usize>,
+) -> impl Strategy<Value = (LogNormalLengths, usize, u64)> {
+    (
+        (1.0f64..max_median, 0.0f64..max_sigma),
+        (1.0f64..max_median, 0.0f64..max_sigma),
+        2usize..max_context,
+        n,
         any::<u64>(),
-    );
-    runner(256)
-        .run(&strategy, |((pm, ps), (om, os), max_len, n, seed)| {
+    )
+        .prop_map(|((pm, ps), (om, os), max_len, n, seed)| {
             let lengths = LogNormalLengths::new(
                 LogNormal::new(pm, ps).unwrap(),
                 LogNormal::new(om, os).unwrap(),
                 max_len,
             )
             .unwrap();
-            let sample = lengths.sample(n, seed);
-            prop_assert_eq!(sample.len(), n);
-            for r in sample {
-                prop_assert!(r.prompt_len >= 1 && r.output_len >= 1, "{r:?}");
-                prop_assert!(r.total() <= max_len, "{r:?} in a context of {max_len}");
-            }
-            Ok(())
+            (lengths, n, seed)
         })
+}
+
+#[test]
+fn clipped_lengths_are_at_least_one_and_fit_the_context() {
+    runner(256)
+        .run(
+            &workloads(20_000.0, 3.0, 10_000, 0..64),
+            |(lengths, n, seed)| {
+                let max_len = lengths.max_len();
+                let sample = lengths.sample(n, seed);
+                prop_assert_eq!(sample.len(), n);
+                for r in sample {
+                    prop_assert!(r.prompt_len >= 1 && r.output_len >= 1, "{r:?}");
+                    prop_assert!(r.total() <= max_len, "{r:?} in a context of {max_len}");
+                }
+                Ok(())
+            },
+        )
         .unwrap();
 }
 
@@ -222,40 +239,31 @@ fn utilisation_of_a_small_example_worked_by_hand() {
 
 #[test]
 fn utilisation_is_a_share_in_zero_one_for_every_policy() {
-    let strategy = (
-        (1.0f64..5_000.0, 0.0f64..2.5),
-        (1.0f64..5_000.0, 0.0f64..2.5),
-        2usize..9_000,
-        1usize..64,
-        any::<u64>(),
-    );
     runner(256)
-        .run(&strategy, |((pm, ps), (om, os), max_len, n, seed)| {
-            let lengths = LogNormalLengths::new(
-                LogNormal::new(pm, ps).unwrap(),
-                LogNormal::new(om, os).unwrap(),
-                max_len,
-            )
-            .unwrap();
-            let requests = lengths.sample(n, seed);
-            for policy in [
-                Reservation::Fixed(max_len),
-                Reservation::PromptPlusPow2MaxTokens { max_len },
-                Reservation::Exact,
-            ] {
-                let u = ContiguousUtilisation::measure(&requests, policy).unwrap();
-                prop_assert!(u.used_slots <= u.reserved_slots);
-                prop_assert_eq!(
-                    u.holding_slot_steps + u.future_slot_steps + u.fragmentation_slot_steps,
-                    u.reserved_slot_steps
-                );
-                for share in [u.utilisation(), u.time_weighted_utilisation()] {
-                    prop_assert!(share > 0.0 && share <= 1.0, "{policy:?}: {share}");
+        .run(
+            &workloads(5_000.0, 2.5, 9_000, 1..64),
+            |(lengths, n, seed)| {
+                let max_len = lengths.max_len();
+                let requests = lengths.sample(n, seed);
+                for policy in [
+                    Reservation::Fixed(max_len),
+                    Reservation::PromptPlusPow2MaxTokens { max_len },
+                    Reservation::Exact,
+                ] {
+                    let u = ContiguousUtilisation::measure(&requests, policy).unwrap();
+                    prop_assert!(u.used_slots <= u.reserved_slots);
+                    prop_assert_eq!(
+                        u.holding_slot_steps + u.future_slot_steps + u.fragmentation_slot_steps,
+                        u.reserved_slot_steps
+                    );
+                    for share in [u.utilisation(), u.time_weighted_utilisation()] {
+                        prop_assert!(share > 0.0 && share <= 1.0, "{policy:?}: {share}");
+                    }
+                    prop_assert!((u.utilisation() + u.wasted() - 1.0).abs() < 1e-12);
                 }
-                prop_assert!((u.utilisation() + u.wasted() - 1.0).abs() < 1e-12);
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+        )
         .unwrap();
 }
 
