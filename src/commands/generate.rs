@@ -318,6 +318,7 @@ fn run_many(
             stop_token_ids: options.eos_token_ids.clone(),
             ignore_eos: options.ignore_eos,
             priority: 0,
+            logprobs: None,
         };
         let id = engine
             .add_request(request)

@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use ch01::{Llama, Sampler};
 use ch03::{BlockError, PagedKv, PrefixStats};
 
+use crate::logprobs::TokenLogprobs;
 use crate::request::{FinishReason, Request, RequestId, Sequence, Status};
 use crate::runner::{ModelRunner, ScheduledSeq};
 
@@ -79,10 +80,12 @@ pub enum EngineError {
 }
 
 /// What one step produced for one request: the tokens sampled since the last report.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RequestOutput {
     pub id: RequestId,
     pub new_tokens: Vec<u32>,
+    /// One entry per new token when the request asked for logprobs, else empty.
+    pub logprobs: Vec<TokenLogprobs>,
     pub finished: Option<FinishReason>,
 }
 
@@ -155,8 +158,7 @@ impl<'m> Engine<'m> {
         let needed = (request.prompt.len() + request.max_tokens)
             .min(self.model.config.max_position_embeddings);
         // A request alone must fit above the watermark, or it could never be admitted.
-        let blocks = self.kv.manager.num_blocks() - self.watermark_blocks();
-        let capacity = blocks * self.kv.pool.block_size();
+        let capacity = self.max_request_tokens();
         if needed > capacity {
             return Err(EngineError::TooLong { needed, capacity });
         }
@@ -247,6 +249,13 @@ impl<'m> Engine<'m> {
     }
 
     /// Blocks that admission keeps free.
+    /// The most KV positions one request may use (prompt + max_tokens): the pool above the
+    /// free-block watermark. A server refuses to start if this is below its max_model_len.
+    pub fn max_request_tokens(&self) -> usize {
+        let blocks = self.kv.manager.num_blocks() - self.watermark_blocks();
+        blocks * self.kv.pool.block_size()
+    }
+
     fn watermark_blocks(&self) -> usize {
         (self.config.watermark * self.kv.manager.num_blocks() as f64).ceil() as usize
     }
@@ -311,11 +320,16 @@ impl<'m> Engine<'m> {
                 .next()
                 .expect("one logits row per finished prompt or decode");
             let prompt = &seq.request.prompt;
-            let token = seq.sampler.sample(
-                row.as_slice().expect("contiguous"),
-                prompt,
-                &seq.tokens[prompt.len()..],
-            )?;
+            let row = row.as_slice().expect("contiguous");
+            let token = seq
+                .sampler
+                .sample(row, prompt, &seq.tokens[prompt.len()..])?;
+            let logprobs: Vec<TokenLogprobs> = seq
+                .request
+                .logprobs
+                .map(|top| TokenLogprobs::of(row, token, top))
+                .into_iter()
+                .collect();
             seq.tokens.push(token);
             self.counters.generation_tokens += 1;
             let generated = seq.tokens.len() - prompt.len();
@@ -335,6 +349,7 @@ impl<'m> Engine<'m> {
             outputs.push(RequestOutput {
                 id,
                 new_tokens,
+                logprobs,
                 finished: finish,
             });
         }

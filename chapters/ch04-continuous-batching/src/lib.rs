@@ -10,10 +10,12 @@
 //! |---------------|---------------------------------------------------------------------------|
 //! | [`request`]   | [`Request`], its [`Status`] (waiting, running, swapped, finished)          |
 //! | [`engine`]    | [`Engine`]: the scheduler and the step loop; preemption; counters          |
+//! | [`logprobs`]  | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
 //! | [`runner`]    | [`ModelRunner`]: one forward over a flattened batch of prefill chunks and decodes |
 //! | [`static_batch`] | [`StaticBatcher`](static_batch::StaticBatcher): static batching, only the benchmark's baseline |
 
 pub mod engine;
+pub mod logprobs;
 pub mod request;
 pub mod runner;
 pub mod static_batch;
@@ -21,5 +23,6 @@ pub mod static_batch;
 pub use engine::{
     Completion, Counters, Engine, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace,
 };
+pub use logprobs::TokenLogprobs;
 pub use request::{FinishReason, Request, RequestId, Status};
 pub use runner::{ModelRunner, ScheduledBatch, ScheduledSeq};

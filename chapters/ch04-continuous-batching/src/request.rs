@@ -19,6 +19,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Scheduling priority: lower runs first (as vLLM's `priority`); FCFS among equals.
     pub priority: i32,
+    /// Report each sampled token's log-probability and this many top alternatives
+    /// ([`TokenLogprobs`](crate::TokenLogprobs)); `None`: none (nothing is computed).
+    pub logprobs: Option<usize>,
 }
 
 impl Request {
@@ -31,6 +34,7 @@ impl Request {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             priority: 0,
+            logprobs: None,
         }
     }
 }
