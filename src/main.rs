@@ -5,6 +5,7 @@
 //! kiln generate   --prompts-file FILE      one prompt per line, all at once through the engine
 //! kiln forward    --prompt TEXT --out FILE logits of every position as safetensors
 //! kiln perplexity --file TEXT --ctx 512    llama.cpp-style perplexity
+//! kiln serve     --port 8000              the OpenAI-compatible server (chapter 8)
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
 //! ```
 //! `--model` defaults to the embedded shakespeare-small fixture.
@@ -36,6 +37,8 @@ enum Command {
     Forward(commands::forward::Args),
     /// Score a text file as llama.cpp's perplexity tool does.
     Perplexity(commands::perplexity::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics).
+    Serve(commands::serve::Args),
     /// Run a chapter's benchmark: print a markdown table, write it and an SVG plot for the book.
     Bench(bench::Args),
 }
@@ -47,7 +50,13 @@ fn main() -> anyhow::Result<()> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(cli.threads.unwrap_or(0)) // 0: one per CPU
         .build()?;
+    let pool = std::sync::Arc::new(pool);
+    if let Command::Serve(args) = cli.command {
+        // The server runs its engine loop on the pool itself (and HTTP on tokio).
+        return commands::serve::run(args, pool);
+    }
     pool.install(|| match cli.command {
+        Command::Serve(_) => unreachable!("handled above"),
         Command::Generate(args) => commands::generate::run(args),
         Command::Forward(args) => commands::forward::run(args),
         Command::Perplexity(args) => commands::perplexity::run(args),

@@ -1,0 +1,826 @@
+//! The model's chat template: a Jinja program, shipped with the model, that turns a list of
+//! messages into the one prompt string the model was fine-tuned on.
+//!
+//! `transformers` renders it with Jinja2 in a particular environment, and a prompt that is off
+//! by one newline is a different prompt, so this module copies that environment in minijinja:
+//!
+//! | transformers (`apply_chat_template`)     | here                                            |
+//! |------------------------------------------|-------------------------------------------------|
+//! | `trim_blocks=True`, `lstrip_blocks=True` | the same                                        |
+//! | `keep_trailing_newline` left `False`     | the same (one trailing newline is dropped)      |
+//! | `raise_exception(msg)`                   | fails the render; [`TemplateError::Render`] holds `msg` |
+//! | `tojson` (`json.dumps`, `ensure_ascii=False`) | Python's layout: `{"a": 1, "b": [1, 2]}`, `indent`, `sort_keys`, `ensure_ascii` |
+//! | `strftime_now(fmt)`                      | the same specifiers, in UTC (not local time)    |
+//! | Python string / dict methods             | `minijinja_contrib::pycompat` (`.strip()`, `.items()`, ...) |
+//! | variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token` | the same; a token the model does not define is undefined, not `None` |
+//!
+//! Known differences: minijinja rejects `{% break %}` / `{% continue %}` unless its
+//! `loop_controls` feature is on, and maps (e.g. in `tojson`) keep their keys sorted unless
+//! its `preserve_order` feature is on; Jinja2 keeps insertion order.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+use serde_json::Value as Json;
+
+/// The name the template is registered under (it appears in minijinja's error messages).
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// One message of a conversation.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage {
+            role: role.to_string(),
+            content: content.to_string(),
+        }
+    }
+}
+
+/// Why a template could not be loaded or rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("malformed JSON in {}: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// `chat_template` is there but not a string or a list of `{"name", "template"}` with a
+    /// "default" entry.
+    #[error("{}: {message}", path.display())]
+    Config { path: PathBuf, message: String },
+    /// The template is not valid Jinja (or uses something minijinja does not support).
+    #[error("chat template{} does not compile: {message}", in_path(path.as_deref()))]
+    Compile {
+        path: Option<PathBuf>,
+        message: String,
+    },
+    /// Rendering failed: the template called `raise_exception(message)` (then `message` is
+    /// exactly its argument), or hit an error such as an undefined attribute.
+    #[error("{message}")]
+    Render { message: String },
+}
+
+fn in_path(path: Option<&Path>) -> String {
+    path.map(|p| format!(" in {}", p.display()))
+        .unwrap_or_default()
+}
+
+/// A compiled chat template and the special tokens it may refer to. `Send + Sync`: one per
+/// server, shared by all handlers.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    /// Holds exactly one template, [`TEMPLATE_NAME`], which compiled.
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl ChatTemplate {
+    /// From a Hugging Face model folder: `chat_template.jinja` if present, else
+    /// `tokenizer_config.json`'s "chat_template" (a string, or a list of {"name", "template"}
+    /// where the one named "default" is used). Also reads bos_token / eos_token (strings, or
+    /// objects with a "content" field) from tokenizer_config.json for the template's
+    /// `bos_token` / `eos_token` variables. `Ok(None)` when the model has no template.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, TemplateError> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config =
+            match read_optional(&config_path)? {
+                Some(text) => Some(serde_json::from_str::<Json>(&text).map_err(|source| {
+                    TemplateError::Json {
+                        path: config_path.clone(),
+                        source,
+                    }
+                })?),
+                None => None,
+            };
+        let jinja_path = dir.join("chat_template.jinja");
+        let (source, path) = match read_optional(&jinja_path)? {
+            Some(source) => (source, jinja_path),
+            None => match config.as_ref() {
+                Some(config) => match template_from_config(config, &config_path)? {
+                    Some(source) => (source, config_path),
+                    None => return Ok(None),
+                },
+                None => return Ok(None),
+            },
+        };
+        let token = |key| config.as_ref().and_then(|c| special_token(c, key));
+        Self::build(source, token("bos_token"), token("eos_token"), Some(path)).map(Some)
+    }
+
+    /// From template source and the special tokens (`None`: the variable is undefined).
+    pub fn from_source(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, TemplateError> {
+        Self::build(source.to_string(), bos_token, eos_token, None)
+    }
+
+    fn build(
+        source: String,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+        path: Option<PathBuf>,
+    ) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|e| TemplateError::Compile {
+                path,
+                message: e.to_string(),
+            })?;
+        Ok(ChatTemplate {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Renders the conversation; `add_generation_prompt` as in transformers'
+    /// `apply_chat_template` (append the header that starts the assistant's turn).
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let mut ctx = vec![
+            ("messages", Value::from_serialize(messages)),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+        ];
+        for (name, token) in [
+            ("bos_token", &self.bos_token),
+            ("eos_token", &self.eos_token),
+        ] {
+            if let Some(token) = token {
+                ctx.push((name, Value::from(token.as_str())));
+            }
+        }
+        let ctx: Value = ctx.into_iter().collect();
+        self.env
+            .get_template(TEMPLATE_NAME)
+            .and_then(|t| t.render(ctx))
+            .map_err(render_error)
+    }
+}
+
+/// The file's text, `None` if it does not exist.
+fn read_optional(path: &Path) -> Result<Option<String>, TemplateError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TemplateError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// `chat_template` from a tokenizer_config.json: a string, or the "default" of a named list.
+fn template_from_config(config: &Json, path: &Path) -> Result<Option<String>, TemplateError> {
+    let fail = |message: &str| TemplateError::Config {
+        path: path.to_path_buf(),
+        message: message.to_string(),
+    };
+    match config.get("chat_template") {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::String(source)) => Ok(Some(source.clone())),
+        Some(Json::Array(named)) => {
+            let default = named
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .ok_or_else(|| {
+                    fail("chat_template lists several templates but none named \"default\"")
+                })?;
+            let source = default
+                .get("template")
+                .and_then(Json::as_str)
+                .ok_or_else(|| fail("chat_template \"default\" has no \"template\" string"))?;
+            Ok(Some(source.to_string()))
+        }
+        Some(_) => Err(fail(
+            "chat_template must be a string or a list of {\"name\", \"template\"}",
+        )),
+    }
+}
+
+/// A special token from tokenizer_config.json: `"<s>"` or `{"content": "<s>", ...}`.
+fn special_token(config: &Json, key: &str) -> Option<String> {
+    match config.get(key)? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// The error of a `raise_exception` call, kept as the source of minijinja's error so that
+/// [`render_error`] can give back the template author's message as is.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct RaisedException(String);
+
+fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
+    Err(
+        minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
+            .with_source(RaisedException(message)),
+    )
+}
+
+fn render_error(err: minijinja::Error) -> TemplateError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    while let Some(e) = cause {
+        if let Some(raised) = e.downcast_ref::<RaisedException>() {
+            return TemplateError::Render {
+                message: raised.0.clone(),
+            };
+        }
+        cause = e.source();
+    }
+    TemplateError::Render {
+        message: err.to_string(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// tojson, as transformers defines it: json.dumps(x, ensure_ascii=False, indent=None,
+// sort_keys=False), whose layout is Python's (", " and ": " separators; with indent, ","
+// and a newline).
+// ---------------------------------------------------------------------------------------------
+
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let json = PyJson {
+        indent: kwargs.get::<Option<usize>>("indent")?,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    json.write(&value, 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+struct PyJson {
+    indent: Option<usize>,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson {
+    fn write(&self, value: &Value, depth: usize, out: &mut String) -> Result<(), minijinja::Error> {
+        match value.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+            ValueKind::Number if value.is_integer() => out.push_str(&value.to_string()),
+            ValueKind::Number => out.push_str(&py_float(f64::try_from(value.clone())?)),
+            ValueKind::String => self.write_str(value.as_str().unwrap_or_default(), out),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = value.try_iter()?.collect();
+                self.write_items(('[', ']'), &items, depth, out, |item, out| {
+                    self.write(item, depth + 1, out)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = value.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort_by_key(|k| k.to_string());
+                }
+                self.write_items(('{', '}'), &keys, depth, out, |key, out| {
+                    match key.as_str() {
+                        Some(s) => self.write_str(s, out),
+                        None => self.write_str(&key.to_string(), out),
+                    }
+                    out.push_str(": ");
+                    self.write(&value.get_item(key)?, depth + 1, out)
+                })?;
+            }
+            kind => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson: a {kind} is not JSON serializable"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `open items close`, items separated as Python does with and without `indent`.
+    fn write_items(
+        &self,
+        (open, close): (char, char),
+        items: &[Value],
+        depth: usize,
+        out: &mut String,
+        mut write_item: impl FnMut(&Value, &mut String) -> Result<(), minijinja::Error>,
+    ) -> Result<(), minijinja::Error> {
+        out.push(open);
+        for (i, item) in items.iter().enumerate() {
+            match self.indent {
+                Some(n) => {
+                    out.push_str(if i == 0 { "\n" } else { ",\n" });
+                    out.push_str(&" ".repeat(n * (depth + 1)));
+                }
+                None if i > 0 => out.push_str(", "),
+                None => {}
+            }
+            write_item(item, out)?;
+        }
+        if let (Some(n), false) = (self.indent, items.is_empty()) {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+        out.push(close);
+        Ok(())
+    }
+
+    fn write_str(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !(' '..='~').contains(&c)) => {
+                    let mut units = [0u16; 2];
+                    for unit in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{unit:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// Python's `repr(float)` (what `json.dumps` writes): shortest round-trip digits, positional
+/// for exponents -4..16, else `1e+16` style; `NaN` / `Infinity` as json.dumps allows.
+fn py_float(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".to_string();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.to_string();
+    }
+    let sci = format!("{x:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..16).contains(&exp) {
+        let s = format!("{x}");
+        if s.contains('.') { s } else { s + ".0" }
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.abs())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// strftime_now: the current time (UTC) formatted with Python's strftime specifiers.
+// ---------------------------------------------------------------------------------------------
+
+fn strftime_now(format: String) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    strftime_utc(&format, i64::try_from(now).unwrap_or(i64::MAX))
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = [
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+];
+
+/// Formats a Unix time (UTC) with the strftime specifiers chat templates use: `%Y %y %m %d
+/// %e %H %I %M %S %p %B %b %h %A %a %j %%`, and glibc's `%-d`-style unpadded forms. Other
+/// specifiers are copied as is.
+fn strftime_utc(format: &str, unix_secs: i64) -> String {
+    let days = unix_secs.div_euclid(86_400);
+    let secs = unix_secs.rem_euclid(86_400);
+    let (hour, minute, second) = (secs / 3600, secs / 60 % 60, secs % 60);
+    let (year, month, day) = civil_from_days(days);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const BEFORE: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = BEFORE[month - 1] + day + i64::from(leap && month > 2);
+    let weekday = WEEKDAYS[(days + 4).rem_euclid(7) as usize]; // 1970-01-01 was a Thursday
+    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
+
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let mut spec = chars.next();
+        let unpadded = spec == Some('-');
+        if unpadded {
+            spec = chars.next();
+        }
+        let num = |n: i64, width: usize| {
+            if unpadded {
+                n.to_string()
+            } else {
+                format!("{n:0width$}")
+            }
+        };
+        let text = match spec {
+            Some('Y') => year.to_string(),
+            Some('y') => num(year.rem_euclid(100), 2),
+            Some('m') => num(month as i64, 2),
+            Some('d') => num(day, 2),
+            Some('e') => format!("{day:>2}"),
+            Some('H') => num(hour, 2),
+            Some('I') => num(hour12, 2),
+            Some('M') => num(minute, 2),
+            Some('S') => num(second, 2),
+            Some('j') => num(yday, 3),
+            Some('p') => if hour < 12 { "AM" } else { "PM" }.to_string(),
+            Some('B') => MONTHS[month - 1].to_string(),
+            Some('b' | 'h') => MONTHS[month - 1][..3].to_string(),
+            Some('A') => weekday.to_string(),
+            Some('a') => weekday[..3].to_string(),
+            Some('%') => "%".to_string(),
+            Some(other) => format!("%{}{other}", if unpadded { "-" } else { "" }),
+            None => "%".to_string(),
+        };
+        out.push_str(&text);
+    }
+    out
+}
+
+/// (year, month 1..=12, day 1..=31) of a day count since 1970-01-01 (Howard Hinnant's
+/// `civil_from_days`, proleptic Gregorian).
+fn civil_from_days(days: i64) -> (i64, usize, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // day of era, 0..=146096
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // 0..=399
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // day of the year from March 1
+    let mp = (5 * doy + 2) / 153; // month from March, 0..=11
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month as usize, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2-Instruct's template, as in its tokenizer_config.json.
+    const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn msgs(list: &[(&str, &str)]) -> Vec<ChatMessage> {
+        list.iter().map(|(r, c)| ChatMessage::new(r, c)).collect()
+    }
+
+    fn render(source: &str, messages: &[(&str, &str)]) -> Result<String, TemplateError> {
+        ChatTemplate::from_source(source, Some("<s>".into()), Some("</s>".into()))?
+            .render(&msgs(messages), true)
+    }
+
+    #[test]
+    fn smollm2_template_adds_default_system_prompt() {
+        let t = ChatTemplate::from_source(SMOLLM2, None, None).unwrap();
+        let conversation = msgs(&[("user", "Hi!"), ("assistant", "Hello."), ("user", "Why?")]);
+        assert_eq!(
+            t.render(&conversation, true).unwrap(),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+             Face<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello.\
+             <|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let with_system = msgs(&[("system", "Be brief."), ("user", "Hi!")]);
+        assert_eq!(
+            t.render(&with_system, false).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn smollm2_from_the_downloaded_model() {
+        let dir = ch01::fixtures_dir().join(".cache/SmolLM2-135M-Instruct");
+        if !dir.join("tokenizer_config.json").exists() {
+            eprintln!("skipped: {} not downloaded (just fixtures)", dir.display());
+            return;
+        }
+        let t = ChatTemplate::from_model_dir(&dir)
+            .unwrap()
+            .expect("has a template");
+        assert_eq!(t.bos_token.as_deref(), Some("<|im_start|>"));
+        assert_eq!(t.eos_token.as_deref(), Some("<|im_end|>"));
+        let out = t.render(&msgs(&[("user", "What is 2+2?")]), true).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+             Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn shakespeare_small_speaks_in_play_script() {
+        let dir = ch01::default_model_dir();
+        let t = ChatTemplate::from_model_dir(&dir)
+            .unwrap()
+            .expect("has a template");
+        let conversation = msgs(&[
+            ("system", "A room in the castle."),
+            ("user", "Who goes there?"),
+            ("assistant", "Nay, answer me."),
+            ("user", "Long live the king!"),
+        ]);
+        assert_eq!(
+            t.render(&conversation, true).unwrap(),
+            "<s>[A room in the castle.]\n\nUSER.\nWho goes there?\n\nASSISTANT.\nNay, answer \
+             me.\n\nUSER.\nLong live the king!\n\nASSISTANT.\n"
+        );
+        assert_eq!(
+            t.render(&conversation[1..2], false).unwrap(),
+            "<s>USER.\nWho goes there?\n\n"
+        );
+        let err = t.render(&msgs(&[("tool", "{}")]), true).unwrap_err();
+        assert!(err.to_string().contains("tool"), "{err}");
+    }
+
+    #[test]
+    fn raise_exception_message_comes_back_as_is() {
+        let source = "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}\
+                      {{ raise_exception('Only user and assistant roles are supported!') }}\
+                      {% endif %}{{ m.content }}{% endfor %}";
+        assert_eq!(
+            render(source, &[("user", "a"), ("assistant", "b")]).unwrap(),
+            "ab"
+        );
+        let err = render(source, &[("user", "a"), ("system", "b")]).unwrap_err();
+        assert!(matches!(&err, TemplateError::Render { .. }));
+        assert_eq!(
+            err.to_string(),
+            "Only user and assistant roles are supported!"
+        );
+        // Raised inside a macro, the message still comes back unchanged.
+        let in_macro = "{% macro check(m) %}{{ raise_exception('bad ' + m.role) }}{% endmacro %}\
+                        {% for m in messages %}{{ check(m) }}{% endfor %}";
+        let err = render(in_macro, &[("tool", "x")]).unwrap_err();
+        assert_eq!(err.to_string(), "bad tool");
+    }
+
+    #[test]
+    fn python_string_methods_work() {
+        let source = "{% for m in messages %}[{{ m.content.strip() }}]\
+                      {% if m.content.strip().startswith('Q') %}?{% endif %}\
+                      {{ m.role.upper() }}{% endfor %}";
+        assert_eq!(
+            render(
+                source,
+                &[("user", "  Question \n"), ("assistant", " answer ")]
+            )
+            .unwrap(),
+            "[Question]?USER[answer]ASSISTANT"
+        );
+    }
+
+    #[test]
+    fn whitespace_control_matches_transformers() {
+        // trim_blocks drops the newline after a block tag; lstrip_blocks drops the indentation
+        // before one; the template's single trailing newline is dropped.
+        let source = "{% for m in messages %}\n    {% if m.role == 'user' %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}\n";
+        assert_eq!(
+            render(source, &[("user", "a"), ("x", "b"), ("user", "c")]).unwrap(),
+            "a\nc\n"
+        );
+    }
+
+    #[test]
+    fn special_tokens_are_variables_and_undefined_when_absent() {
+        let source = "{{ bos_token }}|{{ eos_token }}|{{ bos_token is defined }}";
+        assert_eq!(render(source, &[]).unwrap(), "<s>|</s>|True");
+        let none = ChatTemplate::from_source(source, None, None).unwrap();
+        assert_eq!(none.render(&[], false).unwrap(), "||False");
+    }
+
+    #[test]
+    fn tojson_writes_like_python_json_dumps() {
+        let t = |source: &str| render(source, &[]).unwrap();
+        assert_eq!(
+            t(r#"{{ {'a': [1, 2.5, 1e16, 0.00001, none, true], 'b': {}, 'c': []} | tojson }}"#),
+            r#"{"a": [1, 2.5, 1e+16, 1e-05, null, true], "b": {}, "c": []}"#
+        );
+        assert_eq!(
+            t(r#"{{ {'a': [1, {'z': none}], 'b': {}, 'c': [true]} | tojson(indent=2) }}"#),
+            "{\n  \"a\": [\n    1,\n    {\n      \"z\": null\n    }\n  ],\n  \"b\": {},\n  \"c\": [\n    true\n  ]\n}"
+        );
+        // ensure_ascii=False by default: non-ASCII as is, control characters escaped, no
+        // HTML escaping of < > & '.
+        assert_eq!(
+            t(r#"{{ "é<&'>\"\n\x01" | tojson }}"#),
+            r#""é<&'>\"\n\u0001""#
+        );
+        assert_eq!(
+            t(r#"{{ "é😀" | tojson(ensure_ascii=true) }}"#),
+            r#""\u00e9\ud83d\ude00""#
+        );
+        assert_eq!(t("{{ messages | tojson }}"), "[]");
+        assert!(render("{{ 1 | tojson(bogus=1) }}", &[]).is_err());
+    }
+
+    #[test]
+    fn strftime_matches_python() {
+        // Expected strings from Python's datetime.strftime.
+        let cases = [
+            (
+                1_721_743_509,
+                "2024-07-23 14:05:09 24 02 PM July Jul Tuesday Tue 205 %|23 Jul 2024",
+            ),
+            (
+                1_709_164_800,
+                "2024-02-29 00:00:00 24 12 AM February Feb Thursday Thu 060 %|29 Feb 2024",
+            ),
+            (
+                946_684_799,
+                "1999-12-31 23:59:59 99 11 PM December Dec Friday Fri 365 %|31 Dec 1999",
+            ),
+            (
+                0,
+                "1970-01-01 00:00:00 70 12 AM January Jan Thursday Thu 001 %|01 Jan 1970",
+            ),
+        ];
+        for (secs, expected) in cases {
+            let format = "%Y-%m-%d %H:%M:%S %y %I %p %B %b %A %a %j %%|%d %b %Y";
+            assert_eq!(strftime_utc(format, secs), expected);
+        }
+        assert_eq!(
+            strftime_utc("%-d %B, %-H:%M", 1_709_164_800),
+            "29 February, 0:00"
+        );
+        assert_eq!(strftime_utc("%e|%Q|%", 0), " 1|%Q|%");
+        let year = render("{{ strftime_now('%Y') }}", &[]).unwrap();
+        assert!(year.parse::<i32>().is_ok_and(|y| y >= 2024), "{year}");
+    }
+
+    #[test]
+    fn py_float_matches_repr() {
+        for (x, repr) in [
+            (1.0, "1.0"),
+            (-0.0, "-0.0"),
+            (0.1, "0.1"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (1.5e-7, "1.5e-07"),
+            (123456789012345.6, "123456789012345.6"),
+            (1e16, "1e+16"),
+            (2.5e300, "2.5e+300"),
+            (f64::NAN, "NaN"),
+            (f64::NEG_INFINITY, "-Infinity"),
+        ] {
+            assert_eq!(py_float(x), repr);
+        }
+    }
+
+    #[test]
+    fn compile_errors_are_reported() {
+        let err = ChatTemplate::from_source("{% for m in messages %}", None, None).unwrap_err();
+        assert!(
+            matches!(err, TemplateError::Compile { path: None, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("does not compile"), "{err}");
+    }
+
+    fn model_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn loads_string_template_and_object_tokens_from_a_folder() {
+        let config = serde_json::json!({
+            "bos_token": {"content": "<|begin|>", "lstrip": false},
+            "eos_token": "<|end|>",
+            "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}",
+        });
+        let dir = model_dir(&[("tokenizer_config.json", &config.to_string())]);
+        let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(
+            t.render(&msgs(&[("user", "a"), ("assistant", "b")]), false)
+                .unwrap(),
+            "<|begin|>a<|end|>b<|end|>"
+        );
+    }
+
+    #[test]
+    fn loads_the_default_of_named_templates() {
+        let config = serde_json::json!({
+            "chat_template": [
+                {"name": "tool_use", "template": "TOOLS"},
+                {"name": "default", "template": "DEFAULT"},
+            ],
+        });
+        let dir = model_dir(&[("tokenizer_config.json", &config.to_string())]);
+        let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "DEFAULT");
+
+        let config = serde_json::json!({"chat_template": [{"name": "tool_use", "template": "T"}]});
+        let dir = model_dir(&[("tokenizer_config.json", &config.to_string())]);
+        let err = ChatTemplate::from_model_dir(dir.path()).unwrap_err();
+        assert!(matches!(err, TemplateError::Config { .. }), "{err}");
+        assert!(err.to_string().contains("default"));
+    }
+
+    #[test]
+    fn chat_template_jinja_wins_over_the_config() {
+        let dir = model_dir(&[
+            (
+                "tokenizer_config.json",
+                r#"{"bos_token": "<s>", "chat_template": "CONFIG"}"#,
+            ),
+            ("chat_template.jinja", "{{ bos_token }}FILE\n"),
+        ]);
+        let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "<s>FILE");
+    }
+
+    #[test]
+    fn folder_without_template_is_none_and_bad_files_are_errors() {
+        let empty = model_dir(&[]);
+        assert!(
+            ChatTemplate::from_model_dir(empty.path())
+                .unwrap()
+                .is_none()
+        );
+        let no_template = model_dir(&[("tokenizer_config.json", r#"{"bos_token": "<s>"}"#)]);
+        assert!(
+            ChatTemplate::from_model_dir(no_template.path())
+                .unwrap()
+                .is_none()
+        );
+
+        let bad_json = model_dir(&[("tokenizer_config.json", "{not json")]);
+        let err = ChatTemplate::from_model_dir(bad_json.path()).unwrap_err();
+        assert!(
+            matches!(&err, TemplateError::Json { path, .. } if path.ends_with("tokenizer_config.json"))
+        );
+
+        let wrong_type = model_dir(&[("tokenizer_config.json", r#"{"chat_template": 3}"#)]);
+        let err = ChatTemplate::from_model_dir(wrong_type.path()).unwrap_err();
+        assert!(matches!(err, TemplateError::Config { .. }), "{err}");
+
+        let bad_jinja = model_dir(&[("chat_template.jinja", "{{ unclosed")]);
+        let err = ChatTemplate::from_model_dir(bad_jinja.path()).unwrap_err();
+        assert!(
+            matches!(&err, TemplateError::Compile { path: Some(p), .. } if p.ends_with("chat_template.jinja"))
+        );
+        assert!(err.to_string().contains("chat_template.jinja"));
+    }
+
+    #[test]
+    fn template_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ChatTemplate>();
+    }
+}

@@ -1,0 +1,318 @@
+//! The engine on its own thread: the only place that touches chapter 4's [`Engine`].
+//!
+//! ```text
+//! loop {
+//!     idle?  block until a command comes        busy?  take the commands already queued
+//!     Add    → engine.add_request, remember where its tokens go
+//!     Abort  → engine.abort (its blocks are free before the next step)
+//!     every request whose receiver is gone (client disconnected) → abort
+//!     one engine step → each request's new tokens to its channel; finished ones taken out
+//!     publish the gauges to the metrics
+//! }
+//! ```
+//! HTTP handlers run on tokio; the step loop is synchronous and CPU-bound (it uses the rayon
+//! pool), so it gets an OS thread and talks to handlers through channels only.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc as std_mpsc;
+use std::thread::JoinHandle;
+
+use ch01::Llama;
+use ch03::PagedKv;
+use ch04::{Engine, EngineConfig, EngineError, FinishReason, Request, RequestId, TokenLogprobs};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::metrics::{EngineGauges, Metrics};
+
+/// What the engine sends a request's handler.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// New tokens of choice `choice` (with their logprobs when asked), and whether it ended.
+    Tokens {
+        choice: usize,
+        tokens: Vec<u32>,
+        logprobs: Vec<TokenLogprobs>,
+        finished: Option<FinishReason>,
+    },
+    /// The engine failed (a bug, or a model error): the request is over.
+    Failed { choice: usize, message: String },
+}
+
+enum Command {
+    Add {
+        request: Request,
+        choice: usize,
+        events: mpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<Result<RequestId, EngineError>>,
+    },
+    Abort(RequestId),
+    AbortAll,
+    Stop,
+}
+
+/// The handlers' side: cheap to clone, one per handler.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: std_mpsc::Sender<Command>,
+}
+
+/// Why a request could not be handed to the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the engine has stopped")]
+    Stopped,
+    #[error(transparent)]
+    Rejected(#[from] EngineError),
+}
+
+impl EngineHandle {
+    /// Queues `request` as choice `choice`; its tokens will arrive on `events`. The request
+    /// is aborted as soon as `events`' receiver is dropped.
+    pub async fn submit(
+        &self,
+        request: Request,
+        choice: usize,
+        events: mpsc::UnboundedSender<Event>,
+    ) -> Result<RequestId, SubmitError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Add {
+                request,
+                choice,
+                events,
+                reply,
+            })
+            .map_err(|_| SubmitError::Stopped)?;
+        Ok(answer.await.map_err(|_| SubmitError::Stopped)??)
+    }
+
+    /// Aborts a request (a no-op if it already finished).
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.commands.send(Command::Abort(id));
+    }
+
+    /// Aborts every request in flight (the end of a shutdown's grace period).
+    pub fn abort_all(&self) {
+        let _ = self.commands.send(Command::AbortAll);
+    }
+}
+
+/// The engine thread; [`EngineThread::stop`] ends it.
+pub struct EngineThread {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+    /// [`Engine::max_request_tokens`] of the engine it runs.
+    pub max_request_tokens: usize,
+}
+
+impl EngineThread {
+    /// Starts the engine over `model` and `kv` on a new thread. `install` runs the loop inside
+    /// a thread pool of the caller's choosing (the binary passes its rayon pool's `install`, so
+    /// the step's parallel loops run there); pass `|f| f()` for none.
+    pub fn spawn(
+        model: Arc<Llama>,
+        kv: PagedKv,
+        config: EngineConfig,
+        metrics: Arc<Metrics>,
+        install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
+    ) -> Result<Self, EngineError> {
+        let (commands, receiver) = std_mpsc::channel();
+        let (started, start) = std_mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("kiln-engine".into())
+            .spawn(move || {
+                install(Box::new(move || match Engine::new(&model, kv, config) {
+                    Ok(engine) => {
+                        let _ = started.send(Ok(engine.max_request_tokens()));
+                        run(engine, receiver, &metrics);
+                    }
+                    Err(error) => {
+                        let _ = started.send(Err(error));
+                    }
+                }))
+            })
+            .expect("spawning the engine thread");
+        // The engine checks its configuration as it starts: report that to the caller.
+        let max_request_tokens = match start.recv() {
+            Ok(Ok(tokens)) => tokens,
+            Ok(Err(error)) => return Err(error),
+            Err(_) => return Err(EngineError::Config("the engine thread panicked".into())),
+        };
+        Ok(EngineThread {
+            handle: EngineHandle { commands },
+            thread: Some(thread),
+            max_request_tokens,
+        })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Aborts whatever is left, ends the loop and joins the thread.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let _ = self.handle.commands.send(Command::Stop);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Where one request's tokens go.
+struct Route {
+    choice: usize,
+    events: mpsc::UnboundedSender<Event>,
+}
+
+fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &Metrics) {
+    let mut routes: HashMap<RequestId, Route> = HashMap::new();
+    loop {
+        // Block only when there is nothing to step.
+        let first = if engine.has_unfinished() {
+            None
+        } else {
+            match commands.recv() {
+                Ok(command) => Some(command),
+                Err(_) => return, // every handle dropped
+            }
+        };
+        for command in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| commands.try_recv().ok()))
+        {
+            match command {
+                Command::Add {
+                    request,
+                    choice,
+                    events,
+                    reply,
+                } => {
+                    match engine.add_request(request) {
+                        Ok(id) => {
+                            if reply.send(Ok(id)).is_ok() {
+                                routes.insert(id, Route { choice, events });
+                            } else {
+                                // The handler is gone already.
+                                engine.abort(id);
+                                engine.take(id);
+                            }
+                        }
+                        Err(error) => {
+                            let _ = reply.send(Err(error));
+                        }
+                    }
+                }
+                Command::Abort(id) => {
+                    end(&mut engine, &mut routes, id, None);
+                }
+                Command::AbortAll => {
+                    let ids: Vec<RequestId> = routes.keys().copied().collect();
+                    for id in ids {
+                        end(&mut engine, &mut routes, id, Some(FinishReason::Abort));
+                    }
+                }
+                Command::Stop => {
+                    let ids: Vec<RequestId> = routes.keys().copied().collect();
+                    for id in ids {
+                        end(&mut engine, &mut routes, id, Some(FinishReason::Abort));
+                    }
+                    publish(&engine, metrics);
+                    return;
+                }
+            }
+        }
+        // Clients that went away: free their blocks now, not when they would have finished.
+        let gone: Vec<RequestId> = routes
+            .iter()
+            .filter(|(_, r)| r.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            end(&mut engine, &mut routes, id, None);
+        }
+
+        if engine.has_unfinished() {
+            match engine.step_or_stall() {
+                Ok(outputs) => {
+                    for out in outputs {
+                        if let Some(route) = routes.get(&out.id) {
+                            let _ = route.events.send(Event::Tokens {
+                                choice: route.choice,
+                                tokens: out.new_tokens,
+                                logprobs: out.logprobs,
+                                finished: out.finished,
+                            });
+                        }
+                        if out.finished.is_some() {
+                            engine.take(out.id);
+                            routes.remove(&out.id);
+                        }
+                    }
+                }
+                Err(error) => {
+                    // Fail everything in flight rather than spin: the engine is not trusted
+                    // after an error it did not expect.
+                    let message = format!("engine error: {error}");
+                    for (id, route) in routes.drain() {
+                        let _ = route.events.send(Event::Failed {
+                            choice: route.choice,
+                            message: message.clone(),
+                        });
+                        engine.abort(id);
+                        engine.take(id);
+                    }
+                }
+            }
+        }
+        publish(&engine, metrics);
+    }
+}
+
+/// Ends request `id`: aborts it in the engine, and tells its handler `reason` if given.
+fn end(
+    engine: &mut Engine<'_>,
+    routes: &mut HashMap<RequestId, Route>,
+    id: RequestId,
+    reason: Option<FinishReason>,
+) {
+    engine.abort(id);
+    engine.take(id);
+    if let Some(route) = routes.remove(&id)
+        && let Some(finished) = reason
+    {
+        let _ = route.events.send(Event::Tokens {
+            choice: route.choice,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finished: Some(finished),
+        });
+    }
+}
+
+fn publish(engine: &Engine<'_>, metrics: &Metrics) {
+    let (waiting, running, swapped) = engine.queue_lengths();
+    let prefix = engine.prefix_stats();
+    let counters = engine.counters();
+    metrics.set_engine(EngineGauges {
+        running,
+        waiting,
+        swapped,
+        kv_cache_usage: engine.kv_usage(),
+        prefix_cache_queries: prefix.queried_blocks,
+        prefix_cache_hits: prefix.hit_blocks,
+        preemptions: counters.preemptions,
+        prompt_tokens: counters.prompt_tokens,
+        generation_tokens: counters.generation_tokens,
+    });
+}

@@ -1,0 +1,326 @@
+//! The OpenAI wire format: request bodies as clients send them, responses and stream chunks
+//! as clients parse them.
+//!
+//! Requests deny unknown fields: a misspelt parameter (`max_token`) is an error, not a silent
+//! default. Fields OpenAI defines that kiln does not implement are parsed only to be rejected
+//! with a clear message in [`crate::params`], so nothing accepted is ever ignored.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::chat_template::ChatMessage;
+
+/// `"stop": "x"` or `"stop": ["x", "y"]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StringOrList {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StringOrList::One(s) => vec![s],
+            StringOrList::Many(v) => v,
+        }
+    }
+}
+
+/// The four shapes of a completions `prompt`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// What completions and chat requests share: sampling and stopping.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// vLLM's extension; `-1` or `0` disable it.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub n: Option<u32>,
+    pub stop: Option<StringOrList>,
+    /// vLLM's extension: token ids that end generation, besides EOS.
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// An end-user id; it names the caller and never changes generation.
+    pub user: Option<String>,
+    // Defined by OpenAI, not implemented by kiln: rejected unless they ask for the default.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub best_of: Option<u32>,
+    pub suffix: Option<String>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    /// Default 16, as OpenAI's.
+    pub max_tokens: Option<u32>,
+    /// Return the `logprobs` most likely tokens at each position, besides the sampled one.
+    pub logprobs: Option<u32>,
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// A chat message's `content`: a string, or a list of parts of which kiln reads the text ones.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RequestMessage {
+    pub role: String,
+    /// May be null for an assistant message that only called tools (rejected: no tools here).
+    pub content: Option<MessageContent>,
+    /// A participant's name: chat templates have no place for it, so it is rejected.
+    pub name: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<RequestMessage>,
+    pub max_tokens: Option<u32>,
+    /// OpenAI's newer name for `max_tokens`; give at most one of the two.
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<u32>,
+    /// transformers' `add_generation_prompt` (vLLM's extension), default true.
+    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+impl RequestMessage {
+    /// The message as the chat template sees it: the text parts joined by newlines.
+    pub fn to_template(&self) -> Result<ChatMessage, String> {
+        if self.name.is_some() {
+            return Err("a message's name is not supported (chat templates do not use it)".into());
+        }
+        let content = match &self.content {
+            None => return Err(format!("a {} message needs content", self.role)),
+            Some(MessageContent::Text(text)) => text.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut texts = Vec::new();
+                for part in parts {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(text)) => texts.push(text.as_str()),
+                        (kind, _) => {
+                            return Err(format!(
+                                "content parts of type {kind:?} are not supported (text only)"
+                            ));
+                        }
+                    }
+                }
+                texts.join("\n")
+            }
+        };
+        Ok(ChatMessage {
+            role: self.role.clone(),
+            content,
+        })
+    }
+}
+
+// ───────────────────────────────────────── responses ─────────────────────────────────────────
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// Completions' logprobs: parallel lists, one entry per token.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<String>,
+}
+
+/// A completions response, or one chunk of a stream (`usage` only in the last, when asked).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// Chat's logprobs: one entry per token, with its bytes and alternatives.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<Vec<ChatTokenLogprob>>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ResponseMessage {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ChatChoice {
+    pub index: usize,
+    /// `message` in a response, `delta` in a stream chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<ResponseMessage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ResponseMessage>,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ChatResponse {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub owned_by: String,
+    pub max_model_len: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelList {
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_parse_in_all_four_shapes() {
+        let parse = |v: &str| {
+            serde_json::from_str::<CompletionRequest>(&format!(
+                r#"{{"model": "m", "prompt": {v}}}"#
+            ))
+            .map(|r| r.prompt)
+        };
+        assert_eq!(parse(r#""hi""#).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(
+            parse(r#"["a", "b"]"#).unwrap(),
+            Prompt::Texts(vec!["a".into(), "b".into()])
+        );
+        assert_eq!(parse("[1, 2]").unwrap(), Prompt::Tokens(vec![1, 2]));
+        assert_eq!(
+            parse("[[1], [2, 3]]").unwrap(),
+            Prompt::TokenLists(vec![vec![1], vec![2, 3]])
+        );
+        assert!(parse("3").is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_errors_in_both_requests() {
+        let completion = r#"{"model": "m", "prompt": "x", "max_token": 3}"#;
+        let err = serde_json::from_str::<CompletionRequest>(completion).unwrap_err();
+        assert!(err.to_string().contains("max_token"), "{err}");
+        let chat = r#"{"model": "m", "messages": [], "temprature": 1}"#;
+        let err = serde_json::from_str::<ChatRequest>(chat).unwrap_err();
+        assert!(err.to_string().contains("temprature"), "{err}");
+    }
+
+    #[test]
+    fn shared_fields_parse_through_the_flattened_sampling() {
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                "temperature": 0.5, "stop": "x", "stream": true, "stream_options": {"include_usage": true}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.sampling.temperature, Some(0.5));
+        assert_eq!(r.sampling.stop, Some(StringOrList::One("x".into())));
+        assert!(r.sampling.stream && r.sampling.stream_options.unwrap().include_usage);
+        assert_eq!(r.messages[0].to_template().unwrap().content, "a\nb");
+    }
+}

@@ -1,0 +1,229 @@
+//! `POST /v1/chat/completions`: messages rendered by the model's chat template, then generated
+//! as a completion and answered as an assistant message.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+
+use super::{Job, Shape, parse_body, serve_generation, unix_now};
+use crate::driver::{Delta, TokenInfo};
+use crate::error::ApiError;
+use crate::params::{self, MAX_TOP_LOGPROBS};
+use crate::protocol::{
+    ChatChoice, ChatLogprobs, ChatRequest, ChatResponse, ChatTokenLogprob, ResponseMessage, Usage,
+};
+use crate::state::AppState;
+
+pub async fn handler(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match handle(state, headers, body).await {
+        Ok(response) => response,
+        Err(error) => error.into_response(),
+    }
+}
+
+async fn handle(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let key = state.authorize(&headers)?;
+    let request: ChatRequest = parse_body(body)?;
+    state.check_model(&request.model)?;
+    let template = state.chat_template.as_ref().ok_or_else(|| {
+        ApiError::bad_request(
+            "this model has no chat template (tokenizer_config.json or chat_template.jinja): \
+             use /v1/completions",
+        )
+    })?;
+    if request.messages.is_empty() {
+        return Err(ApiError::bad_param("messages", "messages is empty"));
+    }
+    let messages = request
+        .messages
+        .iter()
+        .map(|m| m.to_template())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ApiError::bad_param("messages", e))?;
+    let text = template
+        .render(&messages, request.add_generation_prompt.unwrap_or(true))
+        .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
+    // The template writes the special tokens (BOS) itself.
+    let prompt = state
+        .tokenizer
+        .encode(&text, false)
+        .map_err(|e| ApiError::bad_param("messages", format!("cannot tokenize: {e}")))?;
+
+    let max_tokens = match (request.max_tokens, request.max_completion_tokens) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::bad_param(
+                "max_completion_tokens",
+                "give max_completion_tokens or max_tokens, not two different values",
+            ));
+        }
+        (a, b) => b.or(a),
+    };
+    let logprobs = match (request.logprobs, request.top_logprobs) {
+        (false, Some(_)) => {
+            return Err(ApiError::bad_param(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ));
+        }
+        (true, Some(k)) if k > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::bad_param(
+                "top_logprobs",
+                format!("at most {MAX_TOP_LOGPROBS} top_logprobs, got {k}"),
+            ));
+        }
+        (true, k) => Some(k.unwrap_or(0)),
+        (false, None) => None,
+    };
+    let (number, seed) = state.number_request();
+    let generation =
+        params::generation(&request.sampling, max_tokens, logprobs, seed, &state.limits)?;
+    generation.requests(prompt.clone(), &state.limits)?; // the context check, before admission
+    serve_generation(Job {
+        shape: ChatShape {
+            id: format!("chatcmpl-{number}"),
+            created: unix_now(),
+            model: state.served_model_name.clone(),
+            logprobs: logprobs.is_some(),
+        },
+        state,
+        started,
+        prompts: vec![prompt],
+        generation,
+        echo: None,
+        key,
+    })
+    .await
+}
+
+struct ChatShape {
+    id: String,
+    created: u64,
+    model: String,
+    logprobs: bool,
+}
+
+fn token_logprob(info: &TokenInfo) -> ChatTokenLogprob {
+    ChatTokenLogprob {
+        token: info.text.clone(),
+        logprob: info.logprob,
+        bytes: info.text.as_bytes().to_vec(),
+        top_logprobs: Some(
+            info.top
+                .iter()
+                .map(|(text, logprob)| ChatTokenLogprob {
+                    token: text.clone(),
+                    logprob: *logprob,
+                    bytes: text.as_bytes().to_vec(),
+                    top_logprobs: None,
+                })
+                .collect(),
+        ),
+    }
+}
+
+impl ChatShape {
+    fn envelope(&self, object: &str, choices: Vec<ChatChoice>, usage: Option<Usage>) -> Value {
+        serde_json::to_value(ChatResponse {
+            id: self.id.clone(),
+            object: object.into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        })
+        .expect("serialisable")
+    }
+
+    fn logprobs(&self, deltas: &[&Delta]) -> Option<ChatLogprobs> {
+        self.logprobs.then(|| ChatLogprobs {
+            content: deltas
+                .iter()
+                .flat_map(|d| d.logprobs.iter().map(token_logprob))
+                .collect(),
+        })
+    }
+}
+
+impl Shape for ChatShape {
+    fn opening_chunks(&self, choices: usize) -> Vec<Value> {
+        (0..choices)
+            .map(|index| {
+                self.envelope(
+                    "chat.completion.chunk",
+                    vec![ChatChoice {
+                        index,
+                        message: None,
+                        delta: Some(ResponseMessage {
+                            role: Some("assistant".into()),
+                            content: Some(String::new()),
+                        }),
+                        logprobs: None,
+                        finish_reason: None,
+                    }],
+                    None,
+                )
+            })
+            .collect()
+    }
+
+    fn chunk(&self, delta: &Delta) -> Value {
+        self.envelope(
+            "chat.completion.chunk",
+            vec![ChatChoice {
+                index: delta.choice,
+                message: None,
+                delta: Some(ResponseMessage {
+                    role: None,
+                    content: (!delta.text.is_empty()).then(|| delta.text.clone()),
+                }),
+                logprobs: self.logprobs(&[delta]),
+                finish_reason: delta.finish_reason.map(str::to_string),
+            }],
+            None,
+        )
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> Value {
+        self.envelope("chat.completion.chunk", Vec::new(), Some(usage))
+    }
+
+    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> Value {
+        let choices = choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, deltas)| {
+                let deltas: Vec<&Delta> = deltas.iter().collect();
+                ChatChoice {
+                    index,
+                    message: Some(ResponseMessage {
+                        role: Some("assistant".into()),
+                        content: Some(deltas.iter().map(|d| d.text.as_str()).collect()),
+                    }),
+                    delta: None,
+                    logprobs: self.logprobs(&deltas),
+                    finish_reason: deltas
+                        .iter()
+                        .rev()
+                        .find_map(|d| d.finish_reason)
+                        .map(str::to_string),
+                }
+            })
+            .collect();
+        self.envelope("chat.completion", choices, Some(usage))
+    }
+}

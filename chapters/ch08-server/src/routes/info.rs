@@ -1,0 +1,54 @@
+//! `GET /v1/models`, `GET /health`, `GET /metrics`, and the JSON 404.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+
+use crate::error::ApiError;
+use crate::protocol::{ModelCard, ModelList};
+use crate::state::AppState;
+
+pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(error) = state.authorize(&headers) {
+        return error.into_response();
+    }
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: state.served_model_name.clone(),
+            object: "model".into(),
+            created: state.created,
+            owned_by: "kiln".into(),
+            max_model_len: state.limits.max_model_len,
+        }],
+    })
+    .into_response()
+}
+
+/// 200 while serving; 503 once shutting down, so a load balancer stops sending.
+pub async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
+    if state.shutting_down.load(Ordering::SeqCst) {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+pub async fn not_found(uri: Uri) -> Response {
+    ApiError::not_found(format!("no route for {}", uri.path())).into_response()
+}

@@ -1,0 +1,225 @@
+//! Putting it together: the checks a server makes before it starts, the router, and a
+//! graceful shutdown.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use ch01::{Llama, Tokenizer};
+use ch03::PagedKv;
+use ch04::{EngineConfig, EngineError};
+use tokio::net::TcpListener;
+
+use crate::auth::ApiKeys;
+use crate::chat_template::ChatTemplate;
+use crate::engine_thread::EngineThread;
+use crate::metrics::Metrics;
+use crate::params::Limits;
+use crate::rate_limit::{RateLimit, RateLimiter};
+use crate::routes::{self, unix_now};
+use crate::state::AppState;
+
+/// The model a server serves, loaded.
+pub struct ServedModel {
+    pub model: Arc<Llama>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Everything `kiln serve`'s flags set, besides the model and its KV pool.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub served_model_name: String,
+    /// The longest prompt + completion; `None`: the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
+    pub engine: EngineConfig,
+    pub rate_limit: Option<RateLimit>,
+    /// Requests that may wait beyond the `max_num_seqs` that run; `None`: no limit.
+    pub max_queue: Option<usize>,
+    pub seed: u64,
+    /// How long in-flight requests may go on after a shutdown signal before they are aborted.
+    pub shutdown_grace: Duration,
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            served_model_name: "kiln".into(),
+            max_model_len: None,
+            engine: EngineConfig::default(),
+            rate_limit: None,
+            max_queue: None,
+            seed: 0,
+            shutdown_grace: Duration::from_secs(30),
+            max_body_bytes: 8 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("--max-model-len {requested} exceeds the model's context of {model} tokens")]
+    MaxModelLen { requested: usize, model: usize },
+    #[error(
+        "the KV cache holds {capacity} tokens for one request (above the watermark), fewer than \
+         one request of --max-model-len {max_model_len}: give --kv-cache-memory more, or lower \
+         --max-model-len"
+    )]
+    KvTooSmall {
+        capacity: usize,
+        max_model_len: usize,
+    },
+    #[error(
+        "--max-num-batched-tokens {budget} is below --max-model-len {max_model_len}, which needs \
+         chunked prefill: enable it or raise the budget"
+    )]
+    BudgetTooSmall { budget: usize, max_model_len: usize },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("serving HTTP: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A configured server: its engine thread is running; [`Server::run`] serves HTTP.
+pub struct Server {
+    state: Arc<AppState>,
+    engine: EngineThread,
+    grace: Duration,
+    max_body_bytes: usize,
+    /// KV positions one request may use (the budget the server logs).
+    pub kv_capacity_tokens: usize,
+    pub max_model_len: usize,
+}
+
+impl Server {
+    /// Checks the configuration against the model and the pool, and starts the engine.
+    /// `install` runs the engine loop in the caller's thread pool (see [`EngineThread::spawn`]).
+    pub fn new(
+        served: ServedModel,
+        kv: PagedKv,
+        keys: ApiKeys,
+        config: ServerConfig,
+        install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
+    ) -> Result<Self, ServerError> {
+        let model_len = served.model.config.max_position_embeddings;
+        let max_model_len = config.max_model_len.unwrap_or(model_len);
+        if max_model_len > model_len || max_model_len == 0 {
+            return Err(ServerError::MaxModelLen {
+                requested: max_model_len,
+                model: model_len,
+            });
+        }
+        if !config.engine.enable_chunked_prefill
+            && config.engine.max_num_batched_tokens < max_model_len
+        {
+            return Err(ServerError::BudgetTooSmall {
+                budget: config.engine.max_num_batched_tokens,
+                max_model_len,
+            });
+        }
+        let metrics = Arc::new(Metrics::new(&config.served_model_name));
+        let engine = EngineThread::spawn(
+            Arc::clone(&served.model),
+            kv,
+            config.engine,
+            Arc::clone(&metrics),
+            install,
+        )?;
+        if engine.max_request_tokens < max_model_len {
+            return Err(ServerError::KvTooSmall {
+                capacity: engine.max_request_tokens,
+                max_model_len,
+            });
+        }
+        let state = AppState {
+            engine: engine.handle(),
+            limits: Limits {
+                max_model_len,
+                eos_token_ids: served.eos_token_ids,
+                vocab_size: served.model.config.vocab_size,
+            },
+            tokenizer: served.tokenizer,
+            chat_template: served.chat_template,
+            metrics,
+            keys,
+            rate_limiter: config.rate_limit.map(RateLimiter::new),
+            served_model_name: config.served_model_name,
+            max_in_flight: config
+                .max_queue
+                .map(|queue| queue + config.engine.max_num_seqs),
+            in_flight: AtomicUsize::new(0),
+            seed: config.seed,
+            next_request: AtomicU64::new(0),
+            created: unix_now(),
+            shutting_down: AtomicBool::new(false),
+        };
+        Ok(Server {
+            kv_capacity_tokens: engine.max_request_tokens,
+            state: Arc::new(state),
+            engine,
+            grace: config.shutdown_grace,
+            max_body_bytes: config.max_body_bytes,
+            max_model_len,
+        })
+    }
+
+    /// The routes, over this server's state.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/completions", post(routes::completions::handler))
+            .route("/v1/chat/completions", post(routes::chat::handler))
+            .route("/v1/models", get(routes::info::models))
+            .route("/health", get(routes::info::health))
+            .route("/metrics", get(routes::info::metrics))
+            .fallback(routes::info::not_found)
+            .layer(DefaultBodyLimit::max(self.max_body_bytes))
+            .with_state(Arc::clone(&self.state))
+    }
+
+    /// Serves on `listener` until `shutdown` resolves; then stops accepting, lets requests in
+    /// flight finish for the grace period, aborts what is left (their streams end with
+    /// `finish_reason: "abort"`), stops the engine and returns.
+    pub async fn run(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        let state = Arc::clone(&self.state);
+        let grace = self.grace;
+        let (signalled_tx, signalled) = tokio::sync::oneshot::channel::<()>();
+        let graceful = async move {
+            shutdown.await;
+            state.shutting_down.store(true, Ordering::SeqCst);
+            let _ = signalled_tx.send(());
+        };
+        let serve = axum::serve(listener, self.router()).with_graceful_shutdown(graceful);
+        let handle = self.state.engine.clone();
+        let deadline = async move {
+            if signalled.await.is_err() {
+                return std::future::pending().await; // the server ended first
+            }
+            tokio::time::sleep(grace).await;
+            handle.abort_all();
+            // Streams end within a step of the abort; give connections a moment to close.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        };
+        tokio::select! {
+            result = serve => result?,
+            () = deadline => {}
+        }
+        self.engine.stop();
+        Ok(())
+    }
+
+    /// The state handlers share (tests read the metrics through it).
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+}

@@ -1,0 +1,164 @@
+//! `kiln serve`: chapter 8's OpenAI-compatible server on the engine, with vLLM's flags.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use ch08::auth::ApiKeys;
+use ch08::chat_template::ChatTemplate;
+use ch08::rate_limit::RateLimit;
+use ch08::{ServedModel, Server, ServerConfig};
+
+use super::ModelArgs;
+use super::engine_args::{EngineArgs, KvArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The model name clients send (and /v1/models lists) [default: the model folder's name].
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Longest prompt + completion [default: the model's context].
+    #[arg(long, value_name = "TOKENS")]
+    pub max_model_len: Option<usize>,
+    #[command(flatten)]
+    pub kv: KvArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Accepted for vLLM compatibility: chunked prefill is already on unless
+    /// --no-enable-chunked-prefill.
+    #[arg(
+        long = "enable-chunked-prefill",
+        conflicts_with = "enable_chunked_prefill"
+    )]
+    pub enable_chunked_prefill_flag: bool,
+    /// An API key clients must send as `Authorization: Bearer KEY` (repeatable; also
+    /// KILN_API_KEY). Without any, the server is open.
+    #[arg(long = "api-key", value_name = "KEY", env = "KILN_API_KEY")]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line ('#' comments).
+    #[arg(long, value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Per API key, per minute: REQUESTS or REQUESTS:TOKENS (e.g. 60:20000; '-' for no request
+    /// limit). Tokens are prompt + max_tokens. Over it: 429 with Retry-After.
+    #[arg(long, value_name = "LIMIT")]
+    pub rate_limit: Option<RateLimit>,
+    /// Requests that may wait beyond the --max-num-seqs that run; more get 429.
+    #[arg(long, value_name = "N")]
+    pub max_queue: Option<usize>,
+    /// Seed of the requests that name none (request n gets a seed derived from it and n).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Seconds in-flight requests may go on after SIGTERM / Ctrl-C before they are aborted.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub shutdown_grace: f64,
+}
+
+pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
+    let loaded = pool.install(|| args.model.load())?;
+    let dir = &args.model.model;
+    let chat_template = ChatTemplate::from_model_dir(dir)
+        .with_context(|| format!("loading the chat template of {}", dir.display()))?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        dir.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "kiln".into())
+    });
+    let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
+    let kv = args
+        .kv
+        .pool(&loaded.model.config, args.engine.enable_prefix_caching)?;
+    anyhow::ensure!(
+        args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0,
+        "--shutdown-grace must be a number of seconds >= 0"
+    );
+    let config = ServerConfig {
+        served_model_name: name.clone(),
+        max_model_len: args.max_model_len,
+        engine: args.engine.config(),
+        rate_limit: args.rate_limit,
+        max_queue: args.max_queue,
+        seed: args.seed,
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+        ..ServerConfig::default()
+    };
+    let has_template = chat_template.is_some();
+    let served = ServedModel {
+        model: Arc::new(loaded.model),
+        tokenizer: Arc::new(loaded.tokenizer),
+        chat_template,
+        eos_token_ids: loaded.eos_token_ids,
+    };
+    let engine_pool = Arc::clone(&pool);
+    let server = Server::new(served, kv, keys.clone(), config, move |f| {
+        engine_pool.install(f)
+    })?;
+    eprintln!(
+        "kiln serve: {name} | max-model-len {} | one request may use {} KV tokens | {}",
+        server.max_model_len,
+        server.kv_capacity_tokens,
+        args.engine.describe()
+    );
+    eprintln!(
+        "kiln serve: chat template {} | API keys: {} | rate limit: {} | max queue: {}",
+        if has_template {
+            "yes"
+        } else {
+            "none (chat completions refused)"
+        },
+        if keys.is_open() {
+            "none (open)".to_string()
+        } else {
+            keys.len().to_string()
+        },
+        args.rate_limit.map_or("none".into(), |r| format!("{r:?}")),
+        args.max_queue.map_or("none".into(), |q| q.to_string()),
+    );
+
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .with_context(|| format!("--host {} --port {}", args.host, args.port))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        eprintln!("kiln serve: listening on http://{addr} (Ctrl-C to stop)");
+        server.run(listener, shutdown_signal()).await?;
+        eprintln!("kiln serve: stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    eprintln!("kiln serve: shutting down: no new requests; in-flight ones get the grace period");
+}
