@@ -8,6 +8,7 @@ pub mod ch01;
 pub mod ch02;
 pub mod ch03;
 pub mod ch04;
+pub mod serve;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
 pub mod bars;
@@ -37,6 +38,8 @@ enum Chapter {
     Ch03(ch03::Args),
     /// Chapter 4: sequential vs static vs continuous batching, chunked prefill, max_num_seqs.
     Ch04(ch04::Args),
+    /// The server (chapter 8): a load generator against a running `kiln serve`, like `vllm bench serve`.
+    Serve(serve::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -45,6 +48,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch02(args) => ch02::run(args),
         Chapter::Ch03(args) => ch03::run(args),
         Chapter::Ch04(args) => ch04::run(args),
+        Chapter::Serve(args) => serve::run(args),
     }
 }
 
