@@ -149,6 +149,7 @@ pub async fn generate(
     ))
 }
 
+// ANCHOR: advance
 /// Folds one event into its choice; the delta to send.
 fn advance(
     state: &AppState,
@@ -216,6 +217,7 @@ fn advance(
     }
     Ok(delta)
 }
+// ANCHOR_END: advance
 
 fn token_info(state: &AppState, lp: &TokenLogprobs) -> Result<TokenInfo, ApiError> {
     let text = |id: u32| {

@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::{EngineGauges, Metrics};
 
+// ANCHOR: event
 /// What the engine sends a request's handler.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -38,6 +39,7 @@ pub enum Event {
     /// The engine failed (a bug, or a model error): the request is over.
     Failed { choice: usize, message: String },
 }
+// ANCHOR_END: event
 
 enum Command {
     Add {
@@ -175,6 +177,7 @@ struct Route {
     events: mpsc::UnboundedSender<Event>,
 }
 
+// ANCHOR: run
 fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &Metrics) {
     let mut routes: HashMap<RequestId, Route> = HashMap::new();
     loop {
@@ -278,6 +281,7 @@ fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &
         publish(&engine, metrics);
     }
 }
+// ANCHOR_END: run
 
 /// Ends request `id`: aborts it in the engine, and tells its handler `reason` if given.
 fn end(

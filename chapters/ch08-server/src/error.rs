@@ -7,6 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+// ANCHOR: api_error
 /// An error for the client. Invariant: `status` is a 4xx or 5xx code.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -20,6 +21,7 @@ pub struct ApiError {
     /// Sent as `Retry-After` (whole seconds, rounded up) with a 429.
     pub retry_after: Option<Duration>,
 }
+// ANCHOR_END: api_error
 
 #[derive(Serialize)]
 struct Body<'a> {

@@ -36,6 +36,7 @@ pub struct Limits {
     pub vocab_size: usize,
 }
 
+// ANCHOR: reject_unsupported
 /// Rejects every OpenAI field kiln parses but does not implement, unless it asks for the
 /// default behaviour.
 fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
@@ -67,6 +68,7 @@ fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
     }
     Ok(())
 }
+// ANCHOR_END: reject_unsupported
 
 /// Checks and maps the shared fields. `max_tokens` and `logprobs` come from the endpoint's own
 /// fields; `request_seed` is the seed a request without `seed` gets (from the server's seed).

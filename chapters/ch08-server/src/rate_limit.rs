@@ -135,6 +135,7 @@ impl RateLimited {
     }
 }
 
+// ANCHOR: bucket
 /// A continuously refilled bucket; `level` and `capacity` are in [`UNITS`] per unit.
 #[derive(Debug, Clone, Copy)]
 struct Bucket {
@@ -171,6 +172,7 @@ impl Bucket {
         self.level -= u128::from(amount) * UNITS;
     }
 }
+// ANCHOR_END: bucket
 
 /// The buckets of one key.
 #[derive(Debug)]

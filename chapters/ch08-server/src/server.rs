@@ -108,6 +108,7 @@ impl Server {
         config: ServerConfig,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, ServerError> {
+        // ANCHOR: startup_checks
         let model_len = served.model.config.max_position_embeddings;
         let max_model_len = config.max_model_len.unwrap_or(model_len);
         if max_model_len > model_len || max_model_len == 0 {
@@ -138,6 +139,7 @@ impl Server {
                 max_model_len,
             });
         }
+        // ANCHOR_END: startup_checks
         let state = AppState {
             engine: engine.handle(),
             limits: Limits {
@@ -179,10 +181,12 @@ impl Server {
             .route("/health", get(routes::info::health))
             .route("/metrics", get(routes::info::metrics))
             .fallback(routes::info::not_found)
+            .method_not_allowed_fallback(routes::info::method_not_allowed)
             .layer(DefaultBodyLimit::max(self.max_body_bytes))
             .with_state(Arc::clone(&self.state))
     }
 
+    // ANCHOR: run
     /// Serves on `listener` until `shutdown` resolves; then stops accepting, lets requests in
     /// flight finish for the grace period, aborts what is left (their streams end with
     /// `finish_reason: "abort"`), stops the engine and returns.
@@ -217,6 +221,7 @@ impl Server {
         self.engine.stop();
         Ok(())
     }
+    // ANCHOR_END: run
 
     /// The state handlers share (tests read the metrics through it).
     pub fn state(&self) -> &Arc<AppState> {

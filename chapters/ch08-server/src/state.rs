@@ -65,11 +65,26 @@ impl AppState {
             .map_err(|e| ApiError::unauthorized(e.to_string()))
     }
 
+    // ANCHOR: admit
     /// Admits a request of `tokens` (prompt + max_tokens, every choice) from `key`, or refuses
     /// it with 429 (rate limit or full queue) or 503 (shutting down).
     pub fn admit(self: &Arc<Self>, key: &str, tokens: u64) -> Result<Admitted, ApiError> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        // Take a place first, so that a request refused for a full queue is not charged to
+        // the key's rate limit.
+        let in_flight = self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let admitted = Admitted {
+            state: Arc::clone(self),
+        };
+        if let Some(max) = self.max_in_flight
+            && in_flight >= max
+        {
+            return Err(ApiError::too_many(
+                format!("the server's queue is full ({max} requests): retry shortly"),
+                Duration::from_secs(1),
+            ));
         }
         if let Some(limiter) = &self.rate_limiter {
             match limiter.check(key, tokens, Instant::now()) {
@@ -84,28 +99,17 @@ impl AppState {
                     ));
                 }
                 Err(too_large @ RateLimited::TooLarge { .. }) => {
-                    return Err(ApiError::too_many(
-                        too_large.to_string(),
-                        Duration::from_secs(60),
-                    ));
+                    // Waiting cannot help: no Retry-After.
+                    return Err(ApiError {
+                        retry_after: None,
+                        ..ApiError::too_many(too_large.to_string(), Duration::ZERO)
+                    });
                 }
             }
         }
-        let in_flight = self.in_flight.fetch_add(1, Ordering::SeqCst);
-        let admitted = Admitted {
-            state: Arc::clone(self),
-        };
-        if let Some(max) = self.max_in_flight
-            && in_flight >= max
-        {
-            drop(admitted);
-            return Err(ApiError::too_many(
-                format!("the server's queue is full ({max} requests): retry shortly"),
-                Duration::from_secs(1),
-            ));
-        }
         Ok(admitted)
     }
+    // ANCHOR_END: admit
 
     /// The model name a request must name.
     pub fn check_model(&self, model: &str) -> Result<(), ApiError> {

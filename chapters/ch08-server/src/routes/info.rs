@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, Uri, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
@@ -47,6 +47,14 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+pub async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        ..ApiError::bad_request(format!("{method} is not allowed on {}", uri.path()))
+    }
+    .into_response()
 }
 
 pub async fn not_found(uri: Uri) -> Response {

@@ -133,6 +133,7 @@ async fn collect_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Result<R
     Ok(axum::Json(job.shape.response(deltas, usage)).into_response())
 }
 
+// ANCHOR: stream_response
 fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
     let (events, receiver) = mpsc::unbounded_channel::<SseEvent>();
     tokio::spawn(async move {
@@ -175,3 +176,4 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
         .keep_alive(KeepAlive::default())
         .into_response()
 }
+// ANCHOR_END: stream_response

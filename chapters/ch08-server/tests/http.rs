@@ -1,0 +1,1594 @@
+//! The server over real HTTP: a `reqwest` client against a [`Server`] on a free port, with the
+//! embedded shakespeare-small model (6 layers, 4096 tokens, context 512).
+//!
+//! Each test starts its own server (its own engine thread and KV pool) so that the metrics it
+//! reads are its own; the model is loaded once per test binary. Every wait is bounded: the
+//! client has a timeout, and polling loops give up after [`WAIT`].
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use ch01::SamplingParams;
+use ch01::{Llama, Tokenizer};
+use ch03::{KvPool, PagedKv};
+use ch04::{Engine, EngineConfig, FinishReason, Request};
+use ch08_server::auth::ApiKeys;
+use ch08_server::chat_template::{ChatMessage, ChatTemplate};
+use ch08_server::rate_limit::RateLimit;
+use ch08_server::state::AppState;
+use ch08_server::{ServedModel, Server, ServerConfig, ServerError};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// The model name the test servers serve.
+const MODEL: &str = "shakespeare";
+/// The longest any one wait may take before the test fails.
+const WAIT: Duration = Duration::from_secs(30);
+const PROMPT: &str = "ROMEO.\nBut soft, what light through yonder window breaks?";
+
+// ───────────────────────────────────────── the server ─────────────────────────────────────────
+
+struct Loaded {
+    model: Arc<Llama>,
+    tokenizer: Arc<Tokenizer>,
+    eos_token_ids: Vec<u32>,
+}
+
+/// The model, tokenizer and stop ids, loaded once (as `kiln serve` loads them).
+fn loaded() -> &'static Loaded {
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
+    LOADED.get_or_init(|| {
+        let dir = ch01::default_model_dir();
+        let model = ch02::load_fast(&dir, ch02::WeightDtype::F32).expect("load the model");
+        let tokenizer = Tokenizer::from_dir(&dir).expect("load the tokenizer");
+        let mut eos_token_ids = ch01::eos_token_ids(&dir, &model.config).expect("eos ids");
+        if let Some(eos) = tokenizer.eos_token_id()
+            && !eos_token_ids.contains(&eos)
+        {
+            eos_token_ids.push(eos);
+        }
+        Loaded {
+            model: Arc::new(model),
+            tokenizer: Arc::new(tokenizer),
+            eos_token_ids,
+        }
+    })
+}
+
+/// Token count of `text` without special tokens.
+fn count_tokens(text: &str) -> usize {
+    loaded().tokenizer.encode(text, false).unwrap().len()
+}
+
+/// The oracle: what chapter 4's engine generates for `prompt` alone, decoded, with its token
+/// count and finish reason ("stop" or "length").
+fn engine_alone(
+    prompt: Vec<u32>,
+    temperature: f32,
+    seed: u64,
+    max_tokens: usize,
+) -> (String, usize, &'static str) {
+    let loaded = loaded();
+    let pool = KvPool::new(&loaded.model.config, 16, 64).unwrap();
+    let mut engine = Engine::new(
+        &loaded.model,
+        PagedKv::new(pool, false),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let request = Request {
+        prompt,
+        params: SamplingParams {
+            temperature,
+            seed,
+            ..SamplingParams::default()
+        },
+        max_tokens,
+        stop_token_ids: loaded.eos_token_ids.clone(),
+        ignore_eos: false,
+        priority: 0,
+        logprobs: None,
+    };
+    let done = engine.generate(vec![request]).unwrap().remove(0);
+    let reason = match done.finish_reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+    };
+    let text = loaded.tokenizer.decode(&done.tokens).unwrap();
+    (text, done.tokens.len(), reason)
+}
+
+/// How to configure one test's server.
+struct Setup {
+    config: ServerConfig,
+    keys: Vec<String>,
+    /// Blocks of 16 positions in the KV pool (at least 33 for one request of 512).
+    kv_blocks: usize,
+    prefix_caching: bool,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            config: ServerConfig {
+                served_model_name: MODEL.into(),
+                shutdown_grace: Duration::from_secs(2),
+                ..ServerConfig::default()
+            },
+            keys: Vec::new(),
+            kv_blocks: 128,
+            prefix_caching: false,
+        }
+    }
+}
+
+struct TestServer {
+    url: String,
+    client: reqwest::Client,
+    state: Arc<AppState>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), ServerError>>,
+}
+
+async fn start(setup: Setup) -> TestServer {
+    let loaded = loaded();
+    let dir = ch01::default_model_dir();
+    let pool = KvPool::new(&loaded.model.config, 16, setup.kv_blocks).unwrap();
+    let served = ServedModel {
+        model: Arc::clone(&loaded.model),
+        tokenizer: Arc::clone(&loaded.tokenizer),
+        chat_template: ChatTemplate::from_model_dir(&dir).unwrap(),
+        eos_token_ids: loaded.eos_token_ids.clone(),
+    };
+    let server = Server::new(
+        served,
+        PagedKv::new(pool, setup.prefix_caching),
+        ApiKeys::new(setup.keys),
+        setup.config,
+        |f| f(),
+    )
+    .expect("start the server");
+    let state = Arc::clone(server.state());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (shutdown, signal) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(listener, async move {
+        let _ = signal.await;
+    }));
+    TestServer {
+        url,
+        client: reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap(),
+        state,
+        shutdown: Some(shutdown),
+        task,
+    }
+}
+
+impl TestServer {
+    fn post(&self, path: &str) -> reqwest::RequestBuilder {
+        self.client.post(format!("{}{path}", self.url))
+    }
+
+    fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.client.get(format!("{}{path}", self.url))
+    }
+
+    /// POSTs `body`, expects 200 and a JSON answer.
+    async fn json(&self, path: &str, body: &Value) -> Value {
+        let response = self.post(path).json(body).send().await.unwrap();
+        let status = response.status();
+        let text = response.text().await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{path} {body}: {text}");
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// POSTs a streaming `body`; every event's JSON up to `data: [DONE]`, which must be last.
+    async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        let response = self.post(path).json(body).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{path} {body}");
+        let kind = response.headers()["content-type"].to_str().unwrap();
+        assert!(kind.starts_with("text/event-stream"), "{kind}");
+        let mut events = Events::new(response);
+        let mut out = Vec::new();
+        loop {
+            let data = events
+                .next()
+                .await
+                .unwrap_or_else(|| panic!("the stream ended without [DONE] after {out:?}"));
+            if data == "[DONE]" {
+                break;
+            }
+            out.push(serde_json::from_str(&data).unwrap());
+        }
+        assert!(events.next().await.is_none(), "events after [DONE]");
+        out
+    }
+
+    async fn metrics(&self) -> String {
+        let response = self.get("/metrics").send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        response.text().await.unwrap()
+    }
+
+    /// Polls `/metrics` until nothing runs or waits and the KV cache is empty; its text then.
+    async fn wait_idle(&self) -> String {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let text = self.metrics().await;
+            let idle = metric(&text, "kiln:num_requests_running", "") == 0.0
+                && metric(&text, "kiln:num_requests_waiting", "") == 0.0
+                && metric(&text, "kiln:kv_cache_usage_perc", "") == 0.0;
+            if idle {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the server never went idle:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Signals shutdown and waits for `run` to return.
+    async fn stop(mut self) {
+        let _ = self.shutdown.take().unwrap().send(());
+        let result = tokio::time::timeout(WAIT, &mut self.task)
+            .await
+            .expect("the server stops")
+            .expect("the server task did not panic");
+        result.expect("run returns Ok");
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+    }
+}
+
+/// Server-sent events, read as they arrive.
+struct Events {
+    response: reqwest::Response,
+    buffer: Vec<u8>,
+}
+
+impl Events {
+    fn new(response: reqwest::Response) -> Self {
+        Events {
+            response,
+            buffer: Vec::new(),
+        }
+    }
+
+    /// The next event's data (comments such as keep-alives skipped); `None` at the end.
+    async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(end) = self.buffer.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = self.buffer.drain(..end + 2).collect();
+                let event = String::from_utf8(event).expect("events are UTF-8");
+                let data: Vec<&str> = event
+                    .lines()
+                    .filter_map(|line| line.strip_prefix("data:"))
+                    .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    .collect();
+                if !data.is_empty() {
+                    return Some(data.join("\n"));
+                }
+                continue;
+            }
+            match self.response.chunk().await.expect("reading the stream") {
+                Some(bytes) => self.buffer.extend_from_slice(&bytes),
+                None => {
+                    assert!(self.buffer.is_empty(), "a partial event at the end");
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// The value of the series `name` whose labels contain `label` ("" for any).
+fn metric(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (key, value) = line.rsplit_once(' ')?;
+            let (series, labels) = key.split_once('{')?;
+            (series == name && labels.contains(label)).then(|| value.parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no {name}{{{label}}} in /metrics:\n{text}"))
+}
+
+/// Checks an error response: its status, JSON content type and OpenAI's shape (the four keys
+/// present); returns `error`.
+async fn expect_error(response: reqwest::Response, status: StatusCode) -> Value {
+    assert_eq!(response.status(), status);
+    let kind = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(kind.starts_with("application/json"), "{kind}");
+    let body: Value = response.json().await.unwrap();
+    let error = body["error"]
+        .as_object()
+        .unwrap_or_else(|| panic!("{body}"));
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+    assert!(error["type"].is_string(), "{body}");
+    assert!(
+        error.contains_key("param") && error.contains_key("code"),
+        "{body}"
+    );
+    body["error"].clone()
+}
+
+fn text_of(choice: &Value) -> &str {
+    choice["text"].as_str().unwrap()
+}
+
+/// `body` with `"stream": true` and usage asked for.
+fn streamed(body: &Value) -> Value {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    body
+}
+
+/// Splits a stream with usage into its chunks and its last (usage) chunk, which must have no
+/// choices; no other chunk may carry usage.
+fn split_usage(events: &[Value]) -> (&[Value], &Value) {
+    let (last, chunks) = events.split_last().expect("events");
+    assert_eq!(last["choices"], json!([]), "{last}");
+    assert!(last["usage"].is_object(), "{last}");
+    for chunk in chunks {
+        assert!(
+            chunk.get("usage").is_none(),
+            "usage before the end: {chunk}"
+        );
+    }
+    (chunks, last)
+}
+
+// ───────────────────────────────────── 1. responses agree ─────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_streamed_and_whole_agree_with_exact_usage() {
+    let server = start(Setup::default()).await;
+    let prompt_tokens = count_tokens(PROMPT) + 1; // completions add BOS
+    let body = json!({
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 7,
+    });
+    let whole = server.json("/v1/completions", &body).await;
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["model"], MODEL);
+    assert!(whole["id"].as_str().unwrap().starts_with("cmpl-"));
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["index"], 0);
+    let text = text_of(choice);
+    assert!(!text.contains("</s>"), "{text:?}");
+    let reason = choice["finish_reason"].as_str().unwrap();
+    let usage = &whole["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt_tokens);
+    let completion_tokens = usage["completion_tokens"].as_u64().unwrap();
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        prompt_tokens as u64 + completion_tokens
+    );
+    match reason {
+        "length" => assert_eq!(completion_tokens, 24),
+        "stop" => assert!(completion_tokens < 24),
+        other => panic!("finish_reason {other}"),
+    }
+    // The text is what the engine generates alone with this seed, decoded in one go.
+    let ids = loaded().tokenizer.encode(PROMPT, true).unwrap();
+    let alone = engine_alone(ids.clone(), 0.8, 7, 24);
+    assert_eq!(
+        (text, completion_tokens as usize, reason),
+        (alone.0.as_str(), alone.1, alone.2)
+    );
+    // More seeds and longer texts, so that some end at EOS and some cross odd characters.
+    for seed in 1..=4u64 {
+        let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 80,
+                          "temperature": 1.0, "seed": seed});
+        let got = server.json("/v1/completions", &body).await;
+        let (text, tokens, reason) = engine_alone(ids.clone(), 1.0, seed, 80);
+        assert_eq!(text_of(&got["choices"][0]), text, "seed {seed}");
+        assert_eq!(got["usage"]["completion_tokens"], tokens, "seed {seed}");
+        assert_eq!(got["choices"][0]["finish_reason"], reason, "seed {seed}");
+    }
+
+    let events = server.stream("/v1/completions", &streamed(&body)).await;
+    let (chunks, last) = split_usage(&events);
+    assert_eq!(last["usage"], *usage, "the stream's usage");
+    let mut joined = String::new();
+    for (i, chunk) in chunks.iter().enumerate() {
+        assert_eq!(chunk["object"], "text_completion");
+        assert_eq!(chunk["choices"].as_array().unwrap().len(), 1, "{chunk}");
+        let c = &chunk["choices"][0];
+        assert_eq!(c["index"], 0);
+        joined.push_str(text_of(c));
+        let expected = if i + 1 == chunks.len() {
+            json!(reason)
+        } else {
+            Value::Null
+        };
+        assert_eq!(
+            c["finish_reason"],
+            expected,
+            "chunk {i} of {}",
+            chunks.len()
+        );
+    }
+    assert_eq!(joined, text, "streamed text = whole text for the same seed");
+
+    // ignore_eos: exactly max_tokens tokens, one chunk each, and no usage chunk unless asked.
+    let seven = json!({
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 7, "ignore_eos": true, "temperature": 0,
+    });
+    let whole = server.json("/v1/completions", &seven).await;
+    assert_eq!(whole["usage"]["completion_tokens"], 7);
+    assert_eq!(whole["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    let mut plain = seven.clone();
+    plain["stream"] = json!(true);
+    let chunks = server.stream("/v1/completions", &plain).await;
+    assert_eq!(chunks.len(), 7, "one chunk per token, no usage chunk");
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+    let joined: String = chunks.iter().map(|c| text_of(&c["choices"][0])).collect();
+    assert_eq!(joined, text_of(&whole["choices"][0]));
+
+    // Token-id prompts: no BOS added, the ids are the prompt.
+    let ids = loaded().tokenizer.encode(PROMPT, true).unwrap();
+    let by_ids = server
+        .json(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": ids, "max_tokens": 7, "ignore_eos": true, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(by_ids["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(by_ids["choices"][0]["text"], whole["choices"][0]["text"]);
+
+    // echo: the prompt, then the completion.
+    let mut echo = seven.clone();
+    echo["echo"] = json!(true);
+    let echoed = server.json("/v1/completions", &echo).await;
+    assert_eq!(
+        text_of(&echoed["choices"][0]),
+        format!("{PROMPT}{}", text_of(&whole["choices"][0]))
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streamed_and_whole_agree_with_exact_usage() {
+    let server = start(Setup::default()).await;
+    let messages = json!([
+        {"role": "system", "content": "Speak as a king."},
+        {"role": "user", "content": "Who goes there?"},
+    ]);
+    // The template (tokenizer_config.json) writes BOS as text; the server must not add another.
+    let rendered = "[Speak as a king.]\n\nUSER.\nWho goes there?\n\nASSISTANT.\n";
+    let template = ChatTemplate::from_model_dir(&ch01::default_model_dir())
+        .unwrap()
+        .unwrap();
+    let from_template = template
+        .render(
+            &[
+                ChatMessage::new("system", "Speak as a king."),
+                ChatMessage::new("user", "Who goes there?"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(from_template, format!("<s>{rendered}"));
+    let prompt_tokens = 1 + count_tokens(rendered);
+
+    let body = json!({
+        "model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0.8, "seed": 11,
+    });
+    let whole = server.json("/v1/chat/completions", &body).await;
+    assert_eq!(whole["object"], "chat.completion");
+    assert!(whole["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    let content = choice["message"]["content"].as_str().unwrap();
+    let reason = choice["finish_reason"].as_str().unwrap();
+    let usage = &whole["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt_tokens);
+    let completion_tokens = usage["completion_tokens"].as_u64().unwrap();
+    assert!((1..=20).contains(&completion_tokens));
+    assert_eq!(reason == "length", completion_tokens == 20, "{reason}");
+    let ids = loaded().tokenizer.encode(&from_template, false).unwrap();
+    assert_eq!(ids.len(), prompt_tokens);
+    let alone = engine_alone(ids, 0.8, 11, 20);
+    assert_eq!(
+        (content, completion_tokens as usize, reason),
+        (alone.0.as_str(), alone.1, alone.2)
+    );
+
+    let events = server
+        .stream("/v1/chat/completions", &streamed(&body))
+        .await;
+    let (chunks, last) = split_usage(&events);
+    assert_eq!(last["usage"], *usage);
+    assert_eq!(last["object"], "chat.completion.chunk");
+    // The first chunk gives the role, with empty content, as OpenAI's do.
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    let mut joined = String::new();
+    for (i, chunk) in chunks.iter().enumerate() {
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        assert_eq!(chunk["id"], chunks[0]["id"], "one id per stream");
+        let c = &chunk["choices"][0];
+        assert!(c.get("message").is_none(), "{chunk}");
+        if i > 0 {
+            assert!(c["delta"].get("role").is_none(), "{chunk}");
+        }
+        if let Some(text) = c["delta"]["content"].as_str() {
+            joined.push_str(text);
+        }
+        let expected = if i + 1 == chunks.len() {
+            json!(reason)
+        } else {
+            Value::Null
+        };
+        assert_eq!(c["finish_reason"], expected, "chunk {i}");
+    }
+    assert_eq!(joined, content);
+
+    // max_completion_tokens, OpenAI's newer name.
+    let five = json!({
+        "model": MODEL, "messages": messages, "max_completion_tokens": 5, "ignore_eos": true,
+        "temperature": 0,
+    });
+    let whole = server.json("/v1/chat/completions", &five).await;
+    assert_eq!(whole["usage"]["completion_tokens"], 5);
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    server.stop().await;
+}
+
+// ───────────────────────────────────────── 2. n choices ─────────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_are_indexed_and_seeded_one_apart() {
+    let server = start(Setup::default()).await;
+    let base = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": true});
+    let with = |extra: Value| {
+        let mut body = base.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let indexes = |r: &Value| -> Vec<u64> {
+        r["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["index"].as_u64().unwrap())
+            .collect()
+    };
+    let texts = |r: &Value| -> Vec<String> {
+        r["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| text_of(c).to_string())
+            .collect()
+    };
+    let prompt_tokens = count_tokens(PROMPT) + 1;
+
+    // Greedy: three equal choices; the prompt is counted once, completions three times.
+    let greedy = server
+        .json("/v1/completions", &with(json!({"n": 3, "temperature": 0})))
+        .await;
+    assert_eq!(indexes(&greedy), [0, 1, 2]);
+    let t = texts(&greedy);
+    assert!(t[0] == t[1] && t[1] == t[2], "{t:?}");
+    assert_eq!(greedy["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(greedy["usage"]["completion_tokens"], 36);
+
+    // Sampled: choice i is the request with seed + i (seeded sampling is batch-invariant).
+    let sampled = server
+        .json(
+            "/v1/completions",
+            &with(json!({"n": 3, "temperature": 1.0, "seed": 100})),
+        )
+        .await;
+    assert_eq!(indexes(&sampled), [0, 1, 2]);
+    for (i, text) in texts(&sampled).iter().enumerate() {
+        let alone = server
+            .json(
+                "/v1/completions",
+                &with(json!({"temperature": 1.0, "seed": 100 + i})),
+            )
+            .await;
+        assert_eq!(text_of(&alone["choices"][0]), text, "choice {i}");
+    }
+    // The same streamed: chunks interleave choices; each choice's text is the same.
+    let events = server
+        .stream(
+            "/v1/completions",
+            &streamed(&with(json!({"n": 3, "temperature": 1.0, "seed": 100}))),
+        )
+        .await;
+    let (chunks, last) = split_usage(&events);
+    assert_eq!(last["usage"], sampled["usage"]);
+    let mut per_choice = vec![String::new(); 3];
+    let mut finished = [0; 3];
+    for chunk in chunks {
+        let c = &chunk["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        per_choice[i].push_str(text_of(c));
+        if c["finish_reason"] == "length" {
+            finished[i] += 1;
+        }
+    }
+    assert_eq!(per_choice, texts(&sampled));
+    assert_eq!(finished, [1, 1, 1], "one last chunk per choice");
+
+    // Two prompts × n 2: choices p × n + i, each prompt's greedy text twice.
+    let other = "JULIET.\nO Romeo, Romeo";
+    let both = server
+        .json(
+            "/v1/completions",
+            &with(json!({"prompt": [PROMPT, other], "n": 2, "temperature": 0})),
+        )
+        .await;
+    assert_eq!(indexes(&both), [0, 1, 2, 3]);
+    let alone = server
+        .json(
+            "/v1/completions",
+            &with(json!({"prompt": other, "temperature": 0})),
+        )
+        .await;
+    let t = texts(&both);
+    assert_eq!([&t[0], &t[1]], [&texts(&greedy)[0], &texts(&greedy)[0]]);
+    assert_eq!([&t[2], &t[3]], [&texts(&alone)[0], &texts(&alone)[0]]);
+    assert_eq!(
+        both["usage"]["prompt_tokens"],
+        prompt_tokens + count_tokens(other) + 1
+    );
+    assert_eq!(both["usage"]["completion_tokens"], 48);
+
+    // Chat with n 2, greedy.
+    let chat = server
+        .json(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "Speak."}],
+                    "n": 2, "temperature": 0, "max_tokens": 6, "ignore_eos": true}),
+        )
+        .await;
+    let choices = chat["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!(choices[1]["index"], 1);
+    assert_eq!(choices[0]["message"], choices[1]["message"]);
+    assert_eq!(chat["usage"]["completion_tokens"], 12);
+    server.stop().await;
+}
+
+// ───────────────────────────────────────── 3. stop strings ─────────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_cut_the_text_even_across_tokens() {
+    let server = start(Setup::default()).await;
+    let body = json!({
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": true, "temperature": 0,
+    });
+    // The greedy text, token by token (one streamed chunk per token).
+    let mut plain = body.clone();
+    plain["stream"] = json!(true);
+    let pieces: Vec<String> = server
+        .stream("/v1/completions", &plain)
+        .await
+        .iter()
+        .map(|c| text_of(&c["choices"][0]).to_string())
+        .collect();
+    let text: String = pieces.concat();
+    assert_eq!(pieces.len(), 40);
+    assert!(text.chars().count() > 10, "{text:?}");
+    let with_stop = |stop: Value| {
+        let mut b = body.clone();
+        b["stop"] = stop;
+        b
+    };
+
+    // A stop string inside the text: the text before its first occurrence, "stop".
+    let middle: String = text
+        .chars()
+        .skip(text.chars().count() / 2)
+        .take(3)
+        .collect();
+    let expected = &text[..text.find(&middle).unwrap()];
+    let cut = server
+        .json("/v1/completions", &with_stop(json!(middle)))
+        .await;
+    assert_eq!(text_of(&cut["choices"][0]), expected, "stop {middle:?}");
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    assert!(cut["usage"]["completion_tokens"].as_u64().unwrap() < 40);
+
+    // A stop string that spans two tokens: the end of one piece and the start of the next.
+    let i = (1..pieces.len() - 1)
+        .find(|&i| !pieces[i].is_empty() && !pieces[i + 1].is_empty())
+        .expect("two non-empty pieces in a row");
+    let across: String = pieces[i]
+        .chars()
+        .last()
+        .into_iter()
+        .chain(pieces[i + 1].chars().next())
+        .collect();
+    let expected = &text[..text.find(&across).unwrap()];
+    for stream in [false, true] {
+        let mut b = with_stop(json!([across, "never appears \u{1F600}"]));
+        let got = if stream {
+            b["stream"] = json!(true);
+            let chunks = server.stream("/v1/completions", &b).await;
+            let last = chunks.last().unwrap();
+            assert_eq!(last["choices"][0]["finish_reason"], "stop");
+            chunks
+                .iter()
+                .map(|c| text_of(&c["choices"][0]).to_string())
+                .collect::<String>()
+        } else {
+            let r = server.json("/v1/completions", &b).await;
+            assert_eq!(r["choices"][0]["finish_reason"], "stop");
+            text_of(&r["choices"][0]).to_string()
+        };
+        assert_eq!(got, expected, "stop {across:?} (stream {stream})");
+    }
+
+    // A stop string that never appears changes nothing.
+    let never = server
+        .json("/v1/completions", &with_stop(json!("\u{1F600}")))
+        .await;
+    assert_eq!(text_of(&never["choices"][0]), text);
+    assert_eq!(never["choices"][0]["finish_reason"], "length");
+    server.stop().await;
+}
+
+// ───────────────────────────────────────── 4. logprobs ─────────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_complete_and_consistent() {
+    let server = start(Setup::default()).await;
+    let r = server
+        .json(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+                    "logprobs": 3}),
+        )
+        .await;
+    let n = r["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let lp = &r["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    let token_logprobs = lp["token_logprobs"].as_array().unwrap();
+    let top = lp["top_logprobs"].as_array().unwrap();
+    let offsets = lp["text_offset"].as_array().unwrap();
+    assert_eq!(
+        [tokens.len(), token_logprobs.len(), top.len(), offsets.len()],
+        [n; 4]
+    );
+    let mut offset = 0;
+    for i in 0..n {
+        let token = tokens[i].as_str().unwrap();
+        let logprob = token_logprobs[i].as_f64().unwrap();
+        let alternatives = top[i].as_object().unwrap();
+        assert!((1..=3).contains(&alternatives.len()), "{alternatives:?}");
+        assert!(logprob <= 0.0, "{logprob}");
+        let best = alternatives
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .inspect(|&v| assert!(v <= 0.0))
+            .fold(f64::NEG_INFINITY, f64::max);
+        // Greedy: the sampled token is the most likely one.
+        assert!(
+            (logprob - best).abs() < 1e-6,
+            "token {i}: {logprob} vs {best}"
+        );
+        assert_eq!(alternatives[token].as_f64().unwrap(), logprob, "token {i}");
+        assert_eq!(offsets[i], offset);
+        offset += token.len();
+    }
+    // Without EOS the tokens' texts are the text.
+    let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    if r["choices"][0]["finish_reason"] == "length" {
+        assert_eq!(joined, text_of(&r["choices"][0]));
+    }
+    // Without logprobs, the field is null.
+    let none = server
+        .json(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}),
+        )
+        .await;
+    assert!(none["choices"][0]["logprobs"].is_null());
+
+    let chat = server
+        .json(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "Speak."}],
+                    "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+        )
+        .await;
+    let n = chat["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let content = chat["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap();
+    assert_eq!(content.len(), n);
+    for entry in content {
+        let logprob = entry["logprob"].as_f64().unwrap();
+        assert!(logprob <= 0.0);
+        let token = entry["token"].as_str().unwrap();
+        let bytes: Vec<u8> = entry["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(bytes, token.as_bytes());
+        let alternatives = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(alternatives.len(), 2, "{entry}");
+        let values: Vec<f64> = alternatives
+            .iter()
+            .map(|a| a["logprob"].as_f64().unwrap())
+            .collect();
+        assert!(
+            values[0] >= values[1] && values[1] <= 0.0,
+            "best first: {values:?}"
+        );
+        assert!((logprob - values[0]).abs() < 1e-6, "greedy picks the best");
+    }
+    // Streamed chat logprobs: the same entries, chunk by chunk.
+    let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Speak."}],
+                          "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    body["stream"] = json!(true);
+    let streamed: Vec<Value> = server
+        .stream("/v1/chat/completions", &body)
+        .await
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&streamed, content);
+    server.stop().await;
+}
+
+// ─────────────────────────────────────────── 5. errors ───────────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_get_openai_errors_naming_the_parameter() {
+    let server = start(Setup::default()).await;
+    let raw = |path: &'static str, body: &'static str| {
+        server
+            .post(path)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let completion = |extra: Value| {
+        let mut body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        server.post("/v1/completions").json(&body).send()
+    };
+    let bad = StatusCode::BAD_REQUEST;
+
+    let e = expect_error(raw("/v1/completions", r#"{"model": "#).await.unwrap(), bad).await;
+    assert_eq!(e["type"], "invalid_request_error");
+    assert!(e["message"].as_str().unwrap().contains("JSON"), "{e}");
+
+    let e = expect_error(completion(json!({"max_token": 3})).await.unwrap(), bad).await;
+    assert_eq!(e["param"], "max_token");
+    let e = expect_error(
+        server
+            .post("/v1/chat/completions")
+            .json(
+                &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "temprature": 1}),
+            )
+            .send()
+            .await
+            .unwrap(),
+        bad,
+    )
+    .await;
+    assert_eq!(e["param"], "temprature");
+
+    let e = expect_error(completion(json!({"model": "gpt-4"})).await.unwrap(), bad).await;
+    assert_eq!(e["code"], "model_not_found");
+    assert_eq!(e["param"], "model");
+
+    for (field, value) in [
+        ("temperature", json!(-1)),
+        ("top_p", json!(0)),
+        ("n", json!(0)),
+        ("n", json!(17)),
+        ("logprobs", json!(21)),
+        ("max_tokens", json!(0)),
+        ("stop", json!(["a", "b", "c", "d", "e"])),
+        ("logit_bias", json!({"5": 1})),
+        ("stream_options", json!({"include_usage": true})),
+        ("stop_token_ids", json!([4096])),
+    ] {
+        let response = completion(json!({ field: value })).await.unwrap();
+        let e = expect_error(response, bad).await;
+        assert_eq!(e["param"], field, "{field} = {value}: {e}");
+    }
+
+    // Prompt + max_tokens over the context of 512.
+    let e = expect_error(completion(json!({"max_tokens": 510})).await.unwrap(), bad).await;
+    assert_eq!(e["param"], "max_tokens");
+    assert!(e["message"].as_str().unwrap().contains("512"), "{e}");
+    let long = "ROMEO. ".repeat(400);
+    assert!(count_tokens(&long) > 512);
+    expect_error(completion(json!({"prompt": long})).await.unwrap(), bad).await;
+    let e = expect_error(completion(json!({"prompt": [5000]})).await.unwrap(), bad).await;
+    assert_eq!(e["param"], "prompt");
+    expect_error(completion(json!({"prompt": []})).await.unwrap(), bad).await;
+
+    // Chat-only checks.
+    let chat = |body: Value| server.post("/v1/chat/completions").json(&body).send();
+    let e = expect_error(
+        chat(json!({"model": MODEL, "messages": []})).await.unwrap(),
+        bad,
+    )
+    .await;
+    assert_eq!(e["param"], "messages");
+    let e = expect_error(
+        chat(
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                    "top_logprobs": 2}),
+        )
+        .await
+        .unwrap(),
+        bad,
+    )
+    .await;
+    assert_eq!(e["param"], "top_logprobs");
+    let e = expect_error(
+        chat(
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                    "logprobs": true, "top_logprobs": 21}),
+        )
+        .await
+        .unwrap(),
+        bad,
+    )
+    .await;
+    assert_eq!(e["param"], "top_logprobs");
+    let e = expect_error(
+        chat(json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}))
+            .await
+            .unwrap(),
+        bad,
+    )
+    .await;
+    assert_eq!(e["param"], "messages");
+
+    // Wrong types.
+    for (field, value) in [
+        ("max_tokens", json!("ten")),
+        ("temperature", json!("hot")),
+        ("n", json!(1.5)),
+        ("stream", json!("yes")),
+        ("prompt", json!(3)),
+        ("stop", json!(5)),
+    ] {
+        let response = completion(json!({ field: value })).await.unwrap();
+        expect_error(response, bad).await;
+    }
+    // Nothing was admitted or left running.
+    let text = server.metrics().await;
+    assert_eq!(metric(&text, "kiln:prompt_tokens_total", ""), 0.0);
+    assert_eq!(server.state.in_flight.load(Ordering::SeqCst), 0);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_guard_the_api_but_not_health_or_metrics() {
+    let server = start(Setup {
+        keys: vec!["sk-test".into()],
+        ..Setup::default()
+    })
+    .await;
+    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2});
+    let unauthorized = StatusCode::UNAUTHORIZED;
+    for key in [
+        None,
+        Some("Bearer sk-wrong"),
+        Some("sk-test"),
+        Some("Basic sk-test"),
+    ] {
+        let mut request = server.post("/v1/completions").json(&body);
+        if let Some(key) = key {
+            request = request.header("authorization", key);
+        }
+        let e = expect_error(request.send().await.unwrap(), unauthorized).await;
+        assert_eq!(e["type"], "authentication_error", "{key:?}");
+        assert_eq!(e["code"], "invalid_api_key");
+    }
+    let chat = server
+        .post("/v1/chat/completions")
+        .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    expect_error(chat, unauthorized).await;
+    expect_error(server.get("/v1/models").send().await.unwrap(), unauthorized).await;
+
+    let ok = server
+        .post("/v1/completions")
+        .bearer_auth("sk-test")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    let models: Value = server
+        .get("/v1/models")
+        .bearer_auth("sk-test")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(models["data"][0]["object"], "model");
+    assert_eq!(models["data"][0]["max_model_len"], 512);
+
+    assert_eq!(
+        server.get("/health").send().await.unwrap().status(),
+        StatusCode::OK
+    );
+    let metrics = server.get("/metrics").send().await.unwrap();
+    assert_eq!(metrics.status(), StatusCode::OK);
+    let kind = metrics.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(kind.starts_with("text/plain"), "{kind}");
+    let text = metrics.text().await.unwrap();
+    assert!(text.contains(&format!("model_name=\"{MODEL}\"")), "{text}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_refuses_the_third_request_with_retry_after() {
+    let mut setup = Setup::default();
+    setup.config.rate_limit = Some(RateLimit {
+        requests_per_minute: Some(2),
+        tokens_per_minute: None,
+    });
+    let server = start(setup).await;
+    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 1});
+    // A refused (invalid) request is not charged.
+    let invalid = server
+        .post("/v1/completions")
+        .json(&json!({"model": MODEL, "prompt": PROMPT, "n": 0}))
+        .send()
+        .await
+        .unwrap();
+    expect_error(invalid, StatusCode::BAD_REQUEST).await;
+    for _ in 0..2 {
+        server.json("/v1/completions", &body).await;
+    }
+    let response = server
+        .post("/v1/completions")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let retry_after: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry_after), "Retry-After {retry_after}");
+    let e = expect_error(response, StatusCode::TOO_MANY_REQUESTS).await;
+    assert_eq!(e["type"], "rate_limit_error");
+    assert_eq!(e["code"], "rate_limit_exceeded");
+    // Chat shares the key's bucket.
+    let chat = server
+        .post("/v1/chat/completions")
+        .json(
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                      "max_tokens": 1}),
+        )
+        .send()
+        .await
+        .unwrap();
+    expect_error(chat, StatusCode::TOO_MANY_REQUESTS).await;
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_the_whole_token_limit_gets_429_without_retry_after() {
+    let mut setup = Setup::default();
+    setup.config.rate_limit = Some(RateLimit {
+        requests_per_minute: None,
+        tokens_per_minute: Some(50),
+    });
+    let server = start(setup).await;
+    let response = server
+        .post("/v1/completions")
+        .json(&json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 60}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        response.headers().get("retry-after").is_none(),
+        "waiting cannot help"
+    );
+    let e = expect_error(response, StatusCode::TOO_MANY_REQUESTS).await;
+    assert!(e["message"].as_str().unwrap().contains("too large"), "{e}");
+    // A request that fits is served.
+    server
+        .json(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}),
+        )
+        .await;
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_refuses_with_429_and_frees_its_place_after() {
+    let mut setup = Setup::default();
+    setup.config.engine = EngineConfig {
+        max_num_seqs: 1,
+        ..EngineConfig::default()
+    };
+    setup.config.max_queue = Some(0);
+    let server = start(setup).await;
+    let long = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": true,
+                      "stream": true});
+    let response = server
+        .post("/v1/completions")
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut events = Events::new(response);
+    events.next().await.expect("a first chunk");
+
+    let short = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 1});
+    let refused = server
+        .post("/v1/completions")
+        .json(&short)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let e = expect_error(refused, StatusCode::TOO_MANY_REQUESTS).await;
+    assert!(e["message"].as_str().unwrap().contains("queue"), "{e}");
+    assert_eq!(server.state.in_flight.load(Ordering::SeqCst), 1);
+
+    // Once the stream is gone, its place is given back.
+    drop(events);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let response = server
+            .post("/v1/completions")
+            .json(&short)
+            .send()
+            .await
+            .unwrap();
+        if response.status() == StatusCode::OK {
+            break;
+        }
+        expect_error(response, StatusCode::TOO_MANY_REQUESTS).await;
+        assert!(Instant::now() < deadline, "the place was never given back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.wait_idle().await;
+    assert_eq!(server.state.in_flight.load(Ordering::SeqCst), 0);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_bodies_and_unknown_paths_never_crash_the_server() {
+    let mut setup = Setup::default();
+    setup.config.max_body_bytes = 16 * 1024;
+    let server = start(setup).await;
+    let send = |path: &'static str, body: Vec<u8>| {
+        server
+            .post(path)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+
+    // 413 over the body limit.
+    let big = format!(
+        r#"{{"model": "{MODEL}", "prompt": "{}", "max_tokens": 1}}"#,
+        "a".repeat(32 * 1024)
+    );
+    let e = expect_error(
+        send("/v1/completions", big.into_bytes()).await.unwrap(),
+        StatusCode::PAYLOAD_TOO_LARGE,
+    )
+    .await;
+    assert!(e["message"].as_str().unwrap().contains("too large"), "{e}");
+
+    // 404 in JSON.
+    let e = expect_error(
+        server.get("/v1/nothing").send().await.unwrap(),
+        StatusCode::NOT_FOUND,
+    )
+    .await;
+    assert!(
+        e["message"].as_str().unwrap().contains("/v1/nothing"),
+        "{e}"
+    );
+
+    // 405 in JSON: a known path with the wrong method.
+    let e = expect_error(
+        server.get("/v1/completions").send().await.unwrap(),
+        StatusCode::METHOD_NOT_ALLOWED,
+    )
+    .await;
+    assert!(e["message"].as_str().unwrap().contains("GET"), "{e}");
+
+    // Garbage of every kind: 400 each, and the server keeps answering.
+    let mut random = Vec::with_capacity(4096);
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for _ in 0..4096 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        random.push(x as u8);
+    }
+    let nested_top = "[".repeat(5000).into_bytes();
+    let nested_prompt = format!(
+        r#"{{"model": "{MODEL}", "prompt": {}"x"{}}}"#,
+        "[".repeat(3000),
+        "]".repeat(3000)
+    )
+    .into_bytes();
+    let mut bad_utf8 = br#"{"model": ""#.to_vec();
+    bad_utf8.extend_from_slice(&[0xff, 0xfe, 0xc3]);
+    bad_utf8.extend_from_slice(br#"", "prompt": "x"}"#);
+    let bodies: Vec<(&str, Vec<u8>)> = vec![
+        ("random bytes", random),
+        ("empty", Vec::new()),
+        ("nested top", nested_top),
+        ("nested prompt", nested_prompt),
+        ("invalid UTF-8", bad_utf8),
+        ("null", b"null".to_vec()),
+        (
+            "huge max_tokens",
+            format!(r#"{{"model": "{MODEL}", "prompt": "x", "max_tokens": 1e400}}"#).into_bytes(),
+        ),
+        (
+            "u32 overflow",
+            format!(r#"{{"model": "{MODEL}", "prompt": "x", "max_tokens": 4294967296}}"#)
+                .into_bytes(),
+        ),
+        (
+            "max u32",
+            format!(r#"{{"model": "{MODEL}", "prompt": "x", "max_tokens": 4294967295}}"#)
+                .into_bytes(),
+        ),
+        (
+            "huge n",
+            format!(r#"{{"model": "{MODEL}", "prompt": "x", "n": 18446744073709551616}}"#)
+                .into_bytes(),
+        ),
+        (
+            "huge seed",
+            format!(r#"{{"model": "{MODEL}", "prompt": "x", "seed": 1e30}}"#).into_bytes(),
+        ),
+        (
+            "f32 overflow",
+            format!(r#"{{"model": "{MODEL}", "prompt": "x", "temperature": 1e39}}"#).into_bytes(),
+        ),
+        (
+            "huge token id",
+            format!(r#"{{"model": "{MODEL}", "prompt": [4294967295]}}"#).into_bytes(),
+        ),
+        (
+            "negative token id",
+            format!(r#"{{"model": "{MODEL}", "prompt": [-1]}}"#).into_bytes(),
+        ),
+    ];
+    for (what, body) in bodies {
+        for path in ["/v1/completions", "/v1/chat/completions"] {
+            let response = send(path, body.clone()).await.unwrap();
+            assert_eq!(
+                response.status(),
+                StatusCode::BAD_REQUEST,
+                "{what} to {path}"
+            );
+            expect_error(response, StatusCode::BAD_REQUEST).await;
+        }
+    }
+
+    // Not even HTTP.
+    let addr = server.url.trim_start_matches("http://").to_string();
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut socket = std::net::TcpStream::connect(addr).unwrap();
+        socket.set_read_timeout(Some(WAIT)).unwrap();
+        socket.write_all(b"\x00\x01GARBAGE \xff\r\n\r\n").unwrap();
+        let mut reply = Vec::new();
+        let _ = socket.read_to_end(&mut reply);
+    })
+    .await
+    .unwrap();
+
+    let health = server.get("/health").send().await.unwrap();
+    assert_eq!(health.status(), StatusCode::OK);
+    // And it still generates.
+    let ok = server
+        .json(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(ok["usage"]["completion_tokens"], 2);
+    server.stop().await;
+}
+
+// ──────────────────────────────────────── 6. disconnects ────────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_stream_frees_everything() {
+    // Prefix caching off: a free pool reads 0. Room for 16 choices of 512 positions.
+    let server = start(Setup {
+        kv_blocks: 600,
+        ..Setup::default()
+    })
+    .await;
+    let max_tokens = 480;
+    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                      "ignore_eos": true, "stream": true});
+    let response = server
+        .post("/v1/completions")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut events = Events::new(response);
+    for _ in 0..2 {
+        events.next().await.expect("a chunk");
+    }
+    drop(events); // closes the connection
+
+    let text = server.wait_idle().await;
+    assert_eq!(
+        metric(
+            &text,
+            "kiln:request_success_total",
+            "finished_reason=\"length\""
+        ),
+        0.0,
+        "an abandoned request did not finish"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kiln:request_success_total",
+            "finished_reason=\"stop\""
+        ),
+        0.0
+    );
+    let generated = metric(&text, "kiln:generation_tokens_total", "");
+    assert!(
+        generated >= 2.0 && generated < max_tokens as f64,
+        "the engine stopped early: {generated} tokens"
+    );
+    let deadline = Instant::now() + WAIT;
+    while server.state.in_flight.load(Ordering::SeqCst) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the request's place was never given back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The same for a non-streaming request whose client gives up: 16 × 480 tokens take far
+    // longer than the client waits.
+    let whole = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                       "ignore_eos": true, "n": 16});
+    let request = server.post("/v1/completions").json(&whole).send();
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), request).await;
+    assert!(gave_up.is_err(), "16 × 480 tokens in under 200 ms?");
+    let text = server.wait_idle().await;
+    assert_eq!(
+        metric(
+            &text,
+            "kiln:request_success_total",
+            "finished_reason=\"length\""
+        ),
+        0.0
+    );
+    let more = metric(&text, "kiln:generation_tokens_total", "") - generated;
+    assert!(more < (16 * max_tokens) as f64, "{more} tokens");
+    server.stop().await;
+}
+
+// ──────────────────────────────────────── 7. many clients ────────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_streams_all_finish_and_the_counters_add_up() {
+    let mut setup = Setup::default();
+    setup.config.engine = EngineConfig {
+        max_num_seqs: 16,
+        ..EngineConfig::default()
+    };
+    // 36 blocks: one request of 512 fits (35 above the watermark), 16 of ~50 tokens do not.
+    setup.kv_blocks = 36;
+    let server = Arc::new(start(setup).await);
+    let prompts = [
+        "ROMEO.",
+        PROMPT,
+        "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo?",
+        "HAMLET.\nTo be, or not to be",
+        "KING.\nNow is the winter of our discontent made glorious summer",
+        "First Citizen.\nBefore we proceed any further, hear me speak.",
+    ];
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..64usize {
+        let max_tokens = 1 + (i * 17) % 40;
+        let prompt = prompts[i % prompts.len()];
+        expected.insert(i, (max_tokens, count_tokens(prompt) + 1));
+        let server = Arc::clone(&server);
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                          "ignore_eos": true, "temperature": 0.7, "seed": i,
+                          "stream": true, "stream_options": {"include_usage": true}});
+        tasks.spawn(async move { (i, server.stream("/v1/completions", &body).await) });
+    }
+    let mut prompt_sum = 0;
+    let mut completion_sum = 0;
+    let mut done = 0;
+    let all = async {
+        while let Some(result) = tasks.join_next().await {
+            let (i, events) = result.expect("a client task panicked");
+            let (max_tokens, prompt_tokens) = expected[&i];
+            let (chunks, last) = split_usage(&events);
+            assert_eq!(last["usage"]["completion_tokens"], max_tokens, "client {i}");
+            assert_eq!(last["usage"]["prompt_tokens"], prompt_tokens, "client {i}");
+            assert_eq!(chunks.len(), max_tokens, "client {i}: one chunk per token");
+            assert_eq!(
+                chunks.last().unwrap()["choices"][0]["finish_reason"],
+                "length",
+                "client {i}"
+            );
+            prompt_sum += prompt_tokens;
+            completion_sum += max_tokens;
+            done += 1;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), all)
+        .await
+        .expect("64 clients finish");
+    assert_eq!(done, 64);
+
+    let text = server.wait_idle().await;
+    assert_eq!(metric(&text, "kiln:num_requests_swapped", ""), 0.0);
+    // The engine counts each sampled token once, and each prompt once when it is added: a
+    // request preempted by recomputation reruns its prefill without counting it again.
+    assert_eq!(
+        metric(&text, "kiln:generation_tokens_total", ""),
+        completion_sum as f64
+    );
+    assert_eq!(
+        metric(&text, "kiln:prompt_tokens_total", ""),
+        prompt_sum as f64
+    );
+    assert_eq!(
+        metric(&text, "kiln:time_to_first_token_seconds_count", ""),
+        64.0
+    );
+    assert_eq!(
+        metric(&text, "kiln:e2e_request_latency_seconds_count", ""),
+        64.0
+    );
+    assert_eq!(
+        metric(&text, "kiln:inter_token_latency_seconds_count", ""),
+        (completion_sum - 64) as f64
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kiln:request_success_total",
+            "finished_reason=\"length\""
+        ),
+        64.0
+    );
+    eprintln!(
+        "64 clients: {completion_sum} tokens, {} preemptions",
+        metric(&text, "kiln:num_preemptions_total", "")
+    );
+    assert_eq!(server.state.in_flight.load(Ordering::SeqCst), 0);
+    let server = Arc::into_inner(server).expect("every client task is done");
+    server.stop().await;
+}
+
+// ──────────────────────────────────────── 8. graceful shutdown ────────────────────────────────────────
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_refuses_new_work_and_aborts_streams_after_the_grace() {
+    let mut setup = Setup::default();
+    setup.config.shutdown_grace = Duration::from_millis(100);
+    setup.kv_blocks = 600;
+    let mut server = start(setup).await;
+    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": true,
+                      "n": 16, "stream": true});
+    let response = server
+        .post("/v1/completions")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut events = Events::new(response);
+    events.next().await.expect("a chunk");
+
+    let _ = server.shutdown.take().unwrap().send(());
+    // New work is refused at once: the listener is closed, or /health says 503.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match server.get("/health").send().await {
+            Err(_) => break,
+            Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => break,
+            Ok(r) => assert_eq!(r.status(), StatusCode::OK),
+        }
+        assert!(Instant::now() < deadline, "still healthy after shutdown");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The stream in flight ends with "abort" for every choice (16 × 480 tokens take far longer
+    // than the grace), then [DONE].
+    let mut reasons = BTreeMap::new();
+    loop {
+        let data = tokio::time::timeout(WAIT, events.next())
+            .await
+            .expect("the stream ends")
+            .expect("[DONE] before the end");
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        let choice = &chunk["choices"][0];
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            let index = choice["index"].as_u64().unwrap();
+            assert!(
+                reasons.insert(index, reason.to_string()).is_none(),
+                "{chunk}"
+            );
+        }
+    }
+    assert_eq!(reasons.len(), 16, "{reasons:?}");
+    assert!(reasons.values().all(|r| r == "abort"), "{reasons:?}");
+    let result = tokio::time::timeout(WAIT, &mut server.task)
+        .await
+        .expect("run returns after the grace")
+        .unwrap();
+    result.expect("run returns Ok");
+    assert_eq!(
+        server.state.metrics.engine().running,
+        0,
+        "the engine was stopped with nothing running"
+    );
+}
