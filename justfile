@@ -62,7 +62,7 @@ fixtures:
 # ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
 # and llama.cpp (`just build-llama-cpp`) when those are present. `serve` starts `kiln serve` on
 # SmolLM2 and loads it with `kiln bench serve` at rates 1, 2, 4, 8 and inf (args go to the latter;
-# --num-prompts and --request-rate replace the defaults).
+# --num-prompts and --request-rate replace the defaults; --ignore-eos is always on).
 # Run a benchmark and write its tables and plots into the book (`just bench ch01`, `just bench serve`).
 bench which="ch01" *args:
     #!/usr/bin/env bash
@@ -75,6 +75,8 @@ bench which="ch01" *args:
             defaults=()
             case " {{args}} " in *" --num-prompts"*) ;; *) defaults+=(--num-prompts 32) ;; esac
             case " {{args}} " in *" --request-rate"*) ;; *) defaults+=(--request-rate 1,2,4,8,inf) ;; esac
+            # Every request generates its max_tokens, as chapter 4's benchmark does.
+            case " {{args}} " in *" --ignore-eos"*) ;; *) defaults+=(--ignore-eos) ;; esac
             source fixtures/scripts/server_lib.sh
             kiln_server_start target/release/kiln serve --model fixtures/.cache/SmolLM2-135M-Instruct
             target/release/kiln bench serve --base-url "$KILN_BASE_URL" --out book/src/ch08 "${defaults[@]}" {{args}}
