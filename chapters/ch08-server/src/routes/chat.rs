@@ -2,16 +2,15 @@
 //! as a completion and answered as an assistant message.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::Value;
 
-use super::{Job, Shape, parse_body, serve_generation, unix_now};
+use super::{Accepted, Job, Shape, accept, respond, serve_generation, unix_now};
 use crate::driver::{Delta, TokenInfo};
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
@@ -25,10 +24,7 @@ pub async fn handler(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match handle(state, headers, body).await {
-        Ok(response) => response,
-        Err(error) => error.into_response(),
-    }
+    respond(handle(state, headers, body).await)
 }
 
 async fn handle(
@@ -36,10 +32,11 @@ async fn handle(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
-    let key = state.authorize(&headers)?;
-    let request: ChatRequest = parse_body(body)?;
-    state.check_model(&request.model)?;
+    let Accepted {
+        started,
+        key,
+        request,
+    } = accept::<ChatRequest>(&state, &headers, body, |r| &r.model)?;
     let template = state.chat_template.as_ref().ok_or_else(|| {
         ApiError::bad_request(
             "this model has no chat template (tokenizer_config.json or chat_template.jinja): \

@@ -1,16 +1,15 @@
 //! `POST /v1/completions`: text (or token ids) in, text out.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Map, Value, json};
 
-use super::{Job, Shape, parse_body, serve_generation, unix_now};
+use super::{Accepted, Job, Shape, accept, respond, serve_generation, unix_now};
 use crate::driver::Delta;
 use crate::error::ApiError;
 use crate::params;
@@ -27,10 +26,7 @@ pub async fn handler(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match handle(state, headers, body).await {
-        Ok(response) => response,
-        Err(error) => error.into_response(),
-    }
+    respond(handle(state, headers, body).await)
 }
 
 async fn handle(
@@ -38,10 +34,11 @@ async fn handle(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
-    let key = state.authorize(&headers)?;
-    let request: CompletionRequest = parse_body(body)?;
-    state.check_model(&request.model)?;
+    let Accepted {
+        started,
+        key,
+        request,
+    } = accept::<CompletionRequest>(&state, &headers, body, |r| &r.model)?;
     if request.echo && request.logprobs.is_some() {
         return Err(ApiError::bad_param(
             "echo",

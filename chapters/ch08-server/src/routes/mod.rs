@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
@@ -41,6 +41,39 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> R
             ..ApiError::bad_request(format!("invalid JSON body: {e}"))
         }
     })
+}
+
+/// A generation request past the checks every endpoint makes first.
+pub struct Accepted<T> {
+    /// When the request arrived: the start of its TTFT and end-to-end latency.
+    pub started: Instant,
+    /// The caller's identity, for rate limiting.
+    pub key: String,
+    pub request: T,
+}
+
+/// The API key, then the body, then the model it names (`model_of`), in that order, so that a
+/// caller without a valid key learns nothing about the request.
+pub fn accept<T: DeserializeOwned>(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    model_of: impl Fn(&T) -> &str,
+) -> Result<Accepted<T>, ApiError> {
+    let started = Instant::now();
+    let key = state.authorize(headers)?;
+    let request: T = parse_body(body)?;
+    state.check_model(model_of(&request))?;
+    Ok(Accepted {
+        started,
+        key,
+        request,
+    })
+}
+
+/// A handler's result as a response: the error's own status and JSON when it failed.
+pub fn respond(result: Result<Response, ApiError>) -> Response {
+    result.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// The field serde names in "unknown field `x`".
