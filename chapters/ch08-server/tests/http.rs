@@ -128,6 +128,53 @@ impl Default for Setup {
     }
 }
 
+#[test]
+fn start_up_refuses_what_cannot_serve_one_max_length_request() {
+    // 20 blocks of 16 = 320 positions (less the watermark) < the context of 512.
+    let small_pool = Setup {
+        kv_blocks: 20,
+        ..Setup::default()
+    };
+    match build(small_pool) {
+        Err(ServerError::KvTooSmall {
+            capacity,
+            max_model_len: 512,
+        }) => assert!(capacity < 512, "{capacity}"),
+        other => panic!("expected KvTooSmall, got {:?}", other.err()),
+    }
+    // The same pool serves a shorter --max-model-len.
+    let mut shorter = Setup {
+        kv_blocks: 20,
+        ..Setup::default()
+    };
+    shorter.config.max_model_len = Some(256);
+    assert!(build(shorter).is_ok());
+
+    let mut too_long = Setup::default();
+    too_long.config.max_model_len = Some(1024);
+    assert!(matches!(
+        build(too_long).err(),
+        Some(ServerError::MaxModelLen {
+            requested: 1024,
+            model: 512
+        })
+    ));
+
+    let mut unchunked = Setup::default();
+    unchunked.config.engine = EngineConfig {
+        enable_chunked_prefill: false,
+        max_num_batched_tokens: 256,
+        ..EngineConfig::default()
+    };
+    assert!(matches!(
+        build(unchunked).err(),
+        Some(ServerError::BudgetTooSmall {
+            budget: 256,
+            max_model_len: 512
+        })
+    ));
+}
+
 struct TestServer {
     url: String,
     client: reqwest::Client,
@@ -136,7 +183,8 @@ struct TestServer {
     task: JoinHandle<Result<(), ServerError>>,
 }
 
-async fn start(setup: Setup) -> TestServer {
+/// The server of `setup`, checked and with its engine running, not yet serving.
+fn build(setup: Setup) -> Result<Server, ServerError> {
     let loaded = loaded();
     let dir = ch01::default_model_dir();
     let pool = KvPool::new(&loaded.model.config, 16, setup.kv_blocks).unwrap();
@@ -146,14 +194,17 @@ async fn start(setup: Setup) -> TestServer {
         chat_template: ChatTemplate::from_model_dir(&dir).unwrap(),
         eos_token_ids: loaded.eos_token_ids.clone(),
     };
-    let server = Server::new(
+    Server::new(
         served,
         PagedKv::new(pool, setup.prefix_caching),
         ApiKeys::new(setup.keys),
         setup.config,
         |f| f(),
     )
-    .expect("start the server");
+}
+
+async fn start(setup: Setup) -> TestServer {
+    let server = build(setup).expect("start the server");
     let state = Arc::clone(server.state());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
