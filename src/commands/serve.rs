@@ -120,7 +120,8 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         } else {
             keys.len().to_string()
         },
-        args.rate_limit.map_or("none".into(), |r| format!("{r} per minute")),
+        args.rate_limit
+            .map_or("none".into(), |r| format!("{r} per minute")),
         args.max_queue.map_or("none".into(), |q| q.to_string()),
     );
 
