@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::engine_thread::{Event, SubmitError};
 use crate::error::ApiError;
-use crate::params::{Generation, Limits};
+use crate::params::{Generation, Planned};
 use crate::protocol::Usage;
 use crate::state::AppState;
 
@@ -57,7 +57,7 @@ fn reason_name(reason: FinishReason) -> &'static str {
     }
 }
 
-/// Submits `prompts` (each `generation.n` times; choice `p × n + i`), then calls `emit` with
+/// Submits the planned requests (choice `p × n + i` is prompt `p`'s), then calls `emit` with
 /// every delta until every choice has finished. `echo[p]` is sent first as prompt `p`'s
 /// choices' text. Returns the usage. Ends early, aborting what is left, when `gone` resolves
 /// (the client disconnected) or `emit` returns false; dropping the returned future aborts too
@@ -65,17 +65,16 @@ fn reason_name(reason: FinishReason) -> &'static str {
 pub async fn generate(
     state: &AppState,
     started: Instant,
-    prompts: &[Vec<u32>],
+    planned: Planned,
     generation: &Generation,
     echo: Option<Vec<String>>,
     gone: impl Future<Output = ()>,
     mut emit: impl FnMut(Delta) -> bool,
 ) -> Result<Usage, ApiError> {
-    let limits: &Limits = &state.limits;
-    let mut requests = Vec::new();
-    for prompt in prompts {
-        requests.extend(generation.requests(prompt.clone(), limits)?);
-    }
+    let Planned {
+        requests,
+        prompt_tokens,
+    } = planned;
     let (events, mut received) = mpsc::unbounded_channel();
     let mut choices = Vec::with_capacity(requests.len());
     for (index, request) in requests.into_iter().enumerate() {
@@ -144,7 +143,7 @@ pub async fn generate(
         }
     }
     Ok(Usage::new(
-        prompts.iter().map(Vec::len).sum(),
+        prompt_tokens,
         choices.iter().map(|c| c.tokens).sum(),
     ))
 }

@@ -180,7 +180,37 @@ pub fn generation(
     })
 }
 
+/// Every engine request of one HTTP request, built and checked once, before admission.
+#[derive(Debug, Clone)]
+pub struct Planned {
+    /// Choice `p × n + i` is prompt `p`'s `i`-th.
+    pub requests: Vec<Request>,
+    /// The prompts' tokens, each prompt counted once (however many choices share it).
+    pub prompt_tokens: usize,
+}
+
+impl Planned {
+    /// Tokens the request may use: every prompt once, and every choice's max_tokens (what
+    /// the key's tokens per minute are charged).
+    pub fn budget(&self) -> u64 {
+        (self.prompt_tokens + self.requests.iter().map(|r| r.max_tokens).sum::<usize>()) as u64
+    }
+}
+
 impl Generation {
+    /// The engine requests for `prompts`, `n` per prompt (see [`Generation::requests`]).
+    pub fn plan(&self, prompts: Vec<Vec<u32>>, limits: &Limits) -> Result<Planned, ApiError> {
+        let prompt_tokens = prompts.iter().map(Vec::len).sum();
+        let mut requests = Vec::with_capacity(prompts.len() * self.n);
+        for prompt in prompts {
+            requests.extend(self.requests(prompt, limits)?);
+        }
+        Ok(Planned {
+            requests,
+            prompt_tokens,
+        })
+    }
+
     /// The engine requests for one prompt: `n` of them, choice `i` seeded `seed + i` so that
     /// the choices differ and each is reproducible. Refuses a prompt that, with `max_tokens`,
     /// does not fit the context; without `max_tokens` a request may use the rest of it.

@@ -89,7 +89,7 @@ async fn handle(
     let (number, seed) = state.number_request();
     let generation =
         params::generation(&request.sampling, max_tokens, logprobs, seed, &state.limits)?;
-    generation.requests(prompt.clone(), &state.limits)?; // the context check, before admission
+    let planned = generation.plan(vec![prompt], &state.limits)?;
     serve_generation(Job {
         shape: ChatShape {
             id: format!("chatcmpl-{number}"),
@@ -99,7 +99,7 @@ async fn handle(
         },
         state,
         started,
-        prompts: vec![prompt],
+        planned,
         generation,
         echo: None,
         key,

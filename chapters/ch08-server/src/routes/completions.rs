@@ -71,9 +71,6 @@ async fn handle(
         seed,
         &state.limits,
     )?;
-    for prompt in &prompts {
-        generation.requests(prompt.clone(), &state.limits)?; // the context check, before admission
-    }
     let echo = if request.echo {
         Some(match texts {
             Some(texts) => texts,
@@ -96,9 +93,9 @@ async fn handle(
             created: unix_now(),
             model: state.served_model_name.clone(),
         },
+        planned: generation.plan(prompts, &state.limits)?,
         state,
         started,
-        prompts,
         generation,
         echo,
         key,

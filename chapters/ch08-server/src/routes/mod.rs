@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 use crate::driver::{self, Delta};
 use crate::error::ApiError;
-use crate::params::Generation;
+use crate::params::{Generation, Planned};
 use crate::protocol::Usage;
 use crate::state::{Admitted, AppState};
 
@@ -105,37 +105,18 @@ pub trait Shape: Send + Sync + 'static {
 pub struct Job<S: Shape> {
     pub state: Arc<AppState>,
     pub started: Instant,
-    pub prompts: Vec<Vec<u32>>,
+    pub planned: Planned,
     pub generation: Generation,
     pub echo: Option<Vec<String>>,
     pub shape: S,
-    /// prompt + max_tokens of every choice, charged to the key's tokens per minute.
+    /// The caller's identity: the rate limit charges it the planned budget.
     pub key: String,
-}
-
-impl<S: Shape> Job<S> {
-    /// Tokens the request may use: every prompt, and each choice's max_tokens (or the rest of
-    /// the context).
-    fn budget(&self) -> u64 {
-        let limit = self.state.limits.max_model_len;
-        self.prompts
-            .iter()
-            .map(|p| {
-                let out = self
-                    .generation
-                    .max_tokens
-                    .unwrap_or(limit.saturating_sub(p.len()));
-                (p.len() + out * self.generation.n) as u64
-            })
-            .sum()
-    }
 }
 
 /// Admits the job and answers it: a stream of server-sent events, or one JSON response.
 pub async fn serve_generation<S: Shape>(job: Job<S>) -> Result<Response, ApiError> {
-    let tokens = job.budget();
     // Check the admission rules before spawning anything.
-    let admitted = job.state.admit(&job.key, tokens)?;
+    let admitted = job.state.admit(&job.key, job.planned.budget())?;
     if job.generation.stream {
         Ok(stream_response(job, admitted))
     } else {
@@ -148,12 +129,11 @@ pub async fn serve_generation<S: Shape>(job: Job<S>) -> Result<Response, ApiErro
 async fn collect_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Result<Response, ApiError> {
     let _admitted = admitted;
     let state = job.state.clone();
-    let n = job.prompts.len() * job.generation.n;
-    let mut deltas: Vec<Vec<Delta>> = vec![Vec::new(); n];
+    let mut deltas: Vec<Vec<Delta>> = vec![Vec::new(); job.planned.requests.len()];
     let usage = driver::generate(
         &state,
         job.started,
-        &job.prompts,
+        job.planned,
         &job.generation,
         job.echo.clone(),
         std::future::pending(),
@@ -173,14 +153,13 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
         let _admitted = admitted;
         let state = job.state.clone();
         let json = |value: serde_json::Value| SseEvent::default().data(value.to_string());
-        let n = job.prompts.len() * job.generation.n;
-        for chunk in job.shape.opening_chunks(n) {
+        for chunk in job.shape.opening_chunks(job.planned.requests.len()) {
             let _ = events.send(json(chunk));
         }
         let result = driver::generate(
             &state,
             job.started,
-            &job.prompts,
+            job.planned,
             &job.generation,
             job.echo.clone(),
             events.closed(),
