@@ -103,9 +103,9 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
     eprintln!(
         "kiln serve: {name} | max-model-len {} | KV budget {} tokens above the watermark \
          ({:.1} max-length requests) | {}",
-        server.max_model_len,
-        server.kv_capacity_tokens,
-        server.kv_capacity_tokens as f64 / server.max_model_len as f64,
+        server.max_model_len(),
+        server.kv_capacity_tokens(),
+        server.kv_capacity_tokens() as f64 / server.max_model_len() as f64,
         args.engine.describe()
     );
     eprintln!(

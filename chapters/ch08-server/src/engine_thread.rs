@@ -219,17 +219,9 @@ fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &
                 Command::Abort(id) => {
                     end(&mut engine, &mut routes, id, None);
                 }
-                Command::AbortAll => {
-                    let ids: Vec<RequestId> = routes.keys().copied().collect();
-                    for id in ids {
-                        end(&mut engine, &mut routes, id, Some(FinishReason::Abort));
-                    }
-                }
+                Command::AbortAll => abort_all(&mut engine, &mut routes),
                 Command::Stop => {
-                    let ids: Vec<RequestId> = routes.keys().copied().collect();
-                    for id in ids {
-                        end(&mut engine, &mut routes, id, Some(FinishReason::Abort));
-                    }
+                    abort_all(&mut engine, &mut routes);
                     publish(&engine, metrics);
                     return;
                 }
@@ -282,6 +274,14 @@ fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &
     }
 }
 // ANCHOR_END: run
+
+/// Ends every request in flight, telling each handler `abort`.
+fn abort_all(engine: &mut Engine<'_>, routes: &mut HashMap<RequestId, Route>) {
+    let ids: Vec<RequestId> = routes.keys().copied().collect();
+    for id in ids {
+        end(engine, routes, id, Some(FinishReason::Abort));
+    }
+}
 
 /// Ends request `id`: aborts it in the engine, and tells its handler `reason` if given.
 fn end(

@@ -93,9 +93,6 @@ pub struct Server {
     engine: EngineThread,
     grace: Duration,
     max_body_bytes: usize,
-    /// KV positions one request may use (the budget the server logs).
-    pub kv_capacity_tokens: usize,
-    pub max_model_len: usize,
 }
 
 impl Server {
@@ -163,13 +160,21 @@ impl Server {
             shutting_down: AtomicBool::new(false),
         };
         Ok(Server {
-            kv_capacity_tokens: engine.max_request_tokens,
             state: Arc::new(state),
             engine,
             grace: config.shutdown_grace,
             max_body_bytes: config.max_body_bytes,
-            max_model_len,
         })
+    }
+
+    /// KV positions one request may use (the budget the server logs).
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.engine.max_request_tokens
+    }
+
+    /// The longest prompt + completion this server accepts.
+    pub fn max_model_len(&self) -> usize {
+        self.state.limits.max_model_len
     }
 
     /// The routes, over this server's state.
