@@ -12,6 +12,8 @@
 use ch01::attention::{AttentionShape, softmax_in_place};
 use rayon::prelude::*;
 
+use crate::kernels::vector::dot;
+
 /// Query rows one task handles when several are attended at once.
 const ROWS_PER_TASK: usize = 4;
 
@@ -180,24 +182,4 @@ fn attend_head_fastest<R: Fn(usize) -> usize>(
         return unsafe { avx2(kv, q_row, h, pos, out_h, scores) };
     }
     attend_head(kv, q_row, h, pos, out_h, scores)
-}
-
-/// Dot product with 8 independent partial sums, which the compiler vectorises.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 8;
-    let mut acc = [0.0f32; LANES];
-    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = a_chunks
-        .remainder()
-        .iter()
-        .zip(b_chunks.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (a8, b8) in a_chunks.zip(b_chunks) {
-        for l in 0..LANES {
-            acc[l] += a8[l] * b8[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }

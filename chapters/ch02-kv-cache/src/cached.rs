@@ -9,11 +9,12 @@
 //! that is reused from step to step, so a decode step allocates nothing.
 
 use ch01::generate::{GenerateOptions, Generation, generate_with};
-use ch01::model::{DecoderLayer, silu};
+use ch01::model::DecoderLayer;
 use ch01::rope::Rope;
 use ch01::{Llama, LlamaConfig, Tokenizer};
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, s};
 
+use crate::kernels::vector::silu_mul_fastest;
 use crate::kv_store::{KvError, KvStore};
 use crate::{Error, Result};
 
@@ -175,9 +176,11 @@ pub fn decoder_layer<E>(
         .forward_into(ws.h.slice(rows), ws.gate.slice_mut(rows)); // [n, inter]
     mlp.up_proj
         .forward_into(ws.h.slice(rows), ws.up.slice_mut(rows)); // [n, inter]
-    ws.gate
-        .slice_mut(rows)
-        .zip_mut_with(&ws.up.slice(rows), |g, u| *g = silu(*g) * u);
+    let used = n * ws.up.ncols(); // the first n rows of [rows, inter]
+    silu_mul_fastest(
+        &mut ws.gate.as_slice_mut().expect("a fresh array is contiguous")[..used],
+        &ws.up.as_slice().expect("a fresh array is contiguous")[..used],
+    ); // gate = silu(gate) · up
     mlp.down_proj
         .forward_into(ws.gate.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
     ws.x.slice_mut(rows)

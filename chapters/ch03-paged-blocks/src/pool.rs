@@ -157,6 +157,12 @@ impl KvPool {
         }
     }
 
+    /// Layer `layer`'s keys and values, each `[num_blocks · block_size, kv_dim]` row-major:
+    /// row `s` is slot `s` (what a batched attention kernel reads, see chapter 4).
+    pub fn layer_kv(&self, layer: usize) -> (&[f32], &[f32]) {
+        (&self.keys[layer], &self.values[layer])
+    }
+
     /// Writes one position's K and V rows (`kv_dim` values each) of `layer` into `slot`.
     pub fn write<'r>(
         &mut self,

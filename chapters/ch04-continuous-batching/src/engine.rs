@@ -341,9 +341,8 @@ impl<'m> Engine<'m> {
                 None
             };
             if let Some(reason) = finish {
-                self.finish(id, reason);
+                seq.finish(&mut self.kv.manager, reason); // (self.finish: logits borrow self)
             }
-            let seq = &mut self.seqs.get_mut(&id).expect("kept until collected");
             let new_tokens = seq.output()[seq.streamed..].to_vec();
             seq.streamed += new_tokens.len();
             outputs.push(RequestOutput {
@@ -404,11 +403,7 @@ impl<'m> Engine<'m> {
 
     fn finish(&mut self, id: RequestId, reason: FinishReason) {
         let seq = self.seqs.get_mut(&id).expect("known request");
-        if let Some(table) = seq.table.take() {
-            self.kv.manager.free(table);
-        }
-        seq.swap.clear();
-        seq.status = Status::Finished(reason);
+        seq.finish(&mut self.kv.manager, reason);
     }
 
     // ANCHOR: schedule

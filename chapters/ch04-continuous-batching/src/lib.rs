@@ -9,11 +9,13 @@
 //! | module        | what it does                                                              |
 //! |---------------|---------------------------------------------------------------------------|
 //! | [`request`]   | [`Request`], its [`Status`] (waiting, running, swapped, finished)          |
+//! | [`attention`] | [`batch_attention`](attention::batch_attention): the whole step's attention in one parallel pass |
 //! | [`engine`]    | [`Engine`]: the scheduler and the step loop; preemption; counters          |
 //! | [`logprobs`]  | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
 //! | [`runner`]    | [`ModelRunner`]: one forward over a flattened batch of prefill chunks and decodes |
 //! | [`static_batch`] | [`StaticBatcher`](static_batch::StaticBatcher): static batching, only the benchmark's baseline |
 
+pub mod attention;
 pub mod engine;
 pub mod logprobs;
 pub mod request;

@@ -1,7 +1,7 @@
 //! What a caller asks for, and the state of each request inside the engine.
 
 use ch01::{Sampler, SamplingParams};
-use ch03::BlockTable;
+use ch03::{BlockManager, BlockTable};
 
 /// Engine-wide request id, in arrival order.
 pub type RequestId = u64;
@@ -91,6 +91,15 @@ impl Sequence {
     /// Tokens the next steps must run before this sequence has logits again.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.num_computed
+    }
+
+    /// Ends the sequence: its blocks go back to `manager`, its swapped copy is dropped.
+    pub fn finish(&mut self, manager: &mut BlockManager, reason: FinishReason) {
+        if let Some(table) = self.table.take() {
+            manager.free(table);
+        }
+        self.swap.clear();
+        self.status = Status::Finished(reason);
     }
 
     /// Orders victims of preemption: lowest priority (largest value) first, then latest arrival.

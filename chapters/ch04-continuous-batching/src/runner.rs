@@ -5,7 +5,8 @@
 //! seq B: decode         token  b7         position  7          ├─ flattened: x [4, hidden]
 //! seq C: decode         token  c3         position  3          ┘
 //! every projection:  [4, in] · Wᵀ   — the weights are read once for the whole batch
-//! attention:         per sequence, its queries against its own blocks (block table)
+//! attention:         every row against its own sequence's blocks (block table), in one
+//!                    parallel pass over (row, KV head) for the whole batch
 //! logits:            only for rows that end a prompt or decode a token
 //! ```
 //! No padding: each token carries its own position and KV slot (the slot mapping).
@@ -14,8 +15,11 @@ use std::convert::Infallible;
 
 use ch01::Llama;
 use ch02::cached::{Workspace, decoder_layer};
+use ch02::kernels::Isa;
 use ch03::{BlockTable, KvPool};
-use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
+use ndarray::{ArrayView2, ArrayViewMut2, Axis};
+
+use crate::attention::{QueryRow, batch_attention};
 
 /// One sequence's share of a step.
 #[derive(Debug, Clone, Copy)]
@@ -37,8 +41,9 @@ pub type ScheduledBatch<'a> = [ScheduledSeq<'a>];
 /// Runs batches; keeps its buffers (chapter 2's [`Workspace`]) from step to step.
 pub struct ModelRunner {
     workspace: Workspace,
-    tokens: Vec<u32>,      // [n] the step's tokens, flattened
-    positions: Vec<usize>, // [n] each token's position in its sequence
+    tokens: Vec<u32>, // [n] the step's tokens, flattened
+    isa: Isa,
+    logits: Vec<f32>, // [S, vocab] the last step's logits, S = sequences that wanted them
 }
 
 impl ModelRunner {
@@ -46,7 +51,8 @@ impl ModelRunner {
         ModelRunner {
             workspace: Workspace::new(&model.config, 1),
             tokens: Vec::new(),
-            positions: Vec::new(),
+            isa: Isa::detect(),
+            logits: Vec::new(),
         }
     }
 
@@ -59,51 +65,49 @@ impl ModelRunner {
         model: &Llama,
         pool: &mut KvPool,
         batch: &ScheduledBatch,
-    ) -> Array2<f32> {
-        // Flatten: each row's token and position.
+    ) -> ArrayView2<'_, f32> {
+        // Flatten: each row's token, and its sequence's table and position.
         self.tokens.clear();
-        self.positions.clear();
         for seq in batch {
             self.tokens.extend_from_slice(seq.tokens);
-            self.positions
-                .extend((0..seq.tokens.len()).map(|t| seq.start_pos + t));
         }
         let n = self.tokens.len();
         self.workspace.embed(model, &self.tokens);
-        let positions = &self.positions;
+        let rows: Vec<QueryRow> = batch
+            .iter()
+            .flat_map(|seq| {
+                (0..seq.tokens.len()).map(|t| QueryRow {
+                    table: seq.table,
+                    pos: seq.start_pos + t,
+                })
+            })
+            .collect(); // [n]
         for (i, layer) in model.layers.iter().enumerate() {
             let shape = layer.self_attn.shape();
-            // Each sequence writes its K/V through its slot mapping and attends to its blocks.
+            // Every new token's K/V goes to its slot, then the whole batch attends at once.
             let mut attend = |q: ArrayView2<f32>,
                               k: ArrayView2<f32>,
                               v: ArrayView2<f32>,
-                              mut out: ArrayViewMut2<f32>|
+                              out: ArrayViewMut2<f32>|
              -> Result<(), Infallible> {
-                let mut first = 0;
-                for seq in batch {
-                    let len = seq.tokens.len();
-                    for t in 0..len {
-                        let (r, pos) = (first + t, seq.start_pos + t);
-                        pool.write(i, seq.table.slot(pos), k.row(r), v.row(r));
-                    }
-                    let q_seq = q.slice(s![first..first + len, ..]);
-                    let out_seq = out.slice_mut(s![first..first + len, ..]);
-                    pool.attend(
-                        i,
-                        seq.table,
-                        q_seq.as_slice().expect("contiguous rows"),
-                        seq.start_pos + len,
-                        shape,
-                        out_seq.into_slice().expect("contiguous rows"),
-                    );
-                    first += len;
+                for (r, row) in rows.iter().enumerate() {
+                    pool.write(i, row.table.slot(row.pos), k.row(r), v.row(r));
                 }
+                batch_attention(
+                    self.isa,
+                    pool,
+                    i,
+                    &rows,
+                    q.as_slice().expect("contiguous rows"),
+                    shape,
+                    out.into_slice().expect("contiguous rows"),
+                );
                 Ok(())
             };
             let Ok(()) = decoder_layer(
                 layer,
                 &model.rope,
-                &|r| positions[r],
+                &|r| rows[r].pos,
                 n,
                 &mut self.workspace,
                 &mut attend,
@@ -118,12 +122,19 @@ impl ModelRunner {
                 last_rows.push(end - 1);
             }
         }
-        if last_rows.is_empty() {
-            return Array2::zeros((0, model.config.vocab_size)); // only prompt chunks ran
-        }
         let picked = self.workspace.residual().select(Axis(0), &last_rows); // [S, hidden]
         let normed = model.norm.forward(picked.view());
-        model.lm_head.forward(normed.view()) // [S, vocab]
+        let vocab = model.config.vocab_size;
+        // The logits buffer is kept: a fresh [S, vocab] every step is megabytes of new pages.
+        let used = last_rows.len() * vocab;
+        if self.logits.len() < used {
+            self.logits.resize(used, 0.0);
+        }
+        let shape = (last_rows.len(), vocab);
+        let logits =
+            ArrayViewMut2::from_shape(shape, &mut self.logits[..used]).expect("[S, vocab]");
+        model.lm_head.forward_into(normed.view(), logits);
+        ArrayView2::from_shape(shape, &self.logits[..used]).expect("[S, vocab]")
     }
     // ANCHOR_END: execute
 }

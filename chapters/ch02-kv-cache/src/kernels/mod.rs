@@ -22,6 +22,7 @@
 mod avx2;
 mod packed;
 mod portable;
+pub mod vector;
 
 use std::cell::RefCell;
 
@@ -112,59 +113,71 @@ pub fn matmul<W: WeightElement>(
         return; // nothing to compute (an engine step whose sequences all want no logits)
     }
     let tiles = tokens.div_ceil(MR);
-    let panel_out = tiles * MR * NR;
-    with_buffers(|a, y_panels| {
+    let out = SharedOut(y.as_mut_ptr());
+    with_buffer(|a| {
         pack_tokens(x, tokens, k, a); // [tiles][k][MR], zero rows past `tokens`
-        // Panel-major output, so that each task owns a contiguous slice: [panels][tiles * MR][NR].
-        y_panels.resize(w.num_panels() * panel_out, 0.0); // every element is overwritten below
         let per_task = panels_per_task(w.num_panels());
-        y_panels
-            .par_chunks_mut(per_task * panel_out)
-            .enumerate()
-            .for_each(|(task, y_task)| {
-                // One weight panel at a time, so it stays in cache while every token tile uses it.
-                for (i, y_panel) in y_task.chunks_mut(panel_out).enumerate() {
-                    let b = w.panel(task * per_task + i); // [k][NR]
-                    for tile in 0..tiles {
-                        let a_tile = &a[tile * k * MR..][..k * MR]; // [k][MR]
-                        let c = &mut y_panel[tile * MR * NR..][..MR * NR]; // [MR][NR]
-                        match isa {
-                            Isa::Portable => portable::tile_matmul(a_tile, b, c),
-                            // SAFETY: only constructed when the CPU has AVX2 and FMA.
-                            #[cfg(target_arch = "x86_64")]
-                            Isa::Avx2Fma => unsafe { avx2::tile_matmul(a_tile, b, c) },
-                        }
+        let tasks = w.num_panels().div_ceil(per_task);
+        (0..tasks).into_par_iter().for_each(|task| {
+            let panels = task * per_task..((task + 1) * per_task).min(w.num_panels());
+            // One weight panel at a time, so it stays in cache while every token tile uses it.
+            for p in panels {
+                let b = w.panel(p); // [k][NR]
+                let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
+                for tile in 0..tiles {
+                    let a_tile = &a[tile * k * MR..][..k * MR]; // [k][MR]
+                    let mut c = [0.0f32; MR * NR]; // [MR][NR]
+                    match isa {
+                        Isa::Portable => portable::tile_matmul(a_tile, b, &mut c),
+                        // SAFETY: only constructed when the CPU has AVX2 and FMA.
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2Fma => unsafe { avx2::tile_matmul(a_tile, b, &mut c) },
+                    }
+                    let rows = tile * MR..((tile + 1) * MR).min(tokens); // the last tile too
+                    for (r, c_row) in rows.zip(c.chunks_exact(NR)) {
+                        // SAFETY: `y` is [tokens, n] and outlives the parallel loop; element
+                        // (r, cols) belongs to panel p and tile r / MR, which only this
+                        // iteration of this task writes.
+                        let y_row = unsafe { out.slice(r * n + cols.start, cols.len()) };
+                        y_row.copy_from_slice(&c_row[..cols.len()]);
                     }
                 }
-            });
-
-        // Back to row-major [tokens, out], dropping the padding.
-        for (t, y_row) in y.chunks_mut(n).enumerate() {
-            for (p, y_part) in y_row.chunks_mut(NR).enumerate() {
-                let from = &y_panels[p * panel_out + t * NR..][..y_part.len()];
-                y_part.copy_from_slice(from);
             }
-        }
+        });
     });
 }
 // ANCHOR_END: matmul
 
 thread_local! {
-    /// The calling thread's packed tokens and panel-major output, kept between calls: fresh
-    /// multi-megabyte buffers would come from the kernel as zeroed pages on every prefill.
-    static BUFFERS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The calling thread's packed tokens, kept between calls: a fresh multi-megabyte buffer
+    /// would come from the kernel as zeroed pages on every prefill.
+    static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` with this thread's buffers, or with fresh ones if they are in use (a matmul started
-/// by a task that this thread runs while it waits inside another matmul).
-fn with_buffers(f: impl FnOnce(&mut Vec<f32>, &mut Vec<f32>)) {
-    BUFFERS.with(|buffers| match buffers.try_borrow_mut() {
-        Ok(mut buffers) => {
-            let (a, y) = &mut *buffers;
-            f(a, y)
-        }
-        Err(_) => f(&mut Vec::new(), &mut Vec::new()),
+/// Runs `f` with this thread's packing buffer, or with a fresh one if it is in use (a matmul
+/// started by a task that this thread runs while it waits inside another matmul).
+fn with_buffer(f: impl FnOnce(&mut Vec<f32>)) {
+    PACKED.with(|buffer| match buffer.try_borrow_mut() {
+        Ok(mut buffer) => f(&mut buffer),
+        Err(_) => f(&mut Vec::new()),
     })
+}
+
+/// The output of a [`matmul`], written by many tasks at once, each to its own elements.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+// SAFETY: tasks write disjoint elements (see the one use), and the buffer outlives them.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// # Safety
+    /// `at..at + len` must be inside the buffer, and no other live reference may touch it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, at: usize, len: usize) -> &mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+    }
 }
 
 /// `x` [tokens, k] row-major → `a` = `[tiles][k][MR]`: for each tile of [`MR`] tokens, the MR
@@ -172,8 +185,7 @@ fn with_buffers(f: impl FnOnce(&mut Vec<f32>, &mut Vec<f32>)) {
 /// are zero.
 fn pack_tokens(x: &[f32], tokens: usize, k: usize, a: &mut Vec<f32>) {
     let tiles = tokens.div_ceil(MR);
-    a.clear();
-    a.resize(tiles * k * MR, 0.0);
+    a.resize(tiles * k * MR, 0.0); // every element is written below
     if k == 0 {
         return; // nothing to pack: every output is the empty sum
     }
@@ -181,6 +193,12 @@ fn pack_tokens(x: &[f32], tokens: usize, k: usize, a: &mut Vec<f32>) {
         let tile = &mut a[(t / MR) * k * MR..][..k * MR];
         for (kk, &v) in row.iter().enumerate() {
             tile[kk * MR + t % MR] = v;
+        }
+    }
+    for t in tokens..tiles * MR {
+        let tile = &mut a[(t / MR) * k * MR..][..k * MR];
+        for kk in 0..k {
+            tile[kk * MR + t % MR] = 0.0; // the last tile's missing tokens
         }
     }
 }

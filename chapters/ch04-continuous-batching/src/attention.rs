@@ -1,0 +1,164 @@
+//! A whole step's attention in one parallel pass: every (query row, KV head) pair of the batch is
+//! one task, whichever sequence the row belongs to.
+//!
+//! ```text
+//! q [n, num_heads · d]   every row of the step, flattened (prefill chunks and decodes alike)
+//! task (row r, KV head g), G = num_heads / num_kv_heads query heads share that K/V (GQA):
+//!     s[h][j]   = q[r]_h · k_j / √d      j = 0 ..= pos(r), block by block through r's table
+//!     p[h]      = softmax(s[h])
+//!     out[r]_h  = Σ_j p[h][j] · v_j       for the G heads h of group g
+//! ```
+//! Against chapter 3's [`KvPool::attend`], called once per sequence with the heads in parallel,
+//! three things change, none of them the arithmetic:
+//! - **one parallel region per layer** for the whole batch instead of one per sequence: with 32
+//!   decodes that is 30 hand-offs between threads per step instead of 960, and the tasks of
+//!   long and short sequences balance across the threads;
+//! - **a block at a time**: the slots of one block are consecutive, so the slot mapping is one
+//!   table lookup per block instead of a division per position;
+//! - **a KV head's group together**: each key and value row is read once for its G query heads,
+//!   not G times; and the softmax uses the vectorised [`exp`](ch02::kernels::vector::exp).
+
+use ch01::attention::AttentionShape;
+use ch02::kernels::Isa;
+use ch02::kernels::vector::{axpy, dot, exp_shifted_sum, max};
+use ch03::{BlockTable, KvPool};
+use rayon::prelude::*;
+
+/// One query row of the step: its sequence's block table and its position there.
+#[derive(Debug, Clone, Copy)]
+pub struct QueryRow<'a> {
+    pub table: &'a BlockTable,
+    pub pos: usize,
+}
+
+/// One layer's keys and values as the kernel reads them.
+struct LayerKv<'a> {
+    keys: &'a [f32],   // [slots, kv_dim]
+    values: &'a [f32], // [slots, kv_dim]
+    block_size: usize,
+    shape: AttentionShape,
+}
+
+// ANCHOR: batch_attention
+/// `out` [rows, num_heads · d] = attention of each row of `q` [rows, num_heads · d] against
+/// positions `0..=pos` of its sequence in `layer` of `pool`.
+///
+/// Every row's K/V up to its own position must be in the pool already (the runner writes the
+/// step's new K/V first), and `pos < table.capacity()`. `isa` picks the compiled form of the
+/// loops ([`Isa::detect`] for the fastest; the tests compare every one).
+pub fn batch_attention(
+    isa: Isa,
+    pool: &KvPool,
+    layer: usize,
+    rows: &[QueryRow],
+    q: &[f32],
+    shape: AttentionShape,
+    out: &mut [f32],
+) {
+    let q_dim = shape.num_heads * shape.head_dim;
+    assert_eq!(q.len(), rows.len() * q_dim, "q is [rows, q_dim]");
+    assert_eq!(out.len(), q.len(), "out is [rows, q_dim]");
+    for row in rows {
+        assert!(row.pos < row.table.capacity(), "position past the table");
+    }
+    let (keys, values) = pool.layer_kv(layer);
+    let kv = LayerKv {
+        keys,
+        values,
+        block_size: pool.block_size(),
+        shape,
+    };
+    out.par_chunks_mut(q_dim)
+        .zip(q.par_chunks(q_dim))
+        .zip(rows.par_iter())
+        .for_each_init(Vec::new, |scores, ((out_r, q_r), &row)| {
+            attend_row_fastest(isa, &kv, row, q_r, out_r, scores);
+        });
+}
+// ANCHOR_END: batch_attention
+
+// ANCHOR: attend_row
+/// One task: the query row `q_r` [num_heads · d] at `row.pos` → `out_r` [num_heads · d].
+/// `scores` is the thread's scratch, [num_heads, pos + 1] once filled.
+#[inline(always)]
+fn attend_row(kv: &LayerKv, row: QueryRow, q_r: &[f32], out_r: &mut [f32], scores: &mut Vec<f32>) {
+    let AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim: d,
+    } = kv.shape;
+    let group = num_heads / num_kv_heads; // query heads per KV head (GQA)
+    let kv_dim = num_kv_heads * d;
+    let len = row.pos + 1; // positions this row sees
+    let scale = 1.0 / (d as f32).sqrt();
+    scores.clear();
+    scores.resize(num_heads * len, 0.0);
+
+    // s[h][j] = q_h · k_j / √d, reading each position's K row once for every head.
+    for (j, slot) in slots(row.table, kv.block_size, len).enumerate() {
+        let k_j = &kv.keys[slot * kv_dim..][..kv_dim];
+        for (h, q_h) in q_r.chunks_exact(d).enumerate() {
+            scores[h * len + j] = dot(q_h, &k_j[h / group * d..][..d]) * scale;
+        }
+    }
+    // p[h] = softmax(s[h])
+    for s_h in scores.chunks_exact_mut(len) {
+        let sum = exp_shifted_sum(s_h, max(s_h));
+        let inv = 1.0 / sum;
+        s_h.iter_mut().for_each(|p| *p *= inv);
+    }
+    // out_h = Σ_j p[h][j] · v_j
+    out_r.fill(0.0);
+    for (j, slot) in slots(row.table, kv.block_size, len).enumerate() {
+        let v_j = &kv.values[slot * kv_dim..][..kv_dim];
+        for (h, out_h) in out_r.chunks_exact_mut(d).enumerate() {
+            axpy(scores[h * len + j], &v_j[h / group * d..][..d], out_h);
+        }
+    }
+}
+// ANCHOR_END: attend_row
+
+/// The pool slots of positions `0..len` of `table`, in order: one lookup per block, then the
+/// block's consecutive slots (plain loops rather than a closure, so that they are compiled
+/// inside the caller's AVX2 function).
+#[inline(always)]
+fn slots(table: &BlockTable, block_size: usize, len: usize) -> impl Iterator<Item = usize> {
+    table
+        .blocks()
+        .iter()
+        .flat_map(move |&block| {
+            let base = block as usize * block_size;
+            base..base + block_size
+        })
+        .take(len)
+}
+
+/// [`attend_row`] compiled for AVX2 + FMA when `isa` says the CPU has them (the same Rust,
+/// vectorised 8 lanes wide by the compiler), else as plain Rust.
+fn attend_row_fastest(
+    isa: Isa,
+    kv: &LayerKv,
+    row: QueryRow,
+    q_r: &[f32],
+    out_r: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    match isa {
+        Isa::Portable => attend_row(kv, row, q_r, out_r, scores),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2(
+                kv: &LayerKv,
+                row: QueryRow,
+                q_r: &[f32],
+                out_r: &mut [f32],
+                scores: &mut Vec<f32>,
+            ) {
+                attend_row(kv, row, q_r, out_r, scores)
+            }
+            // SAFETY: `Isa::Avx2Fma` is only constructed when the CPU has AVX2 and FMA.
+            unsafe { avx2(kv, row, q_r, out_r, scores) }
+        }
+    }
+}

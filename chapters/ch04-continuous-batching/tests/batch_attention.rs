@@ -1,0 +1,130 @@
+//! The batched paged attention kernel against chapter 1's naive causal attention, per sequence:
+//! random head counts (GQA groups of 1 to 3), even head sizes 2 to 20 (mostly not multiples of
+//! the 8-lane vectors), block sizes 1 to 17, batches mixing prefill chunks and decodes, physical blocks
+//! scattered by earlier allocations, in every instruction set this CPU runs.
+
+use std::path::Path;
+
+use ch01::LlamaConfig;
+use ch01::attention::{AttentionShape, causal_attention};
+use ch01::testing::{assert_rel_close, seeded_runner};
+use ch02::kernels::Isa;
+use ch03::{BlockManager, KvPool};
+use ch04_continuous_batching::attention::{QueryRow, batch_attention};
+use ndarray::{Array2, ArrayView2};
+use proptest::prelude::*;
+
+/// Shape, block size, and per sequence (context length, query rows at its end).
+type Case = (AttentionShape, usize, Vec<(usize, usize)>, Vec<usize>, u64);
+
+fn case() -> impl Strategy<Value = Case> {
+    (1usize..=3, 1usize..=3, 1usize..=10, 1usize..=17).prop_flat_map(
+        |(num_kv_heads, group, half_dim, block_size)| {
+            let seq = (1usize..=40).prop_flat_map(|len| (Just(len), 1usize..=len.min(9)));
+            (
+                Just(AttentionShape {
+                    num_heads: num_kv_heads * group,
+                    num_kv_heads,
+                    head_dim: 2 * half_dim, // RoPE needs it even
+                }),
+                Just(block_size),
+                proptest::collection::vec(seq, 1..=5),
+                proptest::collection::vec(1usize..30, 0..4), // earlier sequences, freed
+                any::<u64>(),
+            )
+        },
+    )
+}
+
+fn config(shape: AttentionShape) -> LlamaConfig {
+    let json = format!(
+        r#"{{"model_type": "llama", "vocab_size": 8, "hidden_size": {hidden},
+            "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": {heads},
+            "num_key_value_heads": {kv_heads}, "head_dim": {d}, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0}}"#,
+        hidden = shape.num_heads * shape.head_dim,
+        heads = shape.num_heads,
+        kv_heads = shape.num_kv_heads,
+        d = shape.head_dim,
+    );
+    LlamaConfig::from_json(&json, Path::new("test/config.json")).unwrap()
+}
+
+/// Deterministic values in [−2, 2) from a seed (a small LCG: enough for test data).
+fn values(seed: &mut u64, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            *seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+#[test]
+fn batch_attention_equals_naive_attention_per_sequence() {
+    seeded_runner(64, 41)
+        .run(&case(), |(shape, block_size, seqs, earlier, mut seed)| {
+            let (q_dim, kv_dim) = (
+                shape.num_heads * shape.head_dim,
+                shape.num_kv_heads * shape.head_dim,
+            );
+            let num_blocks = 8 + earlier
+                .iter()
+                .chain(seqs.iter().map(|(l, _)| l))
+                .sum::<usize>();
+            let mut pool = KvPool::new(&config(shape), block_size, num_blocks).unwrap();
+            let mut manager = BlockManager::new(num_blocks, block_size, false);
+            // Scatter the free list, then give every sequence its blocks.
+            let held: Vec<_> = earlier
+                .iter()
+                .map(|&len| manager.allocate_prompt(&vec![0; len]).unwrap())
+                .collect();
+            let tables: Vec<_> = seqs
+                .iter()
+                .map(|&(len, _)| manager.allocate_prompt(&vec![0; len]).unwrap())
+                .collect();
+            held.into_iter().for_each(|t| manager.free(t));
+
+            // Every sequence's K/V [len, kv_dim] in layer 1 (layer 0 holds other values).
+            let mut kv = Vec::new();
+            for (&(len, _), table) in seqs.iter().zip(&tables) {
+                let k =
+                    Array2::from_shape_vec((len, kv_dim), values(&mut seed, len * kv_dim)).unwrap();
+                let v =
+                    Array2::from_shape_vec((len, kv_dim), values(&mut seed, len * kv_dim)).unwrap();
+                for pos in 0..len {
+                    let slot = table.slot(pos);
+                    pool.write(1, slot, k.row(pos), v.row(pos));
+                    let noise = values(&mut seed, kv_dim);
+                    let noise = ArrayView2::from_shape((1, kv_dim), &noise).unwrap();
+                    pool.write(0, slot, noise.row(0), noise.row(0));
+                }
+                kv.push((k, v));
+            }
+
+            // The batch: each sequence's last `rows` positions, flattened.
+            let mut rows = Vec::new();
+            for (&(len, n), table) in seqs.iter().zip(&tables) {
+                rows.extend((len - n..len).map(|pos| QueryRow { table, pos }));
+            }
+            let q = values(&mut seed, rows.len() * q_dim);
+            let mut expected = Vec::new();
+            let mut first = 0;
+            for (&(_, n), (k, v)) in seqs.iter().zip(&kv) {
+                let q_seq =
+                    ArrayView2::from_shape((n, q_dim), &q[first * q_dim..][..n * q_dim]).unwrap();
+                let out = causal_attention(q_seq, k.view(), v.view(), shape); // [n, q_dim]
+                expected.extend(out.iter().copied());
+                first += n;
+            }
+            for isa in Isa::available() {
+                let mut out = vec![f32::NAN; rows.len() * q_dim];
+                batch_attention(isa, &pool, 1, &rows, &q, shape, &mut out);
+                assert_rel_close(&format!("{isa:?}"), &out, &expected, 1e-5);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
