@@ -70,26 +70,30 @@ pub unsafe fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [
 }
 
 // ANCHOR: micro_kernel
-/// `c[r][j] = Σ_k a[k][r] · b[k][j]`: a 6 × 16 output tile held in 12 registers; per `k`, two
-/// weight loads, six broadcasts and twelve fused multiply-adds.
-/// `a`: [in][MR] (tokens), `b`: [in][NR] (a weight panel), `c`: [MR][NR].
+/// `c[r][j] = Σ_k x[r][k] · b[k][j]`: an M × 16 output tile (M ≤ 6) held in 2·M registers; per
+/// `k`, two weight loads, M broadcasts (one from each token row) and 2·M fused multiply-adds.
+/// `x`: [M, in] row-major (the tokens), `b`: [in][NR] (a weight panel), `c`: [MR][NR], of which
+/// rows `0..M` are written.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `a.len() / MR == b.len() / NR` and `c.len() == MR * NR`.
+/// The CPU must support AVX2 and FMA; `x.len() == M * b.len() / NR`, `M <= MR`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn tile_matmul<W: WeightElement>(a: &[f32], b: &[W], c: &mut [f32]) {
-    let k = a.len() / MR;
-    debug_assert_eq!(b.len(), k * NR);
-    debug_assert_eq!(c.len(), MR * NR);
-    let (a, b) = (a.as_ptr(), b.as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+pub unsafe fn tile_matmul<W: WeightElement, const M: usize>(
+    x: &[f32],
+    b: &[W],
+    c: &mut [f32; MR * NR],
+) {
+    let k = b.len() / NR;
+    debug_assert!(M <= MR && x.len() == M * k);
+    let (x, b) = (x.as_ptr(), b.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
     unsafe {
         for kk in 0..k {
             let (b_lo, b_hi) = W::load16(b.add(kk * NR));
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                let a_r = _mm256_broadcast_ss(&*a.add(kk * MR + r));
-                acc_r[0] = _mm256_fmadd_ps(a_r, b_lo, acc_r[0]);
-                acc_r[1] = _mm256_fmadd_ps(a_r, b_hi, acc_r[1]);
+                let x_rk = _mm256_broadcast_ss(&*x.add(r * k + kk));
+                acc_r[0] = _mm256_fmadd_ps(x_rk, b_lo, acc_r[0]);
+                acc_r[1] = _mm256_fmadd_ps(x_rk, b_hi, acc_r[1]);
             }
         }
         for (r, acc_r) in acc.iter().enumerate() {

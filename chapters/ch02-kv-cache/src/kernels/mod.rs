@@ -24,8 +24,6 @@ mod packed;
 mod portable;
 pub mod vector;
 
-use std::cell::RefCell;
-
 use rayon::prelude::*;
 
 pub use packed::{NR, PackedWeight, WeightElement};
@@ -114,54 +112,31 @@ pub fn matmul<W: WeightElement>(
     }
     let tiles = tokens.div_ceil(MR);
     let out = SharedOut(y.as_mut_ptr());
-    with_buffer(|a| {
-        pack_tokens(x, tokens, k, a); // [tiles][k][MR], zero rows past `tokens`
-        let per_task = panels_per_task(w.num_panels());
-        let tasks = w.num_panels().div_ceil(per_task);
-        (0..tasks).into_par_iter().for_each(|task| {
-            let panels = task * per_task..((task + 1) * per_task).min(w.num_panels());
-            // One weight panel at a time, so it stays in cache while every token tile uses it.
-            for p in panels {
-                let b = w.panel(p); // [k][NR]
-                let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
-                for tile in 0..tiles {
-                    let a_tile = &a[tile * k * MR..][..k * MR]; // [k][MR]
-                    let mut c = [0.0f32; MR * NR]; // [MR][NR]
-                    match isa {
-                        Isa::Portable => portable::tile_matmul(a_tile, b, &mut c),
-                        // SAFETY: only constructed when the CPU has AVX2 and FMA.
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2Fma => unsafe { avx2::tile_matmul(a_tile, b, &mut c) },
-                    }
-                    let rows = tile * MR..((tile + 1) * MR).min(tokens); // the last tile too
-                    for (r, c_row) in rows.zip(c.chunks_exact(NR)) {
-                        // SAFETY: `y` is [tokens, n] and outlives the parallel loop; element
-                        // (r, cols) belongs to panel p and tile r / MR, which only this
-                        // iteration of this task writes.
-                        let y_row = unsafe { out.slice(r * n + cols.start, cols.len()) };
-                        y_row.copy_from_slice(&c_row[..cols.len()]);
-                    }
+    let per_task = panels_per_task(w.num_panels());
+    let tasks = w.num_panels().div_ceil(per_task);
+    (0..tasks).into_par_iter().for_each(|task| {
+        let panels = task * per_task..((task + 1) * per_task).min(w.num_panels());
+        // One weight panel at a time, so it stays in cache while every token tile uses it.
+        for p in panels {
+            let b = w.panel(p); // [k][NR]
+            let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
+            for tile in 0..tiles {
+                let rows = tile * MR..((tile + 1) * MR).min(tokens); // so may the last tile
+                let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
+                let mut c = [0.0f32; MR * NR]; // [MR][NR]
+                tile_matmul(isa, rows.len(), x_tile, b, &mut c);
+                for (r, c_row) in rows.zip(c.chunks_exact(NR)) {
+                    // SAFETY: `y` is [tokens, n] and outlives the parallel loop; element
+                    // (r, cols) belongs to panel p and tile r / MR, which only this
+                    // iteration of this task writes.
+                    let y_row = unsafe { out.slice(r * n + cols.start, cols.len()) };
+                    y_row.copy_from_slice(&c_row[..cols.len()]);
                 }
             }
-        });
+        }
     });
 }
 // ANCHOR_END: matmul
-
-thread_local! {
-    /// The calling thread's packed tokens, kept between calls: a fresh multi-megabyte buffer
-    /// would come from the kernel as zeroed pages on every prefill.
-    static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Runs `f` with this thread's packing buffer, or with a fresh one if it is in use (a matmul
-/// started by a task that this thread runs while it waits inside another matmul).
-fn with_buffer(f: impl FnOnce(&mut Vec<f32>)) {
-    PACKED.with(|buffer| match buffer.try_borrow_mut() {
-        Ok(mut buffer) => f(&mut buffer),
-        Err(_) => f(&mut Vec::new()),
-    })
-}
 
 /// The output of a [`matmul`], written by many tasks at once, each to its own elements.
 #[derive(Clone, Copy)]
@@ -180,28 +155,38 @@ impl SharedOut {
     }
 }
 
-/// `x` [tokens, k] row-major → `a` = `[tiles][k][MR]`: for each tile of [`MR`] tokens, the MR
-/// values of feature `k` adjacent (the micro-kernel broadcasts them one by one). Missing tokens
-/// are zero.
-fn pack_tokens(x: &[f32], tokens: usize, k: usize, a: &mut Vec<f32>) {
-    let tiles = tokens.div_ceil(MR);
-    a.resize(tiles * k * MR, 0.0); // every element is written below
-    if k == 0 {
-        return; // nothing to pack: every output is the empty sum
+/// The micro-kernel for an `m`-token tile (`1 <= m <= MR`): `x_tile` [m, k], `b` [k][NR] →
+/// rows `0..m` of `c` [MR][NR]. One compiled kernel per tile height, so that the accumulators
+/// stay in registers and a partial last tile does no work for missing tokens.
+fn tile_matmul<W: WeightElement>(
+    isa: Isa,
+    m: usize,
+    x_tile: &[f32],
+    b: &[W],
+    c: &mut [f32; MR * NR],
+) {
+    macro_rules! with_height {
+        ($($kernel:ident)::+) => {
+            match m {
+                1 => $($kernel)::+::<W, 1>(x_tile, b, c),
+                2 => $($kernel)::+::<W, 2>(x_tile, b, c),
+                3 => $($kernel)::+::<W, 3>(x_tile, b, c),
+                4 => $($kernel)::+::<W, 4>(x_tile, b, c),
+                5 => $($kernel)::+::<W, 5>(x_tile, b, c),
+                6 => $($kernel)::+::<W, 6>(x_tile, b, c),
+                _ => unreachable!("tiles hold 1 to MR = 6 tokens"),
+            }
+        };
     }
-    for (t, row) in x.chunks_exact(k).enumerate() {
-        let tile = &mut a[(t / MR) * k * MR..][..k * MR];
-        for (kk, &v) in row.iter().enumerate() {
-            tile[kk * MR + t % MR] = v;
-        }
-    }
-    for t in tokens..tiles * MR {
-        let tile = &mut a[(t / MR) * k * MR..][..k * MR];
-        for kk in 0..k {
-            tile[kk * MR + t % MR] = 0.0; // the last tile's missing tokens
-        }
+    match isa {
+        Isa::Portable => with_height!(portable::tile_matmul),
+        // SAFETY: `Isa::Avx2Fma` is only constructed when the CPU has AVX2 and FMA; the caller
+        // passes `m` rows of `k` values and a panel of `k` rows.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { with_height!(avx2::tile_matmul) },
     }
 }
+
 /// `y = x Wᵀ` for any number of tokens, choosing the kernel: [`matvec`] for one, [`matmul`] for
 /// more. `x`: [tokens, in], `y`: [tokens, out].
 pub fn linear<W: WeightElement>(

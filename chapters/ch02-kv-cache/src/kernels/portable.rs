@@ -14,18 +14,20 @@ pub fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR
     *out = acc;
 }
 
-/// `c[r][j] = Σ_k a[k][r] · b[k][j]`. `a`: [in][MR] (tokens), `b`: [in][NR] (a weight panel),
-/// `c`: [MR][NR].
-pub fn tile_matmul<W: WeightElement>(a: &[f32], b: &[W], c: &mut [f32]) {
-    let mut acc = [[0.0f32; NR]; MR];
-    for (a_k, b_k) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+/// `c[r][j] = Σ_k x[r][k] · b[k][j]` for the `M <= MR` token rows of `x` [M, in] (row-major),
+/// `b`: [in][NR] (a weight panel); rows `M..MR` of `c` [MR][NR] are left as they are.
+pub fn tile_matmul<W: WeightElement, const M: usize>(x: &[f32], b: &[W], c: &mut [f32; MR * NR]) {
+    let k = b.len() / NR;
+    let mut acc = [[0.0f32; NR]; M];
+    for (kk, b_k) in b.chunks_exact(NR).enumerate() {
         let mut b_f32 = [0.0f32; NR];
         for j in 0..NR {
             b_f32[j] = b_k[W::slot(j)].to_f32();
         }
-        for r in 0..MR {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let x_rk = x[r * k + kk];
             for j in 0..NR {
-                acc[r][j] += a_k[r] * b_f32[j];
+                acc_r[j] += x_rk * b_f32[j];
             }
         }
     }
