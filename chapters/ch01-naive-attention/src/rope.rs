@@ -67,11 +67,11 @@ impl Rope {
     pub fn rotate(&self, x: &mut [f32], pos: usize) {
         let head_dim = self.head_dim();
         let half = head_dim / 2;
-        for head in x.chunks_exact_mut(head_dim) {
-            for (i, &freq) in self.inv_freq.iter().enumerate() {
-                // Like transformers: the angle in f32, then cos/sin.
-                let angle = (pos as f32) * (freq as f32);
-                let (sin, cos) = angle.sin_cos();
+        for (i, &freq) in self.inv_freq.iter().enumerate() {
+            // Like transformers: the angle in f32, then cos/sin (the same for every head).
+            let angle = (pos as f32) * (freq as f32);
+            let (sin, cos) = angle.sin_cos();
+            for head in x.chunks_exact_mut(head_dim) {
                 let (a, b) = (head[i], head[i + half]);
                 head[i] = a * cos - b * sin;
                 head[i + half] = b * cos + a * sin;

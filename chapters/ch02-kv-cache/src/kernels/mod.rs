@@ -116,6 +116,7 @@ pub fn matmul<W: WeightElement>(
     let tasks = w.num_panels().div_ceil(per_task);
     (0..tasks).into_par_iter().for_each(|task| {
         let panels = task * per_task..((task + 1) * per_task).min(w.num_panels());
+        let mut c = [0.0f32; MR * NR]; // [MR][NR] one tile's outputs
         // One weight panel at a time, so it stays in cache while every token tile uses it.
         for p in panels {
             let b = w.panel(p); // [k][NR]
@@ -123,7 +124,6 @@ pub fn matmul<W: WeightElement>(
             for tile in 0..tiles {
                 let rows = tile * MR..((tile + 1) * MR).min(tokens); // so may the last tile
                 let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
-                let mut c = [0.0f32; MR * NR]; // [MR][NR]
                 tile_matmul(isa, rows.len(), x_tile, b, &mut c);
                 for (r, c_row) in rows.zip(c.chunks_exact(NR)) {
                     // SAFETY: `y` is [tokens, n] and outlives the parallel loop; element
