@@ -1,12 +1,12 @@
-//! A whole step's attention in one parallel pass: every (query row, KV head) pair of the batch is
-//! one task, whichever sequence the row belongs to.
+//! A whole step's attention in one parallel pass: every query row of the batch is one task,
+//! whichever sequence it belongs to.
 //!
 //! ```text
 //! q [n, num_heads · d]   every row of the step, flattened (prefill chunks and decodes alike)
-//! task (row r, KV head g), G = num_heads / num_kv_heads query heads share that K/V (GQA):
+//! task r, for every head h (KV head h / G, G = num_heads / num_kv_heads, GQA):
 //!     s[h][j]   = q[r]_h · k_j / √d      j = 0 ..= pos(r), block by block through r's table
 //!     p[h]      = softmax(s[h])
-//!     out[r]_h  = Σ_j p[h][j] · v_j       for the G heads h of group g
+//!     out[r]_h  = Σ_j p[h][j] · v_j
 //! ```
 //! Against chapter 3's [`KvPool::attend`], called once per sequence with the heads in parallel,
 //! three things change, none of them the arithmetic:
@@ -14,9 +14,10 @@
 //!   decodes that is 30 hand-offs between threads per step instead of 960, and the tasks of
 //!   long and short sequences balance across the threads;
 //! - **a block at a time**: the slots of one block are consecutive, so the slot mapping is one
-//!   table lookup per block instead of a division per position;
-//! - **a KV head's group together**: each key and value row is read once for its G query heads,
-//!   not G times; and the softmax uses the vectorised [`exp`](ch02::kernels::vector::exp).
+//!   table lookup per block instead of a division per position, and a task reads each
+//!   position's K (then V) row, every head of it, as one contiguous run;
+//! - **a vectorised softmax**: [`exp`](ch02::kernels::vector::exp) instead of a library call per
+//!   score.
 
 use ch01::attention::AttentionShape;
 use ch02::kernels::Isa;

@@ -6,7 +6,7 @@
 //! seq C: decode         token  c3         position  3          ┘
 //! every projection:  [4, in] · Wᵀ   — the weights are read once for the whole batch
 //! attention:         every row against its own sequence's blocks (block table), in one
-//!                    parallel pass over (row, KV head) for the whole batch
+//!                    parallel pass over the rows of the whole batch
 //! logits:            only for rows that end a prompt or decode a token
 //! ```
 //! No padding: each token carries its own position and KV slot (the slot mapping).

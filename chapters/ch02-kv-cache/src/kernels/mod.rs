@@ -10,9 +10,10 @@
 //!   half the bytes, are widened to f32 in registers (exact: `f32::from_bits((bits as u32) << 16)`).
 //! - **prefill** ([`matmul`], many tokens, compute-bound): a register-blocked micro-kernel keeps an
 //!   [`MR`] × [`NR`] = 6 × 16 tile of outputs in 12 vector registers and, for every `k`, loads 16
-//!   weights once and uses each for 6 tokens. The tokens are packed first (`[tile][k][MR]`) so the
-//!   micro-kernel reads both operands contiguously; threads split the panels, so every weight is
-//!   read from memory once per call.
+//!   weights once and uses each for 6 tokens, broadcast from the token rows of `x` where they lie
+//!   (six sequential streams, nothing packed). A last tile of fewer tokens runs a kernel compiled
+//!   for its height. Threads split the panels, so every weight is read from memory once per call,
+//!   and each tile is written straight into its place in `y`.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time), and [`Isa::Portable`], plain Rust that any
