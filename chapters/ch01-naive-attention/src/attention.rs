@@ -84,3 +84,15 @@ pub fn softmax_in_place(row: &mut [f32]) {
     }
 }
 // ANCHOR_END: softmax
+
+/// `ln Σ exp(row[i])`, the log of softmax's denominator, in f64 so that the sum over a whole
+/// vocabulary does not lose its small terms: `log_softmax(row)[i] = row[i] − log_sum_exp(row)`.
+/// Stable like [`softmax_in_place`]: the maximum is taken out before exponentiating.
+pub fn log_sum_exp(row: &[f32]) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    max + row
+        .iter()
+        .map(|&l| (l as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+}

@@ -6,6 +6,7 @@
 //! `ctx/2 .. ctx-1` predicting the next token — so every scored token has at least `ctx/2`
 //! tokens of context. Perplexity is `exp(mean negative log-likelihood)` over all scored tokens.
 
+use crate::attention::log_sum_exp;
 use crate::error::{Error, Result};
 use crate::model::Llama;
 
@@ -54,14 +55,10 @@ pub fn perplexity(
         let logits = model.forward(&input)?; // [ctx, vocab]
         for j in first..ctx - 1 {
             let row = logits.row(j);
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let log_sum_exp = max
-                + row
-                    .iter()
-                    .map(|&l| (l as f64 - max).exp())
-                    .sum::<f64>()
-                    .ln();
-            nll_sum += log_sum_exp - row[chunk[j + 1] as usize] as f64;
+            let row = row
+                .as_slice()
+                .expect("rows of a fresh array are contiguous");
+            nll_sum += log_sum_exp(row) - row[chunk[j + 1] as usize] as f64;
             scored += 1;
         }
         per_chunk.push((nll_sum / scored as f64).exp());

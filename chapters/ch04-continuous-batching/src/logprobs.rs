@@ -6,6 +6,8 @@
 
 use std::cmp::Ordering;
 
+use ch01::attention::log_sum_exp;
+
 /// The sampled token's log-probability and the `top` most likely tokens' (best first; ties in
 /// token order). Invariant: every logprob is `<= 0`, and `top` is sorted by descending logprob.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,11 +21,7 @@ impl TokenLogprobs {
     /// From one row of logits `[vocab]`, the token sampled from it, and how many alternatives
     /// to list (clamped to the vocabulary). A `-inf` logit has logprob `-inf`.
     pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // log Σ exp(l) = max + log Σ exp(l − max), in f64 so the sum over the vocabulary does
-        // not lose the small terms.
-        let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-        let log_z = max as f64 + sum.ln();
+        let log_z = log_sum_exp(logits);
         let logprob = |l: f32| (l as f64 - log_z) as f32;
 
         let mut ids: Vec<u32> = (0..logits.len() as u32).collect();

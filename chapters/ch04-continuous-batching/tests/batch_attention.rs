@@ -9,6 +9,7 @@ use ch01::LlamaConfig;
 use ch01::attention::{AttentionShape, causal_attention};
 use ch01::testing::{assert_rel_close, seeded_runner};
 use ch02::kernels::Isa;
+use ch02::workload::WorkloadRng;
 use ch03::{BlockManager, KvPool};
 use ch04_continuous_batching::attention::{QueryRow, batch_attention};
 use ndarray::{Array2, ArrayView2};
@@ -50,22 +51,18 @@ fn config(shape: AttentionShape) -> LlamaConfig {
     LlamaConfig::from_json(&json, Path::new("test/config.json")).unwrap()
 }
 
-/// Deterministic values in [−2, 2) from a seed (a small LCG: enough for test data).
-fn values(seed: &mut u64, len: usize) -> Vec<f32> {
+/// `len` values in (−2, 2] from chapter 2's seeded generator.
+fn values(rng: &mut WorkloadRng, len: usize) -> Vec<f32> {
     (0..len)
-        .map(|_| {
-            *seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
+        .map(|_| rng.uniform_open0() as f32 * 4.0 - 2.0)
         .collect()
 }
 
 #[test]
 fn batch_attention_equals_naive_attention_per_sequence() {
     seeded_runner(64, 41)
-        .run(&case(), |(shape, block_size, seqs, earlier, mut seed)| {
+        .run(&case(), |(shape, block_size, seqs, earlier, seed)| {
+            let mut rng = WorkloadRng::new(seed);
             let (q_dim, kv_dim) = (
                 shape.num_heads * shape.head_dim,
                 shape.num_kv_heads * shape.head_dim,
@@ -91,13 +88,13 @@ fn batch_attention_equals_naive_attention_per_sequence() {
             let mut kv = Vec::new();
             for (&(len, _), table) in seqs.iter().zip(&tables) {
                 let k =
-                    Array2::from_shape_vec((len, kv_dim), values(&mut seed, len * kv_dim)).unwrap();
+                    Array2::from_shape_vec((len, kv_dim), values(&mut rng, len * kv_dim)).unwrap();
                 let v =
-                    Array2::from_shape_vec((len, kv_dim), values(&mut seed, len * kv_dim)).unwrap();
+                    Array2::from_shape_vec((len, kv_dim), values(&mut rng, len * kv_dim)).unwrap();
                 for pos in 0..len {
                     let slot = table.slot(pos);
                     pool.write(1, slot, k.row(pos), v.row(pos));
-                    let noise = values(&mut seed, kv_dim);
+                    let noise = values(&mut rng, kv_dim);
                     let noise = ArrayView2::from_shape((1, kv_dim), &noise).unwrap();
                     pool.write(0, slot, noise.row(0), noise.row(0));
                 }
@@ -109,7 +106,7 @@ fn batch_attention_equals_naive_attention_per_sequence() {
             for (&(len, n), table) in seqs.iter().zip(&tables) {
                 rows.extend((len - n..len).map(|pos| QueryRow { table, pos }));
             }
-            let q = values(&mut seed, rows.len() * q_dim);
+            let q = values(&mut rng, rows.len() * q_dim);
             let mut expected = Vec::new();
             let mut first = 0;
             for (&(_, n), (k, v)) in seqs.iter().zip(&kv) {

@@ -1,10 +1,10 @@
 //! The engine's logprobs are the model's own: `log_softmax` of chapter 1's logits at each
 //! generated position, whatever else shares the step.
 
+use ch01::attention::log_sum_exp;
 use ch01::{Llama, fixtures_dir};
 use ch03::{KvPool, PagedKv};
 use ch04_continuous_batching::{Engine, EngineConfig, Request};
-use ndarray::Array1;
 
 #[test]
 fn reported_logprobs_match_a_log_softmax_of_the_reference_logits() {
@@ -40,15 +40,9 @@ fn reported_logprobs_match_a_log_softmax_of_the_reference_logits() {
     let mut tokens = prompt;
     for lp in &reported {
         let logits = model.forward(&tokens).unwrap(); // [T, vocab], chapter 1's recompute
-        let last: Array1<f32> = logits.row(tokens.len() - 1).to_owned();
-        let max = last.fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
-        let log_z = max
-            + last
-                .iter()
-                .map(|&l| (l as f64 - max).exp())
-                .sum::<f64>()
-                .ln();
-        let expected = last[lp.token as usize] as f64 - log_z;
+        let last = logits.row(tokens.len() - 1);
+        let last = last.as_slice().unwrap(); // [vocab]
+        let expected = last[lp.token as usize] as f64 - log_sum_exp(last);
         assert!(
             (lp.logprob as f64 - expected).abs() < 1e-4,
             "{lp:?} vs {expected}"

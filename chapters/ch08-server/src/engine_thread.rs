@@ -134,7 +134,7 @@ impl EngineThread {
                     }
                 }))
             })
-            .expect("spawning the engine thread");
+            .map_err(|e| EngineError::Config(format!("could not start the engine thread: {e}")))?;
         // The engine checks its configuration as it starts: report that to the caller.
         let max_request_tokens = match start.recv() {
             Ok(Ok(tokens)) => tokens,

@@ -1203,10 +1203,7 @@ async fn a_request_over_the_whole_token_limit_gets_429_without_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_refuses_with_429_and_frees_its_place_after() {
     let mut setup = Setup::default();
-    setup.config.engine = EngineConfig {
-        max_num_seqs: 1,
-        ..EngineConfig::default()
-    };
+    setup.config.engine.max_num_seqs = 1;
     setup.config.max_queue = Some(0);
     let server = start(setup).await;
     let long = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": true,
@@ -1483,10 +1480,7 @@ async fn a_client_that_disconnects_mid_stream_frees_everything() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_concurrent_streams_all_finish_and_the_counters_add_up() {
     let mut setup = Setup::default();
-    setup.config.engine = EngineConfig {
-        max_num_seqs: 16,
-        ..EngineConfig::default()
-    };
+    setup.config.engine.max_num_seqs = 16;
     // 36 blocks: one request of 512 fits (35 above the watermark), 16 of ~50 tokens do not.
     setup.kv_blocks = 36;
     let server = Arc::new(start(setup).await);

@@ -128,14 +128,13 @@ pub async fn serve_generation<S: Shape>(job: Job<S>) -> Result<Response, ApiErro
 /// however it ends: both functions below own it until then.
 async fn collect_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Result<Response, ApiError> {
     let _admitted = admitted;
-    let state = job.state.clone();
     let mut deltas: Vec<Vec<Delta>> = vec![Vec::new(); job.planned.requests.len()];
     let usage = driver::generate(
-        &state,
+        &job.state,
         job.started,
         job.planned,
         &job.generation,
-        job.echo.clone(),
+        job.echo,
         std::future::pending(),
         |delta| {
             deltas[delta.choice].push(delta);
@@ -151,17 +150,16 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
     let (events, receiver) = mpsc::unbounded_channel::<SseEvent>();
     tokio::spawn(async move {
         let _admitted = admitted;
-        let state = job.state.clone();
         let json = |value: serde_json::Value| SseEvent::default().data(value.to_string());
         for chunk in job.shape.opening_chunks(job.planned.requests.len()) {
             let _ = events.send(json(chunk));
         }
         let result = driver::generate(
-            &state,
+            &job.state,
             job.started,
             job.planned,
             &job.generation,
-            job.echo.clone(),
+            job.echo,
             events.closed(),
             |delta| events.send(json(job.shape.chunk(&delta))).is_ok(),
         )
