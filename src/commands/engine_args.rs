@@ -1,9 +1,12 @@
 //! The serving flags, named as vLLM names them: the paged KV cache (chapter 3) and the engine's
-//! scheduler (chapter 4). `kiln generate --prompts-file` uses them; chapter 8's server will too.
+//! scheduler (chapter 4). `kiln generate --prompts-file` and `kiln serve` use them.
 
-use ch04::{EngineConfig, Preemption};
+use anyhow::bail;
+use ch03::KvDtype;
+use ch04::{CacheConfig, EngineConfig, Preemption};
 
-/// Chapter 3's paged KV cache, sized as vLLM's `--kv-cache-memory` and `--block-size`.
+/// Chapter 3's paged KV cache, sized as vLLM's `--kv-cache-memory`, `--block-size` and
+/// `--kv-cache-dtype`.
 #[derive(clap::Args, Debug)]
 pub struct KvArgs {
     /// Memory for the paged KV cache, e.g. 512MiB, 2GiB, 1.5GB or a number of bytes.
@@ -12,30 +15,38 @@ pub struct KvArgs {
     /// Positions per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Storage of the cached keys and values: auto (the --dtype of the weights), f32, or bf16
+    /// (twice the tokens in the same memory; attention still computes in f32).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "bf16"])]
+    pub kv_cache_dtype: String,
 }
 
 impl KvArgs {
-    /// The pool, logged as a server logs it: bytes, blocks, and how many tokens they hold.
-    pub fn pool(
-        &self,
-        config: &ch01::LlamaConfig,
-        enable_prefix_caching: bool,
-    ) -> anyhow::Result<ch03::PagedKv> {
-        let kv = ch03::PagedKv::with_budget(
-            config,
-            self.block_size,
-            self.kv_cache_memory,
-            enable_prefix_caching,
-        )?;
+    /// The KV memory, logged as a server logs it: bytes, blocks, and how many tokens they hold.
+    /// `weights`: the `--dtype` of the weights, which `auto` follows.
+    pub fn cache(&self, config: &ch01::LlamaConfig, weights: &str) -> anyhow::Result<CacheConfig> {
+        let dtype: KvDtype = match self.kv_cache_dtype.as_str() {
+            "auto" => weights,
+            other => other,
+        }
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+        if self.block_size == 0 {
+            bail!("--block-size must be at least 1");
+        }
+        let token_bytes = ch02::workload::bytes_per_token(config, dtype.size());
+        let blocks = self.kv_cache_memory / (token_bytes * self.block_size as u64);
         eprintln!(
-            "kiln: KV cache {:.1} MiB = {} blocks of {} tokens = {} tokens ({} bytes per token)",
+            "kiln: KV cache {:.1} MiB of {dtype} = {blocks} blocks of {} tokens = {} tokens ({token_bytes} bytes per token)",
             self.kv_cache_memory as f64 / (1u64 << 20) as f64,
-            kv.pool.num_blocks(),
             self.block_size,
-            kv.pool.token_capacity(),
-            ch03::KvPool::bytes_per_block(config, 1),
+            blocks * self.block_size as u64,
         );
-        Ok(kv)
+        Ok(CacheConfig {
+            memory: self.kv_cache_memory,
+            block_size: self.block_size,
+            dtype,
+        })
     }
 }
 
@@ -78,6 +89,7 @@ impl EngineArgs {
                 PreemptionMode::Recompute => Preemption::Recompute,
                 PreemptionMode::Swap => Preemption::Swap,
             },
+            enable_prefix_caching: self.enable_prefix_caching,
             ..EngineConfig::default()
         }
     }

@@ -3,13 +3,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
-use ch01::stop::{StopStatus, StopStrings};
-use ch01::{FinishReason, GenerateOptions, SamplingParams, TextStream};
-use ch04::{Engine, Request, RequestId, StepTrace};
+use ch01::{FinishReason, GenerateOptions, OutputText, SamplingParams};
+use ch03::{KvDtype, PagedKv};
+use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
 use super::engine_args::{EngineArgs, KvArgs, PreemptionMode};
 use super::{LoadedModel, ModelArgs};
@@ -133,13 +134,21 @@ fn run_one(
     let mut paged = None;
     if !(args.recompute || args.contiguous) {
         let config = &loaded.model.config;
-        let kv = args.kv.pool(config, false)?;
-        let needed = (prompt_tokens.len() + args.max_tokens).min(config.max_position_embeddings);
-        if needed > kv.pool.token_capacity() {
+        let cache = args.kv.cache(config, &args.model.dtype)?;
+        if cache.dtype != KvDtype::F32 {
             anyhow::bail!(
-                "the KV cache holds {} tokens, but the prompt ({}) plus --max-tokens ({}) needs {needed}: \
-                 raise --kv-cache-memory",
-                kv.pool.token_capacity(),
+                "one prompt runs on chapter 3's f32 cache: --kv-cache-dtype {} needs chapter 4's \
+                 engine (--prompts-file)",
+                cache.dtype
+            );
+        }
+        let kv = PagedKv::with_budget(config, cache.block_size, cache.memory, false)?;
+        let capacity = kv.pool().token_capacity();
+        let needed = (prompt_tokens.len() + args.max_tokens).min(config.max_position_embeddings);
+        if needed > capacity {
+            anyhow::bail!(
+                "the KV cache holds {capacity} tokens, but the prompt ({}) plus --max-tokens ({}) \
+                 needs {needed}: raise --kv-cache-memory",
                 prompt_tokens.len(),
                 args.max_tokens
             );
@@ -202,41 +211,6 @@ fn run_one(
     Ok(())
 }
 
-/// One completion of `--prompts-file`: its text as the single-prompt path streams it
-/// (incremental detokenisation, then the stop strings).
-struct Completion<'t> {
-    prompt: String,
-    stream: TextStream<'t>,
-    stops: StopStrings,
-    /// A stop string matched: the request was aborted and its text ends before the match.
-    stopped: bool,
-    finished: bool,
-}
-
-impl Completion<'_> {
-    /// Adds a generated token; true if it completed a stop string.
-    fn push(&mut self, token: u32) -> anyhow::Result<bool> {
-        if let Some(delta) = self.stream.push(token)?
-            && let StopStatus::Stopped(_) = self.stops.push(&delta)
-        {
-            self.stopped = true;
-        }
-        Ok(self.stopped)
-    }
-
-    /// The whole text: what the stream held back is released unless a stop string ended it.
-    fn finish(&mut self) -> anyhow::Result<()> {
-        if !self.stopped
-            && let Some(delta) = self.stream.finish()?
-            && let StopStatus::Stopped(_) = self.stops.push(&delta)
-        {
-            self.stopped = true;
-        }
-        self.finished = true;
-        Ok(())
-    }
-}
-
 /// The prompts of a `--prompts-file`: one per line, empty lines skipped.
 fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
     let text = std::fs::read_to_string(path)
@@ -263,10 +237,8 @@ fn run_many(
     options: &GenerateOptions,
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
-    let kv = args
-        .kv
-        .pool(&model.config, args.engine.enable_prefix_caching)?;
-    let mut engine = Engine::new(model, kv, args.engine.config())?;
+    let cache = args.kv.cache(&model.config, &args.model.dtype)?;
+    let mut engine = Engine::boxed(ch04::cpu_executor(model, &cache)?, args.engine.config())?;
     let tokenized = prompts
         .iter()
         .enumerate()
@@ -284,28 +256,15 @@ fn run_many(
         args.engine.describe()
     );
 
-    if !args.engine.enable_chunked_prefill {
-        // Else a request could wait forever: a prompt runs in one step, and so does a prompt plus
-        // its output so far when preemption by recomputation readmits it.
-        let rerun = match args.engine.preemption_mode {
-            PreemptionMode::Recompute => options.max_tokens.saturating_sub(1),
-            PreemptionMode::Swap => 0,
-        };
-        let longest = tokenized.iter().map(Vec::len).max().unwrap_or(0) + rerun;
-        let longest = longest.min(model.config.max_position_embeddings);
-        if longest > args.engine.max_num_batched_tokens {
-            anyhow::bail!(
-                "without chunked prefill one step must hold a whole prompt (plus, when preemption \
-                 recomputes, its output so far): up to {longest} tokens here, but \
-                 --max-num-batched-tokens is {}",
-                args.engine.max_num_batched_tokens
-            );
-        }
-    }
-
     let start = Instant::now();
-    let mut completions = Vec::with_capacity(prompts.len());
-    let mut index: BTreeMap<RequestId, usize> = BTreeMap::new();
+    let mut client = Prompts {
+        texts: Vec::with_capacity(prompts.len()),
+        index: BTreeMap::new(),
+        recomputing: BTreeSet::new(),
+        trace: args.trace,
+        recompute: args.engine.preemption_mode == PreemptionMode::Recompute,
+        error: None,
+    };
     for ((i, prompt), tokens) in prompts.iter().enumerate().zip(tokenized) {
         let context = || format!("prompt {i} ({prompt:?})");
         let request = Request {
@@ -320,64 +279,33 @@ fn run_many(
             priority: 0,
             logprobs: None,
         };
-        let id = engine
-            .add_request(request)
-            .with_context(context)
-            .context("raise --kv-cache-memory or lower --max-tokens if the cache is too small")?;
-        index.insert(id, i);
-        completions.push(Completion {
-            prompt: prompt.clone(),
-            stream: TextStream::new(tokenizer),
-            stops: StopStrings::new(options.stop.clone()),
-            stopped: false,
-            finished: false,
-        });
+        let id = engine.add_request(request).with_context(context).context(
+            "raise --kv-cache-memory or lower --max-tokens if the cache is too small; \
+             raise --max-num-batched-tokens if a step must hold more",
+        )?;
+        client.index.insert(id, i);
+        client
+            .texts
+            .push(OutputText::new(tokenizer, options.stop.clone()));
     }
-
-    // Requests preempted by recomputation: their next prompt-sized runs recompute K/V.
-    let mut recomputing = BTreeSet::new();
-    while engine.has_unfinished() {
-        let outputs = engine.step_or_stall()?;
-        if args.engine.preemption_mode == PreemptionMode::Recompute {
-            recomputing.extend(engine.last_step().preempted.iter().copied());
-        }
-        if args.trace {
-            let sampled: Vec<RequestId> = outputs.iter().map(|o| o.id).collect();
-            eprintln!("{}", trace_line(&engine, &sampled, &recomputing));
-        }
-        for output in outputs {
-            let completion = &mut completions[index[&output.id]];
-            let mut tokens = output.new_tokens;
-            if output.finished == Some(ch04::FinishReason::Stop) {
-                tokens.pop(); // the stop token (EOS) is not text
-            }
-            for token in tokens {
-                if completion.push(token)? {
-                    engine.abort(output.id);
-                    break;
-                }
-            }
-            if output.finished.is_some() || completion.stopped {
-                completion.finish()?;
-                engine.take(output.id);
-            }
-        }
+    ch04::drive(&mut engine, &mut client)?;
+    if let Some(error) = client.error {
+        return Err(error);
     }
     let wall = start.elapsed().as_secs_f64();
-    debug_assert!(completions.iter().all(|c| c.finished));
 
     let mut stdout = std::io::stdout().lock();
-    for (i, completion) in completions.iter().enumerate() {
-        writeln!(stdout, "=== [{i}] {}", completion.prompt)?;
-        writeln!(stdout, "{}", completion.stops.text())?;
+    for (i, (prompt, text)) in prompts.iter().zip(&client.texts).enumerate() {
+        writeln!(stdout, "=== [{i}] {prompt}")?;
+        writeln!(stdout, "{}", text.text())?;
     }
     stdout.flush()?;
 
-    let counters = engine.counters();
-    let prefix = engine.prefix_stats();
+    let counters = engine.scheduler().counters();
+    let prefix = engine.scheduler().prefix_stats();
     eprintln!(
         "requests: {} | prompt tokens: {} | generated tokens: {} | wall: {:.2} s | {:.1} output tokens/s",
-        completions.len(),
+        prompts.len(),
         counters.prompt_tokens,
         counters.generation_tokens,
         wall,
@@ -394,15 +322,77 @@ fn run_many(
     Ok(())
 }
 
+/// `--prompts-file` as chapter 4's engine loop sees it: every request was added up front; each
+/// step's tokens go through its completion's text, a stop string aborts it.
+struct Prompts<'t> {
+    /// Per prompt (line order), its completion's text.
+    texts: Vec<OutputText<'t>>,
+    /// Engine id → line.
+    index: BTreeMap<RequestId, usize>,
+    /// Requests preempted by recomputation: their next prompt-sized runs recompute K/V.
+    recomputing: BTreeSet<RequestId>,
+    trace: bool,
+    recompute: bool,
+    /// A detokenizer error: the loop stops at the next poll.
+    error: Option<anyhow::Error>,
+}
+
+impl EngineClient for Prompts<'_> {
+    fn poll(&mut self, engine: &mut Engine<'_>) -> ControlFlow<()> {
+        if self.error.is_some() || !engine.has_unfinished() {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn on_step(&mut self, engine: &mut Engine<'_>, outputs: Vec<RequestOutput>) {
+        if self.recompute {
+            let preempted = &engine.scheduler().last_step().preempted;
+            self.recomputing.extend(preempted.iter().copied());
+        }
+        if self.trace {
+            let sampled: Vec<RequestId> = outputs.iter().map(|o| o.id).collect();
+            eprintln!("{}", trace_line(engine, &sampled, &self.recomputing));
+        }
+        for output in outputs {
+            if let Err(error) = self.fold(engine, output) {
+                self.error.get_or_insert(error);
+            }
+        }
+    }
+}
+
+impl Prompts<'_> {
+    /// One request's new tokens into its text; a completed stop string aborts the request.
+    fn fold(&mut self, engine: &mut Engine<'_>, output: RequestOutput) -> anyhow::Result<()> {
+        let text = &mut self.texts[self.index[&output.id]];
+        let mut tokens = output.new_tokens;
+        if output.finished == Some(ch04::FinishReason::Stop) {
+            tokens.pop(); // the stop token (EOS) is not text
+        }
+        for token in tokens {
+            if text.push(token)?.stopped {
+                engine.abort(output.id);
+                return Ok(());
+            }
+        }
+        if output.finished.is_some() {
+            text.finish()?;
+        }
+        Ok(())
+    }
+}
+
 /// One line per engine step, e.g.
 /// `step 3: run [0] prefill 16 (chunk), [1] decode 1 | admitted [1] | preempted [2] | KV 94%, 1 waiting`.
 /// `sampled`: the requests that produced a token this step (a prompt run that did not is a chunk).
 fn trace_line(engine: &Engine, sampled: &[RequestId], recomputing: &BTreeSet<RequestId>) -> String {
+    let scheduler = engine.scheduler();
     let StepTrace {
         scheduled,
         preempted,
         admitted,
-    } = engine.last_step();
+    } = scheduler.last_step();
     let ids = |ids: &[RequestId]| {
         ids.iter()
             .map(|id| format!("[{id}]"))
@@ -428,15 +418,19 @@ fn trace_line(engine: &Engine, sampled: &[RequestId], recomputing: &BTreeSet<Req
             format!("[{id}] {kind} {n}{chunk}")
         })
         .collect();
-    let mut line = format!("step {}: run {}", engine.counters().steps, runs.join(", "));
+    let mut line = format!(
+        "step {}: run {}",
+        scheduler.counters().steps,
+        runs.join(", ")
+    );
     if !admitted.is_empty() {
         line += &format!(" | admitted {}", ids(admitted));
     }
     if !preempted.is_empty() {
         line += &format!(" | preempted {}", ids(preempted));
     }
-    let (waiting, _, swapped) = engine.queue_lengths();
-    line += &format!(" | KV {:.0}%", engine.kv_usage() * 100.0);
+    let (waiting, _, swapped) = scheduler.queue_lengths();
+    line += &format!(" | KV {:.0}%", scheduler.kv_usage() * 100.0);
     if waiting > 0 {
         line += &format!(", {waiting} waiting");
     }

@@ -72,9 +72,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
             .unwrap_or_else(|| "kiln".into())
     });
     let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
-    let kv = args
-        .kv
-        .pool(&loaded.model.config, args.engine.enable_prefix_caching)?;
+    let cache = args.kv.cache(&loaded.model.config, &args.model.dtype)?;
     anyhow::ensure!(
         args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0,
         "--shutdown-grace must be a number of seconds >= 0"
@@ -97,7 +95,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         eos_token_ids: loaded.eos_token_ids,
     };
     let engine_pool = Arc::clone(&pool);
-    let server = Server::new(served, kv, keys.clone(), config, move |f| {
+    let server = Server::new(served, cache, keys.clone(), config, move |f| {
         engine_pool.install(f)
     })?;
     eprintln!(

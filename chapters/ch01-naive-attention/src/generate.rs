@@ -15,9 +15,9 @@ use ndarray::Array1;
 
 use crate::error::{Error, Result};
 use crate::model::Llama;
+use crate::output_text::OutputText;
 use crate::sampler::{Sampler, SamplingParams};
-use crate::stop::{StopStatus, StopStrings};
-use crate::tokenizer::{TextStream, Tokenizer};
+use crate::tokenizer::Tokenizer;
 
 /// What to generate and when to stop.
 #[derive(Debug, Clone)]
@@ -112,8 +112,7 @@ pub fn generate_with<E: From<Error>>(
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation, E> {
     let mut sampler = Sampler::new(options.sampling.clone()).map_err(Error::from)?;
-    let mut stream = TextStream::new(tokenizer);
-    let mut stops = StopStrings::new(options.stop.clone());
+    let mut text = OutputText::new(tokenizer, options.stop.clone());
     let mut tokens = prompt_tokens.to_vec();
     let mut output_tokens = Vec::new();
     let (mut prompt_time, mut generation_time, mut decode_steps) =
@@ -143,30 +142,25 @@ pub fn generate_with<E: From<Error>>(
         }
         tokens.push(next);
         output_tokens.push(next);
-        if let Some(delta) = stream.push(next)? {
-            match stops.push(&delta) {
-                StopStatus::Continue(text) => on_text(&text),
-                StopStatus::Stopped(text) => {
-                    on_text(&text);
-                    finish_reason = FinishReason::Stop;
-                    break;
-                }
-            }
+        let delta = text.push(next)?;
+        on_text(&delta.text);
+        if delta.stopped {
+            finish_reason = FinishReason::Stop;
+            break;
         }
     }
-    if finish_reason == FinishReason::Length {
-        if let Some(delta) = stream.finish()?
-            && let StopStatus::Stopped(text) = stops.push(&delta)
-        {
-            on_text(&text);
+    // Ended by EOS or a length limit: release what was held back (it may complete a stop string).
+    if !text.stopped() {
+        let delta = text.finish()?;
+        on_text(&delta.text);
+        if delta.stopped {
             finish_reason = FinishReason::Stop;
         }
-        on_text(&stops.finish());
     }
 
     Ok(Generation {
         output_tokens,
-        text: stops.text().to_string(),
+        text: text.text().to_string(),
         finish_reason,
         prompt_time,
         generation_time,

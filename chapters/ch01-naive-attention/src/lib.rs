@@ -11,6 +11,7 @@
 //! | [`attention`] | causal self-attention that materialises the full score matrix: the oracle     |
 //! | [`linear`]    | the [`Linear`] seam: dense f32 here, quantized kinds in chapter 5               |
 //! | [`model`]     | the Llama forward pass: embedding → N × (RMSNorm, attention, SwiGLU) → logits   |
+//! | [`output_text`] | generated ids → text: detokenisation and stop strings, one fold for every caller |
 //! | [`sampler`]   | greedy, temperature, top-k/top-p/min-p, penalties, seeded                       |
 //! | [`generate`]  | the generation loop that recomputes the whole sequence for every token          |
 //! | [`perplexity`]| llama.cpp-style perplexity over a text                                          |
@@ -25,6 +26,7 @@ pub mod error;
 pub mod generate;
 pub mod linear;
 pub mod model;
+pub mod output_text;
 pub mod perplexity;
 pub mod rope;
 pub mod sampler;
@@ -37,6 +39,7 @@ pub use error::{Error, Result};
 pub use generate::{FinishReason, GenerateOptions, Generation, generate, generate_with};
 pub use linear::{DenseLinear, Linear};
 pub use model::Llama;
+pub use output_text::{OutputText, TextDelta};
 pub use sampler::{Sampler, SamplingParams};
 pub use tokenizer::{TextStream, Tokenizer};
 pub use weights::Weights;

@@ -14,6 +14,7 @@
 //! | [`block_table`]      | [`BlockTable`]: logical → physical blocks, the slot mapping          |
 //! | [`block_manager`]    | [`BlockManager`]: free list, reference counts, prefix cache, CoW     |
 //! | [`pool`]             | [`KvPool`]: the K/V memory, `[num_blocks, block_size, kv_heads, head_dim]` per layer |
+//! | [`kv_dtype`]         | [`KvElement`]: what the pool stores an element as (f32, bf16)         |
 //! | [`utilisation`]      | the share of allocated KV memory holding tokens, on chapter 2's workload |
 //! | [`paged_store`]      | [`PagedSequence`]: chapter 2's `KvStore` seam over blocks; [`PagedKv`], generation |
 //!
@@ -21,11 +22,13 @@
 
 pub mod block_manager;
 pub mod block_table;
+pub mod kv_dtype;
 pub mod paged_store;
 pub mod pool;
 pub mod utilisation;
 
 pub use block_manager::{BlockCopy, BlockError, BlockManager, PrefixStats};
 pub use block_table::{BlockId, BlockTable};
+pub use kv_dtype::{KvDtype, KvElement};
 pub use paged_store::{PagedKv, PagedSequence, Sequence, generate_paged};
 pub use pool::{KvPool, PoolError};

@@ -20,9 +20,12 @@ pub struct Sequence {
 }
 
 /// The KV memory of every sequence: the pool and the manager that hands out its blocks.
+///
+/// Invariant: the manager was made for this pool (same number of blocks, same block size), so
+/// every block id it hands out names a block of the pool.
 pub struct PagedKv {
-    pub pool: KvPool,
-    pub manager: BlockManager,
+    pool: KvPool,
+    manager: BlockManager,
 }
 
 impl PagedKv {
@@ -30,6 +33,14 @@ impl PagedKv {
         let manager =
             BlockManager::new(pool.num_blocks(), pool.block_size(), enable_prefix_caching);
         PagedKv { pool, manager }
+    }
+
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    pub fn manager(&self) -> &BlockManager {
+        &self.manager
     }
 
     /// A pool of `budget` bytes in blocks of `block_size` positions.

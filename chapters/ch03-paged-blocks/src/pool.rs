@@ -7,6 +7,7 @@ use ndarray::ArrayView1;
 
 use crate::block_manager::BlockCopy;
 use crate::block_table::{BlockId, BlockTable};
+use crate::kv_dtype::KvElement;
 
 /// Why a pool could not be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -22,15 +23,16 @@ pub enum PoolError {
 }
 
 // ANCHOR: pool
-/// Per layer, K and V laid out `[num_blocks, block_size, num_kv_heads, head_dim]`, f32.
+/// Per layer, K and V laid out `[num_blocks, block_size, num_kv_heads, head_dim]`, stored as
+/// `K` (f32 by default, bf16 for half the bytes: see [`KvElement`]).
 /// Slot `s = block · block_size + offset` holds one position's K (or V): row `s` of
 /// `[num_blocks · block_size, kv_dim]`.
 ///
 /// Invariant: `keys.len() == values.len() == num_layers`, each `num_blocks · block_size · kv_dim`
 /// long. The pool does not know who owns a block: the [`crate::BlockManager`] does.
-pub struct KvPool {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+pub struct KvPool<K: KvElement = f32> {
+    keys: Vec<Vec<K>>,
+    values: Vec<Vec<K>>,
     num_blocks: usize,
     block_size: usize,
     kv_dim: usize,
@@ -38,10 +40,10 @@ pub struct KvPool {
 }
 // ANCHOR_END: pool
 
-impl KvPool {
-    /// Bytes one block takes: K and V, every layer, `block_size` positions, f32.
+impl<K: KvElement> KvPool<K> {
+    /// Bytes one block takes: K and V, every layer, `block_size` positions, `K` each.
     pub fn bytes_per_block(config: &LlamaConfig, block_size: usize) -> u64 {
-        ch02::workload::bytes_per_token(config, size_of::<f32>()) * block_size as u64
+        ch02::workload::bytes_per_token(config, size_of::<K>()) * block_size as u64
     }
 
     pub fn new(
@@ -64,8 +66,8 @@ impl KvPool {
             * num_blocks as u128
             * block_size as u128
             * kv_dim as u128
-            * size_of::<f32>() as u128;
-        let layer = || -> Result<Vec<f32>, PoolError> {
+            * size_of::<K>() as u128;
+        let layer = || -> Result<Vec<K>, PoolError> {
             let len = num_blocks
                 .checked_mul(block_size)
                 .and_then(|n| n.checked_mul(kv_dim))
@@ -117,6 +119,16 @@ impl KvPool {
         self.block_size
     }
 
+    /// Layers the pool holds K/V for.
+    pub fn num_layers(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Values in one position's K (or V) row: `num_kv_heads · head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
     /// Positions the whole pool holds.
     pub fn token_capacity(&self) -> usize {
         self.num_blocks * self.block_size
@@ -133,7 +145,7 @@ impl KvPool {
 
     /// Block `id`'s K and V in every layer, one after the other: what swapping copies out to
     /// CPU memory (chapter 4).
-    pub fn read_block(&self, id: BlockId) -> Vec<f32> {
+    pub fn read_block(&self, id: BlockId) -> Vec<K> {
         let len = self.block_size * self.kv_dim;
         let at = id as usize * len;
         let mut data = Vec::with_capacity(2 * self.keys.len() * len);
@@ -144,7 +156,7 @@ impl KvPool {
     }
 
     /// Writes back what [`KvPool::read_block`] read, into block `id`.
-    pub fn write_block(&mut self, id: BlockId, data: &[f32]) {
+    pub fn write_block(&mut self, id: BlockId, data: &[K]) {
         let len = self.block_size * self.kv_dim;
         let at = id as usize * len;
         for (buffer, part) in self
@@ -159,11 +171,12 @@ impl KvPool {
 
     /// Layer `layer`'s keys and values, each `[num_blocks · block_size, kv_dim]` row-major:
     /// row `s` is slot `s` (what a batched attention kernel reads, see chapter 4).
-    pub fn layer_kv(&self, layer: usize) -> (&[f32], &[f32]) {
+    pub fn layer_kv(&self, layer: usize) -> (&[K], &[K]) {
         (&self.keys[layer], &self.values[layer])
     }
 
-    /// Writes one position's K and V rows (`kv_dim` values each) of `layer` into `slot`.
+    /// Writes one position's K and V rows (`kv_dim` values each) of `layer` into `slot`,
+    /// rounded to `K`.
     pub fn write<'r>(
         &mut self,
         layer: usize,
@@ -174,11 +187,13 @@ impl KvPool {
         let at = slot * self.kv_dim;
         for (buffer, row) in [(&mut self.keys[layer], k), (&mut self.values[layer], v)] {
             for (dst, &x) in buffer[at..at + self.kv_dim].iter_mut().zip(row.iter()) {
-                *dst = x;
+                *dst = K::from_f32(x);
             }
         }
     }
+}
 
+impl KvPool<f32> {
     /// Paged attention: chapter 2's attention, reading position `p`'s K/V from slot
     /// `table.slot(p)`. `q`, `out`: [n, num_heads · head_dim], positions `context_len − n..context_len`.
     // ANCHOR: paged_attention
@@ -203,16 +218,17 @@ impl KvPool {
 /// `len` zeros, or `None` if the memory cannot be had. Like `vec![0.0; len]`, the pages come
 /// zeroed from the system and are only touched when written, so a large pool costs nothing
 /// until blocks are used; unlike it, failure is a value instead of an abort.
-fn zeroed(len: usize) -> Option<Vec<f32>> {
-    if len == 0 {
+fn zeroed<K: KvElement>(len: usize) -> Option<Vec<K>> {
+    if len == 0 || size_of::<K>() == 0 {
         return Some(Vec::new());
     }
-    let layout = std::alloc::Layout::array::<f32>(len).ok()?;
-    // SAFETY: `layout` has a non-zero size. A non-null result points to `len` zeroed f32s
-    // (all-zero bits are 0.0) allocated by the global allocator with this layout, which is what
-    // `Vec::from_raw_parts` requires for length and capacity `len`.
+    let layout = std::alloc::Layout::array::<K>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size (len > 0, K not zero-sized). A non-null result
+    // points to `len` zeroed `K`s (valid values: `KvElement`'s safety contract) allocated by the
+    // global allocator with this layout, which is what `Vec::from_raw_parts` requires for length
+    // and capacity `len`.
     unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout) as *mut f32;
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut K;
         (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, len, len))
     }
 }

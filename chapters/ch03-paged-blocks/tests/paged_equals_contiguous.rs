@@ -66,12 +66,12 @@ fn check_model(name: &str, cases: u32) {
             }
             let mut live: Vec<_> = earlier.iter().map(|s| &s.table).collect();
             live.push(&seq.table);
-            kv.manager.check_invariants(&live).map_err(TestCaseError::fail)?;
+            kv.manager().check_invariants(&live).map_err(TestCaseError::fail)?;
             kv.free(seq);
             for s in earlier {
                 kv.free(s);
             }
-            prop_assert_eq!(kv.manager.num_free_blocks(), num_blocks);
+            prop_assert_eq!(kv.manager().num_free_blocks(), num_blocks);
             Ok(())
         })
         .unwrap();
@@ -110,5 +110,5 @@ fn out_of_blocks_is_a_typed_error_that_writes_nothing() {
         "{error}"
     );
     assert_eq!(kv.store(&mut seq).len(), 8);
-    kv.manager.check_invariants(&[&seq.table]).unwrap();
+    kv.manager().check_invariants(&[&seq.table]).unwrap();
 }

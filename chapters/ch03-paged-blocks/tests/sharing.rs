@@ -53,7 +53,7 @@ fn prefix_cache_hits_give_the_logits_of_a_cold_run() {
                 err < 1e-5,
                 "{cached} cached positions: relative L2 {err:.2e}"
             );
-            kv.manager
+            kv.manager()
                 .check_invariants(&[&second.table])
                 .map_err(TestCaseError::fail)?;
             Ok(())
@@ -120,10 +120,10 @@ fn forked_branches_equal_independent_runs() {
             assert_eq!(forked, independent, "block size {block_size}, seed {seed}");
         }
         let tables: Vec<_> = branches.iter().map(|b| &b.table).collect();
-        kv.manager.check_invariants(&tables).unwrap();
+        kv.manager().check_invariants(&tables).unwrap();
         for branch in branches {
             kv.free(branch);
         }
-        assert_eq!(kv.manager.num_free_blocks(), 64);
+        assert_eq!(kv.manager().num_free_blocks(), 64);
     }
 }

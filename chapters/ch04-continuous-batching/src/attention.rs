@@ -18,24 +18,100 @@
 //!   position's K (then V) row, every head of it, as one contiguous run;
 //! - **a vectorised softmax**: [`exp`](ch02::kernels::vector::exp) instead of a library call per
 //!   score.
+//!
+//! K/V are stored as the pool's element type (f32 or bf16, see [`KvElement`]) and widened to
+//! f32 as they are read; the arithmetic is f32 throughout.
+//!
+//! This kernel is the CPU executor's first [`AttentionBackend`]; chapter 7's tiled flash
+//! attention is the second.
 
 use ch01::attention::AttentionShape;
 use ch02::kernels::Isa;
 use ch02::kernels::vector::{axpy, dot, exp_shifted_sum, max};
-use ch03::{BlockTable, KvPool};
+use ch03::{BlockId, KvElement, KvPool};
+use ndarray::ArrayView2;
 use rayon::prelude::*;
 
 /// One query row of the step: its sequence's block table and its position there.
 #[derive(Debug, Clone, Copy)]
 pub struct QueryRow<'a> {
-    pub table: &'a BlockTable,
+    /// The sequence's blocks: position `p` is in block `blocks[p / block_size]`.
+    pub blocks: &'a [BlockId],
     pub pos: usize,
 }
 
+impl QueryRow<'_> {
+    /// The pool slot of this row's own position: where its K/V go.
+    pub fn slot(&self, block_size: usize) -> usize {
+        self.blocks[self.pos / block_size] as usize * block_size + self.pos % block_size
+    }
+}
+
+// ANCHOR: backend
+/// Attention inside the CPU executor: where a step's new K/V go, and how its queries read the
+/// pool. Implementations differ in how they compute, never in what.
+pub trait AttentionBackend<K: KvElement>: Send {
+    /// Stores the step's new K/V: row `r` of `k`, `v` [rows, kv_dim] at `rows[r]`'s slot of
+    /// `layer`.
+    fn write_kv(
+        &mut self,
+        pool: &mut KvPool<K>,
+        layer: usize,
+        rows: &[QueryRow],
+        k: ArrayView2<f32>,
+        v: ArrayView2<f32>,
+    ) {
+        let block_size = pool.block_size();
+        for (r, row) in rows.iter().enumerate() {
+            pool.write(layer, row.slot(block_size), k.row(r), v.row(r));
+        }
+    }
+
+    /// `out` [rows, num_heads · d] = attention of each row of `q` [rows, num_heads · d]
+    /// against positions `0..=pos` of its sequence in `layer`. Every row's K/V up to its own
+    /// position are in the pool already.
+    fn attend(
+        &mut self,
+        pool: &KvPool<K>,
+        layer: usize,
+        rows: &[QueryRow],
+        q: &[f32],
+        shape: AttentionShape,
+        out: &mut [f32],
+    );
+}
+// ANCHOR_END: backend
+
+/// The backend of this chapter: [`batch_attention`].
+#[derive(Debug, Clone, Copy)]
+pub struct BatchAttention {
+    pub isa: Isa,
+}
+
+impl Default for BatchAttention {
+    fn default() -> Self {
+        BatchAttention { isa: Isa::detect() }
+    }
+}
+
+impl<K: KvElement> AttentionBackend<K> for BatchAttention {
+    fn attend(
+        &mut self,
+        pool: &KvPool<K>,
+        layer: usize,
+        rows: &[QueryRow],
+        q: &[f32],
+        shape: AttentionShape,
+        out: &mut [f32],
+    ) {
+        batch_attention(self.isa, pool, layer, rows, q, shape, out);
+    }
+}
+
 /// One layer's keys and values as the kernel reads them.
-struct LayerKv<'a> {
-    keys: &'a [f32],   // [slots, kv_dim]
-    values: &'a [f32], // [slots, kv_dim]
+struct LayerKv<'a, K> {
+    keys: &'a [K],   // [slots, kv_dim]
+    values: &'a [K], // [slots, kv_dim]
     block_size: usize,
     shape: AttentionShape,
 }
@@ -44,12 +120,12 @@ struct LayerKv<'a> {
 /// `out` [rows, num_heads · d] = attention of each row of `q` [rows, num_heads · d] against
 /// positions `0..=pos` of its sequence in `layer` of `pool`.
 ///
-/// Every row's K/V up to its own position must be in the pool already (the runner writes the
-/// step's new K/V first), and `pos < table.capacity()`. `isa` picks the compiled form of the
+/// Every row's K/V up to its own position must be in the pool already (the executor writes the
+/// step's new K/V first), and its blocks must cover `pos`. `isa` picks the compiled form of the
 /// loops ([`Isa::detect`] for the fastest; the tests compare every one).
-pub fn batch_attention(
+pub fn batch_attention<K: KvElement>(
     isa: Isa,
-    pool: &KvPool,
+    pool: &KvPool<K>,
     layer: usize,
     rows: &[QueryRow],
     q: &[f32],
@@ -60,7 +136,10 @@ pub fn batch_attention(
     assert_eq!(q.len(), rows.len() * q_dim, "q is [rows, q_dim]");
     assert_eq!(out.len(), q.len(), "out is [rows, q_dim]");
     for row in rows {
-        assert!(row.pos < row.table.capacity(), "position past the table");
+        assert!(
+            row.pos < row.blocks.len() * pool.block_size(),
+            "position past the table"
+        );
     }
     let (keys, values) = pool.layer_kv(layer);
     let kv = LayerKv {
@@ -82,7 +161,13 @@ pub fn batch_attention(
 /// One task: the query row `q_r` [num_heads · d] at `row.pos` → `out_r` [num_heads · d].
 /// `scores` is the thread's scratch, [num_heads, pos + 1] once filled.
 #[inline(always)]
-fn attend_row(kv: &LayerKv, row: QueryRow, q_r: &[f32], out_r: &mut [f32], scores: &mut Vec<f32>) {
+fn attend_row<K: KvElement>(
+    kv: &LayerKv<K>,
+    row: QueryRow,
+    q_r: &[f32],
+    out_r: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
     let AttentionShape {
         num_heads,
         num_kv_heads,
@@ -96,7 +181,7 @@ fn attend_row(kv: &LayerKv, row: QueryRow, q_r: &[f32], out_r: &mut [f32], score
     scores.resize(num_heads * len, 0.0);
 
     // s[h][j] = q_h · k_j / √d, reading each position's K row once for every head.
-    for (j, slot) in slots(row.table, kv.block_size, len).enumerate() {
+    for (j, slot) in slots(row.blocks, kv.block_size, len).enumerate() {
         let k_j = &kv.keys[slot * kv_dim..][..kv_dim];
         for (h, q_h) in q_r.chunks_exact(d).enumerate() {
             scores[h * len + j] = dot(q_h, &k_j[h / group * d..][..d]) * scale;
@@ -110,7 +195,7 @@ fn attend_row(kv: &LayerKv, row: QueryRow, q_r: &[f32], out_r: &mut [f32], score
     }
     // out_h = Σ_j p[h][j] · v_j
     out_r.fill(0.0);
-    for (j, slot) in slots(row.table, kv.block_size, len).enumerate() {
+    for (j, slot) in slots(row.blocks, kv.block_size, len).enumerate() {
         let v_j = &kv.values[slot * kv_dim..][..kv_dim];
         for (h, out_h) in out_r.chunks_exact_mut(d).enumerate() {
             axpy(scores[h * len + j], &v_j[h / group * d..][..d], out_h);
@@ -119,13 +204,12 @@ fn attend_row(kv: &LayerKv, row: QueryRow, q_r: &[f32], out_r: &mut [f32], score
 }
 // ANCHOR_END: attend_row
 
-/// The pool slots of positions `0..len` of `table`, in order: one lookup per block, then the
-/// block's consecutive slots (plain loops rather than a closure, so that they are compiled
-/// inside the caller's AVX2 function).
+/// The pool slots of positions `0..len` of a sequence with `blocks`, in order: one lookup per
+/// block, then the block's consecutive slots (plain loops rather than a closure, so that they
+/// are compiled inside the caller's AVX2 function).
 #[inline(always)]
-fn slots(table: &BlockTable, block_size: usize, len: usize) -> impl Iterator<Item = usize> {
-    table
-        .blocks()
+fn slots(blocks: &[BlockId], block_size: usize, len: usize) -> impl Iterator<Item = usize> {
+    blocks
         .iter()
         .flat_map(move |&block| {
             let base = block as usize * block_size;
@@ -136,9 +220,9 @@ fn slots(table: &BlockTable, block_size: usize, len: usize) -> impl Iterator<Ite
 
 /// [`attend_row`] compiled for AVX2 + FMA when `isa` says the CPU has them (the same Rust,
 /// vectorised 8 lanes wide by the compiler), else as plain Rust.
-fn attend_row_fastest(
+fn attend_row_fastest<K: KvElement>(
     isa: Isa,
-    kv: &LayerKv,
+    kv: &LayerKv<K>,
     row: QueryRow,
     q_r: &[f32],
     out_r: &mut [f32],
@@ -149,8 +233,8 @@ fn attend_row_fastest(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => {
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2(
-                kv: &LayerKv,
+            unsafe fn avx2<K: KvElement>(
+                kv: &LayerKv<K>,
                 row: QueryRow,
                 q_r: &[f32],
                 out_r: &mut [f32],

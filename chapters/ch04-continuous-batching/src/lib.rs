@@ -6,25 +6,44 @@
 //! step** (iteration-level scheduling, as Orca and vLLM do), which sequences run and how many
 //! of their tokens, and lets requests join and leave between any two steps.
 //!
-//! | module        | what it does                                                              |
-//! |---------------|---------------------------------------------------------------------------|
-//! | [`request`]   | [`Request`], its [`Status`] (waiting, running, swapped, finished)          |
-//! | [`attention`] | [`batch_attention`](attention::batch_attention): the whole step's attention in one parallel pass |
-//! | [`engine`]    | [`Engine`]: the scheduler and the step loop; preemption; counters          |
-//! | [`logprobs`]  | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
-//! | [`runner`]    | [`ModelRunner`]: one forward over a flattened batch of prefill chunks and decodes |
-//! | [`static_batch`] | [`StaticBatcher`](static_batch::StaticBatcher): static batching, only the benchmark's baseline |
+//! The engine is two halves joined by plain data, as vLLM's is: a [`Scheduler`] that decides
+//! and an [`Executor`] that computes.
+//!
+//! ```text
+//! Scheduler ──schedule()──▶ SchedulerOutput ──▶ Executor::execute() ──▶ logit rows
+//!     ▲                                                                      │
+//!     └──────────────────────────── update() ◀───────────────────────────────┘
+//! ```
+//!
+//! | module           | what it does                                                           |
+//! |------------------|------------------------------------------------------------------------|
+//! | [`request`]      | [`Request`], its [`Status`] (waiting, running, swapped, finished)       |
+//! | [`scheduler`]    | [`Scheduler`]: admission, chunks, preemption; [`SchedulerOutput`]; sampling in `update` |
+//! | [`executor`]     | the [`Executor`] seam and the [`KvLayout`] it reports                   |
+//! | [`cpu_executor`] | [`CpuExecutor`]: chapter 1's model and chapter 3's pool, one batched forward |
+//! | [`attention`]    | the [`AttentionBackend`] seam; [`batch_attention`](attention::batch_attention), the whole step's attention in one parallel pass |
+//! | [`engine`]       | [`Engine`]: a scheduler, an executor, and the step between them         |
+//! | [`driver`]       | [`drive`]: the one loop that feeds an engine and hands out its outputs  |
+//! | [`logprobs`]     | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
+//! | [`static_batch`] | [`StaticBatcher`](static_batch::StaticBatcher): static batching, the baseline continuous batching is measured against |
 
 pub mod attention;
+pub mod cpu_executor;
+pub mod driver;
 pub mod engine;
+pub mod executor;
 pub mod logprobs;
 pub mod request;
-pub mod runner;
+pub mod scheduler;
 pub mod static_batch;
 
+pub use attention::{AttentionBackend, BatchAttention};
+pub use cpu_executor::{CacheConfig, CpuExecutor, cpu_executor};
+pub use driver::{EngineClient, drive};
 pub use engine::{
     Completion, Counters, Engine, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace,
 };
+pub use executor::{Executor, ExecutorError, KvLayout, ModelSpec};
 pub use logprobs::TokenLogprobs;
 pub use request::{FinishReason, Request, RequestId, Status};
-pub use runner::{ModelRunner, ScheduledBatch, ScheduledSeq};
+pub use scheduler::{BlockOp, ScheduledSeq, Scheduler, SchedulerOutput};

@@ -67,8 +67,8 @@ pub enum Status {
 /// A request inside the engine.
 ///
 /// Invariants: `tokens = prompt ++ output`; positions `0..num_computed` hold K/V in `table`'s
-/// blocks (or in `swap` while swapped); `num_computed < tokens.len()` while unfinished, since
-/// the last token is the one the next step runs.
+/// blocks (or, while swapped, in what the executor kept); `num_computed < tokens.len()` while
+/// unfinished, since the last token is the one the next step runs.
 pub(crate) struct Sequence {
     pub id: RequestId,
     pub request: Request,
@@ -76,8 +76,6 @@ pub(crate) struct Sequence {
     pub tokens: Vec<u32>,
     pub num_computed: usize,
     pub table: Option<BlockTable>,
-    /// K/V of `0..num_computed` while swapped: one copy of each block (see `KvPool::read_block`).
-    pub swap: Vec<Vec<f32>>,
     pub sampler: Sampler,
     /// Tokens sent to the caller so far (`output_len()` when finished).
     pub streamed: usize,
@@ -93,12 +91,11 @@ impl Sequence {
         self.tokens.len() - self.num_computed
     }
 
-    /// Ends the sequence: its blocks go back to `manager`, its swapped copy is dropped.
+    /// Ends the sequence: its blocks go back to `manager`.
     pub fn finish(&mut self, manager: &mut BlockManager, reason: FinishReason) {
         if let Some(table) = self.table.take() {
             manager.free(table);
         }
-        self.swap.clear();
         self.status = Status::Finished(reason);
     }
 

@@ -22,21 +22,23 @@
 //! - **head-of-line blocking**: a request that arrives while a batch runs waits for the whole
 //!   batch to finish, however short the batch's other requests are.
 //!
-//! Prompts of different lengths need no padding in the prefill: the flattened
-//! [`ModelRunner`] gives every token its own position. Blocks come from chapter 3's
-//! [`PagedKv`], but none is registered in the prefix cache (a static system has none).
+//! Prompts of different lengths need no padding in the prefill: the [`Executor`] runs a
+//! flattened batch and gives every token its own position. The batcher plans its own steps
+//! (a [`SchedulerOutput`] per forward) over its own [`BlockManager`], sized from the executor's
+//! KV layout, and registers nothing in the prefix cache (a static system has none).
 //! Every request samples with its own seeded [`Sampler`], as in the engine, so greedy and
 //! seeded outputs equal the engine's.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use ch01::{Llama, Sampler};
-use ch03::{BlockTable, PagedKv};
+use ch01::Sampler;
+use ch03::{BlockManager, BlockTable};
 
 use crate::engine::EngineError;
+use crate::executor::{Executor, ModelSpec};
 use crate::request::{FinishReason, Request};
-use crate::runner::{ModelRunner, ScheduledSeq};
+use crate::scheduler::{BlockOp, ScheduledSeq, SchedulerOutput};
 
 /// Time since the start of a run, and a way to wait for a later one. The benchmark uses
 /// [`WallClock`]; the engine's drivers take the same trait.
@@ -123,24 +125,28 @@ impl Slot {
     }
 }
 
-/// The static batcher over one model and one paged KV pool.
-pub struct StaticBatcher<'m> {
-    model: &'m Llama,
-    kv: PagedKv,
-    runner: ModelRunner,
+/// The static batcher over one executor.
+pub struct StaticBatcher<'e> {
+    executor: Box<dyn Executor + Send + 'e>,
+    model: ModelSpec,
+    manager: BlockManager,
     batch_size: usize,
     stats: StaticStats,
 }
 
-impl<'m> StaticBatcher<'m> {
-    pub fn new(model: &'m Llama, kv: PagedKv, batch_size: usize) -> Result<Self, EngineError> {
+impl<'e> StaticBatcher<'e> {
+    pub fn new(
+        executor: impl Executor + Send + 'e,
+        batch_size: usize,
+    ) -> Result<Self, EngineError> {
         if batch_size == 0 {
             return Err(EngineError::Config("batch_size must be at least 1".into()));
         }
+        let kv = executor.kv_layout();
         Ok(StaticBatcher {
-            runner: ModelRunner::new(model),
-            model,
-            kv,
+            model: executor.model_spec(),
+            manager: BlockManager::new(kv.num_blocks, kv.block_size, false),
+            executor: Box::new(executor),
             batch_size,
             stats: StaticStats::default(),
         })
@@ -150,14 +156,14 @@ impl<'m> StaticBatcher<'m> {
         self.stats
     }
 
-    /// The KV memory (every block is free again after [`run`](Self::run)).
-    pub fn kv(&self) -> &PagedKv {
-        &self.kv
+    /// The blocks (every one is free again after [`run`](Self::run)).
+    pub fn manager(&self) -> &BlockManager {
+        &self.manager
     }
 
     /// Positions a request reserves: its whole possible length, within the context.
     fn reservation(&self, request: &Request) -> usize {
-        (request.prompt.len() + request.max_tokens).min(self.model.config.max_position_embeddings)
+        (request.prompt.len() + request.max_tokens).min(self.model.max_model_len)
     }
 
     /// Serves `arrivals` (in any order; FCFS by arrival time, ties in list order) on `clock`
@@ -167,8 +173,8 @@ impl<'m> StaticBatcher<'m> {
         arrivals: &[Arrival],
         clock: &dyn Clock,
     ) -> Result<Vec<Served>, EngineError> {
-        let bs = self.kv.pool.block_size();
-        let capacity = self.kv.manager.num_blocks() * bs;
+        let bs = self.manager.block_size();
+        let capacity = self.manager.num_blocks() * bs;
         for a in arrivals {
             self.model.check_tokens(&a.request.prompt)?;
             a.request.params.validate()?;
@@ -187,23 +193,23 @@ impl<'m> StaticBatcher<'m> {
             // Admit: arrived requests, FCFS, while the batch and the blocks allow.
             let now = clock.now();
             let mut slots = Vec::new();
+            let mut copies = Vec::new();
             while let Some(&i) = queue.front() {
                 let request = &arrivals[i].request;
                 if slots.len() == self.batch_size || arrivals[i].at > now {
                     break;
                 }
                 let needed = self.reservation(request).div_ceil(bs);
-                if needed > self.kv.manager.num_free_blocks() {
+                if needed > self.manager.num_free_blocks() {
                     break; // never for the first: it fits in the empty pool (checked above)
                 }
                 let mut table = self
-                    .kv
                     .manager
                     .allocate_prompt(&request.prompt)
                     .expect("enough free blocks");
                 let rest = self.reservation(request) - table.num_tokens();
-                if let Some(copy) = self.kv.manager.reserve(&mut table, rest).expect("fits") {
-                    self.kv.pool.copy_block(copy);
+                if let Some(copy) = self.manager.reserve(&mut table, rest).expect("fits") {
+                    copies.push(BlockOp::Copy(copy));
                 }
                 slots.push(Slot {
                     index: i,
@@ -216,9 +222,9 @@ impl<'m> StaticBatcher<'m> {
                 });
                 queue.pop_front();
             }
-            self.run_batch(&mut slots, arrivals, clock)?;
+            self.run_batch(&mut slots, copies, arrivals, clock)?;
             for slot in slots {
-                self.kv.manager.free(slot.table);
+                self.manager.free(slot.table);
                 served[slot.index] = Some(Served {
                     arrival: arrivals[slot.index].at,
                     tokens: slot.tokens[slot.prompt_len..].to_vec(),
@@ -239,31 +245,36 @@ impl<'m> StaticBatcher<'m> {
     fn run_batch(
         &mut self,
         slots: &mut [Slot],
+        mut block_ops: Vec<BlockOp>,
         arrivals: &[Arrival],
         clock: &dyn Clock,
     ) -> Result<(), EngineError> {
         self.stats.batches += 1;
-        let max_len = self.model.config.max_position_embeddings;
+        let max_len = self.model.max_model_len;
         let mut prefill = true;
         while prefill || slots.iter().any(|s| s.finished.is_none()) {
-            let logits = {
-                let batch: Vec<ScheduledSeq> = slots
+            let step = SchedulerOutput {
+                seqs: slots
                     .iter()
-                    .map(|s| {
+                    .enumerate()
+                    .map(|(i, s)| {
                         let (start, end) = match s.finished {
                             None => (s.computed(), s.tokens.len()), // the prompt, or the last token
                             Some(_) => (s.computed() - 1, s.computed()), // padding: re-run a position
                         };
                         ScheduledSeq {
-                            tokens: &s.tokens[start..end],
+                            id: i as u64,
+                            tokens: s.tokens[start..end].to_vec(),
                             start_pos: start,
-                            table: &s.table,
-                            wants_logits: true, // a padded row costs the output head too
+                            block_table: s.table.blocks().to_vec(),
+                            logit_rows: 1, // a padded row costs the output head too
                         }
                     })
-                    .collect();
-                self.runner.execute(self.model, &mut self.kv.pool, &batch) // [slots, vocab]
+                    .collect(),
+                block_ops: std::mem::take(&mut block_ops),
+                finished: Vec::new(),
             };
+            let logits = self.executor.execute(&step)?; // [slots, vocab]
             let now = clock.now();
             self.stats.steps += 1;
             for (slot, row) in slots.iter_mut().zip(logits.rows()) {

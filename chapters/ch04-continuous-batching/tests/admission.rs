@@ -2,12 +2,14 @@
 //! never admitted to stall later.
 
 use ch01::{Llama, fixtures_dir};
-use ch03::{KvPool, PagedKv};
-use ch04_continuous_batching::{Engine, EngineConfig, EngineError, Request};
+use ch03::KvPool;
+use ch04_continuous_batching::{
+    CpuExecutor, Engine, EngineConfig, EngineError, Preemption, Request,
+};
 
 fn engine(model: &Llama, blocks: usize, config: EngineConfig) -> Result<Engine<'_>, EngineError> {
-    let pool = KvPool::new(&model.config, 4, blocks).unwrap();
-    Engine::new(model, PagedKv::new(pool, false), config)
+    let pool = KvPool::<f32>::new(&model.config, 4, blocks).unwrap();
+    Engine::new(CpuExecutor::new(model, pool), config)
 }
 
 #[test]
@@ -57,6 +59,8 @@ fn unservable_requests_and_configurations_are_refused() {
         .unwrap_err();
     assert!(matches!(error, EngineError::Model(_)), "{error}");
 
+    // Unchunked, one step must hold a prompt, and when preemption recomputes, the prompt and
+    // all but the last of its outputs: 12 + 9 - 1 = 20 > 16 tokens.
     let unchunked = EngineConfig {
         enable_chunked_prefill: false,
         max_num_batched_tokens: 16,
@@ -64,7 +68,7 @@ fn unservable_requests_and_configurations_are_refused() {
     };
     let mut unchunked = engine(&model, 64, unchunked).unwrap();
     let error = unchunked
-        .add_request(Request::greedy(vec![1; 12], 8))
+        .add_request(Request::greedy(vec![1; 12], 9))
         .unwrap_err();
     assert!(
         matches!(
@@ -78,8 +82,35 @@ fn unservable_requests_and_configurations_are_refused() {
     );
     assert!(
         unchunked
-            .add_request(Request::greedy(vec![1; 12], 4))
+            .add_request(Request::greedy(vec![1; 12], 5))
+            .is_ok(),
+        "12 + 5 - 1 = 16 tokens fit"
+    );
+    // Preempted by swapping, a request never reruns its output: only the prompt must fit.
+    let swapping = EngineConfig {
+        enable_chunked_prefill: false,
+        max_num_batched_tokens: 16,
+        preemption: Preemption::Swap,
+        ..EngineConfig::default()
+    };
+    let mut swapping = engine(&model, 64, swapping).unwrap();
+    assert!(
+        swapping
+            .add_request(Request::greedy(vec![1; 16], 9))
             .is_ok()
+    );
+    let error = swapping
+        .add_request(Request::greedy(vec![1; 17], 1))
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            EngineError::OverBudget {
+                needed: 17,
+                budget: 16
+            }
+        ),
+        "{error}"
     );
     assert!(!unchunked.has_unfinished() || unchunked.step_or_stall().is_ok());
 }

@@ -71,7 +71,7 @@ fn batch_attention_equals_naive_attention_per_sequence() {
                 .iter()
                 .chain(seqs.iter().map(|(l, _)| l))
                 .sum::<usize>();
-            let mut pool = KvPool::new(&config(shape), block_size, num_blocks).unwrap();
+            let mut pool = KvPool::<f32>::new(&config(shape), block_size, num_blocks).unwrap();
             let mut manager = BlockManager::new(num_blocks, block_size, false);
             // Scatter the free list, then give every sequence its blocks.
             let held: Vec<_> = earlier
@@ -104,7 +104,8 @@ fn batch_attention_equals_naive_attention_per_sequence() {
             // The batch: each sequence's last `rows` positions, flattened.
             let mut rows = Vec::new();
             for (&(len, n), table) in seqs.iter().zip(&tables) {
-                rows.extend((len - n..len).map(|pos| QueryRow { table, pos }));
+                let blocks = table.blocks();
+                rows.extend((len - n..len).map(|pos| QueryRow { blocks, pos }));
             }
             let q = values(&mut rng, rows.len() * q_dim);
             let mut expected = Vec::new();

@@ -2,8 +2,8 @@
 //! whether it runs alone or among other requests that come and go.
 
 use ch01::{SamplingParams, fixtures_dir};
-use ch03::{KvPool, PagedKv};
-use ch04_continuous_batching::{Engine, EngineConfig, Request};
+use ch03::KvPool;
+use ch04_continuous_batching::{CpuExecutor, Engine, EngineConfig, Request};
 
 fn sampled(prompt: Vec<u32>, seed: u64) -> Request {
     let mut request = Request::greedy(prompt, 24);
@@ -26,12 +26,13 @@ fn the_same_seed_gives_the_same_tokens_in_any_batch() {
     )
     .unwrap();
     let engine = || {
-        let pool = KvPool::new(&model.config, 8, 64).unwrap();
+        let pool = KvPool::<f32>::new(&model.config, 8, 64).unwrap();
         let config = EngineConfig {
             max_num_batched_tokens: 32,
+            enable_prefix_caching: true,
             ..EngineConfig::default()
         };
-        Engine::new(&model, PagedKv::new(pool, true), config).unwrap()
+        Engine::new(CpuExecutor::new(&model, pool), config).unwrap()
     };
     let prompt: Vec<u32> = vec![0, 412, 306, 13, 534, 325, 291, 306, 13, 330];
     for seed in [1, 7, 42] {

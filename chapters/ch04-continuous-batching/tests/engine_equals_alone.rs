@@ -7,8 +7,10 @@
 use ch01::testing::seeded_runner;
 use ch01::{Llama, fixtures_dir};
 use ch02::{CachedSession, ContiguousKvCache};
-use ch03::{KvPool, PagedKv};
-use ch04_continuous_batching::{Engine, EngineConfig, FinishReason, Preemption, Request, Status};
+use ch03::KvPool;
+use ch04_continuous_batching::{
+    CpuExecutor, Engine, EngineConfig, FinishReason, Preemption, Request, Status,
+};
 use proptest::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -97,7 +99,7 @@ fn every_request_equals_generating_it_alone() {
                     .unwrap();
                 let blocks = blocks.max(longest.div_ceil(block_size) + 1);
                 let budget = if chunked { budget } else { budget.max(longest) };
-                let pool = KvPool::new(&model.config, block_size, blocks).unwrap();
+                let pool = KvPool::<f32>::new(&model.config, block_size, blocks).unwrap();
                 let config = EngineConfig {
                     max_num_seqs: 4,
                     max_num_batched_tokens: budget,
@@ -108,8 +110,9 @@ fn every_request_equals_generating_it_alone() {
                     } else {
                         Preemption::Recompute
                     },
+                    enable_prefix_caching: caching,
                 };
-                let mut engine = Engine::new(&model, PagedKv::new(pool, caching), config).unwrap();
+                let mut engine = Engine::new(CpuExecutor::new(&model, pool), config).unwrap();
                 let mut ids = vec![None; arrivals.len()];
                 let mut step = 0;
                 while ids.iter().any(Option::is_none) || engine.has_unfinished() {
@@ -123,19 +126,26 @@ fn every_request_equals_generating_it_alone() {
                             && at == step
                             && engine.abort(id)
                         {
-                            engine.check_invariants().map_err(TestCaseError::fail)?;
+                            engine
+                                .scheduler()
+                                .check_invariants()
+                                .map_err(TestCaseError::fail)?;
                         }
                     }
                     engine
                         .step_or_stall()
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    engine.check_invariants().map_err(TestCaseError::fail)?;
+                    engine
+                        .scheduler()
+                        .check_invariants()
+                        .map_err(TestCaseError::fail)?;
                     step += 1;
                     prop_assert!(step < 2000, "no progress");
                 }
                 for (a, id) in arrivals.iter().zip(&ids) {
                     let id = id.unwrap();
-                    let aborted = engine.status(id) == Some(Status::Finished(FinishReason::Abort));
+                    let aborted = engine.scheduler().status(id)
+                        == Some(Status::Finished(FinishReason::Abort));
                     let done = engine.take(id).unwrap();
                     if aborted {
                         continue;
@@ -148,8 +158,8 @@ fn every_request_equals_generating_it_alone() {
                         id
                     );
                 }
-                prop_assert_eq!(engine.kv_usage(), 0.0, "blocks still held");
-                let preemptions = engine.counters().preemptions;
+                prop_assert_eq!(engine.scheduler().kv_usage(), 0.0, "blocks still held");
+                let preemptions = engine.scheduler().counters().preemptions;
                 PREEMPTIONS.fetch_add(preemptions, Ordering::Relaxed);
                 if swap {
                     SWAPS.fetch_add(preemptions, Ordering::Relaxed);

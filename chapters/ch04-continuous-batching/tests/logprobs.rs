@@ -3,19 +3,19 @@
 
 use ch01::attention::log_sum_exp;
 use ch01::{Llama, fixtures_dir};
-use ch03::{KvPool, PagedKv};
-use ch04_continuous_batching::{Engine, EngineConfig, Request};
+use ch03::KvPool;
+use ch04_continuous_batching::{CpuExecutor, Engine, EngineConfig, Request};
 
 #[test]
 fn reported_logprobs_match_a_log_softmax_of_the_reference_logits() {
     let dir = fixtures_dir().join("shakespeare-tiny");
     let model = Llama::load(&dir).unwrap();
-    let pool = KvPool::new(&model.config, 4, 64).unwrap();
+    let pool = KvPool::<f32>::new(&model.config, 4, 64).unwrap();
     let config = EngineConfig {
         max_num_batched_tokens: 16, // chunks the longer prompt
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(&model, PagedKv::new(pool, false), config).unwrap();
+    let mut engine = Engine::new(CpuExecutor::new(&model, pool), config).unwrap();
     let prompt: Vec<u32> = vec![0, 412, 306, 13, 534, 325, 291, 306, 13, 330];
     let mut request = Request::greedy(prompt.clone(), 6);
     request.logprobs = Some(3);

@@ -7,9 +7,9 @@ use std::cell::Cell;
 use std::time::Duration;
 
 use ch01::{Llama, SamplingParams, fixtures_dir};
-use ch03::{KvPool, PagedKv};
+use ch03::KvPool;
 use ch04_continuous_batching::static_batch::{Arrival, Clock, StaticBatcher, WallClock};
-use ch04_continuous_batching::{Engine, EngineConfig, FinishReason, Request};
+use ch04_continuous_batching::{CpuExecutor, Engine, EngineConfig, FinishReason, Request};
 
 fn model() -> Llama {
     Llama::load(&fixtures_dir().join("shakespeare-tiny")).unwrap()
@@ -47,12 +47,12 @@ fn requests(model: &Llama, sampled: bool) -> Vec<Request> {
 }
 
 fn engine(model: &Llama, blocks: usize) -> Engine<'_> {
-    let pool = KvPool::new(&model.config, 4, blocks).unwrap();
+    let pool = KvPool::<f32>::new(&model.config, 4, blocks).unwrap();
     let config = EngineConfig {
         max_num_batched_tokens: 24,
         ..EngineConfig::default()
     };
-    Engine::new(model, PagedKv::new(pool, false), config).unwrap()
+    Engine::new(CpuExecutor::new(model, pool), config).unwrap()
 }
 
 fn at_zero(requests: &[Request]) -> Vec<Arrival> {
@@ -66,7 +66,7 @@ fn at_zero(requests: &[Request]) -> Vec<Arrival> {
 }
 
 fn assert_all_blocks_free(batcher: &StaticBatcher) {
-    let manager = &batcher.kv().manager;
+    let manager = batcher.manager();
     assert_eq!(
         manager.num_free_blocks(),
         manager.num_blocks(),
@@ -89,9 +89,9 @@ fn static_batches_equal_the_continuous_engine() {
         );
         // Batch sizes 1 (sequential), 3, all; then a pool that holds only a few requests.
         for (batch_size, blocks) in [(1, 64), (3, 64), (9, 64), (9, 16)] {
-            let pool = KvPool::new(&model.config, 4, blocks).unwrap();
+            let pool = KvPool::<f32>::new(&model.config, 4, blocks).unwrap();
             let mut batcher =
-                StaticBatcher::new(&model, PagedKv::new(pool, false), batch_size).unwrap();
+                StaticBatcher::new(CpuExecutor::new(&model, pool), batch_size).unwrap();
             let served = batcher
                 .run(&at_zero(&requests), &WallClock::start())
                 .unwrap();
@@ -128,8 +128,8 @@ impl Clock for TickClock {
 #[test]
 fn nothing_joins_a_running_batch_and_finished_rows_are_padding() {
     let model = model();
-    let pool = KvPool::new(&model.config, 4, 64).unwrap();
-    let mut batcher = StaticBatcher::new(&model, PagedKv::new(pool, false), 4).unwrap();
+    let pool = KvPool::<f32>::new(&model.config, 4, 64).unwrap();
+    let mut batcher = StaticBatcher::new(CpuExecutor::new(&model, pool), 4).unwrap();
     let prompt: Vec<u32> = vec![0, 412, 306, 13, 534];
     let arrivals = [
         (0, Request::greedy(prompt.clone(), 10)),
@@ -158,13 +158,10 @@ fn nothing_joins_a_running_batch_and_finished_rows_are_padding() {
 #[test]
 fn a_request_that_can_never_fit_is_refused() {
     let model = model();
-    let pool = KvPool::new(&model.config, 4, 2).unwrap();
-    let mut batcher = StaticBatcher::new(&model, PagedKv::new(pool, false), 4).unwrap();
+    let pool = KvPool::<f32>::new(&model.config, 4, 2).unwrap();
+    let mut batcher = StaticBatcher::new(CpuExecutor::new(&model, pool), 4).unwrap();
     let too_long = at_zero(&[Request::greedy(vec![1, 2, 3], 6)]); // 9 positions > 8
     assert!(batcher.run(&too_long, &WallClock::start()).is_err());
-    assert!(StaticBatcher::new(&model, batcher_kv(&model), 0).is_err());
-}
-
-fn batcher_kv(model: &Llama) -> PagedKv {
-    PagedKv::new(KvPool::new(&model.config, 4, 8).unwrap(), false)
+    let pool = KvPool::<f32>::new(&model.config, 4, 8).unwrap();
+    assert!(StaticBatcher::new(CpuExecutor::new(&model, pool), 0).is_err());
 }

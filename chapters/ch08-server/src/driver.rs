@@ -1,16 +1,14 @@
 //! One HTTP request's generation, from submitting its choices to their last text.
 //!
 //! The engine sends token ids; the client wants text. Per choice, the driver turns ids into
-//! text with chapter 1's [`TextStream`] (never half a character), holds back what might be the
-//! start of a stop string ([`StopStrings`]), aborts the choice in the engine when a stop string
-//! completes, and stamps the latency metrics. Streamed and non-streamed responses are the same
+//! text with chapter 1's [`OutputText`] (never half a character, never a stop string), aborts
+//! the choice in the engine when a stop string completes, and stamps the latency metrics. Streamed and non-streamed responses are the same
 //! deltas, gathered or sent, so their text is the same by construction.
 
 use std::future::Future;
 use std::time::Instant;
 
-use ch01::stop::{StopStatus, StopStrings};
-use ch01::tokenizer::TextStream;
+use ch01::OutputText;
 use ch04::{FinishReason, RequestId, TokenLogprobs};
 use tokio::sync::mpsc;
 
@@ -42,8 +40,7 @@ pub struct Delta {
 /// One choice being generated.
 struct Choice<'t> {
     id: RequestId,
-    text: TextStream<'t>,
-    stops: StopStrings,
+    text: OutputText<'t>,
     tokens: usize,
     last_token: Option<Instant>,
     done: bool,
@@ -88,8 +85,7 @@ pub async fn generate(
             })?;
         choices.push(Choice {
             id,
-            text: TextStream::new(&state.tokenizer),
-            stops: StopStrings::new(generation.stop.clone()),
+            text: OutputText::new(&state.tokenizer, generation.stop.clone()),
             tokens: 0,
             last_token: None,
             done: false,
@@ -180,17 +176,18 @@ fn advance(
             delta.logprobs.push(token_info(state, lp)?);
         }
         let piece = choice.text.push(token).map_err(detokenize)?;
-        if let Some(piece) = piece {
-            match choice.stops.push(&piece) {
-                StopStatus::Continue(text) => delta.text.push_str(&text),
-                StopStatus::Stopped(text) => {
-                    delta.text.push_str(&text);
-                    state.engine.abort(choice.id);
-                    stopped = true;
-                    break;
-                }
-            }
+        delta.text.push_str(&piece.text);
+        if piece.stopped {
+            state.engine.abort(choice.id);
+            stopped = true;
+            break;
         }
+    }
+    if !stopped && finished.is_some() {
+        // Ended by the engine: release what was held back (it may complete a stop string).
+        let rest = choice.text.finish().map_err(detokenize)?;
+        delta.text.push_str(&rest.text);
+        stopped = rest.stopped;
     }
     let finish = if stopped {
         Some("stop")
@@ -198,17 +195,6 @@ fn advance(
         finished.map(reason_name)
     };
     if let Some(reason) = finish {
-        if !stopped {
-            // Ended by the engine: release what the detokenizer and stop strings held back.
-            if let Some(rest) = choice.text.finish().map_err(detokenize)? {
-                match choice.stops.push(&rest) {
-                    StopStatus::Continue(text) | StopStatus::Stopped(text) => {
-                        delta.text.push_str(&text)
-                    }
-                }
-            }
-            delta.text.push_str(&choice.stops.finish());
-        }
         choice.done = true;
         delta.finish_reason = Some(reason);
         metrics.observe_e2e((now - started).as_secs_f64());

@@ -1,26 +1,28 @@
-//! The engine on its own thread: the only place that touches chapter 4's [`Engine`].
+//! The engine on its own thread: the only place that touches chapter 4's [`Engine`]. It runs
+//! chapter 4's one engine loop, [`drive`], with the HTTP side as its [`EngineClient`]:
 //!
 //! ```text
-//! loop {
-//!     idle?  block until a command comes        busy?  take the commands already queued
-//!     Add    → engine.add_request, remember where its tokens go
-//!     Abort  → engine.abort (its blocks are free before the next step)
-//!     every request whose receiver is gone (client disconnected) → abort
-//!     one engine step → each request's new tokens to its channel; finished ones taken out
-//!     publish the gauges to the metrics
-//! }
+//! poll:     idle?  block until a command comes        busy?  take the commands already queued
+//!           Add    → engine.add_request, remember where its tokens go
+//!           Abort  → engine.abort (its blocks are free before the next step)
+//!           every request whose receiver is gone (client disconnected) → abort
+//! on_step:  each request's new tokens to its channel; finished ones forgotten
+//!           publish the gauges to the metrics
 //! ```
 //! HTTP handlers run on tokio; the step loop is synchronous and CPU-bound (it uses the rayon
 //! pool), so it gets an OS thread and talks to handlers through channels only.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::thread::JoinHandle;
 
 use ch01::Llama;
-use ch03::PagedKv;
-use ch04::{Engine, EngineConfig, EngineError, FinishReason, Request, RequestId, TokenLogprobs};
+use ch04::{
+    CacheConfig, Engine, EngineClient, EngineConfig, EngineError, FinishReason, Request, RequestId,
+    RequestOutput, TokenLogprobs, cpu_executor, drive,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::{EngineGauges, Metrics};
@@ -109,12 +111,13 @@ pub struct EngineThread {
 }
 
 impl EngineThread {
-    /// Starts the engine over `model` and `kv` on a new thread. `install` runs the loop inside
-    /// a thread pool of the caller's choosing (the binary passes its rayon pool's `install`, so
-    /// the step's parallel loops run there); pass `|f| f()` for none.
+    /// Starts the engine over `model`, with a CPU executor whose KV memory is `cache`, on a new
+    /// thread. `install` runs the loop inside a thread pool of the caller's choosing (the binary
+    /// passes its rayon pool's `install`, so the step's parallel loops run there); pass
+    /// `|f| f()` for none.
     pub fn spawn(
         model: Arc<Llama>,
-        kv: PagedKv,
+        cache: CacheConfig,
         config: EngineConfig,
         metrics: Arc<Metrics>,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
@@ -124,13 +127,15 @@ impl EngineThread {
         let thread = std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
-                install(Box::new(move || match Engine::new(&model, kv, config) {
-                    Ok(engine) => {
-                        let _ = started.send(Ok(engine.max_request_tokens()));
-                        run(engine, receiver, &metrics);
-                    }
-                    Err(error) => {
-                        let _ = started.send(Err(error));
+                install(Box::new(move || {
+                    match start_engine(&model, &cache, config) {
+                        Ok(engine) => {
+                            let _ = started.send(Ok(engine.scheduler().max_request_tokens()));
+                            run(engine, receiver, &metrics);
+                        }
+                        Err(error) => {
+                            let _ = started.send(Err(error));
+                        }
                     }
                 }))
             })
@@ -177,100 +182,117 @@ struct Route {
     events: mpsc::UnboundedSender<Event>,
 }
 
+/// The engine over a CPU executor with the KV memory `cache`.
+fn start_engine<'m>(
+    model: &'m Llama,
+    cache: &CacheConfig,
+    config: EngineConfig,
+) -> Result<Engine<'m>, EngineError> {
+    Engine::boxed(cpu_executor(model, cache)?, config)
+}
+
+/// The engine thread's side of the channels: chapter 4's loop calls it before and after
+/// every step.
+struct Client<'a> {
+    commands: std_mpsc::Receiver<Command>,
+    routes: HashMap<RequestId, Route>,
+    metrics: &'a Metrics,
+}
+
 // ANCHOR: run
 fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &Metrics) {
-    let mut routes: HashMap<RequestId, Route> = HashMap::new();
-    loop {
+    let mut client = Client {
+        commands,
+        routes: HashMap::new(),
+        metrics,
+    };
+    while let Err(error) = drive(&mut engine, &mut client) {
+        // Fail everything in flight rather than spin: the engine is not trusted after an
+        // error it did not expect.
+        let message = format!("engine error: {error}");
+        for (id, route) in client.routes.drain() {
+            let _ = route.events.send(Event::Failed {
+                choice: route.choice,
+                message: message.clone(),
+            });
+            engine.abort(id);
+            engine.take(id);
+        }
+        publish(&engine, metrics);
+    }
+}
+
+impl EngineClient for Client<'_> {
+    fn poll(&mut self, engine: &mut Engine<'_>) -> ControlFlow<()> {
         // Block only when there is nothing to step.
         let first = if engine.has_unfinished() {
             None
         } else {
-            match commands.recv() {
+            match self.commands.recv() {
                 Ok(command) => Some(command),
-                Err(_) => return, // every handle dropped
+                Err(_) => return ControlFlow::Break(()), // every handle dropped
             }
         };
-        for command in first
-            .into_iter()
-            .chain(std::iter::from_fn(|| commands.try_recv().ok()))
-        {
+        let queued = std::iter::from_fn(|| self.commands.try_recv().ok());
+        for command in first.into_iter().chain(queued).collect::<Vec<_>>() {
             match command {
                 Command::Add {
                     request,
                     choice,
                     events,
                     reply,
-                } => {
-                    match engine.add_request(request) {
-                        Ok(id) => {
-                            if reply.send(Ok(id)).is_ok() {
-                                routes.insert(id, Route { choice, events });
-                            } else {
-                                // The handler is gone already.
-                                engine.abort(id);
-                                engine.take(id);
-                            }
-                        }
-                        Err(error) => {
-                            let _ = reply.send(Err(error));
+                } => match engine.add_request(request) {
+                    Ok(id) => {
+                        if reply.send(Ok(id)).is_ok() {
+                            self.routes.insert(id, Route { choice, events });
+                        } else {
+                            // The handler is gone already.
+                            engine.abort(id);
+                            engine.take(id);
                         }
                     }
-                }
-                Command::Abort(id) => {
-                    end(&mut engine, &mut routes, id, None);
-                }
-                Command::AbortAll => abort_all(&mut engine, &mut routes),
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
+                },
+                Command::Abort(id) => end(engine, &mut self.routes, id, None),
+                Command::AbortAll => abort_all(engine, &mut self.routes),
                 Command::Stop => {
-                    abort_all(&mut engine, &mut routes);
-                    publish(&engine, metrics);
-                    return;
+                    abort_all(engine, &mut self.routes);
+                    publish(engine, self.metrics);
+                    return ControlFlow::Break(());
                 }
             }
         }
         // Clients that went away: free their blocks now, not when they would have finished.
-        let gone: Vec<RequestId> = routes
+        let gone: Vec<RequestId> = self
+            .routes
             .iter()
             .filter(|(_, r)| r.events.is_closed())
             .map(|(&id, _)| id)
             .collect();
         for id in gone {
-            end(&mut engine, &mut routes, id, None);
+            end(engine, &mut self.routes, id, None);
         }
+        publish(engine, self.metrics);
+        ControlFlow::Continue(())
+    }
 
-        if engine.has_unfinished() {
-            match engine.step_or_stall() {
-                Ok(outputs) => {
-                    for out in outputs {
-                        if let Some(route) = routes.get(&out.id) {
-                            let _ = route.events.send(Event::Tokens {
-                                choice: route.choice,
-                                tokens: out.new_tokens,
-                                logprobs: out.logprobs,
-                                finished: out.finished,
-                            });
-                        }
-                        if out.finished.is_some() {
-                            engine.take(out.id);
-                            routes.remove(&out.id);
-                        }
-                    }
-                }
-                Err(error) => {
-                    // Fail everything in flight rather than spin: the engine is not trusted
-                    // after an error it did not expect.
-                    let message = format!("engine error: {error}");
-                    for (id, route) in routes.drain() {
-                        let _ = route.events.send(Event::Failed {
-                            choice: route.choice,
-                            message: message.clone(),
-                        });
-                        engine.abort(id);
-                        engine.take(id);
-                    }
-                }
+    fn on_step(&mut self, engine: &mut Engine<'_>, outputs: Vec<RequestOutput>) {
+        for out in outputs {
+            if let Some(route) = self.routes.get(&out.id) {
+                let _ = route.events.send(Event::Tokens {
+                    choice: route.choice,
+                    tokens: out.new_tokens,
+                    logprobs: out.logprobs,
+                    finished: out.finished,
+                });
+            }
+            if out.finished.is_some() {
+                self.routes.remove(&out.id);
             }
         }
-        publish(&engine, metrics);
+        publish(engine, self.metrics);
     }
 }
 // ANCHOR_END: run
@@ -305,14 +327,15 @@ fn end(
 }
 
 fn publish(engine: &Engine<'_>, metrics: &Metrics) {
-    let (waiting, running, swapped) = engine.queue_lengths();
-    let prefix = engine.prefix_stats();
-    let counters = engine.counters();
+    let scheduler = engine.scheduler();
+    let (waiting, running, swapped) = scheduler.queue_lengths();
+    let prefix = scheduler.prefix_stats();
+    let counters = scheduler.counters();
     metrics.set_engine(EngineGauges {
         running,
         waiting,
         swapped,
-        kv_cache_usage: engine.kv_usage(),
+        kv_cache_usage: scheduler.kv_usage(),
         prefix_cache_queries: prefix.queried_blocks,
         prefix_cache_hits: prefix.hit_blocks,
         preemptions: counters.preemptions,

@@ -10,8 +10,7 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use ch01::{Llama, Tokenizer};
-use ch03::PagedKv;
-use ch04::{EngineConfig, EngineError};
+use ch04::{CacheConfig, EngineConfig, EngineError};
 use tokio::net::TcpListener;
 
 use crate::auth::ApiKeys;
@@ -77,10 +76,15 @@ pub enum ServerError {
         max_model_len: usize,
     },
     #[error(
-        "--max-num-batched-tokens {budget} is below --max-model-len {max_model_len}, which needs \
-         chunked prefill: enable it or raise the budget"
+        "without chunked prefill, a request within --max-model-len {max_model_len} can need \
+         {needed} tokens in one step, more than --max-num-batched-tokens {budget}: enable \
+         chunked prefill or raise the budget"
     )]
-    BudgetTooSmall { budget: usize, max_model_len: usize },
+    BudgetTooSmall {
+        budget: usize,
+        needed: usize,
+        max_model_len: usize,
+    },
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error("serving HTTP: {0}")]
@@ -96,11 +100,12 @@ pub struct Server {
 }
 
 impl Server {
-    /// Checks the configuration against the model and the pool, and starts the engine.
-    /// `install` runs the engine loop in the caller's thread pool (see [`EngineThread::spawn`]).
+    /// Checks the configuration against the model and the KV memory `cache`, and starts the
+    /// engine. `install` runs the engine loop in the caller's thread pool (see
+    /// [`EngineThread::spawn`]).
     pub fn new(
         served: ServedModel,
-        kv: PagedKv,
+        cache: CacheConfig,
         keys: ApiKeys,
         config: ServerConfig,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
@@ -114,18 +119,27 @@ impl Server {
                 model: model_len,
             });
         }
-        if !config.engine.enable_chunked_prefill
-            && config.engine.max_num_batched_tokens < max_model_len
+        // Unchunked, the longest step a request within max_model_len can need: the engine's
+        // rule is linear in prompt and max_tokens, so the worst is at one end of
+        // prompt + max_tokens = max_model_len.
+        let engine = &config.engine;
+        let longest_step = [(max_model_len - 1, 1), (1, max_model_len - 1)]
+            .into_iter()
+            .filter_map(|(prompt, max_tokens)| engine.unchunked_step_tokens(prompt, max_tokens))
+            .max();
+        if let Some(needed) = longest_step
+            && needed > engine.max_num_batched_tokens
         {
             return Err(ServerError::BudgetTooSmall {
-                budget: config.engine.max_num_batched_tokens,
+                budget: engine.max_num_batched_tokens,
+                needed,
                 max_model_len,
             });
         }
         let metrics = Arc::new(Metrics::new(&config.served_model_name));
         let engine = EngineThread::spawn(
             Arc::clone(&served.model),
-            kv,
+            cache,
             config.engine,
             Arc::clone(&metrics),
             install,

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use ch01::SamplingParams;
 use ch01::{Llama, Tokenizer};
-use ch03::{KvPool, PagedKv};
-use ch04::{Engine, EngineConfig, FinishReason, Request};
+use ch03::{KvDtype, KvPool};
+use ch04::{CacheConfig, CpuExecutor, Engine, EngineConfig, FinishReason, Request};
 use ch08_server::auth::ApiKeys;
 use ch08_server::chat_template::{ChatMessage, ChatTemplate};
 use ch08_server::rate_limit::RateLimit;
@@ -74,10 +74,9 @@ fn engine_alone(
     max_tokens: usize,
 ) -> (String, usize, &'static str) {
     let loaded = loaded();
-    let pool = KvPool::new(&loaded.model.config, 16, 64).unwrap();
+    let pool = KvPool::<f32>::new(&loaded.model.config, 16, 64).unwrap();
     let mut engine = Engine::new(
-        &loaded.model,
-        PagedKv::new(pool, false),
+        CpuExecutor::new(&loaded.model, pool),
         EngineConfig::default(),
     )
     .unwrap();
@@ -170,9 +169,19 @@ fn start_up_refuses_what_cannot_serve_one_max_length_request() {
         build(unchunked).err(),
         Some(ServerError::BudgetTooSmall {
             budget: 256,
+            needed: 511,
             max_model_len: 512
         })
     ));
+    // A budget of max_model_len − 1 serves every request: the longest step is a prompt of
+    // 511 tokens, or under recomputation 1 + 510 rerun outputs.
+    let mut unchunked = Setup::default();
+    unchunked.config.engine = EngineConfig {
+        enable_chunked_prefill: false,
+        max_num_batched_tokens: 511,
+        ..EngineConfig::default()
+    };
+    assert!(build(unchunked).is_ok());
 }
 
 struct TestServer {
@@ -187,20 +196,21 @@ struct TestServer {
 fn build(setup: Setup) -> Result<Server, ServerError> {
     let loaded = loaded();
     let dir = ch01::default_model_dir();
-    let pool = KvPool::new(&loaded.model.config, 16, setup.kv_blocks).unwrap();
+    let block_bytes = KvPool::<f32>::bytes_per_block(&loaded.model.config, 16);
+    let cache = CacheConfig {
+        memory: block_bytes * setup.kv_blocks as u64,
+        block_size: 16,
+        dtype: KvDtype::F32,
+    };
+    let mut config = setup.config;
+    config.engine.enable_prefix_caching = setup.prefix_caching;
     let served = ServedModel {
         model: Arc::clone(&loaded.model),
         tokenizer: Arc::clone(&loaded.tokenizer),
         chat_template: ChatTemplate::from_model_dir(&dir).unwrap(),
         eos_token_ids: loaded.eos_token_ids.clone(),
     };
-    Server::new(
-        served,
-        PagedKv::new(pool, setup.prefix_caching),
-        ApiKeys::new(setup.keys),
-        setup.config,
-        |f| f(),
-    )
+    Server::new(served, cache, ApiKeys::new(setup.keys), config, |f| f())
 }
 
 async fn start(setup: Setup) -> TestServer {

@@ -136,7 +136,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (forked, independent) = measure::parallel_sampling_blocks(bs, 250, 128, 4);
     let cache_on = measure::shared_prefix_blocks(bs, system, user, n_requests, true);
     let cache_off = measure::shared_prefix_blocks(bs, system, user, n_requests, false);
-    let block_mib = ch03::KvPool::bytes_per_block(config, bs) as f64 / (1u64 << 20) as f64;
+    let block_mib = ch03::KvPool::<f32>::bytes_per_block(config, bs) as f64 / (1u64 << 20) as f64;
     let tokens = bench_tokens(
         (system + 2 * user).max(512).min(max_len),
         config.vocab_size,

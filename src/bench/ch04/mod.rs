@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use ch02::workload::{RequestLengths, WorkloadRng};
-use ch03::{KvPool, PagedKv};
-use ch04::EngineConfig;
+use ch03::KvPool;
 use ch04::static_batch::{Arrival, StaticBatcher, WallClock};
+use ch04::{CpuExecutor, EngineConfig};
 
 use super::bars::BarChart;
 use super::svg::LinePlot;
@@ -155,13 +155,16 @@ fn pool_for(
     model: &ch01::Llama,
     block_size: usize,
     arrivals: &[Arrival],
-) -> anyhow::Result<PagedKv> {
+) -> anyhow::Result<KvPool> {
     let blocks: usize = arrivals
         .iter()
         .map(|a| (a.request.prompt.len() + a.request.max_tokens).div_ceil(block_size))
         .sum();
-    let pool = KvPool::new(&model.config, block_size, blocks + blocks / 50 + 2)?;
-    Ok(PagedKv::new(pool, false))
+    Ok(KvPool::new(
+        &model.config,
+        block_size,
+        blocks + blocks / 50 + 2,
+    )?)
 }
 
 /// Runs `serve` `reps` times; the median of each figure.
@@ -271,7 +274,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for &b in &plan.static_batches {
         let mut padding = (0, 0);
         let summary = measured(&format!("static batch {b}"), reps, || {
-            let mut batcher = StaticBatcher::new(model, pool_for(model, bs, &arrivals)?, b)?;
+            let mut batcher =
+                StaticBatcher::new(CpuExecutor::new(model, pool_for(model, bs, &arrivals)?), b)?;
             let served = batcher.run(&arrivals, &WallClock::start())?;
             let stats = batcher.stats();
             padding = (stats.padded_rows, stats.useful_rows + stats.padded_rows);

@@ -9,12 +9,15 @@
 //! A request that arrives during a step waits for the step to end, as in a real server.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use ch01::Llama;
-use ch03::PagedKv;
+use ch03::KvPool;
 use ch04::static_batch::{Arrival, Clock, Served};
-use ch04::{Engine, EngineConfig, FinishReason};
+use ch04::{
+    CpuExecutor, Engine, EngineClient, EngineConfig, FinishReason, RequestId, RequestOutput,
+};
 
 /// What a run served, in the order of its arrivals, and how full its steps were.
 pub struct Run {
@@ -24,65 +27,111 @@ pub struct Run {
     pub seqs_per_step: f64,
 }
 
-/// Serves `arrivals` with chapter 4's engine.
+/// Serves `arrivals` with chapter 4's engine over `pool`.
 pub fn continuous(
     model: &Llama,
-    kv: PagedKv,
+    pool: KvPool,
     config: EngineConfig,
     arrivals: &[Arrival],
     clock: &dyn Clock,
 ) -> anyhow::Result<Run> {
-    let mut engine = Engine::new(model, kv, config)?;
+    let mut engine = Engine::new(CpuExecutor::new(model, pool), config)?;
     let mut order: Vec<usize> = (0..arrivals.len()).collect();
     order.sort_by_key(|&i| arrivals[i].at);
-    let mut served: Vec<Served> = arrivals
-        .iter()
-        .map(|a| Served {
-            arrival: a.at,
-            tokens: Vec::new(),
-            token_times: Vec::new(),
-            finish_reason: FinishReason::Abort, // until it finishes
-        })
-        .collect();
-    let mut index = HashMap::new(); // engine id → position in `arrivals`
-    let mut next = 0;
-    let mut seqs_in_steps = 0;
-    loop {
-        let now = clock.now();
-        while next < order.len() && arrivals[order[next]].at <= now {
-            let i = order[next];
-            index.insert(engine.add_request(arrivals[i].request.clone())?, i);
-            next += 1;
-        }
-        if engine.has_unfinished() {
-            let outputs = engine.step_or_stall()?;
-            let t = clock.now();
-            seqs_in_steps += engine.last_step().scheduled.len();
-            for out in outputs {
-                let s = &mut served[index[&out.id]];
-                s.token_times
-                    .extend(std::iter::repeat_n(t, out.new_tokens.len()));
-                s.tokens.extend(out.new_tokens);
-                if let Some(reason) = out.finished {
-                    s.finish_reason = reason;
-                    engine.take(out.id);
-                }
-            }
-        } else if next < order.len() {
-            clock.sleep_until(arrivals[order[next]].at);
-        } else {
-            break;
-        }
+    let mut workload = Workload {
+        arrivals,
+        order,
+        next: 0,
+        clock,
+        served: arrivals
+            .iter()
+            .map(|a| Served {
+                arrival: a.at,
+                tokens: Vec::new(),
+                token_times: Vec::new(),
+                finish_reason: FinishReason::Abort, // until it finishes
+            })
+            .collect(),
+        index: HashMap::new(),
+        seqs_in_steps: 0,
+        error: None,
+    };
+    ch04::drive(&mut engine, &mut workload)?;
+    if let Some(error) = workload.error {
+        return Err(error.into());
     }
-    engine.check_invariants().map_err(anyhow::Error::msg)?;
+    let scheduler = engine.scheduler();
+    scheduler.check_invariants().map_err(anyhow::Error::msg)?;
     anyhow::ensure!(
-        engine.kv_usage() == 0.0,
+        scheduler.kv_usage() == 0.0,
         "the engine kept blocks after the run"
     );
     Ok(Run {
-        served,
-        seqs_per_step: seqs_in_steps as f64 / engine.counters().steps as f64,
+        served: workload.served,
+        seqs_per_step: workload.seqs_in_steps as f64 / scheduler.counters().steps as f64,
     })
+}
+
+/// A timed workload as chapter 4's engine loop sees it.
+///
+/// ```text
+/// poll:     add every request whose arrival time has passed
+///           nothing to run?  sleep until the next arrival (none left: the run is over)
+/// on_step:  stamp each new token with the time
+/// ```
+/// A request that arrives during a step waits for the step to end, as in a real server.
+struct Workload<'a> {
+    arrivals: &'a [Arrival],
+    /// Indices into `arrivals`, by arrival time; `order[next..]` have not arrived yet.
+    order: Vec<usize>,
+    next: usize,
+    clock: &'a dyn Clock,
+    served: Vec<Served>,
+    /// Engine id → index into `arrivals`.
+    index: HashMap<RequestId, usize>,
+    seqs_in_steps: usize,
+    error: Option<ch04::EngineError>,
+}
+
+impl EngineClient for Workload<'_> {
+    fn poll(&mut self, engine: &mut Engine<'_>) -> ControlFlow<()> {
+        loop {
+            let now = self.clock.now();
+            while let Some(&i) = self.order.get(self.next)
+                && self.arrivals[i].at <= now
+            {
+                match engine.add_request(self.arrivals[i].request.clone()) {
+                    Ok(id) => self.index.insert(id, i),
+                    Err(error) => {
+                        self.error = Some(error);
+                        return ControlFlow::Break(());
+                    }
+                };
+                self.next += 1;
+            }
+            if engine.has_unfinished() {
+                return ControlFlow::Continue(());
+            }
+            match self.order.get(self.next) {
+                Some(&i) => self.clock.sleep_until(self.arrivals[i].at),
+                None => return ControlFlow::Break(()),
+            }
+        }
+    }
+
+    fn on_step(&mut self, engine: &mut Engine<'_>, outputs: Vec<RequestOutput>) {
+        let t = self.clock.now();
+        self.seqs_in_steps += engine.scheduler().last_step().scheduled.len();
+        for out in outputs {
+            let s = &mut self.served[self.index[&out.id]];
+            s.token_times
+                .extend(std::iter::repeat_n(t, out.new_tokens.len()));
+            s.tokens.extend(out.new_tokens);
+            if let Some(reason) = out.finished {
+                s.finish_reason = reason;
+            }
+        }
+    }
 }
 
 /// The median, the 99th percentile and the largest of some values (seconds).

@@ -1,0 +1,216 @@
+//! [`CpuExecutor`]: the [`Executor`] of this chapter. The weights are chapter 1's model (with
+//! chapter 2's kernels), the KV memory chapter 3's pool, and one forward runs every token the
+//! scheduler picked.
+//!
+//! ```text
+//! seq A: prefill chunk  tokens a0 a1 a2   positions 0 1 2      ┐
+//! seq B: decode         token  b7         position  7          ├─ flattened: x [4, hidden]
+//! seq C: decode         token  c3         position  3          ┘
+//! every projection:  [4, in] · Wᵀ   — the weights are read once for the whole batch
+//! attention:         the backend writes each row's K/V to its slot, then every row attends
+//!                    to its own sequence's blocks, in one parallel pass over the batch
+//! logits:            only for the rows the scheduler asked for
+//! ```
+//! No padding: each token carries its own position and KV slot (the slot mapping).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+
+use ch01::Llama;
+use ch02::cached::{Workspace, decoder_layer};
+use ch03::{KvDtype, KvElement, KvPool, PoolError};
+use ndarray::{ArrayView2, ArrayViewMut2, Axis};
+
+use crate::attention::{AttentionBackend, BatchAttention, QueryRow};
+use crate::executor::{Executor, ExecutorError, KvLayout, ModelSpec};
+use crate::request::RequestId;
+use crate::scheduler::{BlockOp, SchedulerOutput};
+
+/// The KV memory of an executor, as vLLM's `--kv-cache-memory`, `--block-size` and
+/// `--kv-cache-dtype` size it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Bytes of K/V memory: as many whole blocks as fit.
+    pub memory: u64,
+    /// Positions per block.
+    pub block_size: usize,
+    pub dtype: KvDtype,
+}
+
+/// Runs steps on the CPU: chapter 1's model, a pool of `K` elements, and an attention backend.
+///
+/// Invariant: the pool was made for this model (its layers, KV heads and head size).
+pub struct CpuExecutor<'m, K: KvElement = f32> {
+    model: &'m Llama,
+    pool: KvPool<K>,
+    backend: Box<dyn AttentionBackend<K> + 'm>,
+    /// What swapping out kept: per request, one copy of each block (see `KvPool::read_block`).
+    swapped: HashMap<RequestId, Vec<Vec<K>>>,
+    workspace: Workspace,
+    tokens: Vec<u32>, // [n] the step's tokens, flattened
+    logits: Vec<f32>, // [rows, vocab] the last step's logit rows
+}
+
+impl<'m, K: KvElement> CpuExecutor<'m, K> {
+    /// An executor over `pool` with this chapter's attention ([`BatchAttention`]).
+    pub fn new(model: &'m Llama, pool: KvPool<K>) -> Self {
+        Self::with_backend(model, pool, Box::new(BatchAttention::default()))
+    }
+
+    /// An executor with another attention backend (chapter 7's flash attention).
+    pub fn with_backend(
+        model: &'m Llama,
+        pool: KvPool<K>,
+        backend: Box<dyn AttentionBackend<K> + 'm>,
+    ) -> Self {
+        CpuExecutor {
+            model,
+            pool,
+            backend,
+            swapped: HashMap::new(),
+            workspace: Workspace::new(&model.config, 1),
+            tokens: Vec::new(),
+            logits: Vec::new(),
+        }
+    }
+
+    pub fn pool(&self) -> &KvPool<K> {
+        &self.pool
+    }
+
+    fn apply(&mut self, op: &BlockOp) {
+        match op {
+            BlockOp::Copy(copy) => self.pool.copy_block(*copy),
+            BlockOp::SwapOut { id, blocks } => {
+                let data = blocks.iter().map(|&b| self.pool.read_block(b)).collect();
+                self.swapped.insert(*id, data);
+            }
+            BlockOp::SwapIn { id, blocks } => {
+                let data = self.swapped.remove(id).unwrap_or_default();
+                for (block, data) in blocks.iter().zip(&data) {
+                    if let Some(block) = block {
+                        self.pool.write_block(*block, data);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A CPU executor with a pool of `cache.dtype` elements, as many blocks as `cache.memory` holds.
+pub fn cpu_executor<'m>(
+    model: &'m Llama,
+    cache: &CacheConfig,
+) -> Result<Box<dyn Executor + Send + 'm>, PoolError> {
+    fn boxed<'m, K: KvElement>(
+        model: &'m Llama,
+        cache: &CacheConfig,
+    ) -> Result<Box<dyn Executor + Send + 'm>, PoolError> {
+        let pool = KvPool::<K>::with_budget(&model.config, cache.block_size, cache.memory)?;
+        Ok(Box::new(CpuExecutor::new(model, pool)))
+    }
+    match cache.dtype {
+        KvDtype::F32 => boxed::<f32>(model, cache),
+        KvDtype::Bf16 => boxed::<half::bf16>(model, cache),
+    }
+}
+
+impl<K: KvElement> Executor for CpuExecutor<'_, K> {
+    fn kv_layout(&self) -> KvLayout {
+        let c = &self.model.config;
+        KvLayout {
+            num_layers: c.num_hidden_layers,
+            num_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            block_size: self.pool.block_size(),
+            num_blocks: self.pool.num_blocks(),
+            dtype: K::DTYPE,
+        }
+    }
+
+    fn model_spec(&self) -> ModelSpec {
+        ModelSpec {
+            vocab_size: self.model.config.vocab_size,
+            max_model_len: self.model.config.max_position_embeddings,
+        }
+    }
+
+    // ANCHOR: execute
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        for op in &step.block_ops {
+            self.apply(op);
+        }
+        for id in &step.finished {
+            self.swapped.remove(id);
+        }
+        let model = self.model;
+        // Flatten: each row's token, and its sequence's table and position.
+        self.tokens.clear();
+        for seq in &step.seqs {
+            self.tokens.extend_from_slice(&seq.tokens);
+        }
+        let n = self.tokens.len();
+        self.workspace.embed(model, &self.tokens);
+        let rows: Vec<QueryRow> = step
+            .seqs
+            .iter()
+            .flat_map(|seq| {
+                (0..seq.tokens.len()).map(|t| QueryRow {
+                    blocks: &seq.block_table,
+                    pos: seq.start_pos + t,
+                })
+            })
+            .collect(); // [n]
+        for (i, layer) in model.layers.iter().enumerate() {
+            let shape = layer.self_attn.shape();
+            let (pool, backend) = (&mut self.pool, &mut self.backend);
+            // Every new token's K/V goes to its slot, then the whole batch attends at once.
+            let mut attend = |q: ArrayView2<f32>,
+                              k: ArrayView2<f32>,
+                              v: ArrayView2<f32>,
+                              out: ArrayViewMut2<f32>|
+             -> Result<(), Infallible> {
+                backend.write_kv(pool, i, &rows, k, v);
+                backend.attend(
+                    pool,
+                    i,
+                    &rows,
+                    q.as_slice().expect("contiguous rows"),
+                    shape,
+                    out.into_slice().expect("contiguous rows"),
+                );
+                Ok(())
+            };
+            let Ok(()) = decoder_layer(
+                layer,
+                &model.rope,
+                &|r| rows[r].pos,
+                n,
+                &mut self.workspace,
+                &mut attend,
+            );
+        }
+        // The rows that want logits (the last `logit_rows` of each sequence), normed, through
+        // the head at once.
+        let mut picked_rows = Vec::with_capacity(step.num_logit_rows());
+        let mut end = 0;
+        for seq in &step.seqs {
+            end += seq.tokens.len();
+            picked_rows.extend(end - seq.logit_rows..end);
+        }
+        let picked = self.workspace.residual().select(Axis(0), &picked_rows); // [S, hidden]
+        let normed = model.norm.forward(picked.view());
+        let vocab = model.config.vocab_size;
+        // The logits buffer is kept: a fresh [S, vocab] every step is megabytes of new pages.
+        let used = picked_rows.len() * vocab;
+        if self.logits.len() < used {
+            self.logits.resize(used, 0.0);
+        }
+        let shape = (picked_rows.len(), vocab);
+        let logits =
+            ArrayViewMut2::from_shape(shape, &mut self.logits[..used]).expect("[S, vocab]");
+        model.lm_head.forward_into(normed.view(), logits);
+        Ok(ArrayView2::from_shape(shape, &self.logits[..used]).expect("[S, vocab]"))
+    }
+    // ANCHOR_END: execute
+}
