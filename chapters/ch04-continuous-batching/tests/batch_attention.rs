@@ -1,7 +1,8 @@
 //! The batched paged attention kernel against chapter 1's naive causal attention, per sequence:
 //! random head counts (GQA groups of 1 to 3), even head sizes 2 to 20 (mostly not multiples of
 //! the 8-lane vectors), block sizes 1 to 17, batches mixing prefill chunks and decodes, physical blocks
-//! scattered by earlier allocations, in every instruction set this CPU runs.
+//! scattered by earlier allocations, in every instruction set this CPU runs; with an f32 pool,
+//! and with a bf16 pool against the naive attention of the bf16-rounded K/V.
 
 use std::path::Path;
 
@@ -12,6 +13,7 @@ use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch03::{BlockManager, KvPool};
 use ch04_continuous_batching::attention::{QueryRow, batch_attention};
+use half::bf16;
 use ndarray::{Array2, ArrayView2};
 use proptest::prelude::*;
 
@@ -72,6 +74,8 @@ fn batch_attention_equals_naive_attention_per_sequence() {
                 .chain(seqs.iter().map(|(l, _)| l))
                 .sum::<usize>();
             let mut pool = KvPool::<f32>::new(&config(shape), block_size, num_blocks).unwrap();
+            let mut pool_bf16 =
+                KvPool::<bf16>::new(&config(shape), block_size, num_blocks).unwrap();
             let mut manager = BlockManager::new(num_blocks, block_size, false);
             // Scatter the free list, then give every sequence its blocks.
             let held: Vec<_> = earlier
@@ -94,9 +98,11 @@ fn batch_attention_equals_naive_attention_per_sequence() {
                 for pos in 0..len {
                     let slot = table.slot(pos);
                     pool.write(1, slot, k.row(pos), v.row(pos));
+                    pool_bf16.write(1, slot, k.row(pos), v.row(pos));
                     let noise = values(&mut rng, kv_dim);
                     let noise = ArrayView2::from_shape((1, kv_dim), &noise).unwrap();
                     pool.write(0, slot, noise.row(0), noise.row(0));
+                    pool_bf16.write(0, slot, noise.row(0), noise.row(0));
                 }
                 kv.push((k, v));
             }
@@ -108,19 +114,29 @@ fn batch_attention_equals_naive_attention_per_sequence() {
                 rows.extend((len - n..len).map(|pos| QueryRow { blocks, pos }));
             }
             let q = values(&mut rng, rows.len() * q_dim);
-            let mut expected = Vec::new();
+            // The oracle per sequence, on K/V as given and as a bf16 pool rounds them.
+            let round = |a: &Array2<f32>| a.mapv(|x| bf16::from_f32(x).to_f32());
+            let (mut expected, mut expected_bf16) = (Vec::new(), Vec::new());
             let mut first = 0;
             for (&(_, n), (k, v)) in seqs.iter().zip(&kv) {
                 let q_seq =
                     ArrayView2::from_shape((n, q_dim), &q[first * q_dim..][..n * q_dim]).unwrap();
                 let out = causal_attention(q_seq, k.view(), v.view(), shape); // [n, q_dim]
                 expected.extend(out.iter().copied());
+                let out = causal_attention(q_seq, round(k).view(), round(v).view(), shape);
+                expected_bf16.extend(out.iter().copied());
                 first += n;
             }
             for isa in Isa::available() {
                 let mut out = vec![f32::NAN; rows.len() * q_dim];
                 batch_attention(isa, &pool, 1, &rows, &q, shape, &mut out);
                 assert_rel_close(&format!("{isa:?}"), &out, &expected, 1e-5);
+                out.fill(f32::NAN);
+                batch_attention(isa, &pool_bf16, 1, &rows, &q, shape, &mut out);
+                assert_rel_close(&format!("{isa:?}, bf16"), &out, &expected_bf16, 1e-5);
+                // What storing K/V in bf16 costs: 8 bits of mantissa, about 2⁻⁹ relative per
+                // element, which attention averages rather than accumulates.
+                assert_rel_close(&format!("{isa:?}, bf16 vs f32"), &out, &expected, 1e-2);
             }
             Ok(())
         })

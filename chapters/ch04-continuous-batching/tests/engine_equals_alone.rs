@@ -2,17 +2,104 @@
 //! (prompt and output lengths, arrival steps, priorities, aborts), random budgets and small
 //! block pools that force chunked prefill and both kinds of preemption, every request's greedy
 //! output equals generating it alone; every request finishes; aborted requests free their
-//! blocks at once; afterwards every block is free or cached.
+//! blocks at once; afterwards every block is free or cached. Every step the scheduler hands
+//! the executor keeps the executor's contract (see [`Checked`]).
 
 use ch01::testing::seeded_runner;
 use ch01::{Llama, fixtures_dir};
 use ch02::{CachedSession, ContiguousKvCache};
 use ch03::KvPool;
 use ch04_continuous_batching::{
-    CpuExecutor, Engine, EngineConfig, FinishReason, Preemption, Request, Status,
+    BlockOp, CpuExecutor, Engine, EngineConfig, Executor, ExecutorError, FinishReason, KvLayout,
+    ModelSpec, Preemption, Request, SchedulerOutput, Status,
 };
+use ndarray::ArrayView2;
 use proptest::prelude::*;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// An executor that checks every step against the [`Executor`] contract before running it:
+/// ids in the vocabulary, positions in the context, blocks in the pool and covering every
+/// position run, no slot written twice in a step (copy-on-write did its job), logit rows
+/// within the tokens, and swaps that pair up (a request is swapped in only after it was
+/// swapped out, and at most once).
+struct Checked<E> {
+    inner: E,
+    swapped_out: BTreeSet<u64>,
+}
+
+impl<E: Executor> Checked<E> {
+    fn check(&mut self, step: &SchedulerOutput) -> Result<(), String> {
+        let (kv, model) = (self.inner.kv_layout(), self.inner.model_spec());
+        for op in &step.block_ops {
+            match op {
+                BlockOp::Copy(copy) => {
+                    let ids = [copy.src, copy.dst];
+                    if ids.iter().any(|&b| b as usize >= kv.num_blocks) || copy.src == copy.dst {
+                        return Err(format!("bad copy {copy:?}"));
+                    }
+                }
+                BlockOp::SwapOut { id, blocks } => {
+                    if !self.swapped_out.insert(*id) {
+                        return Err(format!("request {id} swapped out twice"));
+                    }
+                    if blocks.iter().any(|&b| b as usize >= kv.num_blocks) {
+                        return Err(format!("swap-out of {id}: block out of range"));
+                    }
+                }
+                BlockOp::SwapIn { id, .. } => {
+                    if !self.swapped_out.remove(id) {
+                        return Err(format!("request {id} swapped in but never out"));
+                    }
+                }
+            }
+        }
+        for id in &step.finished {
+            self.swapped_out.remove(id);
+        }
+        let mut written = HashSet::new();
+        for seq in &step.seqs {
+            let end = seq.start_pos + seq.tokens.len();
+            if seq.tokens.is_empty() || end > model.max_model_len {
+                return Err(format!("request {}: positions ..{end}", seq.id));
+            }
+            if seq.tokens.iter().any(|&t| t as usize >= model.vocab_size) {
+                return Err(format!("request {}: token outside the vocabulary", seq.id));
+            }
+            if seq.block_table.len() * kv.block_size < end
+                || seq.block_table.iter().any(|&b| b as usize >= kv.num_blocks)
+            {
+                return Err(format!("request {}: table does not cover ..{end}", seq.id));
+            }
+            if seq.logit_rows > seq.tokens.len() {
+                return Err(format!("request {}: more logit rows than tokens", seq.id));
+            }
+            for pos in seq.start_pos..end {
+                let slot = seq.block_table[pos / kv.block_size] as usize * kv.block_size
+                    + pos % kv.block_size;
+                if !written.insert(slot) {
+                    return Err(format!("slot {slot} written twice in one step"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<E: Executor> Executor for Checked<E> {
+    fn kv_layout(&self) -> KvLayout {
+        self.inner.kv_layout()
+    }
+
+    fn model_spec(&self) -> ModelSpec {
+        self.inner.model_spec()
+    }
+
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        self.check(step).map_err(ExecutorError)?;
+        self.inner.execute(step)
+    }
+}
 
 /// Over all cases: preemptions and steps that ran a prompt chunk, so that the test is known to
 /// exercise both.
@@ -112,7 +199,11 @@ fn every_request_equals_generating_it_alone() {
                     },
                     enable_prefix_caching: caching,
                 };
-                let mut engine = Engine::new(CpuExecutor::new(&model, pool), config).unwrap();
+                let executor = Checked {
+                    inner: CpuExecutor::new(&model, pool),
+                    swapped_out: BTreeSet::new(),
+                };
+                let mut engine = Engine::new(executor, config).unwrap();
                 let mut ids = vec![None; arrivals.len()];
                 let mut step = 0;
                 while ids.iter().any(Option::is_none) || engine.has_unfinished() {
