@@ -25,7 +25,6 @@
 //! | [`engine`]       | [`Engine`]: a scheduler, an executor, and the step between them         |
 //! | [`driver`]       | [`drive`]: the one loop that feeds an engine and hands out its outputs  |
 //! | [`logprobs`]     | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
-//! | [`static_batch`] | [`StaticBatcher`](static_batch::StaticBatcher): static batching, the baseline continuous batching is measured against |
 
 pub mod attention;
 pub mod cpu_executor;
@@ -35,7 +34,6 @@ pub mod executor;
 pub mod logprobs;
 pub mod request;
 pub mod scheduler;
-pub mod static_batch;
 
 pub use attention::{AttentionBackend, BatchAttention};
 pub use cpu_executor::{CacheConfig, CpuExecutor, cpu_executor};

@@ -3,7 +3,7 @@
 //! ```text
 //! batching   one Poisson stream of requests with long-tailed lengths, served three ways:
 //!            sequentially (max_num_seqs 1), by static batches (the baseline in
-//!            ch04::static_batch), and by the continuous engine (max_num_seqs 32):
+//!            static_batch), and by the continuous engine (max_num_seqs 32):
 //!            output tokens/s, TTFT, TPOT, end-to-end latency (median, p99); then the same
 //!            requests all at time 0, sequential and continuous (32 concurrent)
 //! chunked    long prompts arriving among running decodes: the decodes' inter-token
@@ -15,15 +15,16 @@
 //! from this one run; the sweep's max_num_seqs 1 and 32 runs are the batching table's
 //! sequential and continuous rows.
 
+pub(crate) mod kv_dtype;
 pub(crate) mod serve;
+pub(crate) mod static_batch;
 pub(crate) mod workload;
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use ch02::workload::{RequestLengths, WorkloadRng};
-use ch03::KvPool;
-use ch04::static_batch::{Arrival, StaticBatcher, WallClock};
+use ch03::{KvElement, KvPool};
 use ch04::{CpuExecutor, EngineConfig};
 
 use super::bars::BarChart;
@@ -32,6 +33,7 @@ use super::table::{Align, Table};
 use super::{Output, RunFacts, model_name, write_figures};
 use crate::commands::ModelArgs;
 use serve::{Run, Summary, median_summary, summarize};
+use static_batch::{Arrival, StaticBatcher, WallClock};
 use workload::ScaledLengths;
 
 /// llama.cpp's batched decode on these machines, F32, batch 8, as the issue gives it (not
@@ -66,6 +68,16 @@ pub struct Args {
     /// Positions per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Run only this part [default: all].
+    #[arg(long, value_enum)]
+    pub only: Option<Part>,
+}
+
+/// A part of the benchmark that runs alone.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// The KV cache's storage dtype: f32 against bf16 (`kv-dtype.md`, `kv-dtype.svg`).
+    KvDtype,
 }
 
 /// Every size of the benchmark, full or --quick.
@@ -151,11 +163,11 @@ impl Plan {
 
 /// A pool that holds every request of `arrivals` at once (prompt + max_tokens each), plus the
 /// engine's 1% watermark: the runs measure batching, never preemption.
-fn pool_for(
+fn pool_for<K: KvElement>(
     model: &ch01::Llama,
     block_size: usize,
     arrivals: &[Arrival],
-) -> anyhow::Result<KvPool> {
+) -> anyhow::Result<KvPool<K>> {
     let blocks: usize = arrivals
         .iter()
         .map(|a| (a.request.prompt.len() + a.request.max_tokens).div_ceil(block_size))
@@ -206,6 +218,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&corpus_path)
         .with_context(|| format!("reading {}", corpus_path.display()))?;
     let corpus = loaded.tokenizer.encode(&text, false)?;
+    // Every figure says what ran, where, and with which command.
+    let caption = format!(
+        "_{name}, f32 weights, KV blocks of {bs}, {threads} threads on {} ({} CPUs), {}, {}. \
+         Command: `{}`._",
+        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
+        facts.nproc,
+        facts.date,
+        if reps == 1 {
+            "one run".to_string()
+        } else {
+            format!("medians of {reps} runs")
+        },
+        facts.command
+    );
+
+    if args.only == Some(Part::KvDtype) {
+        eprintln!("== KV cache dtype: f32 against bf16");
+        let (kv_md, kv_svg) = kv_dtype::run(model, &corpus, args.output.quick, reps, bs, &caption)?;
+        write_figures(&out, &[("kv-dtype", Some(&kv_md), &kv_svg)])?;
+        eprintln!("in {:.0} s", started.elapsed().as_secs_f64());
+        return Ok(());
+    }
 
     let lengths = plan.lengths.sample(plan.requests, args.seed);
     let arrivals = workload::arrivals(&lengths, plan.rate, &corpus, args.seed);
@@ -215,10 +249,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
 
-    // Warm up: page in the weights, size the runner's buffers.
+    // Warm up: page in the weights, size the executor's buffers.
     serve::continuous(
         model,
-        pool_for(model, bs, &arrivals[..1])?,
+        pool_for::<f32>(model, bs, &arrivals[..1])?,
         engine_config(1),
         &arrivals[..1],
         &WallClock::start(),
@@ -230,7 +264,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let summary = measured(&format!("max_num_seqs {n}"), reps, || {
             serve::continuous(
                 model,
-                pool_for(model, bs, &arrivals)?,
+                pool_for::<f32>(model, bs, &arrivals)?,
                 engine_config(n),
                 &arrivals,
                 &WallClock::start(),
@@ -259,7 +293,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             || {
                 serve::continuous(
                     model,
-                    pool_for(model, bs, &at_once)?,
+                    pool_for::<f32>(model, bs, &at_once)?,
                     engine_config(n),
                     &at_once,
                     &WallClock::start(),
@@ -274,8 +308,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for &b in &plan.static_batches {
         let mut padding = (0, 0);
         let summary = measured(&format!("static batch {b}"), reps, || {
-            let mut batcher =
-                StaticBatcher::new(CpuExecutor::new(model, pool_for(model, bs, &arrivals)?), b)?;
+            let mut batcher = StaticBatcher::new(
+                CpuExecutor::new(model, pool_for::<f32>(model, bs, &arrivals)?),
+                b,
+            )?;
             let served = batcher.run(&arrivals, &WallClock::start())?;
             let stats = batcher.stats();
             padding = (stats.padded_rows, stats.useful_rows + stats.padded_rows);
@@ -326,7 +362,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let decodes = measured(&label, reps, || {
             let run = serve::continuous(
                 model,
-                pool_for(model, bs, &chunk_arrivals)?,
+                pool_for::<f32>(model, bs, &chunk_arrivals)?,
                 config,
                 &chunk_arrivals,
                 &WallClock::start(),
@@ -347,19 +383,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 
     // ─────────────────────────────── tables and plots ───────────────────────────────
-    let caption = format!(
-        "_{name}, f32 weights, KV blocks of {bs}, {threads} threads on {} ({} CPUs), {}, {}. \
-         Command: `{}`._",
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
-        if reps == 1 {
-            "one run".to_string()
-        } else {
-            format!("medians of {reps} runs")
-        },
-        facts.command
-    );
     let secs = |x: f64| format!("{x:.2}");
     let millis = |x: f64| format!("{:.0}", 1e3 * x);
     let latency_cells = |s: &Summary| {
@@ -599,9 +622,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .series("TPOT p99", &points(|s| s.tpot.p99))
         .to_svg();
 
+    eprintln!("== KV cache dtype: f32 against bf16");
+    let (kv_md, kv_svg) = kv_dtype::run(model, &corpus, args.output.quick, reps, bs, &caption)?;
+
     write_figures(
         &out,
         &[
+            ("kv-dtype", Some(&kv_md), &kv_svg),
             ("batching", Some(&batching_md), &batching_svg),
             ("chunked", Some(&chunked_md), &chunked_svg),
             ("scaling", Some(&scaling_md), &scaling_svg),

@@ -12,9 +12,9 @@ use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::time::Duration;
 
+use super::static_batch::{Arrival, Clock, Served};
 use ch01::Llama;
-use ch03::KvPool;
-use ch04::static_batch::{Arrival, Clock, Served};
+use ch03::{KvElement, KvPool};
 use ch04::{
     CpuExecutor, Engine, EngineClient, EngineConfig, FinishReason, RequestId, RequestOutput,
 };
@@ -28,9 +28,9 @@ pub struct Run {
 }
 
 /// Serves `arrivals` with chapter 4's engine over `pool`.
-pub fn continuous(
+pub fn continuous<K: KvElement>(
     model: &Llama,
-    pool: KvPool,
+    pool: KvPool<K>,
     config: EngineConfig,
     arrivals: &[Arrival],
     clock: &dyn Clock,

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use super::static_batch::Arrival;
 use ch02::workload::{LogNormal, LogNormalLengths, RequestLengths, WorkloadRng};
 use ch04::Request;
-use ch04::static_batch::Arrival;
 
 /// Arrival times of `n` requests from a Poisson process of `rate` requests per second:
 /// exponential gaps of mean `1 / rate`, by inversion (`-ln u / rate`). Times count from the

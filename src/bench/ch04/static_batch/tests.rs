@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use ch01::{Llama, SamplingParams, fixtures_dir};
 use ch03::KvPool;
-use ch04_continuous_batching::static_batch::{Arrival, Clock, StaticBatcher, WallClock};
-use ch04_continuous_batching::{CpuExecutor, Engine, EngineConfig, FinishReason, Request};
+use ch04::{CpuExecutor, Engine, EngineConfig, FinishReason, Request};
+
+use super::{Arrival, Clock, StaticBatcher, WallClock};
 
 fn model() -> Llama {
     Llama::load(&fixtures_dir().join("shakespeare-tiny")).unwrap()

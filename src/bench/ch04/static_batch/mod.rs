@@ -1,5 +1,7 @@
 //! [`StaticBatcher`]: static (request-level) batching, kept **only as the baseline** that
-//! `kiln bench ch04` measures continuous batching against. Nothing else uses it.
+//! `kiln bench ch04` measures continuous batching against (it lives with the benchmark, not in
+//! chapter 4's crate). It is a second client of chapter 4's executor seam: it plans its own
+//! steps and runs them on the same [`Executor`].
 //!
 //! A static batcher decides the batch once per *batch*, not once per step:
 //!
@@ -35,10 +37,12 @@ use std::time::{Duration, Instant};
 use ch01::Sampler;
 use ch03::{BlockManager, BlockTable};
 
-use crate::engine::EngineError;
-use crate::executor::{Executor, ModelSpec};
-use crate::request::{FinishReason, Request};
-use crate::scheduler::{BlockOp, ScheduledSeq, SchedulerOutput};
+use ch04::{
+    BlockOp, EngineError, Executor, FinishReason, ModelSpec, Request, ScheduledSeq, SchedulerOutput,
+};
+
+#[cfg(test)]
+mod tests;
 
 /// Time since the start of a run, and a way to wait for a later one. The benchmark uses
 /// [`WallClock`]; the engine's drivers take the same trait.
@@ -157,6 +161,7 @@ impl<'e> StaticBatcher<'e> {
     }
 
     /// The blocks (every one is free again after [`run`](Self::run)).
+    #[cfg(test)]
     pub fn manager(&self) -> &BlockManager {
         &self.manager
     }
