@@ -216,8 +216,8 @@ pub fn next_token_logits_cached<'w>(
 
 /// One sequence being generated: the model, its cache and its step buffers.
 pub struct CachedSession<'m, S: KvStore> {
-    pub model: &'m Llama,
-    pub store: S,
+    model: &'m Llama,
+    store: S,
     workspace: Workspace,
 }
 
@@ -228,6 +228,11 @@ impl<'m, S: KvStore> CachedSession<'m, S> {
             store,
             workspace: Workspace::new(&model.config, 1),
         }
+    }
+
+    /// The K/V stored so far.
+    pub fn store(&self) -> &S {
+        &self.store
     }
 
     /// Runs the prompt in one pass; returns the logits of its last position. [vocab]
