@@ -88,9 +88,9 @@ pub trait Executor {
 
     fn model_spec(&self) -> ModelSpec;
 
-    /// Runs one step, in this order: the swap-outs (before any block they read is reused), the
-    /// swap-ins, the block copies (copy-on-write), then one forward over every scheduled token,
-    /// writing each one's K/V to its slot. Drops what it kept for the `finished` requests.
+    /// Runs one step: the block operations in list order (a block freed by one may be the
+    /// target of a later one), then one forward over every scheduled token, writing each one's
+    /// K/V to its slot. Drops what it kept for the `finished` requests.
     ///
     /// Returns the logit rows `[Σ logit_rows, vocab]`: for each scheduled sequence in order, the
     /// logits of its last `logit_rows` tokens.

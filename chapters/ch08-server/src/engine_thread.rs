@@ -106,7 +106,7 @@ impl EngineHandle {
 pub struct EngineThread {
     handle: EngineHandle,
     thread: Option<JoinHandle<()>>,
-    /// [`Engine::max_request_tokens`] of the engine it runs.
+    /// [`ch04::Scheduler::max_request_tokens`] of the engine it runs.
     pub max_request_tokens: usize,
 }
 
