@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use crate::sampler::SamplingError;
+use crate::shard::ShardError;
 
 /// Errors from loading a model or running it on user input.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +34,22 @@ pub enum Error {
 
     #[error("tensor `{name}` has dtype {dtype}, expected F32, F16 or BF16")]
     UnsupportedDtype { name: String, dtype: String },
+
+    /// A tensor whose stored form contradicts itself (bytes that do not fill its shape).
+    #[error("tensor `{name}` in {location}: {message}")]
+    Tensor {
+        name: String,
+        location: PathBuf,
+        message: String,
+    },
+
+    /// A shard spec or tensor-parallel world that the model's sizes do not allow.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+
+    /// The projections a loader built do not make a valid attention layer.
+    #[error("layer {layer}: {message}")]
+    InconsistentLayer { layer: usize, message: String },
 
     #[error("invalid tokenizer {path}: {message}")]
     Tokenizer { path: PathBuf, message: String },

@@ -5,7 +5,9 @@
 //! | module        | what it does                                                                    |
 //! |---------------|---------------------------------------------------------------------------------|
 //! | [`config`]    | `config.json` → [`LlamaConfig`] (both RoPE config styles, GQA, `head_dim`)     |
-//! | [`weights`]   | safetensors (single or sharded) → f32 tensors, with shape checks               |
+//! | [`source`]    | the [`WeightSource`] seam: raw typed tensors by name; f32 with shape checks    |
+//! | [`weights`]   | safetensors (single or sharded): the Hugging Face [`WeightSource`]             |
+//! | [`shard`]     | [`ShardSpec`]: the rows or columns of a projection that one rank holds         |
 //! | [`tokenizer`] | `tokenizer.json` → ids and back, with streaming detokenisation                  |
 //! | [`rope`]      | rotary position embeddings (default, linear and llama3 frequency scaling)       |
 //! | [`attention`] | causal self-attention that materialises the full score matrix: the oracle     |
@@ -30,6 +32,8 @@ pub mod output_text;
 pub mod perplexity;
 pub mod rope;
 pub mod sampler;
+pub mod shard;
+pub mod source;
 pub mod stop;
 pub mod tokenizer;
 pub mod weights;
@@ -37,10 +41,12 @@ pub mod weights;
 pub use config::{LlamaConfig, eos_token_ids};
 pub use error::{Error, Result};
 pub use generate::{FinishReason, GenerateOptions, Generation, generate, generate_with};
-pub use linear::{DenseLinear, Linear};
+pub use linear::{DenseLinear, Linear, LinearLoader, LinearSpec};
 pub use model::Llama;
 pub use output_text::{OutputText, TextDelta};
 pub use sampler::{Sampler, SamplingParams};
+pub use shard::{ShardError, ShardSpec, Split, TensorParallel};
+pub use source::{RawTensor, TensorDtype, WeightSource};
 pub use tokenizer::{TextStream, Tokenizer};
 pub use weights::Weights;
 

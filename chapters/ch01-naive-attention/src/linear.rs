@@ -6,7 +6,8 @@
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 
 use crate::error::Result;
-use crate::weights::Weights;
+use crate::shard::ShardSpec;
+use crate::source::WeightSource;
 
 /// A linear layer. Invariant: `forward` maps `[T, in_features]` to `[T, out_features]`.
 pub trait Linear: Send + Sync {
@@ -42,17 +43,21 @@ impl DenseLinear {
         DenseLinear { weight, bias }
     }
 
-    /// Loads `{prefix}.weight` `[out, in]` and, when `bias`, `{prefix}.bias` `[out]`.
-    pub fn load(
-        weights: &Weights,
-        prefix: &str,
-        in_features: usize,
-        out_features: usize,
-        bias: bool,
-    ) -> Result<Self> {
-        let weight = weights.matrix(&format!("{prefix}.weight"), out_features, in_features)?;
-        let bias = if bias {
-            Some(weights.vector(&format!("{prefix}.bias"), out_features)?)
+    /// Loads this rank's part of `{spec.name}.weight` (full shape `[out, in]`) and, when
+    /// `spec.bias` and the shard holds it, of `{spec.name}.bias` `[out]`, decoding only that part.
+    pub fn load(source: &dyn WeightSource, spec: &LinearSpec<'_>) -> Result<Self> {
+        let (rows, cols) = spec
+            .shard
+            .ranges(spec.name, spec.in_features, spec.out_features)?;
+        let weight = source.matrix_block(
+            &format!("{}.weight", spec.name),
+            [spec.out_features, spec.in_features],
+            rows.clone(),
+            cols,
+        )?; // [out / world, in] for a column shard, [out, in / world] for a row shard
+        let bias = if spec.bias && spec.shard.holds_bias() {
+            let full = source.vector(&format!("{}.bias", spec.name), spec.out_features)?;
+            Some(full.slice(ndarray::s![rows]).to_owned()) // [rows]
         } else {
             None
         };
@@ -86,26 +91,55 @@ impl Linear for DenseLinear {
     }
 }
 
-/// Builds the projections of a model from a checkpoint: the hook a later chapter uses to load
-/// another kind of [`Linear`] (a faster kernel, quantized weights) into the same forward pass.
+/// What a [`LinearLoader`] is asked to load: the tensor prefix, the full logical shape of the
+/// layer (before sharding), whether it has a bias, and which part this rank holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearSpec<'a> {
+    /// Tensor name prefix: the weight is `{name}.weight`, the bias `{name}.bias` (for a
+    /// Hugging Face checkpoint; a quantized format reads its own tensors under the prefix).
+    pub name: &'a str,
+    pub in_features: usize,
+    pub out_features: usize,
+    pub bias: bool,
+    pub shard: ShardSpec,
+}
+
+impl<'a> LinearSpec<'a> {
+    /// The whole layer `{name}` mapping `in_features` → `out_features`.
+    pub fn whole(name: &'a str, in_features: usize, out_features: usize, bias: bool) -> Self {
+        LinearSpec {
+            name,
+            in_features,
+            out_features,
+            bias,
+            shard: ShardSpec::whole(),
+        }
+    }
+
+    /// The same layer, split as `shard` says.
+    pub fn with_shard(self, shard: ShardSpec) -> Self {
+        LinearSpec { shard, ..self }
+    }
+}
+
+// ANCHOR: linear_loader
+/// Builds the projections of a model from a [`WeightSource`]: the hook a later chapter uses to
+/// load another kind of [`Linear`] (a faster kernel, quantized weights, one rank's shard) into
+/// the same forward pass.
 pub trait LinearLoader {
     /// Makes a layer from dense f32 weights `[out_features, in_features]` and an optional bias.
     fn build(&self, weight: Array2<f32>, bias: Option<Array1<f32>>) -> Result<Box<dyn Linear>>;
 
-    /// Loads `{prefix}.weight` (and `{prefix}.bias` when `bias`), checking their shapes, and
-    /// builds the layer. A loader that reads another format overrides this.
-    fn load(
-        &self,
-        weights: &Weights,
-        prefix: &str,
-        in_features: usize,
-        out_features: usize,
-        bias: bool,
-    ) -> Result<Box<dyn Linear>> {
-        let dense = DenseLinear::load(weights, prefix, in_features, out_features, bias)?;
+    /// Loads the part of `{spec.name}.weight` (and `.bias`) that `spec.shard` names, as dense f32
+    /// with its shape checked, and builds the layer. The result maps the shard's local
+    /// in-features to its local out-features. A loader that reads another format (GPTQ's
+    /// `qweight`, GGUF blocks) overrides this and reads [`WeightSource::tensor`] itself.
+    fn load(&self, source: &dyn WeightSource, spec: &LinearSpec<'_>) -> Result<Box<dyn Linear>> {
+        let dense = DenseLinear::load(source, spec)?;
         self.build(dense.weight, dense.bias)
     }
 }
+// ANCHOR_END: linear_loader
 
 /// Loads every projection as [`DenseLinear`].
 pub struct DenseLoader;

@@ -18,8 +18,10 @@ use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, Axis};
 use crate::attention::{AttentionShape, causal_attention};
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::linear::{DenseLoader, Linear, LinearLoader};
+use crate::linear::{DenseLoader, Linear, LinearLoader, LinearSpec};
 use crate::rope::Rope;
+use crate::shard::{Split, TensorParallel};
+use crate::source::WeightSource;
 use crate::weights::Weights;
 
 /// Root-mean-square normalisation: `x / sqrt(mean(x²) + eps) * weight`, row by row.
@@ -178,6 +180,11 @@ impl DecoderLayer {
 }
 
 /// A Llama-family decoder (Llama, Mistral without sliding window, Qwen2).
+///
+/// `config` is the checkpoint's, for the whole model. When `shard.world > 1` the layers hold one
+/// tensor-parallel rank's projections, so each layer's [`SelfAttention::shape`] has the local
+/// head counts, and the partial outputs of o_proj and down_proj must be summed across ranks
+/// (chapter 8) before this model's output means anything.
 pub struct Llama {
     pub config: LlamaConfig,
     pub embed_tokens: Array2<f32>, // [vocab, hidden]
@@ -185,6 +192,8 @@ pub struct Llama {
     pub norm: RmsNorm,
     pub lm_head: Box<dyn Linear>, // hidden → vocab
     pub rope: Rope,
+    /// Which rank of how many this model's projections belong to.
+    pub shard: TensorParallel,
 }
 
 impl Llama {
@@ -195,92 +204,133 @@ impl Llama {
 
     /// Loads a model directory with `loader` choosing each projection's kind.
     pub fn load_with(dir: &Path, loader: &dyn LinearLoader) -> Result<Self> {
-        let config = LlamaConfig::from_dir(dir)?;
-        let weights = Weights::open(dir)?;
-        Llama::from_weights(config, &weights, loader)
+        Llama::load_shard(dir, loader, TensorParallel::whole())
     }
 
-    /// Builds the model from already-opened weights, with `loader` choosing each projection's kind.
+    /// Loads one tensor-parallel rank's part of a model directory (see [`Llama::from_source`]).
+    pub fn load_shard(
+        dir: &Path,
+        loader: &dyn LinearLoader,
+        shard: TensorParallel,
+    ) -> Result<Self> {
+        let config = LlamaConfig::from_dir(dir)?;
+        let weights = Weights::open(dir)?;
+        Llama::from_source(config, &weights, loader, shard)
+    }
+
+    /// Builds the whole model from already-opened safetensors weights.
     pub fn from_weights(
         config: LlamaConfig,
         weights: &Weights,
         loader: &dyn LinearLoader,
     ) -> Result<Self> {
+        Llama::from_source(config, weights, loader, TensorParallel::whole())
+    }
+
+    /// Builds rank `shard.rank`'s part of the model from any [`WeightSource`], with `loader`
+    /// choosing each projection's kind.
+    ///
+    /// q/k/v, gate and up are split by column (each rank gets whole heads and whole
+    /// intermediate features), o_proj and down_proj by row; embeddings, norms and lm_head stay
+    /// whole (see [`TensorParallel`]). The head counts and intermediate size must divide by
+    /// `shard.world`: a KV head is never split or replicated, so `world` may not exceed
+    /// `num_key_value_heads`. Each layer's attention shape is read from the projections the
+    /// loader built, and checked.
+    pub fn from_source(
+        config: LlamaConfig,
+        source: &dyn WeightSource,
+        loader: &dyn LinearLoader,
+        shard: TensorParallel,
+    ) -> Result<Self> {
         let c = &config;
+        shard.check(&[
+            ("num_attention_heads", c.num_attention_heads),
+            ("num_key_value_heads", c.num_key_value_heads),
+            ("intermediate_size", c.intermediate_size),
+        ])?;
         let (hidden, q_dim, kv_dim) = (
             c.hidden_size,
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
         let norm = |name: &str| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(weights.vector(name, hidden)?, c.rms_norm_eps))
+            Ok(RmsNorm::new(source.vector(name, hidden)?, c.rms_norm_eps))
         };
-        let embed_tokens = weights.matrix("model.embed_tokens.weight", c.vocab_size, hidden)?;
+        // ANCHOR: load_projection
+        // One projection: its full shape, whether it has a bias, and how it is split.
+        let proj = |name: &str, in_f: usize, out_f: usize, bias: bool, split: Split| {
+            let spec = LinearSpec::whole(name, in_f, out_f, bias).with_shard(shard.spec(split));
+            loader.load(source, &spec)
+        };
+        // ANCHOR_END: load_projection
+        let embed_tokens = source.matrix("model.embed_tokens.weight", c.vocab_size, hidden)?;
 
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let attn = format!("{p}.self_attn");
             let mlp = format!("{p}.mlp");
+            let q_proj = proj(
+                &format!("{attn}.q_proj"),
+                hidden,
+                q_dim,
+                c.qkv_bias,
+                Split::Column,
+            )?;
+            let k_proj = proj(
+                &format!("{attn}.k_proj"),
+                hidden,
+                kv_dim,
+                c.qkv_bias,
+                Split::Column,
+            )?;
+            let v_proj = proj(
+                &format!("{attn}.v_proj"),
+                hidden,
+                kv_dim,
+                c.qkv_bias,
+                Split::Column,
+            )?;
+            let o_proj = proj(
+                &format!("{attn}.o_proj"),
+                q_dim,
+                hidden,
+                c.o_bias,
+                Split::Row,
+            )?;
+            let shape = attention_shape(i, c, [&*q_proj, &*k_proj, &*v_proj, &*o_proj])?;
+            let inter = c.intermediate_size;
             layers.push(DecoderLayer {
                 input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
                 self_attn: SelfAttention {
-                    q_proj: loader.load(
-                        weights,
-                        &format!("{attn}.q_proj"),
-                        hidden,
-                        q_dim,
-                        c.qkv_bias,
-                    )?,
-                    k_proj: loader.load(
-                        weights,
-                        &format!("{attn}.k_proj"),
-                        hidden,
-                        kv_dim,
-                        c.qkv_bias,
-                    )?,
-                    v_proj: loader.load(
-                        weights,
-                        &format!("{attn}.v_proj"),
-                        hidden,
-                        kv_dim,
-                        c.qkv_bias,
-                    )?,
-                    o_proj: loader.load(
-                        weights,
-                        &format!("{attn}.o_proj"),
-                        q_dim,
-                        hidden,
-                        c.o_bias,
-                    )?,
-                    shape: AttentionShape {
-                        num_heads: c.num_attention_heads,
-                        num_kv_heads: c.num_key_value_heads,
-                        head_dim: c.head_dim,
-                    },
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                    o_proj,
+                    shape,
                 },
                 post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
                 mlp: Mlp {
-                    gate_proj: loader.load(
-                        weights,
+                    gate_proj: proj(
                         &format!("{mlp}.gate_proj"),
                         hidden,
-                        c.intermediate_size,
+                        inter,
                         c.mlp_bias,
+                        Split::Column,
                     )?,
-                    up_proj: loader.load(
-                        weights,
+                    up_proj: proj(
                         &format!("{mlp}.up_proj"),
                         hidden,
-                        c.intermediate_size,
+                        inter,
                         c.mlp_bias,
+                        Split::Column,
                     )?,
-                    down_proj: loader.load(
-                        weights,
+                    down_proj: proj(
                         &format!("{mlp}.down_proj"),
-                        c.intermediate_size,
+                        inter,
                         hidden,
                         c.mlp_bias,
+                        Split::Row,
                     )?,
                 },
             });
@@ -289,10 +339,10 @@ impl Llama {
         // ANCHOR: lm_head
         // Tied embeddings: the output head reuses the input embedding matrix [vocab, hidden].
         let lm_head: Box<dyn Linear> =
-            if c.tie_word_embeddings && !weights.contains("lm_head.weight") {
+            if c.tie_word_embeddings && !source.contains("lm_head.weight") {
                 loader.build(embed_tokens.clone(), None)?
             } else {
-                loader.load(weights, "lm_head", hidden, c.vocab_size, false)?
+                proj("lm_head", hidden, c.vocab_size, false, Split::Whole)?
             };
         // ANCHOR_END: lm_head
 
@@ -303,6 +353,7 @@ impl Llama {
             layers,
             lm_head,
             config,
+            shard,
         })
     }
 
@@ -379,4 +430,62 @@ impl Llama {
         let logits = self.forward(tokens)?;
         Ok(logits.row(logits.nrows() - 1).to_owned())
     }
+}
+
+/// Layer `layer`'s attention shape, read from the projections the loader built (a shard has
+/// its local heads): `num_heads = q_proj.out / head_dim`, `num_kv_heads = k_proj.out / head_dim`.
+/// Checks that q, k, v and o agree with each other and with the hidden size, and that the query
+/// heads form whole groups over the key/value heads.
+fn attention_shape(
+    layer: usize,
+    c: &LlamaConfig,
+    [q, k, v, o]: [&dyn Linear; 4],
+) -> Result<AttentionShape> {
+    let fail = |message: String| Err(Error::InconsistentLayer { layer, message });
+    let d = c.head_dim;
+    let hidden = c.hidden_size;
+    if d == 0 || q.out_features() % d != 0 || k.out_features() % d != 0 {
+        return fail(format!(
+            "q_proj out_features {} and k_proj out_features {} must be multiples of head_dim {d}",
+            q.out_features(),
+            k.out_features()
+        ));
+    }
+    let shape = AttentionShape {
+        num_heads: q.out_features() / d,
+        num_kv_heads: k.out_features() / d,
+        head_dim: d,
+    };
+    if v.out_features() != k.out_features() {
+        return fail(format!(
+            "v_proj out_features {} differ from k_proj's {}",
+            v.out_features(),
+            k.out_features()
+        ));
+    }
+    if o.in_features() != q.out_features() {
+        return fail(format!(
+            "o_proj in_features {} differ from q_proj out_features {}",
+            o.in_features(),
+            q.out_features()
+        ));
+    }
+    if [
+        q.in_features(),
+        k.in_features(),
+        v.in_features(),
+        o.out_features(),
+    ] != [hidden; 4]
+    {
+        return fail(format!(
+            "q/k/v in_features and o_proj out_features must equal hidden_size {hidden}"
+        ));
+    }
+    if shape.num_kv_heads == 0 || shape.num_heads % shape.num_kv_heads != 0 {
+        return fail(format!(
+            "{} query heads do not form whole groups over {} key/value heads",
+            shape.num_heads, shape.num_kv_heads
+        ));
+    }
+    Ok(shape)
 }

@@ -1,21 +1,20 @@
-//! Safetensors checkpoints → f32 tensors.
+//! Safetensors checkpoints: the [`WeightSource`] of Hugging Face models.
 //!
 //! A checkpoint is either one `model.safetensors` or several shards listed in
 //! `model.safetensors.index.json` (`weight_map`: tensor name → file). Every file is memory-mapped
-//! and its header validated once, at [`Weights::open`]; a tensor is converted to f32 (from F32,
-//! F16 or BF16) only when the model asks for it, and its shape is checked against what the
-//! config implies.
+//! and its header validated once, at [`Weights::open`]; a tensor's bytes are only read when the
+//! model asks for it (borrowed from the map, never copied), and the source's provided methods
+//! check its shape against what the config implies before converting it to f32.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use half::{bf16, f16};
 use memmap2::Mmap;
-use ndarray::{Array1, Array2};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
+use crate::source::{RawTensor, TensorDtype, WeightSource};
 
 /// The tensors of one checkpoint directory. Invariant: every name in `location` maps to a file
 /// in `files` whose header lists that name.
@@ -90,14 +89,18 @@ impl Weights {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
 
-    /// Whether the checkpoint holds a tensor of this name.
-    pub fn contains(&self, name: &str) -> bool {
+impl WeightSource for Weights {
+    fn location(&self) -> &Path {
+        &self.dir
+    }
+
+    fn contains(&self, name: &str) -> bool {
         self.location.contains_key(name)
     }
 
-    /// Tensor `name` as f32 values in row-major order, after checking that its shape is `shape`.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    fn tensor(&self, name: &str) -> Result<RawTensor<'_>> {
         let &index = self
             .location
             .get(name)
@@ -106,59 +109,41 @@ impl Weights {
                 location: self.dir.clone(),
             })?;
         let (path, mmap) = &self.files[index];
-        let tensors = SafeTensors::deserialize(mmap).map_err(|e| Error::Safetensors {
+        let invalid = |message: String| Error::Safetensors {
             path: path.clone(),
-            message: e.to_string(),
+            message,
+        };
+        let tensors = SafeTensors::deserialize(mmap).map_err(|e| invalid(e.to_string()))?;
+        let view = tensors.tensor(name).map_err(|e| invalid(e.to_string()))?;
+        let dtype = tensor_dtype(view.dtype()).ok_or_else(|| {
+            invalid(format!(
+                "tensor `{name}` has dtype {:?}, whose elements are smaller than a byte",
+                view.dtype()
+            ))
         })?;
-        let view = tensors.tensor(name).map_err(|e| Error::Safetensors {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
-        if view.shape() != shape {
-            return Err(Error::ShapeMismatch {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                actual: view.shape().to_vec(),
-            });
-        }
-        to_f32(name, view.dtype(), view.data())
-    }
-
-    /// A 1-D tensor of length `n`.
-    pub fn vector(&self, name: &str, n: usize) -> Result<Array1<f32>> {
-        Ok(Array1::from_vec(self.get(name, &[n])?))
-    }
-
-    /// A 2-D tensor `[rows, cols]` (Hugging Face linear weights are `[out_features, in_features]`).
-    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Array2<f32>> {
-        let data = self.get(name, &[rows, cols])?;
-        Ok(Array2::from_shape_vec((rows, cols), data).expect("shape checked against the header"))
+        RawTensor::new(name, path, dtype, view.shape().to_vec(), view.data())
     }
 }
 
-/// Decodes little-endian F32/F16/BF16 bytes to f32 (the conversions are exact).
-// ANCHOR: to_f32
-fn to_f32(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
-    let values = match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(Error::UnsupportedDtype {
-                name: name.to_string(),
-                dtype: format!("{other:?}"),
-            });
-        }
-    };
-    Ok(values)
+/// safetensors' dtype → ours; `None` for the sub-byte floats (F4, F6), which kiln cannot read.
+fn tensor_dtype(dtype: Dtype) -> Option<TensorDtype> {
+    Some(match dtype {
+        Dtype::BOOL => TensorDtype::Bool,
+        Dtype::U8 => TensorDtype::U8,
+        Dtype::I8 => TensorDtype::I8,
+        Dtype::F8_E4M3 => TensorDtype::F8E4M3,
+        Dtype::F8_E5M2 => TensorDtype::F8E5M2,
+        Dtype::F8_E8M0 => TensorDtype::F8E8M0,
+        Dtype::I16 => TensorDtype::I16,
+        Dtype::U16 => TensorDtype::U16,
+        Dtype::F16 => TensorDtype::F16,
+        Dtype::BF16 => TensorDtype::BF16,
+        Dtype::I32 => TensorDtype::I32,
+        Dtype::U32 => TensorDtype::U32,
+        Dtype::F32 => TensorDtype::F32,
+        Dtype::I64 => TensorDtype::I64,
+        Dtype::U64 => TensorDtype::U64,
+        Dtype::F64 => TensorDtype::F64,
+        _ => return None,
+    })
 }
-// ANCHOR_END: to_f32
