@@ -88,7 +88,34 @@ fn bf16_kernels_equal_the_naive_product_on_bf16_rounded_weights() {
     kernels_equal_the_naive_product(WeightDtype::Bf16);
 }
 
-/// The fast layer agrees with chapter 1's dense layer (ndarray's product) as well.
+/// Every instruction set this CPU has computes the same layer as the portable one (one token on
+/// the decode kernel, several on the prefill kernel), and detection names one of them.
+#[test]
+fn detected_isa_agrees_with_the_portable_one() {
+    assert!(Isa::available().contains(&Isa::detect()));
+    assert_eq!(Isa::available()[0], Isa::Portable);
+    #[cfg(target_arch = "x86_64")]
+    assert_eq!(
+        Isa::avx2_fma().is_some(),
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    );
+    runner(50)
+        .run(&layer_and_input(), |(w, b, x)| {
+            for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
+                let portable = FastLinear::new(w.clone(), b.clone(), dtype)
+                    .with_isa(Isa::Portable)
+                    .forward(x.view());
+                let detected = FastLinear::new(w.clone(), b.clone(), dtype)
+                    .with_isa(Isa::detect())
+                    .forward(x.view());
+                let err = relative_l2(detected.as_slice().unwrap(), portable.as_slice().unwrap());
+                prop_assert!(err < 1e-5, "{dtype:?}: relative L2 {err:.2e}");
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
 /// No tokens in, no rows out (chapter 4's engine asks for no logits when a step only runs
 /// prompt chunks).
 #[test]
@@ -103,6 +130,7 @@ fn zero_tokens_give_zero_rows() {
     }
 }
 
+/// The fast layer agrees with chapter 1's dense layer (ndarray's product) as well.
 #[test]
 fn fast_linear_equals_the_dense_layer() {
     runner(100)
