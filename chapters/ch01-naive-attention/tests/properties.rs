@@ -1,5 +1,6 @@
 //! Property tests of the model's building blocks against straightforward references.
-//! Seeded (`PROPTEST_RNG_SEED` overrides) so a failure reproduces; shapes are random and
+//! Seeded so a failure reproduces (`PROPTEST_RNG_SEED`, `PROPTEST_CASES` and
+//! `KILN_PROPTEST_SCALE` override: see `testing::seeded_runner`); shapes are random and
 //! deliberately not multiples of anything.
 
 use ch01_naive_attention::attention::{AttentionShape, causal_attention, softmax_in_place};
