@@ -373,6 +373,64 @@ pub fn assert_rel_close(what: &str, actual: &[f32], expected: &[f32], tolerance:
     }
 }
 
+/// The largest logit's index and its lead over the runner-up (0 for a tie, NaN if a logit is
+/// NaN, and +∞ for a row of one logit).
+pub fn top2_margin(row: &[f32]) -> (usize, f32) {
+    let (mut best, mut first, mut second) = (0, f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() {
+            return (i, f32::NAN);
+        }
+        if v > first {
+            (best, first, second) = (i, v, first);
+        } else if v > second {
+            second = v;
+        }
+    }
+    (best, first - second)
+}
+
+/// Checks greedy tokens made by another implementation (`expected`) against this one's
+/// `logits` [T, vocab], computed with `expected` fed in (teacher forcing: row i is the
+/// distribution `expected[i]` was drawn from).
+///
+/// Two implementations whose logit rows agree within relative L2 `rel_l2` differ in any
+/// element by at most `rel_l2 · ‖row‖₂`, so their argmaxes can differ only where the top-2
+/// margin is at most twice that. A row with a larger margin must pick `expected[i]`; a row
+/// with a smaller one is a near tie that summation order may break either way, and is skipped.
+/// Returns the index of the first near tie (T if none): greedy generations by the two
+/// implementations must agree token for token before it, and may part after it.
+#[track_caller]
+pub fn assert_greedy_agrees(
+    what: &str,
+    logits: &[f32],
+    vocab: usize,
+    expected: &[u32],
+    rel_l2: f64,
+) -> usize {
+    assert_eq!(
+        logits.len(),
+        expected.len() * vocab,
+        "{what}: logits are [T, vocab]"
+    );
+    let mut first_tie = expected.len();
+    for (i, (row, &token)) in logits.chunks_exact(vocab).zip(expected).enumerate() {
+        let (argmax, margin) = top2_margin(row);
+        let norm = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+        let bound = 2.0 * rel_l2 * norm;
+        if (margin as f64) > bound {
+            assert_eq!(
+                argmax, token as usize,
+                "{what}: position {i}: argmax {argmax} leads by {margin:.3e} (> {bound:.1e}), \
+                 expected token {token}"
+            );
+        } else {
+            first_tie = first_tie.min(i);
+        }
+    }
+    first_tie
+}
+
 /// One golden case from `fixtures/golden/<name>.json` (written by `fixtures/scripts/make_golden.py`).
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct GoldenCase {
@@ -482,6 +540,19 @@ mod tests {
             assert_eq!(e.var, var);
             assert!(e.to_string().starts_with(var), "{e}");
         }
+    }
+
+    #[test]
+    fn greedy_agreement_skips_near_ties() {
+        assert_eq!(top2_margin(&[1.0, 3.0, 2.5]), (1, 0.5));
+        assert_eq!(top2_margin(&[3.0, 3.0]), (0, 0.0));
+        // Row 0 leads clearly; row 1 is a near tie at relative L2 1e-3 (bound ≈ 2e-3 · 4.2).
+        let logits = [0.0, 5.0, 1.0, 3.0, 3.001, 0.0];
+        assert_eq!(assert_greedy_agrees("t", &logits, 3, &[1, 0], 1e-3), 1);
+        assert_eq!(assert_greedy_agrees("t", &logits[..3], 3, &[1], 1e-3), 1);
+        let wrong =
+            std::panic::catch_unwind(|| assert_greedy_agrees("t", &logits, 3, &[2, 0], 1e-3));
+        assert!(wrong.is_err());
     }
 
     #[test]
