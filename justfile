@@ -50,6 +50,10 @@ chapter n:
 test:
     cargo test --workspace
 
+# The property suites with 10x their cases (`PROPTEST_RNG_SEED=<u64>` for other inputs too).
+soak:
+    KILN_PROPTEST_SCALE=10 cargo test --release --workspace
+
 # Build the book; `just book serve` serves it on localhost:3000.
 book action="build":
     @command -v mdbook >/dev/null || cargo install --locked mdbook@0.5.4

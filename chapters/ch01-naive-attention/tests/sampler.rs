@@ -8,18 +8,13 @@
 
 use approx::assert_abs_diff_eq;
 use ch01_naive_attention::sampler::*;
+use ch01_naive_attention::testing::seeded_config;
 use proptest::prelude::*;
-use proptest::test_runner::{RngAlgorithm, RngSeed};
 
-/// Fixed seed, no failure files: every run checks the same cases.
+/// Fixed seed ("kiln"), no failure files: every run checks the same cases, unless the
+/// environment grows or reseeds the run (see `seeded_config`).
 fn config() -> ProptestConfig {
-    ProptestConfig {
-        cases: 256,
-        failure_persistence: None,
-        rng_algorithm: RngAlgorithm::ChaCha,
-        rng_seed: RngSeed::Fixed(0x6b69_6c6e), // "kiln"
-        ..ProptestConfig::default()
-    }
+    seeded_config(256, 0x6b69_6c6e)
 }
 
 /// How many tokens a property test draws from one sampler.

@@ -166,7 +166,7 @@ fn attend_head_fastest<R: Fn(usize) -> usize>(
     scores: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::Isa::detect() != crate::kernels::Isa::Portable {
+    if let crate::kernels::Isa::Avx2Fma(_) = crate::kernels::Isa::detect() {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2<R: Fn(usize) -> usize>(
             kv: &Stored<R>,
@@ -178,7 +178,8 @@ fn attend_head_fastest<R: Fn(usize) -> usize>(
         ) {
             attend_head(kv, q_row, h, pos, out_h, scores)
         }
-        // SAFETY: `Isa::detect` found AVX2 and FMA on this CPU.
+        // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA on
+        // this CPU; `avx2` is safe Rust otherwise.
         return unsafe { avx2(kv, q_row, h, pos, out_h, scores) };
     }
     attend_head(kv, q_row, h, pos, out_h, scores)

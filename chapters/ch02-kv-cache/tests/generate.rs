@@ -1,7 +1,36 @@
-//! Generation with the cache gives exactly chapter 1's tokens, greedy and seeded.
+//! Generation with the cache gives chapter 1's tokens, greedy and seeded.
+//!
+//! The cached path sums attention in another order than chapter 1's recompute, so their logits
+//! agree within f32 rounding (relative L2 under 1e-5, `cached_equals_recompute.rs`), not bit for
+//! bit: greedy tokens are compared only up to the first near tie (`assert_greedy_agrees`).
 
+use ch01::testing::assert_greedy_agrees;
 use ch01::{GenerateOptions, Llama, SamplingParams, Tokenizer, fixtures_dir, generate};
 use ch02_kv_cache::{ContiguousKvCache, KvStore, generate_cached};
+
+/// Relative L2 within which the cached path's logits match chapter 1's.
+const CACHED_REL_L2: f64 = 1e-5;
+/// ... and chapter 1's match transformers' (`golden.rs` of chapter 1).
+const GOLDEN_REL_L2: f64 = 1e-4;
+
+/// The index of the first near tie in `expected` (greedy tokens after `prompt`), checking every
+/// other position's argmax on chapter 1's recomputed logits with the tokens fed in.
+fn first_near_tie(
+    model: &Llama,
+    prompt: &[u32],
+    expected: &[u32],
+    rel_l2: f64,
+    what: &str,
+) -> usize {
+    if expected.is_empty() {
+        return 0;
+    }
+    let fed: Vec<u32> = prompt.iter().chain(expected).copied().collect();
+    let logits = model.forward(&fed[..fed.len() - 1]).unwrap(); // [T, vocab]
+    let vocab = model.config.vocab_size;
+    let predicting = &logits.as_slice().unwrap()[(prompt.len() - 1) * vocab..];
+    assert_greedy_agrees(what, predicting, vocab, expected, rel_l2)
+}
 
 #[test]
 fn cached_generation_equals_recompute_generation() {
@@ -42,7 +71,22 @@ fn cached_generation_equals_recompute_generation() {
                 &mut |t| streamed.push_str(t),
             )
             .unwrap();
-            assert_eq!(cached.output_tokens, recomputed.output_tokens, "{name}");
+            if options.sampling.is_greedy() {
+                // Different kernels: equal by margin, up to the first near tie.
+                let agreed =
+                    first_near_tie(&model, &prompt, &cached.output_tokens, CACHED_REL_L2, name);
+                assert_eq!(
+                    cached.output_tokens[..agreed],
+                    recomputed.output_tokens[..agreed],
+                    "{name}"
+                );
+            } else {
+                // Different kernels, seeded sampling: equal by margin. A draw changes only if
+                // it lands within the logits' difference (~1e-6 relative) of a boundary between
+                // two tokens' cumulative probabilities, about 1e-6 per token: these fixed cases
+                // are known to clear it, and a change of seed or model may not.
+                assert_eq!(cached.output_tokens, recomputed.output_tokens, "{name}");
+            }
             assert_eq!(cached.text, streamed);
         }
     }
@@ -83,7 +127,16 @@ fn cached_generation_matches_the_golden_greedy_continuation() {
             &mut |_| {},
         )
         .unwrap();
-        assert_eq!(generation.output_tokens, ids("greedy_ids"));
+        // Different kernels (transformers' and ours): equal by margin, up to the first near tie.
+        let expected = ids("greedy_ids");
+        let agreed = first_near_tie(
+            &model,
+            &ids("input_ids"),
+            &expected,
+            GOLDEN_REL_L2 + CACHED_REL_L2,
+            "shakespeare-small golden",
+        );
+        assert_eq!(generation.output_tokens[..agreed], expected[..agreed]);
     }
 }
 

@@ -3,7 +3,7 @@
 //! allocations, sequence lengths that are not multiples of the block size, prefill chunks and
 //! decode steps; and running out of blocks is a typed error that writes nothing.
 
-use ch01::testing::{relative_l2, seeded_runner};
+use ch01::testing::{Tolerance, assert_close_shaped, seeded_runner};
 use ch01::{Llama, fixtures_dir};
 use ch02::{ContiguousKvCache, KvError, KvStore, forward_cached};
 use ch03_paged_blocks::{KvPool, PagedKv};
@@ -38,42 +38,56 @@ fn check_model(name: &str, cases: u32) {
     let model = Llama::load(&fixtures_dir().join(name)).unwrap();
     let vocab = model.config.vocab_size as u32;
     seeded_runner(cases, 31)
-        .run(&case(vocab), |(tokens, chunks, block_size, others, free)| {
-            let num_blocks = 64 + tokens.len();
-            let pool = KvPool::new(&model.config, block_size, num_blocks).unwrap();
-            let mut kv = PagedKv::new(pool, false);
-            // Scatter the free list: allocate some sequences, free some of them.
-            let mut earlier = Vec::new();
-            for (i, &len) in others.iter().enumerate() {
-                let seq = kv.start(&vec![1; len]).unwrap();
-                if free[i] { kv.free(seq) } else { earlier.push(seq) }
-            }
+        .run(
+            &case(vocab),
+            |(tokens, chunks, block_size, others, free)| {
+                let num_blocks = 64 + tokens.len();
+                let pool = KvPool::new(&model.config, block_size, num_blocks).unwrap();
+                let mut kv = PagedKv::new(pool, false);
+                // Scatter the free list: allocate some sequences, free some of them.
+                let mut earlier = Vec::new();
+                for (i, &len) in others.iter().enumerate() {
+                    let seq = kv.start(&vec![1; len]).unwrap();
+                    if free[i] {
+                        kv.free(seq)
+                    } else {
+                        earlier.push(seq)
+                    }
+                }
 
-            let mut contiguous = ContiguousKvCache::new(&model.config, tokens.len());
-            let mut seq = kv.start(&tokens[..chunks[0]]).unwrap();
-            let mut pos = 0;
-            for n in chunks {
-                let new = &tokens[pos..pos + n];
-                let expected = forward_cached(&model, new, &mut contiguous).unwrap(); // [n, vocab]
-                let actual = forward_cached(&model, new, &mut kv.store(&mut seq)).unwrap();
-                let err = relative_l2(actual.as_slice().unwrap(), expected.as_slice().unwrap());
-                prop_assert!(
-                    err < 1e-6,
-                    "{name}: block size {block_size}, chunk of {n} at {pos}: relative L2 {err:.2e}"
-                );
-                pos += n;
-                prop_assert_eq!(seq.table.num_tokens(), pos);
-            }
-            let mut live: Vec<_> = earlier.iter().map(|s| &s.table).collect();
-            live.push(&seq.table);
-            kv.manager().check_invariants(&live).map_err(TestCaseError::fail)?;
-            kv.free(seq);
-            for s in earlier {
-                kv.free(s);
-            }
-            prop_assert_eq!(kv.manager().num_free_blocks(), num_blocks);
-            Ok(())
-        })
+                let mut contiguous = ContiguousKvCache::new(&model.config, tokens.len());
+                let mut seq = kv.start(&tokens[..chunks[0]]).unwrap();
+                let mut pos = 0;
+                for n in chunks {
+                    let new = &tokens[pos..pos + n];
+                    let expected = forward_cached(&model, new, &mut contiguous).unwrap(); // [n, vocab]
+                    let actual = forward_cached(&model, new, &mut kv.store(&mut seq)).unwrap();
+                    // Bit-identical today (the same attention code reads rows through the block
+                    // table, in the same order, on the same chunks); compared within f32 rounding
+                    // so that a paged kernel summing in another order still passes.
+                    assert_close_shaped(
+                        &format!("{name}: block size {block_size}, chunk of {n} at {pos}"),
+                        actual.as_slice().unwrap(),
+                        expected.as_slice().unwrap(),
+                        &[n, vocab as usize],
+                        Tolerance::F32,
+                    );
+                    pos += n;
+                    prop_assert_eq!(seq.table.num_tokens(), pos);
+                }
+                let mut live: Vec<_> = earlier.iter().map(|s| &s.table).collect();
+                live.push(&seq.table);
+                kv.manager()
+                    .check_invariants(&live)
+                    .map_err(TestCaseError::fail)?;
+                kv.free(seq);
+                for s in earlier {
+                    kv.free(s);
+                }
+                prop_assert_eq!(kv.manager().num_free_blocks(), num_blocks);
+                Ok(())
+            },
+        )
         .unwrap();
 }
 

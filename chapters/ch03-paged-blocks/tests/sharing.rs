@@ -2,7 +2,7 @@
 //! of a cold run, and n forked branches sampling with their own seeds give the tokens that n
 //! independent runs with those seeds give.
 
-use ch01::testing::{relative_l2, seeded_runner};
+use ch01::testing::{assert_rel_close, seeded_runner};
 use ch01::{Llama, Sampler, SamplingParams, fixtures_dir};
 use ch02::cached::Workspace;
 use ch02::{CachedSession, ContiguousKvCache};
@@ -48,10 +48,13 @@ fn prefix_cache_hits_give_the_logits_of_a_cold_run() {
             let mut session =
                 CachedSession::new(&model, ContiguousKvCache::new(&model.config, prompt.len()));
             let cold = session.prefill(&prompt).unwrap().to_owned();
-            let err = relative_l2(hit.as_slice().unwrap(), cold.as_slice().unwrap());
-            prop_assert!(
-                err < 1e-5,
-                "{cached} cached positions: relative L2 {err:.2e}"
+            // The hit computes only the tail (one token may take the decode kernel), the cold
+            // run the whole prompt: other summation orders, so equal within f32 rounding.
+            assert_rel_close(
+                &format!("{cached} cached positions"),
+                hit.as_slice().unwrap(),
+                cold.as_slice().unwrap(),
+                1e-5,
             );
             kv.manager()
                 .check_invariants(&[&second.table])
@@ -117,6 +120,9 @@ fn forked_branches_equal_independent_runs() {
             let independent = sample_run(&mut sampler, &prompt, first_alone, steps, |token| {
                 alone.decode(token).unwrap().to_vec()
             });
+            // Bit-identical by design: both run chapter 2's cached forward on the same chunks
+            // with the same attention code (rows read through a block table or not) and the
+            // same seeded draws, and copy-on-write copies K/V exactly.
             assert_eq!(forked, independent, "block size {block_size}, seed {seed}");
         }
         let tables: Vec<_> = branches.iter().map(|b| &b.table).collect();

@@ -231,7 +231,7 @@ fn attend_row_fastest<K: KvElement>(
     match isa {
         Isa::Portable => attend_row(kv, row, q_r, out_r, scores),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => {
+        Isa::Avx2Fma(_) => {
             #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2<K: KvElement>(
                 kv: &LayerKv<K>,
@@ -242,7 +242,8 @@ fn attend_row_fastest<K: KvElement>(
             ) {
                 attend_row(kv, row, q_r, out_r, scores)
             }
-            // SAFETY: `Isa::Avx2Fma` is only constructed when the CPU has AVX2 and FMA.
+            // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA
+            // on this CPU (its proof field is private); `avx2` is safe Rust otherwise.
             unsafe { avx2(kv, row, q_r, out_r, scores) }
         }
     }

@@ -1,9 +1,13 @@
 //! The kernels' inner loops with AVX2 + FMA intrinsics: 8 f32 lanes per register, one fused
-//! multiply-add per lane per instruction. Callers must check the CPU has both (see `Isa`).
+//! multiply-add per lane per instruction.
+//!
+//! The kernels are safe functions: each takes an [`Avx2Fma`] proof that the CPU has both
+//! instruction sets (only run-time detection makes one) and checks the lengths its pointer
+//! arithmetic relies on, then calls its `unsafe` body compiled with those features.
 
 use std::arch::x86_64::*;
 
-use super::{MR, NR, WeightElement};
+use super::{Avx2Fma, MR, NR, WeightElement};
 
 /// 16 f32 weights as two 8-lane vectors.
 ///
@@ -12,6 +16,7 @@ use super::{MR, NR, WeightElement};
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn load16_f32(p: *const f32) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees AVX2 and 16 readable f32 at `p` (two unaligned 8-wide loads).
     unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) }
 }
 
@@ -25,6 +30,7 @@ pub unsafe fn load16_f32(p: *const f32) -> (__m256, __m256) {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn load16_bf16(p: *const u16) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees AVX2 and 16 readable u16 (32 bytes, one unaligned load) at `p`.
     unsafe {
         let bits = _mm256_loadu_si256(p as *const __m256i); // 16 × u16
         let zero = _mm256_setzero_si256();
@@ -38,15 +44,26 @@ pub unsafe fn load16_bf16(p: *const u16) -> (__m256, __m256) {
 /// `out[j] = Σ_k x[k] · panel[k][j]`, four `k` at a time into independent accumulators so that
 /// the fused multiply-adds do not wait on each other. `panel`: [in][NR], `x`: [in].
 ///
+/// Panics unless `panel.len() == x.len() * NR`.
+pub fn panel_matvec<W: WeightElement>(_cpu: Avx2Fma, panel: &[W], x: &[f32], out: &mut [f32; NR]) {
+    assert_eq!(panel.len(), x.len() * NR, "panel is [in][NR]");
+    // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
+    unsafe { panel_matvec_avx2(panel, x, out) }
+}
+
+/// [`panel_matvec`]'s body.
+///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `panel.len() == x.len() * NR`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR]) {
-    debug_assert_eq!(panel.len(), x.len() * NR);
+unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR]) {
     const UNROLL: usize = 4;
     let p = panel.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 2 * UNROLL];
     let main = x.len() / UNROLL * UNROLL;
+    // SAFETY: the caller guarantees AVX2 and FMA. Every `k` read is below `x.len()` (`main` is at
+    // most `x.len()`), so `panel[k * NR..][..NR]` is inside `panel` (`x.len() * NR` elements);
+    // `out` holds NR = 16 f32, the two 8-wide stores.
     unsafe {
         for k in (0..main).step_by(UNROLL) {
             for u in 0..UNROLL {
@@ -75,18 +92,37 @@ pub unsafe fn panel_matvec<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [
 /// `x`: [M, in] row-major (the tokens), `b`: [in][NR] (a weight panel), `c`: [MR][NR], of which
 /// rows `0..M` are written.
 ///
+/// Panics unless `b.len()` is a multiple of `NR` and `x.len() == M * b.len() / NR`; `M <= MR`
+/// is checked at compile time.
+pub fn tile_matmul<W: WeightElement, const M: usize>(
+    _cpu: Avx2Fma,
+    x: &[f32],
+    b: &[W],
+    c: &mut [f32; MR * NR],
+) {
+    const { assert!(M <= MR, "a tile holds at most MR tokens") };
+    assert!(b.len() % NR == 0, "b is [in][NR]");
+    assert_eq!(x.len(), M * (b.len() / NR), "x is [M, in]");
+    // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
+    unsafe { tile_matmul_avx2::<W, M>(x, b, c) }
+}
+
+/// [`tile_matmul`]'s body.
+///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `x.len() == M * b.len() / NR`, `M <= MR`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn tile_matmul<W: WeightElement, const M: usize>(
+unsafe fn tile_matmul_avx2<W: WeightElement, const M: usize>(
     x: &[f32],
     b: &[W],
     c: &mut [f32; MR * NR],
 ) {
     let k = b.len() / NR;
-    debug_assert!(M <= MR && x.len() == M * k);
     let (x, b) = (x.as_ptr(), b.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    // SAFETY: the caller guarantees AVX2 and FMA. For kk < k, `b[kk * NR..][..NR]` is inside `b`
+    // (`k * NR <= b.len()`); for r < M, `x[r * k + kk]` is inside `x` (`M * k` elements); and rows
+    // r < M <= MR of `c` ([MR][NR]) take the two 8-wide stores.
     unsafe {
         for kk in 0..k {
             let (b_lo, b_hi) = W::load16(b.add(kk * NR));

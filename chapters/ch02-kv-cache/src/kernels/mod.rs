@@ -16,8 +16,9 @@
 //!   and each tile is written straight into its place in `y`.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
-//! x86-64 CPUs that have them (checked at run time), and [`Isa::Portable`], plain Rust that any
-//! target compiles. Tests compare both with a naive product.
+//! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
+//! and [`Isa::Portable`], plain Rust that any target compiles. Tests compare both with a naive
+//! product.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -33,23 +34,42 @@ pub use packed::{NR, PackedWeight, WeightElement};
 pub const MR: usize = 6;
 
 /// Which implementation of the inner loops runs.
+///
+/// Invariant: an `Isa` names only instruction sets this CPU has. `Portable` runs anywhere; the
+/// `Avx2Fma` variant carries an [`Avx2Fma`] proof, which safe code can only get from
+/// [`Isa::avx2_fma`] (or [`Isa::detect`]) after run-time detection, so the kernels may use AVX2
+/// and FMA instructions whenever they are handed one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
     /// Plain Rust: correct everywhere, vectorised only as far as the compiler manages.
     Portable,
     /// x86-64 AVX2 and FMA intrinsics: 8 f32 lanes, fused multiply-add.
     #[cfg(target_arch = "x86_64")]
-    Avx2Fma,
+    Avx2Fma(Avx2Fma),
 }
+
+/// Proof that the CPU running this process has AVX2 and FMA. Its field is private, so the only
+/// way to get one is [`Isa::avx2_fma`], which makes it after `is_x86_feature_detected!` said so;
+/// copies of a proof stay true because a process does not change CPU features.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx2Fma(());
 
 impl Isa {
     /// The fastest implementation this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return Isa::Avx2Fma;
+        if let Some(isa) = Isa::avx2_fma() {
+            return isa;
         }
         Isa::Portable
+    }
+
+    /// [`Isa::Avx2Fma`] if this CPU has AVX2 and FMA (checked now, at run time), else `None`.
+    #[cfg(target_arch = "x86_64")]
+    pub fn avx2_fma() -> Option<Isa> {
+        (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+            .then_some(Isa::Avx2Fma(Avx2Fma(())))
     }
 
     /// Every implementation this CPU can run (what the tests compare).
@@ -85,9 +105,8 @@ pub fn matvec<W: WeightElement>(isa: Isa, w: &PackedWeight<W>, x: &[f32], y: &mu
                 let mut out = [0.0f32; NR];
                 match isa {
                     Isa::Portable => portable::panel_matvec(panel, x, &mut out),
-                    // SAFETY: `Isa::Avx2Fma` is only constructed when the CPU has AVX2 and FMA.
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2Fma => unsafe { avx2::panel_matvec(panel, x, &mut out) },
+                    Isa::Avx2Fma(cpu) => avx2::panel_matvec(cpu, panel, x, &mut out),
                 }
                 y_panel.copy_from_slice(&out[..y_panel.len()]); // the last panel may be partial
             }
@@ -112,7 +131,7 @@ pub fn matmul<W: WeightElement>(
         return; // nothing to compute (an engine step whose sequences all want no logits)
     }
     let tiles = tokens.div_ceil(MR);
-    let out = SharedOut(y.as_mut_ptr());
+    let out = SharedOut::new(y);
     let per_task = panels_per_task(w.num_panels());
     let tasks = w.num_panels().div_ceil(per_task);
     (0..tasks).into_par_iter().for_each(|task| {
@@ -127,9 +146,9 @@ pub fn matmul<W: WeightElement>(
                 let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
                 tile_matmul(isa, rows.len(), x_tile, b, &mut c);
                 for (r, c_row) in rows.zip(c.chunks_exact(NR)) {
-                    // SAFETY: `y` is [tokens, n] and outlives the parallel loop; element
-                    // (r, cols) belongs to panel p and tile r / MR, which only this
-                    // iteration of this task writes.
+                    // SAFETY: elements `r * n + cols` are in row r and the columns of panel
+                    // p; the tasks' panel ranges are disjoint and each (p, r) comes up once,
+                    // so no other reference to them exists while this one lives.
                     let y_row = unsafe { out.slice(r * n + cols.start, cols.len()) };
                     y_row.copy_from_slice(&c_row[..cols.len()]);
                 }
@@ -139,20 +158,42 @@ pub fn matmul<W: WeightElement>(
 }
 // ANCHOR_END: matmul
 
-/// The output of a [`matmul`], written by many tasks at once, each to its own elements.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
+/// The output `y` of a [`matmul`], written by many tasks at once, each to its own elements.
+/// It borrows `y` mutably for `'a`, so `y` outlives every task and nothing else touches it.
+struct SharedOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _y: std::marker::PhantomData<&'a mut [f32]>,
+}
 
-// SAFETY: tasks write disjoint elements (see the one use), and the buffer outlives them.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+// SAFETY: a `SharedOut` is a `&mut [f32]` split among tasks; [`SharedOut::slice`] checks every
+// range is inside the buffer, and its callers guarantee that no two live ranges overlap, so
+// sharing it across threads is sharing disjoint `&mut [f32]`, which is `Send` and `Sync`.
+unsafe impl Send for SharedOut<'_> {}
+unsafe impl Sync for SharedOut<'_> {}
 
-impl SharedOut {
+impl<'a> SharedOut<'a> {
+    fn new(y: &'a mut [f32]) -> Self {
+        SharedOut {
+            ptr: y.as_mut_ptr(),
+            len: y.len(),
+            _y: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `at..at + len` (panics if they are not all inside the buffer).
+    ///
     /// # Safety
-    /// `at..at + len` must be inside the buffer, and no other live reference may touch it.
+    /// No other live reference may touch `at..at + len` while the returned slice lives.
     #[allow(clippy::mut_from_ref)]
     unsafe fn slice(&self, at: usize, len: usize) -> &mut [f32] {
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+        assert!(
+            at <= self.len && len <= self.len - at,
+            "slice outside the output"
+        );
+        // SAFETY: the range is inside the buffer `y` borrowed for 'a (checked above), and the
+        // caller guarantees it is not aliased.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), len) }
     }
 }
 
@@ -167,24 +208,22 @@ fn tile_matmul<W: WeightElement>(
     c: &mut [f32; MR * NR],
 ) {
     macro_rules! with_height {
-        ($($kernel:ident)::+) => {
+        ($($kernel:ident)::+ ($($first:expr)?)) => {
             match m {
-                1 => $($kernel)::+::<W, 1>(x_tile, b, c),
-                2 => $($kernel)::+::<W, 2>(x_tile, b, c),
-                3 => $($kernel)::+::<W, 3>(x_tile, b, c),
-                4 => $($kernel)::+::<W, 4>(x_tile, b, c),
-                5 => $($kernel)::+::<W, 5>(x_tile, b, c),
-                6 => $($kernel)::+::<W, 6>(x_tile, b, c),
+                1 => $($kernel)::+::<W, 1>($($first,)? x_tile, b, c),
+                2 => $($kernel)::+::<W, 2>($($first,)? x_tile, b, c),
+                3 => $($kernel)::+::<W, 3>($($first,)? x_tile, b, c),
+                4 => $($kernel)::+::<W, 4>($($first,)? x_tile, b, c),
+                5 => $($kernel)::+::<W, 5>($($first,)? x_tile, b, c),
+                6 => $($kernel)::+::<W, 6>($($first,)? x_tile, b, c),
                 _ => unreachable!("tiles hold 1 to MR = 6 tokens"),
             }
         };
     }
     match isa {
-        Isa::Portable => with_height!(portable::tile_matmul),
-        // SAFETY: `Isa::Avx2Fma` is only constructed when the CPU has AVX2 and FMA; the caller
-        // passes `m` rows of `k` values and a panel of `k` rows.
+        Isa::Portable => with_height!(portable::tile_matmul()),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { with_height!(avx2::tile_matmul) },
+        Isa::Avx2Fma(cpu) => with_height!(avx2::tile_matmul(cpu)),
     }
 }
 

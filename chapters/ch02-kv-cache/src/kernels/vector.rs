@@ -130,12 +130,13 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 /// [`silu_mul`] compiled for AVX2 + FMA when the CPU has them.
 pub fn silu_mul_fastest(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if super::Isa::detect() != super::Isa::Portable {
+    if let super::Isa::Avx2Fma(_) = super::Isa::detect() {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2(gate: &mut [f32], up: &[f32]) {
             silu_mul(gate, up)
         }
-        // SAFETY: `Isa::detect` found AVX2 and FMA on this CPU.
+        // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA on
+        // this CPU; `avx2` is safe Rust otherwise.
         return unsafe { avx2(gate, up) };
     }
     silu_mul(gate, up)
