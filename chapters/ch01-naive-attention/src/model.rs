@@ -359,25 +359,11 @@ impl Llama {
 
     /// Checks that `tokens` can be run: non-empty, within the context, every id in the vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        if tokens.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if tokens.len() > self.config.max_position_embeddings {
-            return Err(Error::ContextOverflow {
-                len: tokens.len(),
-                max_len: self.config.max_position_embeddings,
-            });
-        }
-        if let Some(&id) = tokens
-            .iter()
-            .find(|&&id| id as usize >= self.config.vocab_size)
-        {
-            return Err(Error::TokenOutOfRange {
-                id,
-                vocab_size: self.config.vocab_size,
-            });
-        }
-        Ok(())
+        check_tokens(
+            tokens,
+            self.config.vocab_size,
+            self.config.max_position_embeddings,
+        )
     }
 
     /// Rows of the embedding table: tokens [T] → [T, hidden]. Ids must be checked first.
@@ -488,4 +474,23 @@ fn attention_shape(
         ));
     }
     Ok(shape)
+}
+
+/// Checks that `tokens` can be run by a model of `vocab_size` tokens and a context of `max_len`
+/// positions: non-empty, within the context, every id in the vocabulary. Every engine that
+/// accepts token ids (chapter 4's scheduler too) checks them with this one function.
+pub fn check_tokens(tokens: &[u32], vocab_size: usize, max_len: usize) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    if tokens.len() > max_len {
+        return Err(Error::ContextOverflow {
+            len: tokens.len(),
+            max_len,
+        });
+    }
+    match tokens.iter().find(|&&id| id as usize >= vocab_size) {
+        Some(&id) => Err(Error::TokenOutOfRange { id, vocab_size }),
+        None => Ok(()),
+    }
 }

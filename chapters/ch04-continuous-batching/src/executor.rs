@@ -56,22 +56,7 @@ impl ModelSpec {
     /// Checks that `tokens` can be run: non-empty, within the context, every id in the
     /// vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), ch01::Error> {
-        if tokens.is_empty() {
-            return Err(ch01::Error::EmptyPrompt);
-        }
-        if tokens.len() > self.max_model_len {
-            return Err(ch01::Error::ContextOverflow {
-                len: tokens.len(),
-                max_len: self.max_model_len,
-            });
-        }
-        match tokens.iter().find(|&&id| id as usize >= self.vocab_size) {
-            Some(&id) => Err(ch01::Error::TokenOutOfRange {
-                id,
-                vocab_size: self.vocab_size,
-            }),
-            None => Ok(()),
-        }
+        ch01::model::check_tokens(tokens, self.vocab_size, self.max_model_len)
     }
 }
 
