@@ -87,6 +87,25 @@ fn generate_streams_text_and_reports_speed() {
     assert_eq!(output.stdout, again.stdout, "same seed, same text");
 }
 
+/// One prompt runs on chapter 3's f32 cache: `--dtype bf16` weights with the default
+/// `--kv-cache-dtype auto` keep it (auto means f32 there), while asking for a bf16 cache on that
+/// path is refused with the way to get one.
+#[test]
+fn one_prompt_with_bf16_weights_uses_the_f32_cache() {
+    let model = fixtures_dir().join("random/gqa");
+    let model = model.to_str().unwrap();
+    let base = [
+        "generate", "--model", model, "--prompt", "ROMEO.", "--max-tokens", "4", "--dtype", "bf16",
+    ];
+    let output = kiln(&base);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stderr(&output).contains("MiB of f32"), "{}", stderr(&output));
+
+    let mut args = base.to_vec();
+    args.extend(["--kv-cache-dtype", "bf16"]);
+    assert_fails_with(&args, "--prompts-file");
+}
+
 /// Runs kiln with `args`; it must fail, say `needle` on stderr, and not panic.
 #[track_caller]
 fn assert_fails_with(args: &[&str], needle: &str) {

@@ -15,8 +15,9 @@ pub struct KvArgs {
     /// Positions per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Storage of the cached keys and values: auto (the --dtype of the weights), f32, or bf16
-    /// (twice the tokens in the same memory; attention still computes in f32).
+    /// Storage of the cached keys and values: auto (the --dtype of the weights on the engine;
+    /// f32 for one --prompt, which runs on chapter 3's f32 cache), f32, or bf16 (twice the
+    /// tokens in the same memory; attention still computes in f32).
     #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "bf16"])]
     pub kv_cache_dtype: String,
 }

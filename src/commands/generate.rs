@@ -134,7 +134,8 @@ fn run_one(
     let mut paged = None;
     if !(args.recompute || args.contiguous) {
         let config = &loaded.model.config;
-        let cache = args.kv.cache(config, &args.model.dtype)?;
+        // Chapter 3's pool stores f32, so `auto` means f32 here whatever the weights' dtype.
+        let cache = args.kv.cache(config, "f32")?;
         if cache.dtype != KvDtype::F32 {
             anyhow::bail!(
                 "one prompt runs on chapter 3's f32 cache: --kv-cache-dtype {} needs chapter 4's \
