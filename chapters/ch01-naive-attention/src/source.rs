@@ -19,11 +19,20 @@ use ndarray::{Array1, Array2};
 
 use crate::error::{Error, Result};
 
-/// The element type of a stored tensor. Every variant is a whole number of bytes per element,
-/// stored little-endian; formats with smaller elements (4- and 6-bit floats) are rejected by the
-/// source with an error naming the tensor.
+/// The element type of a stored tensor. Every variant but [`TensorDtype::Blocks`] is a whole
+/// number of bytes per element, stored little-endian; formats with smaller elements (4- and
+/// 6-bit floats) are rejected by the source with an error naming the tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TensorDtype {
+    /// A block-quantized format (GGUF's Q8_0, Q4_K, ..., chapter 5): each run of `block_elems`
+    /// consecutive elements of the innermost dimension is stored in `block_bytes` bytes.
+    /// `format` names the format for the loader that knows it (GGUF's type id); this chapter
+    /// only checks sizes and never decodes one.
+    Blocks {
+        format: u32,
+        block_elems: usize,
+        block_bytes: usize,
+    },
     Bool,
     U8,
     I8,
@@ -46,28 +55,61 @@ pub enum TensorDtype {
 }
 
 impl TensorDtype {
-    /// Bytes per element.
-    pub const fn size_bytes(self) -> usize {
+    /// Bytes per element; `None` for [`TensorDtype::Blocks`], whose elements share bytes.
+    pub const fn size_bytes(self) -> Option<usize> {
         use TensorDtype::*;
-        match self {
+        Some(match self {
             Bool | U8 | I8 | F8E4M3 | F8E5M2 | F8E8M0 => 1,
             I16 | U16 | F16 | BF16 => 2,
             I32 | U32 | F32 => 4,
             I64 | U64 | F64 => 8,
+            Blocks { .. } => return None,
+        })
+    }
+
+    /// Bytes that hold a tensor of `shape`; `None` when the count overflows, or when a block
+    /// format's innermost dimension is not a whole number of blocks.
+    pub fn storage_bytes(self, shape: &[usize]) -> Option<usize> {
+        match self {
+            TensorDtype::Blocks {
+                block_elems,
+                block_bytes,
+                ..
+            } => {
+                let (&inner, outer) = shape.split_last()?;
+                if block_elems == 0 || inner % block_elems != 0 {
+                    return None;
+                }
+                let row = (inner / block_elems).checked_mul(block_bytes)?;
+                outer.iter().try_fold(row, |n, &d| n.checked_mul(d))
+            }
+            dense => {
+                let size = dense.size_bytes()?;
+                shape.iter().try_fold(size, |n, &d| n.checked_mul(d))
+            }
         }
     }
 }
 
 impl std::fmt::Display for TensorDtype {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Debug::fmt(self, f)
+        match self {
+            TensorDtype::Blocks {
+                format,
+                block_elems,
+                block_bytes,
+            } => write!(
+                f,
+                "block format {format} ({block_elems} elements in {block_bytes} bytes)"
+            ),
+            dense => std::fmt::Debug::fmt(dense, f),
+        }
     }
 }
 
 /// One tensor as stored: dtype, shape and little-endian bytes in row-major order.
 ///
-/// Invariant (checked by [`RawTensor::new`]): `bytes.len() == shape.iter().product() *
-/// dtype.size_bytes()`. The bytes may be borrowed from a memory map and carry no alignment
+/// Invariant (checked by [`RawTensor::new`]): `bytes.len() == dtype.storage_bytes(shape)`. The bytes may be borrowed from a memory map and carry no alignment
 /// guarantee: decode them with `from_le_bytes`, never by casting the slice.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RawTensor<'a> {
@@ -87,10 +129,7 @@ impl<'a> RawTensor<'a> {
         bytes: impl Into<Cow<'a, [u8]>>,
     ) -> Result<Self> {
         let bytes = bytes.into();
-        let expected = shape
-            .iter()
-            .try_fold(dtype.size_bytes(), |n, &d| n.checked_mul(d));
-        if expected != Some(bytes.len()) {
+        if dtype.storage_bytes(&shape) != Some(bytes.len()) {
             return Err(Error::Tensor {
                 name: name.to_string(),
                 location: location.to_path_buf(),
@@ -188,7 +227,12 @@ pub trait WeightSource: Send + Sync {
                 "block rows {rows:?}, columns {cols:?} lie outside tensor `{name}` of shape {shape:?}"
             )));
         }
-        let size = raw.dtype.size_bytes();
+        let Some(size) = raw.dtype.size_bytes() else {
+            return Err(Error::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: raw.dtype.to_string(),
+            });
+        };
         let mut values = Vec::with_capacity(rows.len() * cols.len());
         for r in rows.clone() {
             let start = (r * width + cols.start) * size;

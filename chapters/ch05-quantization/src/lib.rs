@@ -1,0 +1,13 @@
+//! # Chapter 5: quantization
+//!
+//! Decode reads every weight once per token (chapter 2's roofline), so the bytes per weight set
+//! the speed limit. This chapter stores weights in llama.cpp's block formats, reads and writes
+//! GGUF files natively, and multiplies with integer dot products.
+//!
+//! | module     | what it does                                                              |
+//! |------------|---------------------------------------------------------------------------|
+//! | [`format`] | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
+
+pub mod format;
+
+pub use format::GgmlType;
