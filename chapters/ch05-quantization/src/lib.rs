@@ -7,7 +7,10 @@
 //! | module     | what it does                                                              |
 //! |------------|---------------------------------------------------------------------------|
 //! | [`format`] | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
+//! | [`blocks`] | the block formats: [`dequantize`](blocks::dequantize) and round-to-nearest encoding |
 
+pub mod blocks;
 pub mod format;
 
+pub use blocks::BlockError;
 pub use format::GgmlType;
