@@ -337,13 +337,15 @@ impl Llama {
         }
 
         // ANCHOR: lm_head
-        // Tied embeddings: the output head reuses the input embedding matrix [vocab, hidden].
-        let lm_head: Box<dyn Linear> =
-            if c.tie_word_embeddings && !source.contains("lm_head.weight") {
-                loader.build(embed_tokens.clone(), None)?
-            } else {
-                proj("lm_head", hidden, c.vocab_size, false, Split::Whole)?
-            };
+        // Tied embeddings: the output head is the input embedding matrix [vocab, hidden], loaded
+        // a second time as a projection, so the loader stores it in its own format (chapter 5
+        // keeps a quantized embedding quantized for the head).
+        let head = if c.tie_word_embeddings && !source.contains("lm_head.weight") {
+            "model.embed_tokens"
+        } else {
+            "lm_head"
+        };
+        let lm_head = proj(head, hidden, c.vocab_size, false, Split::Whole)?;
         // ANCHOR_END: lm_head
 
         Ok(Llama {
