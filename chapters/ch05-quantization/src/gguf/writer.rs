@@ -234,3 +234,182 @@ impl<W: Write> CountingWriter<'_, W> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::file::GgufFile;
+    use crate::gguf::value::{GgufArray, GgufValueType};
+
+    /// One key of every value type, including empty and nested arrays.
+    fn every_value() -> Vec<(String, GgufValue)> {
+        let nested = GgufValue::Array(
+            GgufArray::new(
+                GgufValueType::Array,
+                vec![
+                    GgufValue::array([1u32, 2, 3]),
+                    GgufValue::strings(["a", "bc"]),
+                    GgufValue::array(Vec::<f64>::new()),
+                ],
+            )
+            .unwrap(),
+        );
+        vec![
+            ("u8".into(), GgufValue::U8(200)),
+            ("i8".into(), GgufValue::I8(-100)),
+            ("u16".into(), GgufValue::U16(60_000)),
+            ("i16".into(), GgufValue::I16(-30_000)),
+            ("u32".into(), GgufValue::U32(4_000_000_000)),
+            ("i32".into(), GgufValue::I32(-2_000_000_000)),
+            ("u64".into(), GgufValue::U64(u64::MAX)),
+            ("i64".into(), GgufValue::I64(i64::MIN)),
+            ("f32".into(), GgufValue::F32(-1.5e-7)),
+            ("f64".into(), GgufValue::F64(std::f64::consts::PI)),
+            ("bool.true".into(), GgufValue::Bool(true)),
+            ("bool.false".into(), GgufValue::Bool(false)),
+            ("string".into(), GgufValue::from("héllo ▁ 🦀")),
+            ("string.empty".into(), GgufValue::from("")),
+            ("array.i32".into(), GgufValue::array([-1i32, 0, 7])),
+            ("array.bool".into(), GgufValue::array([true, false])),
+            (
+                "array.empty".into(),
+                GgufValue::strings(Vec::<String>::new()),
+            ),
+            ("array.nested".into(), nested),
+        ]
+    }
+
+    #[test]
+    fn every_metadata_type_round_trips() {
+        let mut w = GgufWriter::new();
+        for (k, v) in every_value() {
+            w.add_metadata(k, v).unwrap();
+        }
+        let file = GgufFile::from_bytes("mem.gguf", w.to_bytes()).unwrap();
+        assert_eq!(file.version(), 3);
+        assert_eq!(file.metadata(), &every_value()[..]);
+        assert!(file.tensors().is_empty());
+    }
+
+    #[test]
+    fn tensors_round_trip_aligned_with_their_bytes() {
+        for alignment in [None, Some(64u32), Some(1)] {
+            let mut w = GgufWriter::new();
+            if let Some(a) = alignment {
+                w.add_metadata(ALIGNMENT_KEY, a).unwrap();
+            }
+            w.add_metadata("general.architecture", "llama").unwrap();
+            let f32s: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
+            let q8: Vec<u8> = (0..2 * 34).map(|i| i as u8).collect();
+            let one = vec![7u8; 2];
+            w.add_tensor("a", GgmlType::F32, &[2, 3], f32s.clone())
+                .unwrap();
+            w.add_tensor("b", GgmlType::Q8_0, &[2, 32], q8.clone())
+                .unwrap();
+            w.add_tensor("c", GgmlType::F16, &[1, 1, 1, 1], one.clone())
+                .unwrap();
+            let file = GgufFile::from_bytes("mem.gguf", w.to_bytes()).unwrap();
+            let align = u64::from(alignment.unwrap_or(32));
+            assert_eq!(file.alignment(), align);
+            assert_eq!(file.data_offset() as u64 % align, 0);
+            let t: Vec<_> = file
+                .tensors()
+                .iter()
+                .map(|t| (t.name.as_str(), t.ty, t.shape()))
+                .collect();
+            assert_eq!(
+                t,
+                [
+                    ("a", GgmlType::F32, vec![2, 3]),
+                    ("b", GgmlType::Q8_0, vec![2, 32]),
+                    ("c", GgmlType::F16, vec![1, 1, 1, 1]),
+                ]
+            );
+            assert_eq!(
+                file.tensor_info("a").unwrap().dims,
+                [3, 2],
+                "stored fastest first"
+            );
+            for (name, bytes) in [("a", &f32s), ("b", &q8), ("c", &one)] {
+                let (info, data) = file.tensor(name).unwrap();
+                assert_eq!(data, &bytes[..], "{name}");
+                assert_eq!(info.offset % align, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn write_renames_into_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let mut w = GgufWriter::new();
+        w.add_metadata("k", 1u8).unwrap();
+        w.write(&path).unwrap();
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["m.gguf"], "no temporary file left behind");
+        assert_eq!(GgufFile::open(&path).unwrap().get_u32("k").unwrap(), 1);
+    }
+
+    #[test]
+    fn the_writer_refuses_what_it_cannot_write() {
+        let mut w = GgufWriter::new();
+        w.add_metadata("k", 1u8).unwrap();
+        assert!(w.add_metadata("k", 2u8).is_err(), "duplicate key");
+        assert!(
+            w.add_metadata(ALIGNMENT_KEY, 48u32).is_err(),
+            "alignment not a power of two"
+        );
+        assert!(
+            w.add_tensor("t", GgmlType::F32, &[2], vec![0; 4]).is_err(),
+            "too few bytes"
+        );
+        assert!(
+            w.add_tensor("t", GgmlType::Q8_0, &[1, 33], vec![0; 34])
+                .is_err(),
+            "partial block"
+        );
+        assert!(
+            w.add_tensor("t", GgmlType::F32, &[1; 5], vec![0; 4])
+                .is_err(),
+            "5 dims"
+        );
+        w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]).unwrap();
+        assert!(
+            w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]).is_err(),
+            "duplicate tensor"
+        );
+    }
+
+    #[test]
+    fn typed_getters_accept_any_integer_that_fits_and_name_the_key() {
+        let mut w = GgufWriter::new();
+        w.add_metadata("small", 7u8).unwrap();
+        w.add_metadata("negative", -1i32).unwrap();
+        w.add_metadata("name", "x").unwrap();
+        w.add_metadata("eps", 1e-5f32).unwrap();
+        w.add_metadata("tokens", GgufValue::strings(["a", "b"]))
+            .unwrap();
+        let f = GgufFile::from_bytes("mem.gguf", w.to_bytes()).unwrap();
+        assert_eq!(f.get_u32("small").unwrap(), 7);
+        assert_eq!(f.get_u64("small").unwrap(), 7);
+        assert_eq!(f.get_i64("negative").unwrap(), -1);
+        assert_eq!(f.get_f32("eps").unwrap(), 1e-5);
+        assert_eq!(f.get_f64("eps").unwrap(), f64::from(1e-5f32));
+        assert_eq!(f.get_str_array("tokens").unwrap(), ["a", "b"]);
+        assert_eq!(f.opt_u32("absent").unwrap(), None);
+        let e = f.get_u32("negative").unwrap_err().to_string();
+        assert!(e.contains("`negative`") && e.contains("I32"), "{e}");
+        let e = f.get_str("absent").unwrap_err();
+        assert!(
+            matches!(e, GgufError::MissingKey { ref key, .. } if key == "absent"),
+            "{e}"
+        );
+        assert!(matches!(
+            f.get_str("small"),
+            Err(GgufError::WrongType { .. })
+        ));
+    }
+}
