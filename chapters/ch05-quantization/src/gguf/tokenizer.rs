@@ -30,11 +30,12 @@ use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{BPE, Merges, Vocab};
+use tokenizers::normalizers::prepend::Prepend;
 use tokenizers::normalizers::replace::Replace;
+use tokenizers::normalizers::utils::Sequence as NormalizerSequence;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
@@ -337,17 +338,19 @@ fn sentencepiece_bpe(
         .build()
         .map_err(|e| tokenizer_error(path, e.to_string()))?;
 
+    // Spaces become `▁`, and each stretch of text between special tokens gets one `▁` in
+    // front when `add_space_prefix` (as llama.cpp does); the whole stretch is one BPE word.
     let add_space_prefix = file
         .opt_bool("tokenizer.ggml.add_space_prefix")?
         .unwrap_or(true);
-    let scheme = if add_space_prefix {
-        PrependScheme::First
-    } else {
-        PrependScheme::Never
-    };
-    let replace = Replace::new("▁", " ").map_err(|e| tokenizer_error(path, e.to_string()))?;
+    let fail = |e: tokenizers::Error| tokenizer_error(path, e.to_string());
+    let mut normalizers = Vec::new();
+    if add_space_prefix {
+        normalizers.push(Prepend::new("▁".to_string()).into());
+    }
+    normalizers.push(Replace::new(" ", "▁").map_err(fail)?.into());
     let mut decoders = vec![
-        replace.into(),
+        Replace::new("▁", " ").map_err(fail)?.into(),
         ByteFallback::new().into(),
         Fuse::new().into(),
     ];
@@ -355,7 +358,7 @@ fn sentencepiece_bpe(
         decoders.push(Strip::new(' ', 1, 0).into());
     }
     let mut tokenizer = tokenizers::Tokenizer::new(bpe);
-    tokenizer.with_pre_tokenizer(Some(Metaspace::new('▁', scheme, false)));
+    tokenizer.with_normalizer(Some(NormalizerSequence::new(normalizers)));
     tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
     Ok(tokenizer)
 }
