@@ -412,7 +412,7 @@ fn exercise(bytes: Vec<u8>) {
                 "model.norm.weight",
             ] {
                 if let Ok(raw) = source.tensor(name) {
-                    let _ = source.get(name, &raw.shape().to_vec());
+                    let _ = source.get(name, raw.shape());
                 }
             }
         }
@@ -436,7 +436,7 @@ fn the_valid_fuzz_seed_loads() {
 }
 
 proptest! {
-    #![proptest_config(seeded_config(256, 0x6767_7566))]
+    #![proptest_config(seeded_config(2048, 0x6767_7566))]
 
     #[test]
     fn flipped_bytes_never_panic(flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..12)) {
@@ -464,4 +464,34 @@ proptest! {
         bytes.truncate(at.index(bytes.len()));
         exercise(bytes);
     }
+}
+
+/// A zero dimension is a valid, empty tensor (found by `extreme_words_never_panic`).
+#[test]
+fn zero_sized_tensors_decode_to_nothing() {
+    let mut w = GgufWriter::new();
+    w.add_metadata("general.architecture", "llama").unwrap();
+    w.add_metadata("llama.attention.head_count", 1u32).unwrap();
+    w.add_tensor("output_norm.weight", GgmlType::F32, &[0], Vec::new())
+        .unwrap();
+    w.add_tensor("token_embd.weight", GgmlType::Q8_0, &[0, 32], Vec::new())
+        .unwrap();
+    let source = GgufSource::new(GgufFile::from_bytes("zero.gguf", w.to_bytes()).unwrap()).unwrap();
+    assert_eq!(
+        source.get("model.norm.weight", &[0]).unwrap(),
+        Vec::<f32>::new()
+    );
+    assert_eq!(
+        source
+            .matrix("model.embed_tokens.weight", 0, 32)
+            .unwrap()
+            .len(),
+        0
+    );
+    // A row too long to count in bytes overflows even when there are no rows (found by
+    // `flipped_bytes_never_panic`: the byte count used to overflow unchecked).
+    let e = f32_tensor("t", &[1 << 62, 0], 0).err();
+    assert!(matches!(e, GgufError::ShapeOverflow { .. }), "{e}");
+    let e = f32_tensor("t", &[1 << 62, 1], 0).err();
+    assert!(matches!(e, GgufError::ShapeOverflow { .. }), "{e}");
 }

@@ -83,8 +83,12 @@ impl GgufTensorInfo {
     }
 
     /// Bytes of one row.
+    /// Bytes of one row (checked when reading; 0 if the info did not come from the reader and
+    /// the count overflows).
     pub fn row_bytes(&self) -> usize {
-        self.ty.row_bytes(self.row_len()).unwrap_or(0)
+        (self.row_len() / self.ty.block_elems())
+            .checked_mul(self.ty.block_bytes())
+            .unwrap_or(0)
     }
 }
 
@@ -666,18 +670,22 @@ impl<'a> Reader<'a> {
             .filter(|&n| n <= limit && dims.iter().all(|&d| d <= limit))
             .ok_or_else(overflow)?;
         let row_len = dims[0];
-        let Some(row_bytes) = ty.row_bytes(row_len as usize) else {
+        let (block_elems, block_bytes) = (ty.block_elems() as u64, ty.block_bytes() as u64);
+        if row_len % block_elems != 0 {
             return Err(GgufError::PartialBlock {
                 path: self.path.to_path_buf(),
                 tensor: name,
                 ty,
                 row_len,
             });
-        };
+        }
+        // Bytes: blocks per row × block bytes × rows, each product checked.
         let rows = elements.checked_div(row_len).unwrap_or(0);
-        let size = (rows as usize)
-            .checked_mul(row_bytes)
-            .filter(|&s| s as u64 <= limit)
+        let size = (row_len / block_elems)
+            .checked_mul(block_bytes)
+            .and_then(|row_bytes| row_bytes.checked_mul(rows))
+            .filter(|&s| s <= limit)
+            .and_then(|s| usize::try_from(s).ok())
             .ok_or_else(overflow)?;
         Ok(GgufTensorInfo {
             name,

@@ -287,6 +287,9 @@ impl WeightSource for GgufSource {
                 actual: raw.shape().to_vec(),
             });
         }
+        if raw.is_empty() {
+            return Ok(Vec::new()); // a zero dimension: nothing to decode
+        }
         let ty = self.ggml_type(name).ok_or_else(|| self.missing(name))?;
         let mut out = vec![0.0f32; raw.len()];
         blocks::dequantize(ty, raw.bytes(), &mut out).map_err(|e| self.block_error(name, e))?;
