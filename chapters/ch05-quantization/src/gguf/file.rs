@@ -166,7 +166,8 @@ impl GgufFile {
         &self.path
     }
 
-    /// 2 or 3 (they differ only in byte order markers kiln does not support: both little-endian).
+    /// 2 or 3: the same layout. (A big-endian file's version reads as a huge number and is
+    /// refused as unsupported.)
     pub fn version(&self) -> u32 {
         self.version
     }
