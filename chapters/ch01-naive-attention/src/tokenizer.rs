@@ -50,6 +50,27 @@ impl Tokenizer {
         Ok(tokenizer)
     }
 
+    /// A tokenizer built by other means than a `tokenizer.json` (chapter 5 builds one from a
+    /// GGUF file's metadata); `path` names the file it came from in errors.
+    pub fn from_parts(
+        inner: tokenizers::Tokenizer,
+        path: PathBuf,
+        bos_token_id: Option<u32>,
+        eos_token_id: Option<u32>,
+    ) -> Self {
+        Tokenizer {
+            inner,
+            path,
+            bos_token_id,
+            eos_token_id,
+        }
+    }
+
+    /// The `tokenizers` tokenizer inside.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// `config[key]` is a token string or `{"content": string, ...}`; it must be in the vocabulary.
     fn special_id(&self, config: &Value, key: &str, path: &Path) -> Result<Option<u32>> {
         let token = match config.get(key) {

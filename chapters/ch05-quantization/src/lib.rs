@@ -8,9 +8,15 @@
 //! |------------|---------------------------------------------------------------------------|
 //! | [`format`] | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
 //! | [`blocks`] | the block formats: [`dequantize`](blocks::dequantize) and round-to-nearest encoding |
+//! | [`gguf`]   | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
 
 pub mod blocks;
 pub mod format;
+pub mod gguf;
 
 pub use blocks::BlockError;
 pub use format::GgmlType;
+pub use gguf::{
+    GgufError, GgufFile, GgufModel, GgufSource, GgufTensorInfo, GgufValue, GgufValueType,
+    GgufWriter, load_gguf,
+};

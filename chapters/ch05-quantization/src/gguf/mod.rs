@@ -1,0 +1,29 @@
+//! GGUF, llama.cpp's single-file model format, read and written natively.
+//!
+//! | module        | what it does                                                             |
+//! |---------------|--------------------------------------------------------------------------|
+//! | [`value`]     | [`GgufValue`]: the thirteen metadata value types                          |
+//! | [`file`]      | [`GgufFile`]: the memory-mapped reader, every length checked before use   |
+//! | [`writer`]    | [`GgufWriter`]: metadata and encoded tensors → a version-3 file           |
+//! | [`config`]    | metadata → chapter 1's [`ch01::LlamaConfig`]                              |
+//! | [`source`]    | [`GgufSource`]: the file as a [`ch01::WeightSource`] with Hugging Face names |
+//! | [`tokenizer`] | `tokenizer.ggml.*` → a [`ch01::Tokenizer`] (byte-level or SentencePiece BPE) |
+//! | [`model`]     | [`load_gguf`]: model, tokenizer, stop tokens and chat template in one call |
+//! | [`error`]     | [`GgufError`]: what is wrong, naming the file and the key or tensor       |
+
+pub mod config;
+pub mod error;
+pub mod file;
+pub mod model;
+pub mod source;
+pub mod tokenizer;
+pub mod value;
+pub mod writer;
+
+pub use config::{GgufArch, llama_config};
+pub use error::{GgufError, GgufResult};
+pub use file::{GgufFile, GgufTensorInfo};
+pub use model::{GgufModel, load_gguf};
+pub use source::{GgufSource, gguf_name, hf_name};
+pub use value::{GgufArray, GgufValue, GgufValueType};
+pub use writer::GgufWriter;

@@ -1,0 +1,38 @@
+//! A whole model from one GGUF file: config, weights, tokenizer, stop tokens, chat template.
+
+use std::path::Path;
+
+use ch01::{LinearLoader, Llama, TensorParallel, Tokenizer};
+
+use super::config::llama_config;
+use super::error::GgufResult;
+use super::source::GgufSource;
+use super::tokenizer::{chat_template, eos_token_ids, load_tokenizer};
+
+/// Everything a server needs from a GGUF file.
+pub struct GgufModel {
+    pub model: Llama,
+    pub tokenizer: Tokenizer,
+    /// Tokens that end a generation (EOS, and the end-of-turn token when the file has one).
+    pub eos_token_ids: Vec<u32>,
+    /// `tokenizer.chat_template`, when present.
+    pub chat_template: Option<String>,
+}
+
+/// Loads the model in `path`, with `loader` choosing each projection's kind. With chapter 1's
+/// `DenseLoader` every weight is decoded to f32 (through [`crate::blocks::dequantize`]).
+pub fn load_gguf(path: &Path, loader: &dyn LinearLoader) -> GgufResult<GgufModel> {
+    let source = GgufSource::open(path)?;
+    let file = source.file();
+    let config = llama_config(file)?;
+    let tokenizer = load_tokenizer(file)?;
+    let eos_token_ids = eos_token_ids(file)?;
+    let chat_template = chat_template(file)?;
+    let model = Llama::from_source(config, &source, loader, TensorParallel::whole())?;
+    Ok(GgufModel {
+        model,
+        tokenizer,
+        eos_token_ids,
+        chat_template,
+    })
+}

@@ -1,0 +1,364 @@
+//! `tokenizer.ggml.*` metadata → a [`ch01::Tokenizer`], built natively with the `tokenizers`
+//! crate (no `tokenizer.json` involved).
+//!
+//! ```text
+//! key                            meaning
+//! tokenizer.ggml.model           gpt2 (byte-level BPE) or llama (SentencePiece-style BPE)
+//! tokenizer.ggml.tokens          [string; vocab]: token i's text
+//! tokenizer.ggml.token_type      [i32; vocab]: 1 normal, 2 unknown, 3 control, 4 user-defined,
+//!                                5 unused, 6 byte (`<0xNN>`, the SentencePiece byte fallback)
+//! tokenizer.ggml.merges          [string; n]: "left right", best first (gpt2 only)
+//! tokenizer.ggml.scores          [f32; vocab]: merge priority of each token (llama only)
+//! tokenizer.ggml.pre             the pre-tokenizer (gpt2 only): how text is split before BPE
+//! tokenizer.ggml.bos/eos_token_id, add_bos_token, add_eos_token, add_space_prefix
+//! tokenizer.chat_template        the Jinja chat template
+//! ```
+//!
+//! Control and user-defined tokens become special added tokens, matched in the text before BPE
+//! runs and left out of decoded text. Byte-level BPE is exactly what `tokenizer.json` files of
+//! the same model describe. The SentencePiece-style vocabulary has no merge list, only a score
+//! per token: llama.cpp repeatedly merges the adjacent pair whose concatenation is the
+//! highest-scoring token. The same result comes from BPE with one merge per way of splitting a
+//! token into two tokens, ranked by the merged token's score; unknown characters fall back to
+//! their `<0xNN>` byte tokens.
+
+use std::path::Path;
+
+use ch01::Tokenizer;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::models::bpe::{BPE, Merges, Vocab};
+use tokenizers::normalizers::prepend::Prepend;
+use tokenizers::normalizers::replace::Replace;
+use tokenizers::normalizers::utils::Sequence as NormalizerSequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use super::error::{GgufError, GgufResult};
+use super::file::GgufFile;
+
+/// `tokenizer.ggml.token_type` values.
+pub mod token_type {
+    pub const NORMAL: i32 = 1;
+    pub const UNKNOWN: i32 = 2;
+    pub const CONTROL: i32 = 3;
+    pub const USER_DEFINED: i32 = 4;
+    pub const UNUSED: i32 = 5;
+    pub const BYTE: i32 = 6;
+}
+
+/// Llama 3's split: case-insensitive contractions, digits in runs of at most three.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's split: Llama 3's with digits one by one.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The values of `tokenizer.ggml.pre` kiln knows, for byte-level BPE.
+pub const PRE_TOKENIZERS: [&str; 7] = [
+    "default",
+    "gpt2",
+    "gpt-2",
+    "smollm",
+    "llama-bpe",
+    "llama3",
+    "qwen2",
+];
+
+/// The model's tokenizer, with BOS and EOS from the metadata.
+pub fn load_tokenizer(file: &GgufFile) -> GgufResult<Tokenizer> {
+    let inner = hf_tokenizer(file)?;
+    Ok(Tokenizer::from_parts(
+        inner,
+        file.path().to_path_buf(),
+        special_id(file, "tokenizer.ggml.bos_token_id")?,
+        special_id(file, "tokenizer.ggml.eos_token_id")?,
+    ))
+}
+
+/// The stop tokens: EOS, and the end-of-turn token when the file names one.
+pub fn eos_token_ids(file: &GgufFile) -> GgufResult<Vec<u32>> {
+    let mut ids = Vec::new();
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        if let Some(id) = special_id(file, key)?
+            && !ids.contains(&id)
+        {
+            ids.push(id);
+        }
+    }
+    Ok(ids)
+}
+
+/// `tokenizer.chat_template`, when present.
+pub fn chat_template(file: &GgufFile) -> GgufResult<Option<String>> {
+    Ok(file.opt_str("tokenizer.chat_template")?.map(str::to_string))
+}
+
+/// A special token id from `key`, checked against the vocabulary.
+fn special_id(file: &GgufFile, key: &str) -> GgufResult<Option<u32>> {
+    let Some(id) = file.opt_u32(key)? else {
+        return Ok(None);
+    };
+    let n = file.get_array("tokenizer.ggml.tokens")?.len();
+    if id as usize >= n {
+        return Err(tokenizer_error(
+            file.path(),
+            format!("{key} {id} is outside the vocabulary of {n} tokens"),
+        ));
+    }
+    Ok(Some(id))
+}
+
+fn tokenizer_error(path: &Path, message: impl Into<String>) -> GgufError {
+    GgufError::Tokenizer {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// The `tokenizers` tokenizer the metadata describes.
+pub fn hf_tokenizer(file: &GgufFile) -> GgufResult<tokenizers::Tokenizer> {
+    let path = file.path();
+    let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+    let types = match file.opt_i32_array("tokenizer.ggml.token_type")? {
+        Some(types) if types.len() != tokens.len() => {
+            return Err(tokenizer_error(
+                path,
+                format!(
+                    "tokenizer.ggml.token_type has {} entries for {} tokens",
+                    types.len(),
+                    tokens.len()
+                ),
+            ));
+        }
+        Some(types) => types,
+        None => vec![token_type::NORMAL; tokens.len()],
+    };
+    let mut vocab = Vocab::default();
+    for (id, &token) in tokens.iter().enumerate() {
+        if let Some(first) = vocab.insert(token.to_string(), id as u32) {
+            return Err(tokenizer_error(
+                path,
+                format!("token {token:?} appears twice (ids {first} and {id})"),
+            ));
+        }
+    }
+
+    let model = file.get_str("tokenizer.ggml.model")?;
+    let (mut tokenizer, default_add_bos) = match model {
+        "gpt2" => (byte_level_bpe(file, vocab)?, false),
+        "llama" => (sentencepiece_bpe(file, vocab, &tokens, &types)?, true),
+        other => {
+            return Err(tokenizer_error(
+                path,
+                format!("tokenizer.ggml.model `{other}` is not supported (expected gpt2 or llama)"),
+            ));
+        }
+    };
+
+    // Control and user-defined tokens are matched whole, before the model sees the text.
+    let specials: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|&(_, &ty)| ty == token_type::CONTROL || ty == token_type::USER_DEFINED)
+        .map(|(&t, _)| AddedToken::from(t, true).normalized(false))
+        .collect();
+    tokenizer.add_special_tokens(&specials);
+
+    // BOS / EOS added around every encoded text when the file says so.
+    let add_bos = file
+        .opt_bool("tokenizer.ggml.add_bos_token")?
+        .unwrap_or(default_add_bos);
+    let add_eos = file
+        .opt_bool("tokenizer.ggml.add_eos_token")?
+        .unwrap_or(false);
+    let mut single = Vec::new();
+    let mut special_tokens = Vec::new();
+    for (add, key) in [
+        (add_bos, "tokenizer.ggml.bos_token_id"),
+        (add_eos, "tokenizer.ggml.eos_token_id"),
+    ] {
+        if !add {
+            continue;
+        }
+        let id = special_id(file, key)?.ok_or_else(|| {
+            tokenizer_error(path, format!("{key} is needed: the file asks to add it"))
+        })?;
+        let token = tokens[id as usize].to_string();
+        special_tokens.push((token.clone(), id));
+        single.push(token);
+    }
+    if !single.is_empty() {
+        let template = if add_bos {
+            let mut t = vec![single[0].clone(), "$A".to_string()];
+            t.extend(single.iter().skip(1).cloned());
+            t
+        } else {
+            vec!["$A".to_string(), single[0].clone()]
+        };
+        let processor = TemplateProcessing::builder()
+            .try_single(template.join(" "))
+            .map_err(|e| tokenizer_error(path, e))?
+            .special_tokens(special_tokens)
+            .build()
+            .map_err(|e| tokenizer_error(path, e.to_string()))?;
+        tokenizer.with_post_processor(Some(processor));
+    }
+    Ok(tokenizer)
+}
+
+/// Byte-level BPE (`tokenizer.ggml.model = gpt2`): text is split by the pre-tokenizer, each
+/// piece's bytes mapped to printable characters, then merged by the merge list.
+fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Tokenizer> {
+    let path = file.path();
+    let merges: Merges = file
+        .get_str_array("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| tokenizer_error(path, format!("merge {m:?} is not two tokens")))
+        })
+        .collect::<GgufResult<_>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| tokenizer_error(path, e.to_string()))?;
+
+    // With `use_regex`, ByteLevel first splits with GPT-2's pattern: contractions, letters,
+    // digits, other symbols, whitespace, each optionally after one space.
+    let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
+    let split = |pattern: &str| -> GgufResult<PreTokenizerWrapper> {
+        Split::new(
+            SplitPattern::Regex(pattern.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map(Into::into)
+        .map_err(|e| tokenizer_error(path, e.to_string()))
+    };
+    let pre: PreTokenizerWrapper = match file.opt_str("tokenizer.ggml.pre")? {
+        None | Some("default" | "gpt2" | "gpt-2") => byte_level(true).into(),
+        // Digits one by one, then GPT-2's split.
+        Some("smollm") => {
+            PreSequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into()
+        }
+        Some("llama-bpe" | "llama3") => {
+            PreSequence::new(vec![split(LLAMA3_SPLIT)?, byte_level(false).into()]).into()
+        }
+        Some("qwen2") => {
+            PreSequence::new(vec![split(QWEN2_SPLIT)?, byte_level(false).into()]).into()
+        }
+        Some(other) => {
+            return Err(tokenizer_error(
+                path,
+                format!(
+                    "tokenizer.ggml.pre `{other}` is not supported (expected one of {})",
+                    PRE_TOKENIZERS.join(", ")
+                ),
+            ));
+        }
+    };
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(pre));
+    tokenizer.with_decoder(Some(ByteLevel::default()));
+    Ok(tokenizer)
+}
+
+/// SentencePiece-style BPE (`tokenizer.ggml.model = llama`): spaces become `▁` (one prepended
+/// when `add_space_prefix`), merges come from the scores (see the module docs), and characters
+/// outside the vocabulary become `<0xNN>` byte tokens.
+fn sentencepiece_bpe(
+    file: &GgufFile,
+    vocab: Vocab,
+    tokens: &[&str],
+    types: &[i32],
+) -> GgufResult<tokenizers::Tokenizer> {
+    let path = file.path();
+    let scores = file.get_f32_array("tokenizer.ggml.scores")?;
+    if scores.len() != tokens.len() {
+        return Err(tokenizer_error(
+            path,
+            format!(
+                "tokenizer.ggml.scores has {} entries for {} tokens",
+                scores.len(),
+                tokens.len()
+            ),
+        ));
+    }
+    // A token can be a piece of a merge, or its result, when it is ordinary text.
+    let mergeable = |id: u32| {
+        matches!(
+            types[id as usize],
+            token_type::NORMAL | token_type::USER_DEFINED | token_type::UNUSED
+        )
+    };
+    // (score of the merged token, left id, right id, left, right), best first.
+    let mut ranked: Vec<(f32, u32, u32, &str, &str)> = Vec::new();
+    for (id, &token) in tokens.iter().enumerate() {
+        if types[id] != token_type::NORMAL {
+            continue;
+        }
+        for (k, _) in token.char_indices().skip(1) {
+            let (left, right) = token.split_at(k);
+            if let (Some(&l), Some(&r)) = (vocab.get(left), vocab.get(right))
+                && mergeable(l)
+                && mergeable(r)
+            {
+                ranked.push((scores[id], l, r, left, right));
+            }
+        }
+    }
+    // Higher score first; the sort is stable, and ties keep token order then split order.
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    let merges: Merges = ranked
+        .into_iter()
+        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
+        .collect();
+
+    let unk_id = file
+        .opt_u32("tokenizer.ggml.unknown_token_id")?
+        .unwrap_or(0) as usize;
+    let unk = tokens.get(unk_id).ok_or_else(|| {
+        tokenizer_error(
+            path,
+            format!("unknown token id {unk_id} is outside the vocabulary"),
+        )
+    })?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .unk_token(unk.to_string())
+        .fuse_unk(true)
+        .byte_fallback(true)
+        .build()
+        .map_err(|e| tokenizer_error(path, e.to_string()))?;
+
+    // Spaces become `▁`, and each stretch of text between special tokens gets one `▁` in
+    // front when `add_space_prefix` (as llama.cpp does); the whole stretch is one BPE word.
+    let add_space_prefix = file
+        .opt_bool("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true);
+    let fail = |e: tokenizers::Error| tokenizer_error(path, e.to_string());
+    let mut normalizers = Vec::new();
+    if add_space_prefix {
+        normalizers.push(Prepend::new("▁".to_string()).into());
+    }
+    normalizers.push(Replace::new(" ", "▁").map_err(fail)?.into());
+    let mut decoders = vec![
+        Replace::new("▁", " ").map_err(fail)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if add_space_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    tokenizer.with_normalizer(Some(NormalizerSequence::new(normalizers)));
+    tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(tokenizer)
+}

@@ -1,0 +1,140 @@
+//! The SentencePiece-style (`tokenizer.ggml.model = llama`) tokenizer on a small vocabulary
+//! built here, against a direct implementation of what llama.cpp does with it: replace spaces
+//! by `▁`, prepend one, then repeatedly merge the adjacent pair whose concatenation is the
+//! highest-scoring token; a character outside the vocabulary becomes its `<0xNN>` byte tokens.
+
+use std::collections::HashMap;
+
+use ch01::testing::seeded_config;
+use ch05_quantization::gguf::tokenizer::{load_tokenizer, token_type};
+use ch05_quantization::gguf::{GgufFile, GgufValue, GgufWriter};
+use proptest::prelude::*;
+
+const PIECES: [&str; 24] = [
+    "▁", "h", "e", "l", "o", "w", "r", "d", "a", "▁h", "he", "ll", "lo", "▁he", "llo", "▁hello",
+    "▁w", "or", "▁wor", "ld", "▁world", "▁▁", "▁a", "ha",
+];
+
+/// `(tokens, scores, types)`: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, then the pieces with
+/// distinct scores (longer pieces score higher, except a few, so the order matters).
+fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
+    let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
+    let mut types = vec![
+        token_type::UNKNOWN,
+        token_type::CONTROL,
+        token_type::CONTROL,
+    ];
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(token_type::BYTE);
+    }
+    let mut scores = vec![0.0; tokens.len()];
+    for (i, p) in PIECES.iter().enumerate() {
+        tokens.push(p.to_string());
+        types.push(token_type::NORMAL);
+        // Distinct: by length, then a per-piece offset that breaks ties in a mixed order.
+        scores.push(p.chars().count() as f32 * 10.0 + ((i * 7) % 11) as f32);
+    }
+    (tokens, scores, types)
+}
+
+fn file(add_bos: Option<bool>) -> GgufFile {
+    let (tokens, scores, types) = vocab();
+    let mut w = GgufWriter::new();
+    w.add_metadata("tokenizer.ggml.model", "llama").unwrap();
+    w.add_metadata("tokenizer.ggml.tokens", GgufValue::strings(tokens))
+        .unwrap();
+    w.add_metadata("tokenizer.ggml.scores", GgufValue::array(scores))
+        .unwrap();
+    w.add_metadata("tokenizer.ggml.token_type", GgufValue::array(types))
+        .unwrap();
+    w.add_metadata("tokenizer.ggml.bos_token_id", 1u32).unwrap();
+    w.add_metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
+    w.add_metadata("tokenizer.ggml.unknown_token_id", 0u32)
+        .unwrap();
+    if let Some(add) = add_bos {
+        w.add_metadata("tokenizer.ggml.add_bos_token", add).unwrap();
+    }
+    GgufFile::from_bytes("spm.gguf", w.to_bytes()).unwrap()
+}
+
+/// llama.cpp's SentencePiece merge loop, written directly.
+fn reference(text: &str) -> Vec<u32> {
+    let (tokens, scores, types) = vocab();
+    let ids: HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| types[i] == token_type::NORMAL)
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let text = format!("▁{}", text.replace(' ', "▁"));
+    let mut symbols: Vec<String> = text.chars().map(String::from).collect();
+    loop {
+        let mut best: Option<(f32, usize)> = None;
+        for i in 0..symbols.len().saturating_sub(1) {
+            let merged = format!("{}{}", symbols[i], symbols[i + 1]);
+            if let Some(&id) = ids.get(merged.as_str())
+                && best.is_none_or(|(s, _)| scores[id] > s)
+            {
+                best = Some((scores[id], i));
+            }
+        }
+        let Some((_, i)) = best else { break };
+        let right = symbols.remove(i + 1);
+        symbols[i].push_str(&right);
+    }
+    symbols
+        .iter()
+        .flat_map(|s| match ids.get(s.as_str()) {
+            Some(&id) => vec![id as u32],
+            None => s.bytes().map(|b| 3 + u32::from(b)).collect(),
+        })
+        .collect()
+}
+
+#[test]
+fn sentencepiece_vocab_tokenizes_like_llama_cpp() {
+    let t = load_tokenizer(&file(None)).unwrap();
+    assert_eq!((t.bos_token_id(), t.eos_token_id()), (Some(1), Some(2)));
+    let id = |s: &str| vocab().0.iter().position(|t| t == s).unwrap() as u32;
+    assert_eq!(
+        t.encode("hello world", false).unwrap(),
+        [id("▁hello"), id("▁world")]
+    );
+    // BOS by default for this model; `é` is not in the vocabulary: its two UTF-8 bytes.
+    assert_eq!(
+        t.encode("hello é", true).unwrap(),
+        [1, id("▁hello"), id("▁"), 3 + 0xC3, 3 + 0xA9]
+    );
+    assert_eq!(
+        t.decode(&t.encode("hello é", true).unwrap()).unwrap(),
+        "hello é"
+    );
+    for text in [
+        "hello world",
+        "held a hall",
+        "  two  spaces",
+        "wordle",
+        "ha",
+        "z",
+    ] {
+        let ids = t.encode(text, false).unwrap();
+        assert_eq!(ids, reference(text), "{text:?}");
+        assert_eq!(t.decode(&ids).unwrap(), text, "{text:?}");
+    }
+    let no_bos = load_tokenizer(&file(Some(false))).unwrap();
+    assert_eq!(no_bos.encode("hello", true).unwrap(), [id("▁hello")]);
+    assert!(!no_bos.adds_bos() && t.adds_bos());
+}
+
+proptest! {
+    #![proptest_config(seeded_config(128, 0x5350_4d21))]
+
+    #[test]
+    fn random_text_matches_the_reference(text in "[helowrda zé]{1,24}") {
+        let t = load_tokenizer(&file(Some(false))).unwrap();
+        let ids = t.encode(&text, false).unwrap();
+        prop_assert_eq!(&ids, &reference(&text));
+        prop_assert_eq!(t.decode(&ids).unwrap(), text);
+    }
+}
