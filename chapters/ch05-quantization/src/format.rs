@@ -156,9 +156,13 @@ impl GgmlType {
         (self.block_bytes() * 8) as f64 / self.block_elems() as f64
     }
 
-    /// Bytes of a row of `n` elements; `None` when `n` is not a whole number of blocks.
+    /// Bytes of a row of `n` elements; `None` when `n` is not a whole number of blocks or the
+    /// byte count overflows.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        (n % self.block_elems() == 0).then(|| n / self.block_elems() * self.block_bytes())
+        if n % self.block_elems() != 0 {
+            return None;
+        }
+        (n / self.block_elems()).checked_mul(self.block_bytes())
     }
 
     /// How chapter 1's [`ch01::WeightSource`] carries a tensor of this type.
