@@ -4,10 +4,10 @@
 //! the speed limit. This chapter stores weights in llama.cpp's block formats, reads and writes
 //! GGUF files natively, and multiplies with integer dot products.
 //!
-//! | module     | what it does                                                              |
-//! |------------|---------------------------------------------------------------------------|
-//! | [`format`] | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
-//! | [`blocks`] | the block formats: [`dequantize`](blocks::dequantize) and round-to-nearest encoding |
+//! | module           | what it does                                                              |
+//! |------------------|---------------------------------------------------------------------------|
+//! | [`format`]       | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
+//! | [`blocks`]       | the block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_K): [`dequantize`](blocks::dequantize) and [`quantize`](blocks::quantize) |
 
 pub mod blocks;
 pub mod format;
