@@ -54,9 +54,9 @@ pub fn quantize(values: &[f32], out: &mut [u8]) {
         block[4..16].copy_from_slice(&pack_scale_min(&e.sc, &e.m));
         let (qh, qs) = block[16..].split_at_mut(32);
         qh.fill(0);
-        for j in 0..8 {
-            for l in 0..32 {
-                qh[l] |= ((e.q[32 * j + l] >> 4) & 1) << j;
+        for (j, sub) in e.q.chunks_exact(32).enumerate() {
+            for (h, &q) in qh.iter_mut().zip(sub) {
+                *h |= ((q >> 4) & 1) << j;
             }
         }
         for i in 0..4 {
