@@ -72,7 +72,7 @@ fn reference(ty: GgmlType, w: &QuantMatrix, w_f32: &[f32], x_t: &[f32], o: usize
         act += dx[l] * (0.5 + 1.0 / 32768.0) * w.abs();
         mag += (w.abs() + off[l]) * (x.abs() + dx[l]);
     }
-    (dot, act + (n_b + 9.0) * U * mag)
+    (dot, act + (n_b + 13.0) * U * mag)
 }
 
 /// A format, a weight [out, in] (values to encode) and an input [T, in].

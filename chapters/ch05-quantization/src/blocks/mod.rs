@@ -128,9 +128,27 @@ fn encode_plain<const N: usize>(values: &[f32], out: &mut [u8], encode: impl Fn(
 }
 
 /// The little-endian f16 at `block[at..at + 2]`, widened to f32 (exact).
-#[inline]
+#[inline(always)]
 pub(crate) fn f16_at(block: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
+    f16_bits_to_f32(u16::from_le_bytes([block[at], block[at + 1]]))
+}
+
+/// An f16 widened to f32, exactly, in a few integer operations that inline into the kernels'
+/// loops (the library conversion is a call). The f16's exponent and mantissa, shifted into an
+/// f32's fields, make the f32 `2¹¹²` times smaller than the f16 (the exponent biases differ by
+/// 112), denormals included; multiplying by `2¹¹²` is exact. Infinities and NaNs keep an
+/// all-ones exponent.
+#[inline(always)]
+pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
+    const TWO_POW_112: f32 = 5.192_297e33; // 2¹¹², exact
+    let magnitude = u32::from(h & 0x7FFF);
+    let sign = u32::from(h & 0x8000) << 16;
+    let value = if magnitude >= 0x7C00 {
+        f32::from_bits(0x7F80_0000 | ((magnitude & 0x03FF) << 13))
+    } else {
+        f32::from_bits(magnitude << 13) * TWO_POW_112
+    };
+    f32::from_bits(value.to_bits() | sign)
 }
 
 /// Stores `v` rounded to the nearest f16 (ties to even; beyond ±65504 it becomes ±∞, as numpy's
@@ -168,6 +186,17 @@ mod tests {
             dequantize(GgmlType::Q2K, &[0; 84], &mut [0.0; 256]),
             Err(BlockError::Unsupported(GgmlType::Q2K))
         );
+    }
+
+    #[test]
+    fn the_inlined_f16_conversion_is_exact_for_every_f16() {
+        for bits in 0..=u16::MAX {
+            let (fast, lib) = (f16_bits_to_f32(bits), f16::from_bits(bits).to_f32());
+            assert!(
+                fast.to_bits() == lib.to_bits() || (fast.is_nan() && lib.is_nan()),
+                "{bits:#06x}: {fast:e} vs {lib:e}"
+            );
+        }
     }
 
     #[test]

@@ -44,6 +44,7 @@ pub const BLOCK_BYTES: usize = 144;
 pub const BLOCK_ELEMS: usize = 256;
 
 /// The 8 scales and 8 mins of a Q4_K or Q5_K super-block, unpacked from its 12 bytes.
+#[inline]
 pub fn scale_min(scales: &[u8]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
     for j in 0..4 {

@@ -4,7 +4,8 @@
 //! `s`, adjacent pairs summed into 16 i16; then `_mm256_madd_epi16` by ones (or by a sub-block's
 //! scale) sums pairs of those into 8 i32. `maddubs` saturates at ±32767, so every use below
 //! keeps `2 · max u · max |s|` under it: Q8_0 `2·128·127 = 32512` (the weight's sign moved onto
-//! the activation, `|−128| = 128` read unsigned), Q4 `2·15·127`, Q5 `2·31·127`, Q6 `2·63·127`
+//! the activation, `|−128| = 128` read unsigned), Q4_0 `2·8·127` (the same sign trick on
+//! `q − 8`), Q4_1 and Q4_K `2·15·127`, Q5 `2·31·127`, Q6 `2·63·127`
 //! (activations are in −127..=127). Integer sums are exact, so each function returns exactly
 //! what its [`super::portable`] twin returns: the f32 steps after the sums are the same.
 //!
@@ -17,7 +18,7 @@ use std::arch::x86_64::*;
 use ch02::kernels::Avx2Fma;
 
 use super::portable::mins_dot;
-use super::{Act32, Act256, acc_d, acc_dm, acc_k};
+use super::{Act32, Act256, LANES, acc_d, acc_k, sum_lanes};
 use crate::blocks::f16_at;
 use crate::blocks::q4_k::scale_min;
 
@@ -122,55 +123,81 @@ safe_kernel!(
     dot_q6_k, dot_q6_k_avx2, Act256, 210
 );
 
+/// `acc + (d_w · d_x) · lanes`, lane by lane (multiply, then add: no fusing, as the portable
+/// code does). A safe function with a target feature: only callers compiled with AVX2 (the
+/// kernels' bodies) can call it without `unsafe`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn acc_lanes(acc: __m256, d: f32, dx: f32, lanes: __m256i) -> __m256 {
+    _mm256_add_ps(
+        acc,
+        _mm256_mul_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes)),
+    )
+}
+
+/// The 8 lanes summed in [`sum_lanes`]' order (safe with a target feature, like [`acc_lanes`]).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn sum_acc(acc: __m256) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    // SAFETY: `lanes` holds 8 f32, the store's width.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    sum_lanes(&lanes)
+}
+
 /// # Safety
 /// The CPU must support AVX2; `row.len() == acts.len() * 34`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q8_0_avx2(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = _mm256_setzero_ps();
     for (b, a) in row.chunks_exact(34).zip(acts) {
         // SAFETY: AVX2 is present (caller); `b` is 34 bytes, so bytes 2..34 are readable, and
         // `a.q` is 32 bytes.
-        let s = unsafe {
+        let lanes = unsafe {
             let w = load32(b.as_ptr().add(2));
             let x = load32(a.q.as_ptr() as *const u8);
             // |w| · (x · sign(w)) = w · x, with the unsigned operand first.
-            hsum_i32(dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)))
+            dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
         };
-        acc = acc_d(acc, f16_at(b, 0), a.d, s);
+        acc = acc_lanes(acc, f16_at(b, 0), a.d, lanes);
     }
-    acc
+    sum_acc(acc)
 }
 
 /// # Safety
 /// The CPU must support AVX2; `row.len() == acts.len() * 18`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q4_0_avx2(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = _mm256_setzero_ps();
+    let eight = _mm256_set1_epi8(8);
     for (b, a) in row.chunks_exact(18).zip(acts) {
         // SAFETY: AVX2 is present (caller); `b` is 18 bytes (nibbles at 2..18), `a.q` 32 bytes.
-        let s = unsafe {
-            let u = nibbles16(b.as_ptr().add(2));
-            hsum_i32(dot_u8_i8(u, load32(a.q.as_ptr() as *const u8)))
+        let lanes = unsafe {
+            let w = _mm256_sub_epi8(nibbles16(b.as_ptr().add(2)), eight); // q − 8, in −8..8
+            let x = load32(a.q.as_ptr() as *const u8);
+            dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
         };
-        acc = acc_d(acc, f16_at(b, 0), a.d, s - 8 * a.sum);
+        acc = acc_lanes(acc, f16_at(b, 0), a.d, lanes);
     }
-    acc
+    sum_acc(acc)
 }
 
 /// # Safety
 /// The CPU must support AVX2; `row.len() == acts.len() * 20`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q4_1_avx2(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = 0.0f32;
     for (b, a) in row.chunks_exact(20).zip(acts) {
         // SAFETY: AVX2 is present (caller); `b` is 20 bytes (nibbles at 4..20), `a.q` 32 bytes.
-        let s = unsafe {
+        let lanes = unsafe {
             let u = nibbles16(b.as_ptr().add(4));
-            hsum_i32(dot_u8_i8(u, load32(a.q.as_ptr() as *const u8)))
+            dot_u8_i8(u, load32(a.q.as_ptr() as *const u8))
         };
-        acc = acc_dm(acc, f16_at(b, 0), f16_at(b, 2), a.d, s, a.sum);
+        acc = acc_lanes(acc, f16_at(b, 0), a.d, lanes);
+        acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
     }
-    acc
+    sum_acc(acc) + acc_m
 }
 
 /// # Safety

@@ -4,8 +4,8 @@
 //! to 8-bit blocks first, once per call, and take integer dot products block by block:
 //!
 //! - the 32-element formats (Q8_0, Q4_0, Q4_1) pair with [`Act32`]: Q8_0's rule with an f32 scale
-//!   `d_x` and the sum of the block's values, so the offsets (Q4_0's −8, Q4_1's `m`) cost one
-//!   multiply per block instead of one per weight;
+//!   `d_x` and the sum of the block's values, so Q4_1's offset `m` costs one multiply per block
+//!   instead of one per weight;
 //! - the K-quants (Q4_K, Q5_K, Q6_K) pair with [`Act256`], Q8_K: one f32 scale per 256 values and
 //!   the sums of each 16 (for Q4_K's and Q5_K's mins and Q6_K's −32).
 //!
@@ -115,16 +115,31 @@ impl Act256 {
 // The f32 steps after a block's integer sum, shared by both instruction sets so that they
 // round identically. Rust does not fuse `a * b + c`, so each operation rounds once.
 
+/// Lanes of the 32-element formats' accumulators: lane `k` of a block's integer sum covers its
+/// elements `4k..4k + 4` (what `madd(maddubs(·,·), 1)` leaves in 32-bit lane `k`).
+pub const LANES: usize = 8;
+
+/// `acc[k] + (d_w · d_x) · s[k]` for every lane: a 32-element block's contribution, added lane
+/// by lane (so the AVX2 kernel needs no horizontal sum per block).
+#[inline(always)]
+fn acc_lanes(acc: &mut [f32; LANES], d: f32, dx: f32, s: &[i32; LANES]) {
+    let scale = d * dx;
+    for (a, &s) in acc.iter_mut().zip(s) {
+        *a += scale * s as f32;
+    }
+}
+
+/// The lanes' sum in a fixed order, the one the AVX2 reduction takes:
+/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+#[inline(always)]
+fn sum_lanes(l: &[f32; LANES]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
 /// `acc + (d_w · d_x) · s`.
 #[inline(always)]
 fn acc_d(acc: f32, d: f32, dx: f32, s: i32) -> f32 {
     acc + (d * dx) * s as f32
-}
-
-/// `acc + ((d_w · d_x) · s + (m · d_x) · Σq_x)`: a block `d·q + m` (Q4_1).
-#[inline(always)]
-fn acc_dm(acc: f32, d: f32, m: f32, dx: f32, s: i32, sum: i32) -> f32 {
-    acc + ((d * dx) * s as f32 + (m * dx) * sum as f32)
 }
 
 /// `acc + ((d · d_x) · isum − (dmin · d_x) · imin)`: a K-quant super-block.

@@ -2,7 +2,7 @@
 //! without AVX2. Each returns exactly what its AVX2 twin returns (same integer sums, same f32
 //! operations in the same order; the tests compare them for equality).
 
-use super::{Act32, Act256, acc_d, acc_dm, acc_k};
+use super::{Act32, Act256, LANES, acc_d, acc_k, acc_lanes, sum_lanes};
 use crate::blocks::f16_at;
 use crate::blocks::q4_k::scale_min;
 use crate::blocks::q6_k::q6;
@@ -13,46 +13,57 @@ fn dot32(u: impl Iterator<Item = i32>, q: &[i8]) -> i32 {
     u.zip(q).map(|(u, &q)| u * i32::from(q)).sum()
 }
 
+/// The lane sums of one 32-element block: lane `k` is `Σ_{l=4k}^{4k+3} w[l] · q[l]`.
+#[inline]
+fn lanes32(w: impl Fn(usize) -> i32, q: &[i8; 32]) -> [i32; LANES] {
+    std::array::from_fn(|k| (4 * k..4 * k + 4).map(|l| w(l) * i32::from(q[l])).sum())
+}
+
+/// The nibble of element `l` (0..32) of a Q4_0/Q4_1 block: low nibbles, then high.
+#[inline]
+fn nibble(qs: &[u8], l: usize) -> i32 {
+    i32::from(if l < 16 {
+        qs[l] & 0x0F
+    } else {
+        qs[l - 16] >> 4
+    })
+}
+
 /// One Q8_0 row (whole blocks) with one token's activation blocks.
 pub fn dot_q8_0(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = [0.0f32; LANES];
     for (b, a) in row.chunks_exact(34).zip(acts) {
-        let s = dot32(b[2..].iter().map(|&w| i32::from(w as i8)), &a.q);
-        acc = acc_d(acc, f16_at(b, 0), a.d, s);
+        let s = lanes32(|l| i32::from(b[2 + l] as i8), &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
     }
-    acc
+    sum_lanes(&acc)
 }
 
-/// The 32 nibbles of a Q4_0/Q4_1 block in element order: low nibbles, then high.
-#[inline]
-fn nibbles(qs: &[u8]) -> impl Iterator<Item = i32> + '_ {
-    let lo = qs.iter().map(|&b| i32::from(b & 0x0F));
-    let hi = qs.iter().map(|&b| i32::from(b >> 4));
-    lo.chain(hi)
-}
-
-/// One Q4_0 row with one token's activation blocks: `Σ (q − 8)·x = Σ q·x − 8·Σ x`.
+/// One Q4_0 row with one token's activation blocks: `Σ (q − 8)·x`.
 pub fn dot_q4_0(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = [0.0f32; LANES];
     for (b, a) in row.chunks_exact(18).zip(acts) {
-        let s = dot32(nibbles(&b[2..18]), &a.q) - 8 * a.sum;
-        acc = acc_d(acc, f16_at(b, 0), a.d, s);
+        let s = lanes32(|l| nibble(&b[2..18], l) - 8, &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
     }
-    acc
+    sum_lanes(&acc)
 }
 
-/// One Q4_1 row with one token's activation blocks: `Σ (d·q + m)·x = d·Σ q·x + m·Σ x`.
+/// One Q4_1 row with one token's activation blocks: `Σ (d·q + m)·x = d·Σ q·x + m·Σ x`, the
+/// offsets in their own accumulator.
 pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = [0.0f32; LANES];
+    let mut acc_m = 0.0f32;
     for (b, a) in row.chunks_exact(20).zip(acts) {
-        let s = dot32(nibbles(&b[4..20]), &a.q);
-        acc = acc_dm(acc, f16_at(b, 0), f16_at(b, 2), a.d, s, a.sum);
+        let s = lanes32(|l| nibble(&b[4..20], l), &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
     }
-    acc
+    sum_lanes(&acc) + acc_m
 }
 
 /// `Σ_j m[j] · (bsums[2j] + bsums[2j + 1])`: the mins' part of a Q4_K/Q5_K super-block.
-#[inline]
+#[inline(always)]
 pub(super) fn mins_dot(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
     (0..8)
         .map(|j| i32::from(m[j]) * (i32::from(bsums[2 * j]) + i32::from(bsums[2 * j + 1])))
