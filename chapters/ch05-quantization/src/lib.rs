@@ -4,15 +4,19 @@
 //! the speed limit. This chapter stores weights in llama.cpp's block formats, reads and writes
 //! GGUF files natively, and multiplies with integer dot products.
 //!
-//! | module     | what it does                                                              |
-//! |------------|---------------------------------------------------------------------------|
-//! | [`format`] | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
-//! | [`blocks`] | the block formats: [`dequantize`](blocks::dequantize) and round-to-nearest encoding |
-//! | [`gguf`]   | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
+//! | module           | what it does                                                              |
+//! |------------------|---------------------------------------------------------------------------|
+//! | [`format`]       | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
+//! | [`blocks`]       | the block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_K): [`dequantize`](blocks::dequantize) and [`quantize`](blocks::quantize) |
+//! | [`kernels`]      | integer `matvec` / `matmul` on [`QuantMatrix`] weights, activations quantized to 8 bits, AVX2 and portable |
+//! | [`quant_linear`] | [`QuantLinear`] (chapter 1's `Linear` seam on those kernels) and [`QuantLoader`] |
+//! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
 
 pub mod blocks;
 pub mod format;
 pub mod gguf;
+pub mod kernels;
+pub mod quant_linear;
 
 pub use blocks::BlockError;
 pub use format::GgmlType;
@@ -20,3 +24,5 @@ pub use gguf::{
     GgufError, GgufFile, GgufModel, GgufSource, GgufTensorInfo, GgufValue, GgufValueType,
     GgufWriter, load_gguf,
 };
+pub use kernels::{KernelError, QuantMatrix};
+pub use quant_linear::{QuantLinear, QuantLoader};

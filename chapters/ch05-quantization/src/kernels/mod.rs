@@ -1,0 +1,464 @@
+//! Integer kernels for `y = x Wᵀ` with `W` `[out, in]` stored as rows of blocks ([`QuantMatrix`]).
+//!
+//! Like llama.cpp, the kernels never decode a weight to f32. They quantize the **activation** row
+//! to 8-bit blocks first, once per call, and take integer dot products block by block:
+//!
+//! - the 32-element formats (Q8_0, Q4_0, Q4_1) pair with [`Act32`]: Q8_0's rule with an f32 scale
+//!   `d_x` and the sum of the block's values, so Q4_1's offset `m` costs one multiply per block
+//!   instead of one per weight;
+//! - the K-quants (Q4_K, Q5_K, Q6_K) pair with [`Act256`], Q8_K: one f32 scale per 256 values and
+//!   the sums of each 16 (for Q4_K's and Q5_K's mins and Q6_K's −32).
+//!
+//! Per weight block the kernel forms an exact i32 (`Σ q_w · q_x`, the sub-block scales applied in
+//! integers for the K-quants), then adds `(d_w · d_x) · i` (and the offset's term) to one f32
+//! accumulator per output, block after block in row order. [`Isa::Avx2Fma`] forms the integers
+//! with `maddubs`/`madd` (see `avx2.rs`), [`Isa::Portable`] with plain Rust; the f32 steps are
+//! the same code, so **the two are equal bit for bit** (tested with `==`). Threads (rayon) split
+//! the output rows; [`matmul`] reads each weight row once for all the tokens of a call (the row
+//! stays in L1 while every token uses it), so prefill streams the weights once.
+//!
+//! # The error bound against dequantize-then-dense
+//!
+//! Let `w̃` be the weights as [`crate::blocks::dequantize`] decodes them and `x` the f32 input.
+//! The reference is `Σ_l w̃_l x_l` in f64. The kernel computes instead, in exact arithmetic,
+//! `Σ_l w_l x̂_l`, where `w` is the exact real value of the block (`d·q + m`, not rounded to f32)
+//! and `x̂ = d_x · q_x` is the quantized activation, then rounds. Three terms separate them:
+//!
+//! 1. **activation rounding**: `|x − x̂| ≤ d_x·(½ + 2⁻¹⁵)` per element (see [`crate::blocks::q8_k`]),
+//!    so `|Σ w (x − x̂)| ≤ Σ_blocks d_x·(½ + 2⁻¹⁵)·Σ_{l∈block} |w_l|`;
+//! 2. **decode rounding** of the reference's weights: `w̃` is `w` after at most three f32
+//!    roundings of terms no larger than `|w̃| + |offset|` (`offset` = Q4_1's `m`, a K-quant's
+//!    `dmin·m`, else 0), so `|Σ (w − w̃) x| ≤ 3u · Σ (|w̃| + |offset|)·|x|`, `u = 2⁻²⁴`;
+//! 3. **the kernel's f32 arithmetic**: per block `(d_w·d_x)`, the i32→f32 conversion, the product
+//!    and (with an offset) a second product and a sum: at most 5 roundings of the block's
+//!    term `t_b`; then `n_b` sequential additions into the accumulator, each rounding the
+//!    running sum, which is at most `Σ |t_b|`. So at most `(n_b + 5)·u·Σ_b |t_b|`, with
+//!    `|t_b| ≤ Σ_{l∈b} (|w̃_l| + |offset|)·(|x_l| + d_x) · (1 + 4u)`.
+//!
+//! `bound = Σ_b d_x,b·(½ + 2⁻¹⁵)·Σ_{l∈b} |w̃_l| + (n_b + 9)·u·Σ_l (|w̃_l| + |offset_l|)·(|x_l| + d_x,l)`
+//! (the first factor uses `|w̃|`, and the slack of the second term, 9 rather than 8 roundings,
+//! covers `|w| − |w̃|`). `tests/kernels.rs` computes it per output and asserts it. Term 1
+//! dominates: about `d_x/2 ≈ max|x| / 254` per unit of `Σ|w|`.
+//!
+//! # Costs
+//! One pass over `x` to quantize it (`T·in` values, into a [`Scratch`] that grows once), then
+//! `out · in` weight bytes read once per call whatever `T` is, `T · out · in` integer products.
+//! Nothing allocates once the scratch has grown to the largest call, except that [`matmul`]'s
+//! transposition buffer is freed after a call of more than [`KEEP_OUTPUTS`] outputs (prefill).
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod portable;
+
+use rayon::prelude::*;
+
+pub use ch02::kernels::Isa;
+
+use crate::blocks::{self, BlockError, q8_k};
+use crate::format::GgmlType;
+
+/// 32 activations quantized as Q8_0 is (`x ≈ d·q`, `|q| ≤ 127`) but with an f32 scale, and the sum
+/// of `q` for the weight formats' offsets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Act32 {
+    pub q: [i8; 32],
+    pub d: f32,
+    /// `Σ q`.
+    pub sum: i32,
+}
+
+impl Act32 {
+    const ZERO: Act32 = Act32 {
+        q: [0; 32],
+        d: 0.0,
+        sum: 0,
+    };
+
+    /// Quantizes 32 values: `d = max|x| / 127`, `q = round(x / d)` (halves away from zero).
+    pub fn quantize(x: &[f32]) -> Act32 {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        let mut q = [0i8; 32];
+        for (q, &x) in q.iter_mut().zip(x) {
+            *q = (x * id).round() as i8;
+        }
+        let sum = q.iter().map(|&q| i32::from(q)).sum();
+        Act32 { q, d, sum }
+    }
+}
+
+/// 256 activations as Q8_K ([`crate::blocks::q8_k`]): `x ≈ d·q`, `|q| ≤ 127`, and the sums of
+/// each 16 `q`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Act256 {
+    pub q: [i8; 256],
+    pub bsums: [i16; 16],
+    pub d: f32,
+}
+
+impl Act256 {
+    const ZERO: Act256 = Act256 {
+        q: [0; 256],
+        bsums: [0; 16],
+        d: 0.0,
+    };
+
+    /// Quantizes 256 values by Q8_K's rule.
+    pub fn quantize(x: &[f32]) -> Act256 {
+        let mut a = Act256::ZERO;
+        a.d = q8_k::encode(x, &mut a.q, &mut a.bsums);
+        a
+    }
+}
+
+// The f32 steps after a block's integer sum, shared by both instruction sets so that they
+// round identically. Rust does not fuse `a * b + c`, so each operation rounds once.
+
+/// Lanes of the 32-element formats' accumulators: lane `k` of a block's integer sum covers its
+/// elements `4k..4k + 4` (what `madd(maddubs(·,·), 1)` leaves in 32-bit lane `k`).
+pub const LANES: usize = 8;
+
+/// `acc[k] + (d_w · d_x) · s[k]` for every lane: a 32-element block's contribution, added lane
+/// by lane (so the AVX2 kernel needs no horizontal sum per block).
+#[inline(always)]
+fn acc_lanes(acc: &mut [f32; LANES], d: f32, dx: f32, s: &[i32; LANES]) {
+    let scale = d * dx;
+    for (a, &s) in acc.iter_mut().zip(s) {
+        *a += scale * s as f32;
+    }
+}
+
+/// The lanes' sum in a fixed order, the one the AVX2 reduction takes:
+/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+#[inline(always)]
+fn sum_lanes(l: &[f32; LANES]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+/// `acc + (d_w · d_x) · s`.
+#[inline(always)]
+fn acc_d(acc: f32, d: f32, dx: f32, s: i32) -> f32 {
+    acc + (d * dx) * s as f32
+}
+
+/// `acc + ((d · d_x) · isum − (dmin · d_x) · imin)`: a K-quant super-block.
+#[inline(always)]
+fn acc_k(acc: f32, d: f32, dmin: f32, dx: f32, isum: i32, imin: i32) -> f32 {
+    acc + ((d * dx) * isum as f32 - (dmin * dx) * imin as f32)
+}
+
+/// Whether the kernels multiply weights of type `ty`.
+pub const fn has_kernel(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, Q8_0 | Q4_0 | Q4_1 | Q4K | Q5K | Q6K)
+}
+
+/// A weight the kernels cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    #[error(
+        "no integer kernel multiplies {0} weights (kernels: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"
+    )]
+    NoKernel(GgmlType),
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    #[error("bias has {bias} elements, expected out_features = {out}")]
+    Bias { bias: usize, out: usize },
+}
+
+/// A weight `[rows, cols]` (`[out_features, in_features]`) of one block type, row after row, each
+/// row `cols / block_elems` blocks in the file's layout (the kernels read it as stored).
+///
+/// Invariant (checked by [`QuantMatrix::new`]): `ty` has a kernel, `cols` is a whole number of
+/// blocks, and `bytes.len() == rows · row_bytes`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantMatrix {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    bytes: Vec<u8>,
+}
+
+impl QuantMatrix {
+    /// Takes `bytes` as `rows` rows of `cols` elements of `ty`.
+    pub fn new(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        if !has_kernel(ty) {
+            return Err(KernelError::NoKernel(ty));
+        }
+        let length = BlockError::Length {
+            ty,
+            bytes: bytes.len(),
+            elems: rows.saturating_mul(cols),
+        };
+        let row_bytes = ty.row_bytes(cols).ok_or(length.clone())?;
+        if rows.checked_mul(row_bytes) != Some(bytes.len()) {
+            return Err(length.into());
+        }
+        Ok(QuantMatrix {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            bytes,
+        })
+    }
+
+    /// Encodes a dense row-major `weight` `[rows, cols]` as `ty` (see [`blocks::quantize`]).
+    pub fn quantize(
+        ty: GgmlType,
+        weight: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
+        if !has_kernel(ty) {
+            return Err(KernelError::NoKernel(ty));
+        }
+        let length = BlockError::Length {
+            ty,
+            bytes: 0,
+            elems: weight.len(),
+        };
+        let row_bytes = ty.row_bytes(cols).ok_or(length.clone())?;
+        if rows.checked_mul(cols) != Some(weight.len()) {
+            return Err(length.into());
+        }
+        let mut bytes = vec![0u8; rows * row_bytes];
+        if row_bytes > 0 {
+            bytes
+                .par_chunks_mut(row_bytes)
+                .zip(weight.par_chunks(cols))
+                .try_for_each(|(out, w)| blocks::quantize(ty, w, out))?;
+        }
+        QuantMatrix::new(ty, rows, cols, bytes)
+    }
+
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The stored blocks, row after row.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Row `r`'s blocks.
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// The weights decoded to f32, `[rows, cols]` row-major (what "dequantize, then dense" uses).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        blocks::dequantize(self.ty, &self.bytes, &mut out)
+            .expect("lengths checked at construction");
+        out
+    }
+}
+
+/// Reusable buffers of the kernels: the quantized activations and, for several tokens, the
+/// outputs before they are transposed into `y`. They grow to the largest call and stay.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    act32: Vec<Act32>,   // [T, in / 32]
+    act256: Vec<Act256>, // [T, in / 256]
+    yt: Vec<f32>,        // [out, T]
+}
+
+/// One call's quantized activations, `[T, blocks]`.
+#[derive(Clone, Copy)]
+enum Acts<'a> {
+    B32(&'a [Act32]),
+    B256(&'a [Act256]),
+}
+
+impl<'a> Acts<'a> {
+    /// Token `t`'s blocks (`n` per token).
+    fn token(self, t: usize, n: usize) -> Acts<'a> {
+        match self {
+            Acts::B32(a) => Acts::B32(&a[t * n..(t + 1) * n]),
+            Acts::B256(a) => Acts::B256(&a[t * n..(t + 1) * n]),
+        }
+    }
+}
+
+/// Quantizes `x` [tokens, cols] into the activation blocks `ty` pairs with; returns them.
+fn quantize_acts<'s>(
+    ty: GgmlType,
+    x: &[f32],
+    tokens: usize,
+    act32: &'s mut Vec<Act32>,
+    act256: &'s mut Vec<Act256>,
+) -> Acts<'s> {
+    fn fill<'b, A: Copy + Send>(
+        buf: &'b mut Vec<A>,
+        zero: A,
+        x: &[f32],
+        tokens: usize,
+        elems: usize,
+        encode: impl Fn(&[f32]) -> A + Sync,
+    ) -> &'b [A] {
+        let n = x.len() / elems;
+        if buf.len() < n {
+            buf.resize(n, zero);
+        }
+        let buf = &mut buf[..n];
+        if tokens > 1 {
+            buf.par_iter_mut()
+                .zip(x.par_chunks_exact(elems))
+                .for_each(|(a, x)| *a = encode(x));
+        } else {
+            buf.iter_mut()
+                .zip(x.chunks_exact(elems))
+                .for_each(|(a, x)| *a = encode(x));
+        }
+        buf
+    }
+    if ty.block_elems() == 32 {
+        Acts::B32(fill(act32, Act32::ZERO, x, tokens, 32, Act32::quantize))
+    } else {
+        Acts::B256(fill(act256, Act256::ZERO, x, tokens, 256, Act256::quantize))
+    }
+}
+
+/// One row's dot product with one token's activation blocks, on `isa`.
+#[inline]
+fn dot(isa: Isa, ty: GgmlType, row: &[u8], acts: Acts<'_>) -> f32 {
+    use GgmlType::*;
+    match (isa, acts) {
+        (Isa::Portable, Acts::B32(a)) => match ty {
+            Q8_0 => portable::dot_q8_0(row, a),
+            Q4_0 => portable::dot_q4_0(row, a),
+            Q4_1 => portable::dot_q4_1(row, a),
+            _ => unreachable!("{ty} has no 32-element kernel"),
+        },
+        (Isa::Portable, Acts::B256(a)) => match ty {
+            Q4K => portable::dot_q4_k(row, a),
+            Q5K => portable::dot_q5_k(row, a),
+            Q6K => portable::dot_q6_k(row, a),
+            _ => unreachable!("{ty} has no 256-element kernel"),
+        },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2Fma(cpu), Acts::B32(a)) => match ty {
+            Q8_0 => avx2::dot_q8_0(cpu, row, a),
+            Q4_0 => avx2::dot_q4_0(cpu, row, a),
+            Q4_1 => avx2::dot_q4_1(cpu, row, a),
+            _ => unreachable!("{ty} has no 32-element kernel"),
+        },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2Fma(cpu), Acts::B256(a)) => match ty {
+            Q4K => avx2::dot_q4_k(cpu, row, a),
+            Q5K => avx2::dot_q5_k(cpu, row, a),
+            Q6K => avx2::dot_q6_k(cpu, row, a),
+            _ => unreachable!("{ty} has no 256-element kernel"),
+        },
+    }
+}
+
+/// Output rows one task computes: enough to amortise the task, few enough to balance the cores.
+fn rows_per_task(rows: usize) -> usize {
+    rows.div_ceil(4 * rayon::current_num_threads()).clamp(1, 64)
+}
+
+// ANCHOR: matvec
+/// One token: `y[o] = Σ_k W[o, k] · x[k]`, output rows split across threads.
+/// `x`: [in], `y`: [out]. Panics on other lengths (a caller's mistake: shapes were checked
+/// when `w` was made).
+pub fn matvec(isa: Isa, w: &QuantMatrix, x: &[f32], y: &mut [f32], scratch: &mut Scratch) {
+    assert_eq!(x.len(), w.cols, "x is [in]");
+    assert_eq!(y.len(), w.rows, "y is [out]");
+    let acts = quantize_acts(w.ty, x, 1, &mut scratch.act32, &mut scratch.act256); // [in / block]
+    let per_task = rows_per_task(w.rows);
+    y.par_chunks_mut(per_task)
+        .enumerate()
+        .for_each(|(task, y)| {
+            for (i, y) in y.iter_mut().enumerate() {
+                *y = dot(isa, w.ty, w.row(task * per_task + i), acts);
+            }
+        });
+}
+// ANCHOR_END: matvec
+
+// ANCHOR: matmul
+/// Several tokens: `y[t, o] = Σ_k x[t, k] · W[o, k]`, i.e. `y = x Wᵀ`. `x`: [tokens, in],
+/// `y`: [tokens, out], both row-major. Each task takes a run of output rows and, row by row,
+/// computes every token's output from that row while it is in L1: each weight byte is read
+/// from memory once per call. Every output equals [`matvec`]'s for its token, bit for bit.
+pub fn matmul(
+    isa: Isa,
+    w: &QuantMatrix,
+    x: &[f32],
+    y: &mut [f32],
+    tokens: usize,
+    scratch: &mut Scratch,
+) {
+    assert_eq!(x.len(), tokens * w.cols, "x is [tokens, in]");
+    assert_eq!(y.len(), tokens * w.rows, "y is [tokens, out]");
+    if tokens == 0 || w.rows == 0 {
+        return;
+    }
+    let Scratch { act32, act256, yt } = scratch;
+    let acts = quantize_acts(w.ty, x, tokens, act32, act256); // [tokens, in / block]
+    let per_token = w.cols / w.ty.block_elems();
+    if yt.len() < w.rows * tokens {
+        yt.resize(w.rows * tokens, 0.0);
+    }
+    let yt = &mut yt[..w.rows * tokens]; // [out, tokens]
+    let per_task = rows_per_task(w.rows);
+    yt.par_chunks_mut(per_task * tokens)
+        .enumerate()
+        .for_each(|(task, yt)| {
+            for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
+                let row = w.row(task * per_task + i);
+                for (t, y) in yt_row.iter_mut().enumerate() {
+                    *y = dot(isa, w.ty, row, acts.token(t, per_token));
+                }
+            }
+        });
+    for (t, y_t) in y.chunks_exact_mut(w.rows).enumerate() {
+        for (o, y) in y_t.iter_mut().enumerate() {
+            *y = yt[o * tokens + t];
+        }
+    }
+    // A prefill-sized buffer is not kept: it would hold as much memory as its `y` forever.
+    if scratch.yt.len() > KEEP_OUTPUTS {
+        scratch.yt = Vec::new();
+    }
+}
+
+/// The most outputs (f32) a [`Scratch`] keeps between [`matmul`] calls: 4 MiB, enough for a
+/// batched decode step over a large vocabulary; larger prefill buffers are freed after use.
+pub const KEEP_OUTPUTS: usize = 1 << 20;
+// ANCHOR_END: matmul
+
+/// `y = x Wᵀ` for any number of tokens: [`matvec`] for one, [`matmul`] for more.
+pub fn linear(
+    isa: Isa,
+    w: &QuantMatrix,
+    x: &[f32],
+    y: &mut [f32],
+    tokens: usize,
+    scratch: &mut Scratch,
+) {
+    if tokens == 1 {
+        matvec(isa, w, x, y, scratch);
+    } else {
+        matmul(isa, w, x, y, tokens, scratch);
+    }
+}

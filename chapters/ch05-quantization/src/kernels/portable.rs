@@ -1,0 +1,128 @@
+//! The integer dot products in plain Rust: the reference for the AVX2 ones, and what runs on CPUs
+//! without AVX2. Each returns exactly what its AVX2 twin returns (same integer sums, same f32
+//! operations in the same order; the tests compare them for equality).
+
+use super::{Act32, Act256, LANES, acc_d, acc_k, acc_lanes, sum_lanes};
+use crate::blocks::f16_at;
+use crate::blocks::q4_k::scale_min;
+use crate::blocks::q6_k::q6;
+
+/// `Σ_l u[l] · q[l]` over 32 pairs.
+#[inline]
+fn dot32(u: impl Iterator<Item = i32>, q: &[i8]) -> i32 {
+    u.zip(q).map(|(u, &q)| u * i32::from(q)).sum()
+}
+
+/// The lane sums of one 32-element block: lane `k` is `Σ_{l=4k}^{4k+3} w[l] · q[l]`.
+#[inline]
+fn lanes32(w: impl Fn(usize) -> i32, q: &[i8; 32]) -> [i32; LANES] {
+    std::array::from_fn(|k| (4 * k..4 * k + 4).map(|l| w(l) * i32::from(q[l])).sum())
+}
+
+/// The nibble of element `l` (0..32) of a Q4_0/Q4_1 block: low nibbles, then high.
+#[inline]
+fn nibble(qs: &[u8], l: usize) -> i32 {
+    i32::from(if l < 16 {
+        qs[l] & 0x0F
+    } else {
+        qs[l - 16] >> 4
+    })
+}
+
+/// One Q8_0 row (whole blocks) with one token's activation blocks.
+pub fn dot_q8_0(row: &[u8], acts: &[Act32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (b, a) in row.chunks_exact(34).zip(acts) {
+        let s = lanes32(|l| i32::from(b[2 + l] as i8), &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+    }
+    sum_lanes(&acc)
+}
+
+/// One Q4_0 row with one token's activation blocks: `Σ (q − 8)·x`.
+pub fn dot_q4_0(row: &[u8], acts: &[Act32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (b, a) in row.chunks_exact(18).zip(acts) {
+        let s = lanes32(|l| nibble(&b[2..18], l) - 8, &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+    }
+    sum_lanes(&acc)
+}
+
+/// One Q4_1 row with one token's activation blocks: `Σ (d·q + m)·x = d·Σ q·x + m·Σ x`, the
+/// offsets in their own accumulator.
+pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut acc_m = 0.0f32;
+    for (b, a) in row.chunks_exact(20).zip(acts) {
+        let s = lanes32(|l| nibble(&b[4..20], l), &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
+    }
+    sum_lanes(&acc) + acc_m
+}
+
+/// `Σ_j m[j] · (bsums[2j] + bsums[2j + 1])`: the mins' part of a Q4_K/Q5_K super-block.
+#[inline(always)]
+pub(super) fn mins_dot(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
+    (0..8)
+        .map(|j| i32::from(m[j]) * (i32::from(bsums[2 * j]) + i32::from(bsums[2 * j + 1])))
+        .sum()
+}
+
+/// One Q4_K row with one token's Q8_K activation blocks.
+pub fn dot_q4_k(row: &[u8], acts: &[Act256]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, a) in row.chunks_exact(144).zip(acts) {
+        let (sc, m) = scale_min(&b[4..16]);
+        let qs = &b[16..144];
+        let mut isum = 0i32;
+        for j in 0..8 {
+            let (bytes, shift) = (&qs[32 * (j / 2)..][..32], 4 * (j % 2));
+            let u = bytes.iter().map(|&b| i32::from((b >> shift) & 0x0F));
+            isum += i32::from(sc[j]) * dot32(u, &a.q[32 * j..32 * j + 32]);
+        }
+        let imin = mins_dot(&m, &a.bsums);
+        acc = acc_k(acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
+    }
+    acc
+}
+
+/// One Q5_K row with one token's Q8_K activation blocks.
+pub fn dot_q5_k(row: &[u8], acts: &[Act256]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, a) in row.chunks_exact(176).zip(acts) {
+        let (sc, m) = scale_min(&b[4..16]);
+        let (qh, qs) = (&b[16..48], &b[48..176]);
+        let mut isum = 0i32;
+        for j in 0..8 {
+            let (bytes, shift) = (&qs[32 * (j / 2)..][..32], 4 * (j % 2));
+            let u = bytes
+                .iter()
+                .zip(qh)
+                .map(|(&b, &h)| i32::from(((b >> shift) & 0x0F) | (((h >> j) & 1) << 4)));
+            isum += i32::from(sc[j]) * dot32(u, &a.q[32 * j..32 * j + 32]);
+        }
+        let imin = mins_dot(&m, &a.bsums);
+        acc = acc_k(acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
+    }
+    acc
+}
+
+/// One Q6_K row with one token's Q8_K activation blocks: per sub-block of 16,
+/// `sc · Σ (q − 32)·x = sc · (Σ q·x − 32·bsum)`.
+pub fn dot_q6_k(row: &[u8], acts: &[Act256]) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, a) in row.chunks_exact(210).zip(acts) {
+        let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+        let mut isum = 0i32;
+        for (j, (&sc, &bsum)) in scales.iter().zip(&a.bsums).enumerate() {
+            let s: i32 = (0..16)
+                .map(|l| i32::from(q6(ql, qh, 16 * j + l)) * i32::from(a.q[16 * j + l]))
+                .sum();
+            isum += i32::from(sc as i8) * (s - 32 * i32::from(bsum));
+        }
+        acc = acc_d(acc, f16_at(b, 208), a.d, isum);
+    }
+    acc
+}

@@ -1,0 +1,62 @@
+//! A decode step through `QuantLinear::forward_into` allocates nothing once this thread's
+//! scratch has grown: the activation blocks are reused, the weights are read as stored.
+//! (Run inside a rayon pool, as `kiln generate` runs layers: see chapter 2's no_alloc test.)
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use ch01::linear::Linear;
+use ch05_quantization::{GgmlType, QuantLinear};
+use ndarray::{Array1, Array2};
+
+struct CountingAllocator;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
+
+#[test]
+fn decode_steps_allocate_nothing() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let (out, cols) = (300, 512);
+    let w = Array2::from_shape_fn((out, cols), |(o, k)| {
+        ((o * 7 + k * 3) % 19) as f32 / 19.0 - 0.5
+    });
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
+        let layer = QuantLinear::quantize(ty, &w, Some(Array1::zeros(out))).unwrap();
+        let x = Array2::from_shape_fn((1, cols), |(_, k)| (k % 13) as f32 / 13.0 - 0.5);
+        let mut y = Array2::<f32>::zeros((1, out));
+        let allocations = pool.install(|| {
+            layer.forward_into(x.view(), y.view_mut()); // grows the scratch
+            let before = ALLOCATIONS.load(Ordering::SeqCst);
+            for _ in 0..32 {
+                layer.forward_into(x.view(), y.view_mut());
+            }
+            ALLOCATIONS.load(Ordering::SeqCst) - before
+        });
+        assert!(y.iter().all(|v| v.is_finite()));
+        assert_eq!(
+            allocations, 0,
+            "{ty}: 32 decode steps allocated {allocations} times"
+        );
+    }
+}
