@@ -12,17 +12,23 @@ use anyhow::Context;
 use ch01::linear::LinearLoader;
 use ch01::{Llama, Tokenizer};
 
-/// `--model DIR`, shared by every command that loads a model.
+/// `--model DIR|FILE.gguf`, shared by every command that loads a model.
 #[derive(clap::Args, Debug)]
 pub struct ModelArgs {
-    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a GGUF
+    /// file (llama.cpp's format: config, weights, tokenizer and chat template in one file).
     /// Defaults to the embedded shakespeare-small.
-    #[arg(long, value_name = "DIR", default_value_os_t = ch01::default_model_dir())]
+    #[arg(long, value_name = "DIR|FILE", default_value_os_t = ch01::default_model_dir())]
     pub model: PathBuf,
-    /// Storage of the projection weights: f32, or bf16 (half the bytes read per token;
+    /// Storage of the dense projection weights: f32, or bf16 (half the bytes read per token;
     /// arithmetic stays f32).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     pub dtype: String,
+    /// Quantize dense projection weights on load to one of llama.cpp's block formats (chapter
+    /// 5). A K-quant falls back to q8_0 for layers whose input size is not a multiple of 256.
+    /// A GGUF file's quantized tensors are always used as stored.
+    #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])]
+    pub quantization: Option<String>,
 }
 
 /// A model ready to run: weights, tokenizer and the ids that end generation.
@@ -30,22 +36,69 @@ pub struct LoadedModel {
     pub model: Llama,
     pub tokenizer: Tokenizer,
     pub eos_token_ids: Vec<u32>,
+    /// Where the model came from.
+    pub format: ModelFormat,
+}
+
+/// How a model is stored on disk.
+pub enum ModelFormat {
+    /// A Hugging Face directory; its chat template is in its files.
+    HfDir,
+    /// A GGUF file, with the chat template its metadata holds.
+    Gguf { chat_template: Option<String> },
 }
 
 impl ModelArgs {
-    /// Loads with chapter 2's fast projections, stored as `--dtype` says.
+    /// Loads with the fast projections: a GGUF file's quantized tensors on chapter 5's integer
+    /// kernels, dense weights on chapter 2's (stored as `--dtype` says) or quantized on load
+    /// (`--quantization`).
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
-        self.load_with(&ch02::FastLoader { dtype })
+        match &self.quantization {
+            Some(name) => {
+                let ty = ch05::GgmlType::from_name(name)
+                    .with_context(|| format!("unknown --quantization {name}"))?;
+                self.load_with(&ch05::QuantLoader::to(ty)?)
+            }
+            None if self.is_gguf() => self.load_with(&ch05::QuantLoader::native().dense(dtype)),
+            None => self.load_with(&ch02::FastLoader { dtype }),
+        }
+    }
+
+    /// Whether `--model` names a GGUF file rather than a directory.
+    pub fn is_gguf(&self) -> bool {
+        self.model.is_file()
+    }
+
+    /// The model's name for tables and the API: the directory's name, or the file's without
+    /// its extension.
+    pub fn name(&self) -> String {
+        let name = if self.is_gguf() {
+            self.model.file_stem()
+        } else {
+            self.model.file_name()
+        };
+        name.map_or_else(|| "kiln".into(), |n| n.to_string_lossy().into_owned())
     }
 
     /// Loads with the given kind of projection (chapter 1's benchmark measures `DenseLoader`).
     pub fn load_with(&self, loader: &dyn LinearLoader) -> anyhow::Result<LoadedModel> {
-        let dir = &self.model;
-        let context = || format!("loading model from {}", dir.display());
-        let model = Llama::load_with(dir, loader).with_context(context)?;
-        let tokenizer = Tokenizer::from_dir(dir).with_context(context)?;
-        let mut eos_token_ids = ch01::eos_token_ids(dir, &model.config).with_context(context)?;
+        let path = &self.model;
+        let context = || format!("loading model from {}", path.display());
+        if self.is_gguf() {
+            let gguf = ch05::load_gguf(path, loader).with_context(context)?;
+            return Ok(LoadedModel {
+                model: gguf.model,
+                tokenizer: gguf.tokenizer,
+                eos_token_ids: gguf.eos_token_ids,
+                format: ModelFormat::Gguf {
+                    chat_template: gguf.chat_template,
+                },
+            });
+        }
+        let model = Llama::load_with(path, loader).with_context(context)?;
+        let tokenizer = Tokenizer::from_dir(path).with_context(context)?;
+        let mut eos_token_ids = ch01::eos_token_ids(path, &model.config).with_context(context)?;
         if let Some(eos) = tokenizer.eos_token_id()
             && !eos_token_ids.contains(&eos)
         {
@@ -55,6 +108,7 @@ impl ModelArgs {
             model,
             tokenizer,
             eos_token_ids,
+            format: ModelFormat::HfDir,
         })
     }
 }

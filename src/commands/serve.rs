@@ -11,8 +11,8 @@ use ch08::chat_template::ChatTemplate;
 use ch08::rate_limit::RateLimit;
 use ch08::{ServedModel, Server, ServerConfig};
 
-use super::ModelArgs;
 use super::engine_args::{EngineArgs, KvArgs};
+use super::{ModelArgs, ModelFormat};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -63,14 +63,27 @@ pub struct Args {
 
 pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
     let loaded = pool.install(|| args.model.load())?;
-    let dir = &args.model.model;
-    let chat_template = ChatTemplate::from_model_dir(dir)
-        .with_context(|| format!("loading the chat template of {}", dir.display()))?;
-    let name = args.served_model_name.clone().unwrap_or_else(|| {
-        dir.file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "kiln".into())
-    });
+    let path = &args.model.model;
+    let chat_template = match &loaded.format {
+        ModelFormat::HfDir => ChatTemplate::from_model_dir(path),
+        ModelFormat::Gguf { chat_template } => chat_template
+            .as_deref()
+            .map(|source| {
+                let token =
+                    |id: Option<u32>| id.and_then(|id| loaded.tokenizer.inner().id_to_token(id));
+                ChatTemplate::from_source(
+                    source,
+                    token(loaded.tokenizer.bos_token_id()),
+                    token(loaded.tokenizer.eos_token_id()),
+                )
+            })
+            .transpose(),
+    }
+    .with_context(|| format!("loading the chat template of {}", path.display()))?;
+    let name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| args.model.name());
     let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
     let cache = args.kv.cache(&loaded.model.config, &args.model.dtype)?;
     anyhow::ensure!(

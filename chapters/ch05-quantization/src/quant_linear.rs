@@ -158,6 +158,8 @@ pub struct QuantLoader {
     /// The type used instead of `target` for a layer whose `in_features` is not a whole number
     /// of `target` blocks.
     pub fallback: Option<GgmlType>,
+    /// How a dense weight that is not quantized is stored (chapter 2's f32 or bf16).
+    pub dense: WeightDtype,
 }
 
 impl QuantLoader {
@@ -166,7 +168,13 @@ impl QuantLoader {
         QuantLoader {
             target: None,
             fallback: None,
+            dense: WeightDtype::F32,
         }
+    }
+
+    /// The same loader, keeping dense weights that are not quantized in `dense` storage.
+    pub const fn dense(self, dense: WeightDtype) -> Self {
+        QuantLoader { dense, ..self }
     }
 
     /// Dense weights quantized to `target` on load; a K-quant target falls back to Q8_0 for
@@ -179,6 +187,7 @@ impl QuantLoader {
         Ok(QuantLoader {
             target: Some(target),
             fallback,
+            dense: WeightDtype::F32,
         })
     }
 
@@ -221,7 +230,7 @@ impl QuantLoader {
                 QuantLinear::quantize(ty, &weight, bias)
                     .map_err(|e| ch01::Error::InvalidArgument(format!("`{name}`: {e}")))?,
             ),
-            None => Box::new(FastLinear::new(weight, bias, WeightDtype::F32)),
+            None => Box::new(FastLinear::new(weight, bias, self.dense)),
         })
     }
 }

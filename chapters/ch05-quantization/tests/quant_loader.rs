@@ -167,8 +167,8 @@ fn dense_weights_stay_dense_or_are_quantized_on_load() {
     }
     // Without a fallback it is an error naming the layer and the block.
     let strict = QuantLoader {
-        target: Some(GgmlType::Q4K),
         fallback: None,
+        ..q4k
     };
     let message = strict.load(&source, &spec).err().unwrap().to_string();
     assert!(
