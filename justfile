@@ -30,6 +30,19 @@ chapter n:
          echo "   (prompts split into chunks) in a KV cache of 9 blocks (sequences preempted, recomputed later)"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --max-num-batched-tokens 16 --kv-cache-memory 432KiB --trace ;;
+      5) bash fixtures/scripts/fetch_smollm2.sh >/dev/null
+         gguf=fixtures/.cache/SmolLM2-135M-Instruct.Q4_1.gguf
+         echo "-- a GGUF file straight from llama.cpp's world: SmolLM2-135M-Instruct, Q4_1 (config, weights,"
+         echo "   tokenizer and chat template all read from the one file), on the integer kernels"
+         cargo run --release -q -- generate --model "$gguf" --prompt "The three primary colours are" \
+           --max-tokens 48 --temperature 0
+         echo "-- the default model quantized as it loads: same prompt, f32 against q8_0 and q4_0"
+         for q in "" "--quantization q8_0" "--quantization q4_0"; do
+           echo "   ${q:-f32}:"
+           cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 40 --temperature 0 $q
+         done
+         echo "-- sizes, speed, perplexity and batching at small sizes (just bench ch05 for the real run)"
+         cargo run --release -q -- bench ch05 --quick 2>/dev/null ;;
       8) cargo build --release -q
          source fixtures/scripts/server_lib.sh
          kiln_server_start target/release/kiln serve
@@ -64,7 +77,8 @@ book action="build":
 fixtures:
     bash fixtures/scripts/make_all.sh
 
-# ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
+# ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch05 its GGUF files beside llama.cpp
+# (`just build-llama-cpp` makes them); ch02 beside transformers (`just fixtures`)
 # and llama.cpp (`just build-llama-cpp`) when those are present. `serve` starts `kiln serve` on
 # SmolLM2 and loads it with `kiln bench serve` at rates 1, 2, 4, 8 and inf (args go to the latter;
 # --num-prompts and --request-rate replace the defaults; --ignore-eos is always on).
@@ -73,6 +87,8 @@ bench which="ch01" *args:
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{which}}" in
+      ch05) bash fixtures/scripts/fetch_smollm2.sh
+            cargo run --release -- bench ch05 {{args}} ;;
       ch02|ch03|ch04) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
       serve) bash fixtures/scripts/fetch_smollm2.sh

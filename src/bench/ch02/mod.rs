@@ -11,9 +11,9 @@
 //! `book/src/ch02/` (or `--out`). Every ratio in the tables comes from this one run.
 
 mod machine;
-mod references;
+pub(crate) mod references;
 mod report;
-mod speed;
+pub(crate) mod speed;
 mod waste;
 
 use anyhow::bail;

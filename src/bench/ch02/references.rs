@@ -31,7 +31,7 @@ pub struct Setup<'a> {
     pub reps: usize,
 }
 
-fn fixtures() -> PathBuf {
+pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
@@ -83,19 +83,33 @@ fn common_args(setup: &Setup) -> Vec<String> {
 }
 
 /// llama.cpp's `llama-bench` on the F32 and F16 GGUF files of SmolLM2 (bit-identical to kiln's
-/// f32 weights; F16 rounds them). Two runs per file, so that the positions match kiln's: `pp`
-/// (prompt processing) of the prompt into an empty cache, and `tg` (text generation) of the
-/// decode tokens at depth `-d P`, after the prompt.
+/// f32 weights; F16 rounds them).
 pub fn llama_cpp(setup: &Setup) -> anyhow::Result<Vec<Reference>> {
     let dir = fixtures().join(".cache/llama.cpp");
-    let bench = dir.join("build/bin/llama-bench");
-    if !bench.exists() {
-        bail!(
-            "{} is missing (run `just build-llama-cpp`)",
-            bench.display()
-        );
+    ["F32", "F16"]
+        .into_iter()
+        .map(|dtype| {
+            let gguf = dir.join(format!("SmolLM2-135M-Instruct-{dtype}.gguf"));
+            llama_bench(setup, &gguf, dtype)
+        })
+        .collect()
+}
+
+/// The `llama-bench` that `fixtures/scripts/build_llama_cpp.sh` builds, if it has.
+pub fn llama_cpp_tool(name: &str) -> anyhow::Result<PathBuf> {
+    let tool = fixtures().join(".cache/llama.cpp/build/bin").join(name);
+    if !tool.exists() {
+        bail!("{} is missing (run `just build-llama-cpp`)", tool.display());
     }
-    let run = |gguf: &Path, args: &[String]| -> anyhow::Result<(f64, String)> {
+    Ok(tool)
+}
+
+/// llama.cpp's `llama-bench` on one GGUF file, labelled `dtype`. Two runs, so that the
+/// positions match kiln's: `pp` (prompt processing) of the prompt into an empty cache, and `tg`
+/// (text generation) of the decode tokens at depth `-d P`, after the prompt.
+pub fn llama_bench(setup: &Setup, gguf: &Path, dtype: &str) -> anyhow::Result<Reference> {
+    let bench = llama_cpp_tool("llama-bench")?;
+    let run = |args: &[String]| -> anyhow::Result<(f64, String)> {
         let mut command = Command::new(&bench);
         command
             .arg("-m")
@@ -114,33 +128,24 @@ pub fn llama_cpp(setup: &Setup) -> anyhow::Result<Vec<Reference>> {
             .map_or(String::new(), |b| format!(" b{b}"));
         Ok((f64_field(test, "avg_ts")?, build))
     };
-    ["F32", "F16"]
-        .into_iter()
-        .map(|dtype| {
-            let gguf = dir.join(format!("SmolLM2-135M-Instruct-{dtype}.gguf"));
-            let (prefill, build) = run(
-                &gguf,
-                &strings(&["-p", &setup.prompt.to_string(), "-n", "0"]),
-            )?;
-            let decode_args = [
-                "-p",
-                "0",
-                "-n",
-                &setup.decode.to_string(),
-                "-d",
-                &setup.prompt.to_string(),
-            ];
-            let (decode, _) = run(&gguf, &strings(&decode_args))?;
-            Ok(Reference {
-                engine: format!("llama.cpp{build}"),
-                dtype: dtype.to_string(),
-                speed: Speed {
-                    prefill_tok_s: prefill,
-                    decode_tok_s: decode,
-                },
-            })
-        })
-        .collect()
+    let (prefill, build) = run(&strings(&["-p", &setup.prompt.to_string(), "-n", "0"]))?;
+    let decode_args = [
+        "-p",
+        "0",
+        "-n",
+        &setup.decode.to_string(),
+        "-d",
+        &setup.prompt.to_string(),
+    ];
+    let (decode, _) = run(&strings(&decode_args))?;
+    Ok(Reference {
+        engine: format!("llama.cpp{build}"),
+        dtype: dtype.to_string(),
+        speed: Speed {
+            prefill_tok_s: prefill,
+            decode_tok_s: decode,
+        },
+    })
 }
 
 fn strings(args: &[&str]) -> Vec<String> {

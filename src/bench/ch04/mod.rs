@@ -163,7 +163,7 @@ impl Plan {
 
 /// A pool that holds every request of `arrivals` at once (prompt + max_tokens each), plus the
 /// engine's 1% watermark: the runs measure batching, never preemption.
-fn pool_for<K: KvElement>(
+pub(crate) fn pool_for<K: KvElement>(
     model: &ch01::Llama,
     block_size: usize,
     arrivals: &[Arrival],
@@ -180,7 +180,7 @@ fn pool_for<K: KvElement>(
 }
 
 /// Runs `serve` `reps` times; the median of each figure.
-fn measured(
+pub(crate) fn measured(
     label: &str,
     reps: usize,
     mut serve: impl FnMut() -> anyhow::Result<Run>,
