@@ -95,11 +95,23 @@ fn one_prompt_with_bf16_weights_uses_the_f32_cache() {
     let model = fixtures_dir().join("random/gqa");
     let model = model.to_str().unwrap();
     let base = [
-        "generate", "--model", model, "--prompt", "ROMEO.", "--max-tokens", "4", "--dtype", "bf16",
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "ROMEO.",
+        "--max-tokens",
+        "4",
+        "--dtype",
+        "bf16",
     ];
     let output = kiln(&base);
     assert!(output.status.success(), "{}", stderr(&output));
-    assert!(stderr(&output).contains("MiB of f32"), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("MiB of f32"),
+        "{}",
+        stderr(&output)
+    );
 
     let mut args = base.to_vec();
     args.extend(["--kv-cache-dtype", "bf16"]);
