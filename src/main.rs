@@ -5,6 +5,7 @@
 //! kiln generate   --prompts-file FILE      one prompt per line, all at once through the engine
 //! kiln forward    --prompt TEXT --out FILE logits of every position as safetensors
 //! kiln perplexity --file TEXT --ctx 512    llama.cpp-style perplexity
+//! kiln quantize   --type q4_0 --out F.gguf a Hugging Face checkpoint → GGUF (kiln and llama.cpp load it)
 //! kiln serve     --port 8000              the OpenAI-compatible server (chapter 8)
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
 //! ```
@@ -37,6 +38,8 @@ enum Command {
     Forward(commands::forward::Args),
     /// Score a text file as llama.cpp's perplexity tool does.
     Perplexity(commands::perplexity::Args),
+    /// Write a Hugging Face checkpoint as a GGUF file in one of llama.cpp's types (f32 ... q6_k).
+    Quantize(commands::quantize::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics).
     Serve(commands::serve::Args),
     /// Run a chapter's benchmark: print a markdown table, write it and an SVG plot for the book.
@@ -60,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => commands::generate::run(args),
         Command::Forward(args) => commands::forward::run(args),
         Command::Perplexity(args) => commands::perplexity::run(args),
+        Command::Quantize(args) => commands::quantize::run(args),
         Command::Bench(args) => bench::run(args),
     })
 }

@@ -413,3 +413,61 @@ fn perplexity_matches_pytorch_on_held_out_hamlet() {
         );
     }
 }
+
+/// `kiln quantize` writes a GGUF file that `kiln forward` runs, and reports its sizes; bad
+/// inputs fail with the file or value at fault, without a panic.
+#[test]
+fn quantize_writes_a_gguf_file_that_kiln_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("gqa-q8_0.gguf");
+    let model = fixtures_dir().join("random/gqa");
+    let (model, out_path) = (model.to_str().unwrap(), out.to_str().unwrap());
+    let output = kiln(&[
+        "quantize", "--model", model, "--type", "q8_0", "--out", out_path,
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("bits per weight") && stdout.contains("Q8_0") && stdout.contains(" s"),
+        "{stdout}"
+    );
+    let logits = tmp.path().join("logits.safetensors");
+    let output = kiln(&[
+        "forward",
+        "--model",
+        out_path,
+        "--prompt",
+        "ROMEO.",
+        "--out",
+        logits.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+
+    assert_fails_with(
+        &["quantize", "--model", model, "--type", "q2_k", "--out", out_path],
+        "invalid value 'q2_k'",
+    );
+    assert_fails_with(
+        &[
+            "quantize", "--model", "/nonexistent/model", "--type", "q4_0", "--out", out_path,
+        ],
+        "/nonexistent/model/config.json",
+    );
+    let llama3 = fixtures_dir().join("random/llama3-rope");
+    assert_fails_with(
+        &[
+            "quantize",
+            "--model",
+            llama3.to_str().unwrap(),
+            "--type",
+            "q4_0",
+            "--out",
+            out_path,
+        ],
+        "rope_scaling llama3 is not supported",
+    );
+    assert_fails_with(
+        &["quantize", "--model", out_path, "--type", "q4_0", "--out", out_path],
+        "is a file",
+    );
+}

@@ -4,6 +4,7 @@ pub mod engine_args;
 pub mod forward;
 pub mod generate;
 pub mod perplexity;
+pub mod quantize;
 pub mod serve;
 
 use std::path::PathBuf;

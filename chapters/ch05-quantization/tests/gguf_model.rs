@@ -1,18 +1,15 @@
-//! Whole models from GGUF files: the committed random checkpoints converted by the test's own
-//! converter (`common`), loaded by `load_gguf`, must give exactly the logits, config and
-//! tokens that the safetensors directory gives.
-
-mod common;
+//! Whole models from GGUF files: the committed random checkpoints written by chapter 5's own
+//! converter (`gguf::convert`), loaded by `load_gguf`, must give exactly the logits, config and
+//! tokens that the safetensors directory gives. (`tests/quantize.rs` tests the converter.)
 
 use std::path::PathBuf;
 
 use ch01::linear::DenseLoader;
 use ch01::{Llama, LlamaConfig, Tokenizer, WeightSource};
 use ch05_quantization::gguf::{
-    GgufError, GgufFile, GgufSource, GgufValue, GgufWriter, llama_config,
+    GgufError, GgufFile, GgufSource, GgufValue, GgufWriter, convert_hf_dir, llama_config,
 };
 use ch05_quantization::{GgmlType, blocks, load_gguf};
-use common::{encode_q8_0, hf_dir_to_gguf};
 
 fn random_dir(name: &str) -> PathBuf {
     ch01::fixtures_dir().join("random").join(name)
@@ -22,6 +19,11 @@ fn write(w: &GgufWriter<'_>, dir: &tempfile::TempDir, name: &str) -> PathBuf {
     let path = dir.path().join(format!("{name}.gguf"));
     w.write(&path).unwrap();
     path
+}
+
+/// The GGUF file of checkpoint `dir` with projections in `ty`.
+fn hf_dir_to_gguf(dir: &std::path::Path, ty: GgmlType) -> GgufWriter<'static> {
+    convert_hf_dir(dir, ty).unwrap().writer
 }
 
 /// Prompts that cover the tokenizer's corners: specials written as text, unicode, digits and
@@ -36,53 +38,10 @@ const TEXTS: [&str; 6] = [
 ];
 
 #[test]
-fn random_checkpoints_give_identical_logits_config_and_tokens() {
-    let tmp = tempfile::tempdir().unwrap();
-    for name in [
-        "gqa", "mha", "head-dim", "untied", "qwen2", "bf16", "sharded",
-    ] {
-        let dir = random_dir(name);
-        let path = write(&hf_dir_to_gguf(&dir, None), &tmp, name);
-        let gguf = load_gguf(&path, &DenseLoader).unwrap();
-
-        let mut expected_config = LlamaConfig::from_dir(&dir).unwrap();
-        expected_config.eos_token_ids = ch01::eos_token_ids(&dir, &expected_config).unwrap();
-        assert_eq!(gguf.model.config, expected_config, "{name}");
-        assert_eq!(gguf.eos_token_ids, expected_config.eos_token_ids, "{name}");
-        assert_eq!(gguf.chat_template.as_deref(), Some("{{ messages }}"));
-
-        let tokenizer = Tokenizer::from_dir(&dir).unwrap();
-        let t = &gguf.tokenizer;
-        assert_eq!(
-            (
-                t.bos_token_id(),
-                t.eos_token_id(),
-                t.adds_bos(),
-                t.vocab_size()
-            ),
-            (
-                tokenizer.bos_token_id(),
-                tokenizer.eos_token_id(),
-                tokenizer.adds_bos(),
-                tokenizer.vocab_size()
-            ),
-            "{name}"
-        );
-
-        let reference = Llama::load(&dir).unwrap();
-        let prompt = tokenizer.encode(TEXTS[0], true).unwrap();
-        let want = reference.forward(&prompt).unwrap();
-        let got = gguf.model.forward(&prompt).unwrap();
-        // The same f32 weights in the same order: the same logits, bit for bit.
-        assert_eq!(got, want, "{name}: logits differ");
-    }
-}
-
-#[test]
 fn gguf_tokenizer_matches_tokenizer_json() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = random_dir("gqa");
-    let path = write(&hf_dir_to_gguf(&dir, None), &tmp, "gqa");
+    let path = write(&hf_dir_to_gguf(&dir, GgmlType::F32), &tmp, "gqa");
     let gguf = load_gguf(&path, &DenseLoader).unwrap();
     let reference = Tokenizer::from_dir(&dir).unwrap();
     let sample = std::fs::read_to_string(ch01::fixtures_dir().join("corpus/sample.txt")).unwrap();
@@ -104,7 +63,7 @@ fn gguf_tokenizer_matches_tokenizer_json() {
 fn block_quantized_q_and_k_rows_are_unpermuted_as_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = random_dir("gqa");
-    let path = write(&hf_dir_to_gguf(&dir, Some(GgmlType::Q8_0)), &tmp, "gqa-q8");
+    let path = write(&hf_dir_to_gguf(&dir, GgmlType::Q8_0), &tmp, "gqa-q8");
     let source = GgufSource::open(&path).unwrap();
     let weights = ch01::Weights::open(&dir).unwrap();
     let c = LlamaConfig::from_dir(&dir).unwrap();
@@ -116,7 +75,9 @@ fn block_quantized_q_and_k_rows_are_unpermuted_as_bytes() {
     ] {
         let hf = weights.tensor(name).unwrap();
         let [rows, cols] = [hf.shape()[0], hf.shape()[1]];
-        let encoded = encode_q8_0(&hf.to_f32(name).unwrap()); // Hugging Face row order
+        let values = hf.to_f32(name).unwrap();
+        let mut encoded = vec![0u8; GgmlType::Q8_0.row_bytes(cols).unwrap() * rows];
+        blocks::quantize(GgmlType::Q8_0, &values, &mut encoded).unwrap(); // Hugging Face row order
         let raw = source.tensor(name).unwrap();
         assert_eq!(raw.shape(), [rows, cols]);
         assert_eq!(raw.dtype(), GgmlType::Q8_0.tensor_dtype());

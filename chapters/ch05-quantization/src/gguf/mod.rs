@@ -9,9 +9,11 @@
 //! | [`source`]    | [`GgufSource`]: the file as a [`ch01::WeightSource`] with Hugging Face names |
 //! | [`tokenizer`] | `tokenizer.ggml.*` → a [`ch01::Tokenizer`] (byte-level or SentencePiece BPE) |
 //! | [`model`]     | [`load_gguf`]: model, tokenizer, stop tokens and chat template in one call |
+//! | [`convert`]   | [`quantize_hf_dir`]: a Hugging Face checkpoint → a GGUF file (`kiln quantize`) |
 //! | [`error`]     | [`GgufError`]: what is wrong, naming the file and the key or tensor       |
 
 pub mod config;
+pub mod convert;
 pub mod error;
 pub mod file;
 pub mod model;
@@ -21,9 +23,10 @@ pub mod value;
 pub mod writer;
 
 pub use config::{GgufArch, llama_config};
+pub use convert::{ConvertError, ConvertReport, convert_hf_dir, quantize_hf_dir};
 pub use error::{GgufError, GgufResult};
 pub use file::{GgufFile, GgufTensorInfo};
 pub use model::{GgufModel, load_gguf};
-pub use source::{GgufSource, gguf_name, hf_name};
+pub use source::{GgufSource, gguf_name, hf_name, permute_qk};
 pub use value::{GgufArray, GgufValue, GgufValueType};
 pub use writer::GgufWriter;

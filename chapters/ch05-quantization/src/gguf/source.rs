@@ -12,7 +12,8 @@
 //!    q_proj and k_proj within each head from Hugging Face's rotate-half RoPE pairing
 //!    (row `i` with row `i + d/2`) to llama.cpp's interleaved pairing (rows `2i`, `2i + 1`).
 //!    With `d` the head dimension, head `h`'s row `half · d/2 + i` in Hugging Face order is
-//!    row `2i + half` of the same head in the file. A row is a run of whole blocks in every
+//!    row `2i + half` of the same head in the file; a q or k bias has its elements moved the
+//!    same way. [`permute_qk`] is the converter's direction. A row is a run of whole blocks in every
 //!    type, so undoing this moves whole rows of bytes and never decodes anything: the source
 //!    hands out q and k as owned, reordered bytes, and everything else borrowed from the map.
 //!
@@ -114,6 +115,24 @@ pub fn unpermuted_row(r: usize, rows: usize, n_head: usize) -> Option<usize> {
     Some(head * d + 2 * i + half)
 }
 
+/// Hugging Face order → the file's, for a q or k tensor of `units` rows (a weight) or elements
+/// (a bias) in `n_head` heads: unit `r` moves to [`unpermuted_row`]`(r)`, each unit being
+/// `bytes.len() / units` bytes. This is what llama.cpp's converter does, and what
+/// [`GgufSource`] undoes. `None` when the units do not split into heads of an even size, or the
+/// bytes into units.
+pub fn permute_qk(bytes: &[u8], units: usize, n_head: usize) -> Option<Vec<u8>> {
+    let unit = bytes.len().checked_div(units)?;
+    if unit * units != bytes.len() {
+        return None;
+    }
+    let mut out = vec![0u8; bytes.len()];
+    for (r, src) in bytes.chunks_exact(unit.max(1)).enumerate().take(units) {
+        let dst = unpermuted_row(r, units, n_head)?;
+        out[dst * unit..(dst + 1) * unit].copy_from_slice(src);
+    }
+    Some(out)
+}
+
 /// A GGUF file answering Hugging Face tensor names. Invariant: every name in `hf` indexes a
 /// tensor of `file`.
 pub struct GgufSource {
@@ -204,25 +223,37 @@ impl GgufSource {
         )
     }
 
-    /// The heads whose rows Hugging Face tensor `name` has permuted in the file, if any.
+    /// The heads whose rows (a weight) or elements (a bias) Hugging Face tensor `name` has
+    /// permuted in the file, if any.
     fn permuted_head_count(&self, name: &str) -> Option<usize> {
         let (heads, kv_heads) = self.permuted_heads?;
-        if name.ends_with(".self_attn.q_proj.weight") {
+        let (base, _) = split_suffix(name)?;
+        if base.ends_with(".self_attn.q_proj") {
             Some(heads)
-        } else if name.ends_with(".self_attn.k_proj.weight") {
+        } else if base.ends_with(".self_attn.k_proj") {
             Some(kv_heads)
         } else {
             None
         }
     }
 
-    /// For each row of tensor `name` in Hugging Face order, the row of the file that holds it;
-    /// `None` when the rows are stored in order.
+    /// The units the permutation moves in tensor `info`: `(count, bytes each)`, rows of a
+    /// weight or elements of a (dense) bias.
+    fn units(info: &GgufTensorInfo) -> (usize, usize) {
+        if info.dims.len() == 1 && !info.ty.is_quantized() {
+            (info.n_elements(), info.ty.block_bytes())
+        } else {
+            (info.n_rows(), info.row_bytes())
+        }
+    }
+
+    /// For each unit (row, or element of a bias) of tensor `name` in Hugging Face order, the
+    /// unit of the file that holds it; `None` when they are stored in order.
     fn row_map(&self, name: &str, info: &GgufTensorInfo) -> Result<Option<Vec<usize>>> {
         let Some(n_head) = self.permuted_head_count(name) else {
             return Ok(None);
         };
-        let rows = info.n_rows();
+        let (rows, _) = Self::units(info);
         (0..rows)
             .map(|r| unpermuted_row(r, rows, n_head))
             .collect::<Option<Vec<_>>>()
@@ -266,7 +297,7 @@ impl WeightSource for GgufSource {
         let bytes = match self.row_map(name, info)? {
             None => Cow::Borrowed(stored),
             Some(map) => {
-                let row_bytes = info.row_bytes();
+                let (_, row_bytes) = Self::units(info);
                 let mut out = Vec::with_capacity(stored.len());
                 for src in map {
                     out.extend_from_slice(&stored[src * row_bytes..(src + 1) * row_bytes]);
@@ -400,6 +431,18 @@ mod tests {
             assert_eq!(file_rows[unpermuted_row(r, rows, n_head).unwrap()], r);
         }
         assert_eq!(unpermuted_row(0, 10, 3), None, "10 rows are not 3 heads");
+        // `permute_qk` moves whole units (here 2-byte rows) to the same places.
+        let bytes: Vec<u8> = (0..rows).flat_map(|r| [r as u8, 100 + r as u8]).collect();
+        let permuted = permute_qk(&bytes, rows, n_head).unwrap();
+        for (f, unit) in permuted.chunks_exact(2).enumerate() {
+            assert_eq!(unit, [file_rows[f] as u8, 100 + file_rows[f] as u8]);
+        }
+        assert_eq!(
+            permute_qk(&bytes[1..], rows, n_head),
+            None,
+            "not whole units"
+        );
+        assert_eq!(permute_qk(&bytes, rows, 5), None, "24 rows are not 5 heads");
         assert_eq!(unpermuted_row(0, 9, 3), None, "head dim 3 is odd");
     }
 }

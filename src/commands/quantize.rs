@@ -1,0 +1,90 @@
+//! `kiln quantize`: a Hugging Face checkpoint → a GGUF file that kiln and llama.cpp both load
+//! (chapter 5's `gguf::convert`), with sizes and time on stdout.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use ch05::GgmlType;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
+    /// tokenizer_config.json). Defaults to the embedded shakespeare-small.
+    #[arg(long, value_name = "DIR", default_value_os_t = ch01::default_model_dir())]
+    pub model: PathBuf,
+    /// Type of the projection weights. K-quants fall back as llama.cpp does for layers whose
+    /// input size is not a multiple of 256; the output matrix (or tied embedding) follows
+    /// llama.cpp's rule (Q6_K, or Q8_0); norms stay f32.
+    #[arg(long = "type", value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])]
+    pub ty: String,
+    /// The GGUF file to write (replaced if it exists; written to a temporary name first).
+    #[arg(long, value_name = "FILE.gguf")]
+    pub out: PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let ty =
+        GgmlType::from_name(&args.ty).with_context(|| format!("unknown --type {}", args.ty))?;
+    if args.model.is_file() {
+        anyhow::bail!(
+            "--model {} is a file: kiln quantize reads a Hugging Face directory (re-quantizing a \
+             GGUF file is not supported)",
+            args.model.display()
+        );
+    }
+    let start = Instant::now();
+    let report = ch05::gguf::quantize_hf_dir(&args.model, ty, &args.out).with_context(|| {
+        format!(
+            "quantizing {} to {}",
+            args.model.display(),
+            args.out.display()
+        )
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    let file_bytes = std::fs::metadata(&args.out)
+        .with_context(|| format!("reading {}", args.out.display()))?
+        .len();
+
+    for warning in &report.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let fallbacks: Vec<String> = report
+        .fallbacks()
+        .map(|t| format!("{} ({})", t.name, t.ty))
+        .collect();
+    if !fallbacks.is_empty() {
+        eprintln!(
+            "{} projections fell back from {ty} (rows not whole blocks): {}",
+            fallbacks.len(),
+            fallbacks.join(", ")
+        );
+    }
+    let mib = |b: f64| b / (1024.0 * 1024.0);
+    let params = report.parameters() as f64;
+    let types: Vec<String> = report
+        .type_counts()
+        .iter()
+        .map(|(t, n)| format!("{n} {t}"))
+        .collect();
+    println!(
+        "wrote {} ({} tensors: {})",
+        args.out.display(),
+        report.tensors.len(),
+        types.join(", ")
+    );
+    println!(
+        "before: {:.2} MiB of tensors ({:.2} bits per weight) in {}",
+        mib(report.source_bytes() as f64),
+        report.source_bytes() as f64 * 8.0 / params.max(1.0),
+        args.model.display()
+    );
+    println!(
+        "after:  {:.2} MiB of tensors ({:.2} bits per weight), file {:.2} MiB ({file_bytes} bytes)",
+        mib(report.tensor_bytes() as f64),
+        report.bits_per_weight(),
+        mib(file_bytes as f64)
+    );
+    println!("{:.0} weights in {seconds:.2} s", params);
+    Ok(())
+}
