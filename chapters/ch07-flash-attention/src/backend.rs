@@ -129,6 +129,7 @@ impl std::str::FromStr for AttentionKind {
 /// The rule of `--attention-backend auto`: a step whose longest sequence has at least
 /// [`AutoAttention::FLASH_FROM`] positions runs flash attention, a shorter one chapter 4's.
 /// The threshold is where `kiln bench ch07` measured flash ahead (see the chapter's tables).
+#[derive(Default)]
 pub struct AutoAttention {
     naive: BatchAttention,
     flash: FlashAttention,
@@ -139,15 +140,6 @@ impl AutoAttention {
     pub const FLASH_FROM: usize = 256;
 }
 // ANCHOR_END: auto
-
-impl Default for AutoAttention {
-    fn default() -> Self {
-        AutoAttention {
-            naive: BatchAttention::default(),
-            flash: FlashAttention::new(),
-        }
-    }
-}
 
 impl<K: KvElement> AttentionBackend<K> for AutoAttention {
     fn attend(

@@ -124,6 +124,7 @@ impl Tiles {
 
 /// K and V of positions `start..start + len` of KV head `kv` into `kt` [dp, bcp] (transposed)
 /// and `v` [bcp, dp], widened to f32; columns (rows of `v`) from `len` on are zeroed.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn load_kv_tile<K: ToF32>(
     kv: &LayerKv<K>,

@@ -1,9 +1,10 @@
-//! Continuous batching changes when tokens are computed, never which: for random request sets
-//! (prompt and output lengths, arrival steps, priorities, aborts), random budgets and small
-//! block pools that force chunked prefill and both kinds of preemption, every request's greedy
-//! output equals generating it alone; every request finishes; aborted requests free their
-//! blocks at once; afterwards every block is free or cached. Every step the scheduler hands
-//! the executor keeps the executor's contract (see [`Checked`]).
+//! The body of `engine_equals_alone.rs`, over any CPU executor (chapter 7 runs it with its
+//! flash attention backend): for random request sets (prompt and output lengths, arrival
+//! steps, priorities, aborts), random budgets and small block pools that force chunked prefill
+//! and both kinds of preemption, every request's greedy output equals generating it alone;
+//! every request finishes; aborted requests free their blocks at once; afterwards every block
+//! is free or cached. Every step the scheduler hands the executor keeps the executor's
+//! contract (see [`Checked`]).
 
 use ch01::testing::seeded_runner;
 use ch01::{Llama, fixtures_dir};
@@ -166,8 +167,11 @@ fn scenario(
     )
 }
 
-#[test]
-fn every_request_equals_generating_it_alone() {
+/// A CPU executor over `pool` for `model`: the executor under test.
+pub type MakeExecutor = dyn for<'m> Fn(&'m Llama, KvPool<f32>) -> CpuExecutor<'m, f32>;
+
+/// Runs the scenario with executors made by `make_executor`.
+pub fn every_request_equals_generating_it_alone_with(make_executor: &MakeExecutor) {
     // Chapter 2's fast layers, as the binary runs them (matmul for batches, matvec alone).
     let model = ch02::load_fast(
         &fixtures_dir().join("shakespeare-tiny"),
@@ -200,7 +204,7 @@ fn every_request_equals_generating_it_alone() {
                     enable_prefix_caching: caching,
                 };
                 let executor = Checked {
-                    inner: CpuExecutor::new(&model, pool),
+                    inner: make_executor(&model, pool),
                     swapped_out: BTreeSet::new(),
                 };
                 let mut engine = Engine::new(executor, config).unwrap();
