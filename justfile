@@ -29,6 +29,11 @@ chapter n:
          echo "   (prompts split into chunks) in a KV cache of 9 blocks (sequences preempted, recomputed later)"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --max-num-batched-tokens 16 --kv-cache-memory 432KiB --trace ;;
+      7) echo "-- flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode (quick sizes)"
+         cargo run --release -q -- bench ch07 --quick 2>/dev/null
+         echo "-- six prompts through the engine with --attention-backend flash"
+         cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
+           --temperature 0 --attention-backend flash ;;
       8) cargo build --release -q
          source fixtures/scripts/server_lib.sh
          kiln_server_start target/release/kiln serve

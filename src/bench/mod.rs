@@ -4,10 +4,12 @@
 //! into the chapter's book folder (`book/src/chNN/`), where the chapter page includes them.
 //! [`svg`], [`bars`] and [`table`] are the shared writers.
 
+pub mod alloc;
 pub mod ch01;
 pub mod ch02;
 pub mod ch03;
 pub mod ch04;
+pub mod ch07;
 pub mod serve;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
@@ -38,6 +40,8 @@ enum Chapter {
     Ch03(ch03::Args),
     /// Chapter 4: sequential vs static vs continuous batching, chunked prefill, max_num_seqs.
     Ch04(ch04::Args),
+    /// Chapter 7: flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode time.
+    Ch07(ch07::Args),
     /// The server (chapter 8): a load generator against a running `kiln serve`, like `vllm bench serve`.
     Serve(serve::Args),
 }
@@ -48,6 +52,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch02(args) => ch02::run(args),
         Chapter::Ch03(args) => ch03::run(args),
         Chapter::Ch04(args) => ch04::run(args),
+        Chapter::Ch07(args) => ch07::run(args),
         Chapter::Serve(args) => serve::run(args),
     }
 }

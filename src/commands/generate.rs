@@ -239,7 +239,9 @@ fn run_many(
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
-    let mut engine = Engine::boxed(ch04::cpu_executor(model, &cache)?, args.engine.config())?;
+    let attention = args.engine.attention.kind();
+    let executor = ch07::cpu_executor(model, &cache, attention)?;
+    let mut engine = Engine::boxed(executor, args.engine.config())?;
     let tokenized = prompts
         .iter()
         .enumerate()

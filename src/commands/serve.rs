@@ -81,6 +81,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         served_model_name: name.clone(),
         max_model_len: args.max_model_len,
         engine: args.engine.config(),
+        attention: args.engine.attention.kind(),
         rate_limit: args.rate_limit,
         max_queue: args.max_queue,
         seed: args.seed,

@@ -333,7 +333,9 @@ fn run_prefill_task<K: KvElement>(
     o: &mut [f32],
 ) {
     match isa {
-        Isa::Portable => prefill_task(kv, blocks, task, q, kv_tile, dims, tiles, stats, o),
+        Isa::Portable => {
+            prefill_task::<K, false>(kv, blocks, task, q, kv_tile, dims, tiles, stats, o)
+        }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma(_) => {
             #[target_feature(enable = "avx2,fma")]
@@ -349,7 +351,7 @@ fn run_prefill_task<K: KvElement>(
                 stats: &mut [RowStats],
                 o: &mut [f32],
             ) {
-                prefill_task(kv, blocks, task, q, kv_tile, dims, tiles, stats, o)
+                prefill_task::<K, true>(kv, blocks, task, q, kv_tile, dims, tiles, stats, o)
             }
             // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA
             // on this CPU (its proof field is private); `avx2` is safe Rust otherwise.

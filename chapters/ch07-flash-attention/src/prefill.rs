@@ -38,9 +38,10 @@ pub struct PrefillTask {
 // ANCHOR: prefill_task
 /// Runs one task: `q` is the step's queries [n, num_heads · d]; `blocks` the sequence's table;
 /// `kv_tile` = Bc; the outputs go to `o` [G, brp, dp] (head g's row i at `(g · brp + i) · dp`).
+/// `FMA`: fuse the products' multiply-adds (only where the CPU has FMA).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub fn prefill_task<K: ToF32>(
+pub fn prefill_task<K: ToF32, const FMA: bool>(
     kv: &LayerKv<K>,
     blocks: &[BlockId],
     task: PrefillTask,
@@ -82,7 +83,7 @@ pub fn prefill_task<K: ToF32>(
             &mut tiles.kt,
             &mut tiles.v,
         );
-        scores(&tiles.q, &tiles.kt, &mut tiles.s, dp, bcp); // S = Q Kᵀ  [G·Br, Bc]
+        scores::<FMA>(&tiles.q, &tiles.kt, &mut tiles.s, dp, bcp); // S = Q Kᵀ  [G·Br, Bc]
         for g in 0..dims.group {
             for i in 0..brp {
                 let r = g * brp + i;
@@ -101,7 +102,7 @@ pub fn prefill_task<K: ToF32>(
                 }
             }
         }
-        accumulate_pv(&tiles.s, &tiles.v, o, dp, bcp, len); // O ← O + P V
+        accumulate_pv::<FMA>(&tiles.s, &tiles.v, o, dp, bcp, len); // O ← O + P V
     }
     for (r, o_r) in o.chunks_exact_mut(dp).enumerate() {
         finish(stats[r], o_r); // O / l

@@ -22,6 +22,14 @@ pub const LANES: usize = 16;
 /// Rows of one register block.
 pub const ROWS: usize = 4;
 
+/// `acc + a · b`, fused into one instruction (one rounding) when `FMA`: the AVX2 + FMA build
+/// of the kernels passes `true`, the portable one `false` (where `mul_add` would be a library
+/// call per element).
+#[inline(always)]
+pub fn madd<const FMA: bool>(acc: f32, a: f32, b: f32) -> f32 {
+    if FMA { a.mul_add(b, acc) } else { acc + a * b }
+}
+
 /// `n` rounded up to a multiple of `to`.
 pub fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
@@ -161,7 +169,7 @@ pub fn load_kv_tile<K: ToF32>(
 /// `S = Q Kᵀ`: `q` [rows, dp], `kt` [dp, bcp] → `s` [rows, bcp], a register block of 4 rows ×
 /// 16 columns at a time (8 vector accumulators), so that every K element loaded serves 4 rows.
 #[inline(always)]
-pub fn scores(q: &[f32], kt: &[f32], s: &mut [f32], dp: usize, bcp: usize) {
+pub fn scores<const FMA: bool>(q: &[f32], kt: &[f32], s: &mut [f32], dp: usize, bcp: usize) {
     for (q4, s4) in q
         .chunks_exact(ROWS * dp)
         .zip(s.chunks_exact_mut(ROWS * bcp))
@@ -173,7 +181,7 @@ pub fn scores(q: &[f32], kt: &[f32], s: &mut [f32], dp: usize, bcp: usize) {
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let q_rx = q4[r * dp + x];
                     for l in 0..LANES {
-                        acc_r[l] += q_rx * k[l];
+                        acc_r[l] = madd::<FMA>(acc_r[l], q_rx, k[l]);
                     }
                 }
             }
@@ -189,7 +197,14 @@ pub fn scores(q: &[f32], kt: &[f32], s: &mut [f32], dp: usize, bcp: usize) {
 /// `O += P V` over the first `cols` columns of `p` [rows, bcp] and rows of `v` [bcp, dp] →
 /// `o` [rows, dp], 4 rows × 16 output columns held in registers while `j` runs.
 #[inline(always)]
-pub fn accumulate_pv(p: &[f32], v: &[f32], o: &mut [f32], dp: usize, bcp: usize, cols: usize) {
+pub fn accumulate_pv<const FMA: bool>(
+    p: &[f32],
+    v: &[f32],
+    o: &mut [f32],
+    dp: usize,
+    bcp: usize,
+    cols: usize,
+) {
     for (p4, o4) in p
         .chunks_exact(ROWS * bcp)
         .zip(o.chunks_exact_mut(ROWS * dp))
@@ -204,7 +219,7 @@ pub fn accumulate_pv(p: &[f32], v: &[f32], o: &mut [f32], dp: usize, bcp: usize,
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let p_rj = p4[r * bcp + j];
                     for l in 0..LANES {
-                        acc_r[l] += p_rj * v_j[l];
+                        acc_r[l] = madd::<FMA>(acc_r[l], p_rj, v_j[l]);
                     }
                 }
             }
@@ -236,7 +251,7 @@ mod tests {
         let q: Vec<f32> = (0..rows * dp).map(|i| (i % 7) as f32 - 3.0).collect();
         let kt: Vec<f32> = (0..dp * bcp).map(|i| (i % 5) as f32 - 2.0).collect();
         let mut s = vec![0.0; rows * bcp];
-        scores(&q, &kt, &mut s, dp, bcp);
+        scores::<false>(&q, &kt, &mut s, dp, bcp);
         for r in 0..rows {
             for j in 0..bcp {
                 let e: f32 = (0..dp).map(|x| q[r * dp + x] * kt[x * bcp + j]).sum();
@@ -245,7 +260,7 @@ mod tests {
         }
         let v: Vec<f32> = (0..bcp * dp).map(|i| (i % 3) as f32).collect();
         let mut o = vec![1.0; rows * dp];
-        accumulate_pv(&s, &v, &mut o, dp, bcp, 20);
+        accumulate_pv::<false>(&s, &v, &mut o, dp, bcp, 20);
         for r in 0..rows {
             for x in 0..dp {
                 let e: f32 = 1.0 + (0..20).map(|j| s[r * bcp + j] * v[j * dp + x]).sum::<f32>();
