@@ -1,11 +1,11 @@
 //! A whole step's flash attention: the step's rows grouped into sequences, cut into tasks
-//! (query tiles × KV heads for prefill chunks, partitions × KV heads for decodes), the tasks
+//! (query tiles × KV heads for prefill chunks, partitions for decodes), the tasks
 //! run in one parallel pass, then each output row assembled.
 //!
 //! ```text
 //! rows (flattened, as chapter 4's executor hands them)
 //!   seq A: positions 7..=40  → prefill tasks: ⌈34 / Br⌉ query tiles × KV heads
-//!   seq B: position  900     → decode tasks: partitions × KV heads            (split-K)
+//!   seq B: position  900     → decode tasks: one per partition, every head    (split-K)
 //! phase 1 (parallel): every task → its own region of `prefill_out` or `partials`
 //! phase 2 (parallel over rows): copy a prefill row's outputs; merge a decode row's partitions
 //! ```
@@ -71,8 +71,8 @@ impl Default for TileSizes {
 /// How many partitions a decode row's keys are cut into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Partitions {
-    /// Enough tasks for every core (4 per thread over the step's decode rows and KV heads),
-    /// but no partition under [`MIN_PARTITION`] keys.
+    /// Enough tasks for every core (4 per thread over the step's decode rows), but no
+    /// partition under [`MIN_PARTITION`] keys.
     #[default]
     Auto,
     /// Exactly this many (≥ 1; more than the keys leaves some empty, which is allowed).
@@ -117,7 +117,7 @@ pub struct FlashParams {
 enum RowPlan {
     /// Row `i` of the prefill tasks `task..task + num_kv_heads` (one per KV head).
     Prefill { task: usize, i: usize },
-    /// The decode tasks `task..task + num_kv_heads · parts`, KV head major.
+    /// The decode tasks `task..task + parts`, one per partition.
     Decode { task: usize, parts: usize },
 }
 
@@ -174,21 +174,14 @@ impl Scratch {
             }
             if end - r == 1 {
                 let len = rows[r].pos + 1;
-                let parts = params.partitions.count(len, decodes * kv_heads);
+                let parts = params.partitions.count(len, decodes);
                 self.plans.push(RowPlan::Decode {
                     task: self.decode.len(),
                     parts,
                 });
-                for kv_head in 0..kv_heads {
-                    for p in 0..parts {
-                        let (start, end) = partition(len, parts, p);
-                        self.decode.push(DecodeTask {
-                            row: r,
-                            kv_head,
-                            start,
-                            end,
-                        });
-                    }
+                for p in 0..parts {
+                    let (start, end) = partition(len, parts, p);
+                    self.decode.push(DecodeTask { row: r, start, end });
                 }
             } else {
                 for first in (r..end).step_by(params.tiles.q()) {
@@ -247,7 +240,7 @@ pub fn flash_attention_paged<K: KvElement>(
     }
     scratch.plan(rows, shape, params);
     let dims = TileDims::new(shape, params.tiles.q(), params.tiles.kv());
-    let (out_len, part_len) = (dims.out_len(), partial_len(dims.group, d));
+    let (out_len, part_len) = (dims.out_len(), partial_len(shape.num_heads, d));
     let Scratch {
         plans,
         prefill,
@@ -258,7 +251,7 @@ pub fn flash_attention_paged<K: KvElement>(
     } = scratch;
     grow(prefill_out, prefill.len() * out_len);
     grow(partials, decode.len() * part_len);
-    grow(scores, decode.len() * dims.group * CHUNK);
+    grow(scores, decode.len() * shape.num_heads * CHUNK);
 
     // Phase 1: every task, in parallel, into its own region.
     let kv_tile = params.tiles.kv();
@@ -280,7 +273,7 @@ pub fn flash_attention_paged<K: KvElement>(
     let run_decode = || {
         partials[..decode.len() * part_len]
             .par_chunks_mut(part_len)
-            .zip(scores.par_chunks_mut(dims.group * CHUNK))
+            .zip(scores.par_chunks_mut(shape.num_heads * CHUNK))
             .zip(decode.par_iter())
             .for_each(|((partial, s), &task)| {
                 let q_r = &q[task.row * q_dim..][..q_dim];
@@ -303,12 +296,11 @@ pub fn flash_attention_paged<K: KvElement>(
             }
             RowPlan::Decode { task, parts } => {
                 for (h, out_h) in out_r.chunks_exact_mut(d).enumerate() {
-                    let (kv_head, g) = (h / group, h % group);
                     let mut stats = RowStats::EMPTY;
                     out_h.fill(0.0);
                     for p in 0..parts {
-                        let region = &partials[(task + kv_head * parts + p) * part_len..];
-                        let (part, o_part) = read_partial(&region[..part_len], g, d);
+                        let region = &partials[(task + p) * part_len..][..part_len];
+                        let (part, o_part) = read_partial(region, h, d);
                         merge_into(&mut stats, out_h, part, o_part); // ⊕, by log-sum-exp
                     }
                     finish(stats, out_h);

@@ -52,28 +52,49 @@ impl<K> LayerKv<'_, K> {
     }
 }
 
-/// Calls `f(j, slot, run)` for the runs of consecutive slots that hold positions
-/// `start..start + len` of a sequence with `blocks`: position `start + j + i` is in slot
-/// `slot + i` for `i < run`. One table lookup per block: the tile follows the block table.
+/// The runs of consecutive slots that hold positions `start..start + len` of a sequence with
+/// `blocks`, as `(j, slot, run)`: position `start + j + i` is in slot `slot + i` for `i < run`.
+/// One table lookup per block: the tile follows the block table. An iterator rather than a
+/// closure, so that the loops over it are compiled inside the caller's AVX2 function (a
+/// closure is a function of its own, without the caller's target features).
 #[inline(always)]
-pub fn slot_runs(
-    blocks: &[BlockId],
+pub fn slot_runs(blocks: &[BlockId], block_size: usize, start: usize, len: usize) -> SlotRuns<'_> {
+    SlotRuns {
+        blocks,
+        block_size,
+        start,
+        len,
+        j: 0,
+    }
+}
+
+/// See [`slot_runs`].
+pub struct SlotRuns<'a> {
+    blocks: &'a [BlockId],
     block_size: usize,
     start: usize,
     len: usize,
-    mut f: impl FnMut(usize, usize, usize),
-) {
-    let mut j = 0;
-    while j < len {
-        let pos = start + j;
-        let offset = pos % block_size;
-        let run = (block_size - offset).min(len - j);
-        f(
-            j,
-            blocks[pos / block_size] as usize * block_size + offset,
+    j: usize,
+}
+
+impl Iterator for SlotRuns<'_> {
+    type Item = (usize, usize, usize);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<(usize, usize, usize)> {
+        if self.j >= self.len {
+            return None;
+        }
+        let pos = self.start + self.j;
+        let offset = pos % self.block_size;
+        let run = (self.block_size - offset).min(self.len - self.j);
+        let item = (
+            self.j,
+            self.blocks[pos / self.block_size] as usize * self.block_size + offset,
             run,
         );
-        j += run;
+        self.j += run;
+        Some(item)
     }
 }
 
@@ -146,7 +167,7 @@ pub fn load_kv_tile<K: ToF32>(
 ) {
     let (d, kv_dim) = (kv.shape.head_dim, kv.kv_dim());
     let (bcp, dp) = (dims.bcp, dims.dp);
-    slot_runs(blocks, kv.block_size, start, len, |j0, slot0, run| {
+    for (j0, slot0, run) in slot_runs(blocks, kv.block_size, start, len) {
         for i in 0..run {
             let (j, at) = (j0 + i, (slot0 + i) * kv_dim + kv_head * d);
             for (x, k) in kv.keys[at..at + d].iter().enumerate() {
@@ -156,7 +177,7 @@ pub fn load_kv_tile<K: ToF32>(
                 *dst = val.to_f32();
             }
         }
-    });
+    }
     if len < bcp {
         for x in 0..d {
             kt[x * bcp + len..(x + 1) * bcp].fill(0.0);
@@ -237,10 +258,7 @@ mod tests {
 
     #[test]
     fn slot_runs_follow_the_block_table() {
-        let mut runs = Vec::new();
-        slot_runs(&[5, 2, 7], 4, 3, 7, |j, slot, run| {
-            runs.push((j, slot, run))
-        });
+        let runs: Vec<_> = slot_runs(&[5, 2, 7], 4, 3, 7).collect();
         // positions 3 | 4 5 6 7 | 8 9: block 5 offset 3, block 2 whole, block 7 offsets 0-1
         assert_eq!(runs, vec![(0, 23, 1), (1, 8, 4), (5, 28, 2)]);
     }

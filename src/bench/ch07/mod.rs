@@ -348,12 +348,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         let decode_md = format!(
             "{}\nOne decode row (one query per head at the last position) against the whole \
-         context, {shape_text}. Flash with one partition runs one task per KV head ({} \
-         tasks); split-K cuts the context into the partitions shown (`Partitions::Auto`: 4 \
-         tasks per thread, no partition under 256 keys) and merges them by log-sum-exp. \
-         Median of {decode_reps} timed runs after one untimed run.\n\n{caption}\n",
+         context, {shape_text}. Flash with one partition runs the row as one task (every \
+         head, each K and V row read once); split-K cuts the context into the partitions \
+         shown (`Partitions::Auto`: 4 tasks per thread, no partition under 256 keys), one task \
+         each, merged by log-sum-exp. Median of {decode_reps} timed runs after one untimed \
+         run.\n\n{caption}\n",
             decode_table.to_markdown(),
-            SHAPE.num_kv_heads,
         );
         let decode_svg = LinePlot::new("Decode attention, one sequence")
             .x_label("context (tokens)")
