@@ -82,8 +82,8 @@ pub struct EngineArgs {
 pub struct AttentionArgs {
     /// Attention in the engine's executor: naive (chapter 4's batch attention), flash (chapter
     /// 7's tiled flash attention and split-K decode), or auto: flash for a step whose longest
-    /// sequence has at least 256 positions, naive below (where `kiln bench ch07` measured each
-    /// faster).
+    /// sequence has at least 128 positions (where `kiln bench ch07` measured flash ahead in
+    /// prefill and even in decode), naive below.
     #[arg(long, value_enum, default_value_t = AttentionBackend::Auto)]
     pub attention_backend: AttentionBackend,
 }

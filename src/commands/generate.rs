@@ -21,8 +21,10 @@ pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt, tokenized with the tokenizer's own special-token rules.
-    // "EngineArgs": the group clap makes of that struct's flags, which only the engine uses.
-    #[arg(long, conflicts_with = "EngineArgs")]
+    // "EngineArgs": the group clap makes of that struct's flags, which only the engine uses
+    // (the attention backend's flag, flattened into it, is named on its own: one prompt runs
+    // chapter 2's attention, which no backend replaces).
+    #[arg(long, conflicts_with_all = ["EngineArgs", "attention_backend"])]
     pub prompt: Option<String>,
     /// A file of prompts, one per line (empty lines skipped), all run at once through chapter
     /// 4's engine; prompt i (from 0) samples with seed + i. Completions are printed in order
