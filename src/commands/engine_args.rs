@@ -73,8 +73,6 @@ pub struct EngineArgs {
     /// Reuse the KV blocks of prompt prefixes already computed (chapter 3's prefix cache).
     #[arg(long)]
     pub enable_prefix_caching: bool,
-    #[command(flatten)]
-    pub attention: AttentionArgs,
 }
 
 /// Chapter 7's choice of attention inside the CPU executor.
@@ -132,7 +130,7 @@ impl EngineArgs {
     pub fn describe(&self) -> String {
         format!(
             "max-num-seqs {} | max-num-batched-tokens {} | chunked prefill {} | preemption {} | \
-             prefix caching {} | attention {}",
+             prefix caching {}",
             self.max_num_seqs,
             self.max_num_batched_tokens,
             on_off(self.enable_chunked_prefill),
@@ -141,7 +139,6 @@ impl EngineArgs {
                 PreemptionMode::Swap => "swap",
             },
             on_off(self.enable_prefix_caching),
-            self.attention.kind(),
         )
     }
 }

@@ -12,7 +12,7 @@ use ch01::{FinishReason, GenerateOptions, OutputText, SamplingParams};
 use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
-use super::engine_args::{EngineArgs, KvArgs, PreemptionMode};
+use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
 use super::{LoadedModel, ModelArgs};
 
 #[derive(clap::Args, Debug)]
@@ -22,8 +22,7 @@ pub struct Args {
     pub model: ModelArgs,
     /// The prompt, tokenized with the tokenizer's own special-token rules.
     // "EngineArgs": the group clap makes of that struct's flags, which only the engine uses
-    // (the attention backend's flag, flattened into it, is named on its own: one prompt runs
-    // chapter 2's attention, which no backend replaces).
+    // --attention-backend too: one prompt runs chapter 2's attention, which no backend replaces.
     #[arg(long, conflicts_with_all = ["EngineArgs", "attention_backend"])]
     pub prompt: Option<String>,
     /// A file of prompts, one per line (empty lines skipped), all run at once through chapter
@@ -73,6 +72,8 @@ pub struct Args {
     pub kv: KvArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// With --prompts-file: print on stderr, for each engine step, what it ran, admitted and
     /// preempted.
     // Conflicting with --prompt means requiring --prompts-file: one of the two is given.
@@ -241,7 +242,7 @@ fn run_many(
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
-    let attention = args.engine.attention.kind();
+    let attention = args.attention.kind();
     let executor = ch07::cpu_executor(model, &cache, attention)?;
     let mut engine = Engine::boxed(executor, args.engine.config())?;
     let tokenized = prompts
@@ -255,10 +256,11 @@ fn run_many(
         .collect::<anyhow::Result<Vec<_>>>()?;
     let seed = options.sampling.seed;
     eprintln!(
-        "kiln: {} | {} prompts | seed {seed} (+ i for prompt i)\nkiln: {}",
+        "kiln: {} | {} prompts | seed {seed} (+ i for prompt i)\nkiln: {} | attention {}",
         args.model.model.display(),
         prompts.len(),
-        args.engine.describe()
+        args.engine.describe(),
+        attention,
     );
 
     let start = Instant::now();

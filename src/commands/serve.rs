@@ -12,7 +12,7 @@ use ch08::rate_limit::RateLimit;
 use ch08::{ServedModel, Server, ServerConfig};
 
 use super::ModelArgs;
-use super::engine_args::{EngineArgs, KvArgs};
+use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -32,6 +32,8 @@ pub struct Args {
     pub kv: KvArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// Accepted for vLLM compatibility: chunked prefill is already on unless
     /// --no-enable-chunked-prefill.
     #[arg(
@@ -81,7 +83,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         served_model_name: name.clone(),
         max_model_len: args.max_model_len,
         engine: args.engine.config(),
-        attention: args.engine.attention.kind(),
+        attention: args.attention.kind(),
         rate_limit: args.rate_limit,
         max_queue: args.max_queue,
         seed: args.seed,

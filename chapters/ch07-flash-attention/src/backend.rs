@@ -129,7 +129,7 @@ impl std::str::FromStr for AttentionKind {
 /// The rule of `--attention-backend auto`: a step whose longest sequence has at least
 /// [`AutoAttention::FLASH_FROM`] positions runs flash attention, a shorter one chapter 4's.
 /// The threshold is the shortest prompt at which `kiln bench ch07` measured flash ahead
-/// (1.5× at 128 positions, 2× to 2.9× from 256 to 16k); in decode the two measured even from
+/// (1.5× at 128 positions, 1.9× to 2.9× from 256 to 16k); in decode the two measured even from
 /// 256 to 32k. Below 128 nothing was measured, so chapter 4's kernel stays.
 #[derive(Default)]
 pub struct AutoAttention {
