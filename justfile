@@ -43,6 +43,11 @@ chapter n:
          done
          echo "-- sizes, speed, perplexity and batching at small sizes (just bench ch05 for the real run)"
          cargo run --release -q -- bench ch05 --quick 2>/dev/null ;;
+      7) echo "-- flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode (quick sizes)"
+         cargo run --release -q -- bench ch07 --quick 2>/dev/null
+         echo "-- six prompts through the engine with --attention-backend flash"
+         cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
+           --temperature 0 --attention-backend flash ;;
       8) cargo build --release -q
          source fixtures/scripts/server_lib.sh
          kiln_server_start target/release/kiln serve

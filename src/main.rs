@@ -16,6 +16,11 @@ mod commands;
 
 use clap::{Parser, Subcommand};
 
+/// Counts heap bytes (live and peak) for the benchmarks' memory tables; forwards to the system
+/// allocator.
+#[global_allocator]
+static ALLOCATOR: bench::alloc::Counting = bench::alloc::Counting;
+
 #[derive(Parser)]
 #[command(
     name = "kiln",

@@ -4,11 +4,13 @@
 //! into the chapter's book folder (`book/src/chNN/`), where the chapter page includes them.
 //! [`svg`], [`bars`] and [`table`] are the shared writers.
 
+pub mod alloc;
 pub mod ch01;
 pub mod ch02;
 pub mod ch03;
 pub mod ch04;
 pub mod ch05;
+pub mod ch07;
 pub mod serve;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
@@ -41,6 +43,8 @@ enum Chapter {
     Ch04(ch04::Args),
     /// Chapter 5: llama.cpp's block formats: speed and perplexity beside llama.cpp, batching.
     Ch05(ch05::Args),
+    /// Chapter 7: flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode time.
+    Ch07(ch07::Args),
     /// The server (chapter 8): a load generator against a running `kiln serve`, like `vllm bench serve`.
     Serve(serve::Args),
 }
@@ -52,6 +56,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch03(args) => ch03::run(args),
         Chapter::Ch04(args) => ch04::run(args),
         Chapter::Ch05(args) => ch05::run(args),
+        Chapter::Ch07(args) => ch07::run(args),
         Chapter::Serve(args) => serve::run(args),
     }
 }

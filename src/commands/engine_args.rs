@@ -1,9 +1,11 @@
-//! The serving flags, named as vLLM names them: the paged KV cache (chapter 3) and the engine's
-//! scheduler (chapter 4). `kiln generate --prompts-file` and `kiln serve` use them.
+//! The serving flags, named as vLLM names them: the paged KV cache (chapter 3), the engine's
+//! scheduler (chapter 4) and its attention backend (chapter 7). `kiln generate --prompts-file`
+//! and `kiln serve` use them.
 
 use anyhow::bail;
 use ch03::KvDtype;
 use ch04::{CacheConfig, EngineConfig, Preemption};
+use ch07::AttentionKind;
 
 /// Chapter 3's paged KV cache, sized as vLLM's `--kv-cache-memory`, `--block-size` and
 /// `--kv-cache-dtype`.
@@ -71,6 +73,35 @@ pub struct EngineArgs {
     /// Reuse the KV blocks of prompt prefixes already computed (chapter 3's prefix cache).
     #[arg(long)]
     pub enable_prefix_caching: bool,
+}
+
+/// Chapter 7's choice of attention inside the CPU executor.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct AttentionArgs {
+    /// Attention in the engine's executor: naive (chapter 4's batch attention), flash (chapter
+    /// 7's tiled flash attention and split-K decode), or auto: flash for a step whose longest
+    /// sequence has at least 128 positions (where `kiln bench ch07` measured flash ahead in
+    /// prefill and even in decode), naive below.
+    #[arg(long, value_enum, default_value_t = AttentionBackend::Auto)]
+    pub attention_backend: AttentionBackend,
+}
+
+/// `--attention-backend`: [`AttentionKind`] on the command line.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionBackend {
+    Naive,
+    Flash,
+    Auto,
+}
+
+impl AttentionArgs {
+    pub fn kind(&self) -> AttentionKind {
+        match self.attention_backend {
+            AttentionBackend::Naive => AttentionKind::Naive,
+            AttentionBackend::Flash => AttentionKind::Flash,
+            AttentionBackend::Auto => AttentionKind::Auto,
+        }
+    }
 }
 
 /// `--preemption-mode`: [`Preemption`] on the command line.

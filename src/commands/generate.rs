@@ -12,7 +12,7 @@ use ch01::{FinishReason, GenerateOptions, OutputText, SamplingParams};
 use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
-use super::engine_args::{EngineArgs, KvArgs, PreemptionMode};
+use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
 use super::{LoadedModel, ModelArgs};
 
 #[derive(clap::Args, Debug)]
@@ -21,8 +21,9 @@ pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt, tokenized with the tokenizer's own special-token rules.
-    // "EngineArgs": the group clap makes of that struct's flags, which only the engine uses.
-    #[arg(long, conflicts_with = "EngineArgs")]
+    // "EngineArgs": the group clap makes of that struct's flags, which only the engine uses
+    // --attention-backend too: one prompt runs chapter 2's attention, which no backend replaces.
+    #[arg(long, conflicts_with_all = ["EngineArgs", "attention_backend"])]
     pub prompt: Option<String>,
     /// A file of prompts, one per line (empty lines skipped), all run at once through chapter
     /// 4's engine; prompt i (from 0) samples with seed + i. Completions are printed in order
@@ -71,6 +72,8 @@ pub struct Args {
     pub kv: KvArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// With --prompts-file: print on stderr, for each engine step, what it ran, admitted and
     /// preempted.
     // Conflicting with --prompt means requiring --prompts-file: one of the two is given.
@@ -239,7 +242,9 @@ fn run_many(
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
-    let mut engine = Engine::boxed(ch04::cpu_executor(model, &cache)?, args.engine.config())?;
+    let attention = args.attention.kind();
+    let executor = ch07::cpu_executor(model, &cache, attention)?;
+    let mut engine = Engine::boxed(executor, args.engine.config())?;
     let tokenized = prompts
         .iter()
         .enumerate()
@@ -251,10 +256,11 @@ fn run_many(
         .collect::<anyhow::Result<Vec<_>>>()?;
     let seed = options.sampling.seed;
     eprintln!(
-        "kiln: {} | {} prompts | seed {seed} (+ i for prompt i)\nkiln: {}",
+        "kiln: {} | {} prompts | seed {seed} (+ i for prompt i)\nkiln: {} | attention {}",
         args.model.model.display(),
         prompts.len(),
-        args.engine.describe()
+        args.engine.describe(),
+        attention,
     );
 
     let start = Instant::now();

@@ -11,7 +11,7 @@ use ch08::chat_template::ChatTemplate;
 use ch08::rate_limit::RateLimit;
 use ch08::{ServedModel, Server, ServerConfig};
 
-use super::engine_args::{EngineArgs, KvArgs};
+use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
 use super::{ModelArgs, ModelFormat};
 
 #[derive(clap::Args, Debug)]
@@ -32,6 +32,8 @@ pub struct Args {
     pub kv: KvArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// Accepted for vLLM compatibility: chunked prefill is already on unless
     /// --no-enable-chunked-prefill.
     #[arg(
@@ -94,6 +96,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         served_model_name: name.clone(),
         max_model_len: args.max_model_len,
         engine: args.engine.config(),
+        attention: args.attention.kind(),
         rate_limit: args.rate_limit,
         max_queue: args.max_queue,
         seed: args.seed,

@@ -21,8 +21,9 @@ use std::thread::JoinHandle;
 use ch01::Llama;
 use ch04::{
     CacheConfig, Engine, EngineClient, EngineConfig, EngineError, FinishReason, Request, RequestId,
-    RequestOutput, TokenLogprobs, cpu_executor, drive,
+    RequestOutput, TokenLogprobs, drive,
 };
+use ch07::AttentionKind;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::{EngineGauges, Metrics};
@@ -119,6 +120,7 @@ impl EngineThread {
         model: Arc<Llama>,
         cache: CacheConfig,
         config: EngineConfig,
+        attention: AttentionKind,
         metrics: Arc<Metrics>,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, EngineError> {
@@ -128,7 +130,7 @@ impl EngineThread {
             .name("kiln-engine".into())
             .spawn(move || {
                 install(Box::new(move || {
-                    match start_engine(&model, &cache, config) {
+                    match start_engine(&model, &cache, config, attention) {
                         Ok(engine) => {
                             let _ = started.send(Ok(engine.scheduler().max_request_tokens()));
                             run(engine, receiver, &metrics);
@@ -182,13 +184,14 @@ struct Route {
     events: mpsc::UnboundedSender<Event>,
 }
 
-/// The engine over a CPU executor with the KV memory `cache`.
+/// The engine over a CPU executor with the KV memory `cache` and the `attention` backend.
 fn start_engine<'m>(
     model: &'m Llama,
     cache: &CacheConfig,
     config: EngineConfig,
+    attention: AttentionKind,
 ) -> Result<Engine<'m>, EngineError> {
-    Engine::boxed(cpu_executor(model, cache)?, config)
+    Engine::boxed(ch07::cpu_executor(model, cache, attention)?, config)
 }
 
 /// The engine thread's side of the channels: chapter 4's loop calls it before and after

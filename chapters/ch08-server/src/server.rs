@@ -11,6 +11,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use ch01::{Llama, Tokenizer};
 use ch04::{CacheConfig, EngineConfig, EngineError};
+use ch07::AttentionKind;
 use tokio::net::TcpListener;
 
 use crate::auth::ApiKeys;
@@ -37,6 +38,8 @@ pub struct ServerConfig {
     /// The longest prompt + completion; `None`: the model's `max_position_embeddings`.
     pub max_model_len: Option<usize>,
     pub engine: EngineConfig,
+    /// The CPU executor's attention (chapter 7's `--attention-backend`).
+    pub attention: AttentionKind,
     pub rate_limit: Option<RateLimit>,
     /// Requests that may wait beyond the `max_num_seqs` that run; `None`: no limit.
     pub max_queue: Option<usize>,
@@ -53,6 +56,7 @@ impl Default for ServerConfig {
             served_model_name: "kiln".into(),
             max_model_len: None,
             engine: EngineConfig::default(),
+            attention: AttentionKind::default(),
             rate_limit: None,
             max_queue: None,
             seed: 0,
@@ -141,6 +145,7 @@ impl Server {
             Arc::clone(&served.model),
             cache,
             config.engine,
+            config.attention,
             Arc::clone(&metrics),
             install,
         )?;

@@ -13,6 +13,7 @@ use ch01::Llama;
 use ch02::workload::WorkloadRng;
 use ch03::{KvDtype, KvElement, KvPool};
 use ch04::EngineConfig;
+use ch07::AttentionKind;
 use half::bf16;
 
 use super::serve::{self, Summary};
@@ -76,6 +77,7 @@ pub fn run(
     quick: bool,
     reps: usize,
     block_size: usize,
+    attention: AttentionKind,
     caption: &str,
 ) -> anyhow::Result<(String, String)> {
     let max_len = model.config.max_position_embeddings;
@@ -100,8 +102,9 @@ pub fn run(
             max_num_batched_tokens: 512.max(shape.prompt),
             ..EngineConfig::default()
         };
-        let f32 = serve_with::<f32>(model, &arrivals, config, block_size, reps, shape)?;
-        let bf16 = serve_with::<bf16>(model, &arrivals, config, block_size, reps, shape)?;
+        let f32 = serve_with::<f32>(model, &arrivals, config, block_size, reps, shape, attention)?;
+        let bf16 =
+            serve_with::<bf16>(model, &arrivals, config, block_size, reps, shape, attention)?;
         rows.push((shape, f32, bf16));
     }
 
@@ -164,10 +167,18 @@ fn serve_with<K: KvElement>(
     block_size: usize,
     reps: usize,
     shape: Shape,
+    attention: AttentionKind,
 ) -> anyhow::Result<Summary> {
     let label = format!("{}, {} KV", shape.label, K::DTYPE);
     measured(&label, reps, || {
         let pool: KvPool<K> = pool_for(model, block_size, arrivals)?;
-        serve::continuous(model, pool, config, arrivals, &WallClock::start())
+        serve::continuous(
+            model,
+            pool,
+            config,
+            attention,
+            arrivals,
+            &WallClock::start(),
+        )
     })
 }

@@ -32,6 +32,7 @@ use super::svg::LinePlot;
 use super::table::{Align, Table};
 use super::{Output, RunFacts, model_name, write_figures};
 use crate::commands::ModelArgs;
+use crate::commands::engine_args::AttentionArgs;
 use serve::{Run, Summary, median_summary, summarize};
 use static_batch::{Arrival, StaticBatcher, WallClock};
 use workload::ScaledLengths;
@@ -71,6 +72,8 @@ pub struct Args {
     /// Run only this part [default: all].
     #[arg(long, value_enum)]
     pub only: Option<Part>,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
 }
 
 /// A part of the benchmark that runs alone.
@@ -201,6 +204,7 @@ pub(crate) fn measured(
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let attention = args.attention.kind();
     let started = Instant::now();
     let facts = RunFacts::collect();
     let reps = args.output.reps(1)?;
@@ -235,7 +239,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     if args.only == Some(Part::KvDtype) {
         eprintln!("== KV cache dtype: f32 against bf16");
-        let (kv_md, kv_svg) = kv_dtype::run(model, &corpus, args.output.quick, reps, bs, &caption)?;
+        let (kv_md, kv_svg) = kv_dtype::run(
+            model,
+            &corpus,
+            args.output.quick,
+            reps,
+            bs,
+            attention,
+            &caption,
+        )?;
         write_figures(&out, &[("kv-dtype", Some(&kv_md), &kv_svg)])?;
         eprintln!("in {:.0} s", started.elapsed().as_secs_f64());
         return Ok(());
@@ -254,6 +266,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model,
         pool_for::<f32>(model, bs, &arrivals[..1])?,
         engine_config(1),
+        attention,
         &arrivals[..1],
         &WallClock::start(),
     )?;
@@ -266,6 +279,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 model,
                 pool_for::<f32>(model, bs, &arrivals)?,
                 engine_config(n),
+                attention,
                 &arrivals,
                 &WallClock::start(),
             )
@@ -295,6 +309,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     model,
                     pool_for::<f32>(model, bs, &at_once)?,
                     engine_config(n),
+                    attention,
                     &at_once,
                     &WallClock::start(),
                 )
@@ -309,7 +324,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut padding = (0, 0);
         let summary = measured(&format!("static batch {b}"), reps, || {
             let mut batcher = StaticBatcher::new(
-                CpuExecutor::new(model, pool_for::<f32>(model, bs, &arrivals)?),
+                CpuExecutor::with_backend(
+                    model,
+                    pool_for::<f32>(model, bs, &arrivals)?,
+                    attention.backend(),
+                ),
                 b,
             )?;
             let served = batcher.run(&arrivals, &WallClock::start())?;
@@ -364,6 +383,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 model,
                 pool_for::<f32>(model, bs, &chunk_arrivals)?,
                 config,
+                attention,
                 &chunk_arrivals,
                 &WallClock::start(),
             )?;
@@ -623,7 +643,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .to_svg();
 
     eprintln!("== KV cache dtype: f32 against bf16");
-    let (kv_md, kv_svg) = kv_dtype::run(model, &corpus, args.output.quick, reps, bs, &caption)?;
+    let (kv_md, kv_svg) = kv_dtype::run(
+        model,
+        &corpus,
+        args.output.quick,
+        reps,
+        bs,
+        attention,
+        &caption,
+    )?;
 
     write_figures(
         &out,

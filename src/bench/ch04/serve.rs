@@ -18,6 +18,7 @@ use ch03::{KvElement, KvPool};
 use ch04::{
     CpuExecutor, Engine, EngineClient, EngineConfig, FinishReason, RequestId, RequestOutput,
 };
+use ch07::AttentionKind;
 
 /// What a run served, in the order of its arrivals, and how full its steps were.
 pub struct Run {
@@ -27,15 +28,17 @@ pub struct Run {
     pub seqs_per_step: f64,
 }
 
-/// Serves `arrivals` with chapter 4's engine over `pool`.
+/// Serves `arrivals` with chapter 4's engine over `pool`, attention by `attention`.
 pub fn continuous<K: KvElement>(
     model: &Llama,
     pool: KvPool<K>,
     config: EngineConfig,
+    attention: AttentionKind,
     arrivals: &[Arrival],
     clock: &dyn Clock,
 ) -> anyhow::Result<Run> {
-    let mut engine = Engine::new(CpuExecutor::new(model, pool), config)?;
+    let executor = CpuExecutor::with_backend(model, pool, attention.backend::<K>());
+    let mut engine = Engine::new(executor, config)?;
     let mut order: Vec<usize> = (0..arrivals.len()).collect();
     order.sort_by_key(|&i| arrivals[i].at);
     let mut workload = Workload {

@@ -393,6 +393,8 @@ fn batching(
                     model,
                     pool_for::<f32>(model, block_size, &at_once)?,
                     config(n),
+                    // chapter 4's attention: the comparison is about the weights
+                    ch07::AttentionKind::Naive,
                     &at_once,
                     &WallClock::start(),
                 )
