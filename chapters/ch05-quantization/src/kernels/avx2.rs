@@ -6,9 +6,7 @@
 //! keeps `2 · max u · max |s|` under it: Q8_0 `2·128·127 = 32512` (the weight's sign moved onto
 //! the activation, `|−128| = 128` read unsigned), Q4_0 `2·8·127` (the same sign trick on
 //! `q − 8`), Q5_0 `2·16·127` (`q − 16`), Q4_1 and Q4_K `2·15·127`, Q5 `2·31·127`, Q6 `2·63·127`
-//! (activations are in −127..=127). Where the CPU has AVX-VNNI, `_mm256_dpbusd_avx_epi32`
-//! does both steps in one instruction, summing 4 products per 32-bit lane without any
-//! saturation: the same lanes. Integer sums are exact, so each function returns exactly what
+//! (activations are in −127..=127). Integer sums are exact, so each function returns exactly what
 //! its [`super::portable`] twin returns: the f32 steps after the sums are the same.
 //!
 //! The 32-element formats run as register tiles ([`tile32`], described in the parent module):
@@ -52,17 +50,6 @@ unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
 
-/// [`dot_u8_i8`] in one AVX-VNNI instruction: `vpdpbusd` sums each lane's 4 byte products in
-/// 32 bits without saturating, so it gives the same exact lanes.
-///
-/// # Safety
-/// The CPU must support AVX2 and AVX-VNNI.
-#[inline]
-#[target_feature(enable = "avx2,fma,avxvnni")]
-unsafe fn dot_u8_i8_vnni(u: __m256i, s: __m256i) -> __m256i {
-    _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
-}
-
 /// 32 unaligned bytes at `p`.
 ///
 /// # Safety
@@ -104,12 +91,16 @@ unsafe fn high_bit(qh: __m256i, j: i32) -> __m256i {
 }
 
 macro_rules! safe_kernel {
-    ($(#[$doc:meta])* $name:ident, $body:ident, $act:ty, $bytes:expr) => {
+    ($(#[$doc:meta])* $name:ident, $body:ident, $bytes:expr) => {
         $(#[$doc])*
         ///
-        /// Panics unless `row` is exactly one block per activation block.
-        pub fn $name(_cpu: Avx2Fma, row: &[u8], acts: &[$act]) -> f32 {
-            assert_eq!(row.len(), acts.len() * $bytes, "one weight block per activation block");
+        /// `T` tokens at once: each weight super-block is unpacked once and used by all of them;
+        /// every token's output is exactly the one-token kernel's. Panics unless `row` is
+        /// exactly one block per activation block of each token.
+        pub fn $name<const T: usize>(_cpu: Avx2Fma, row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
+            for a in acts {
+                assert_eq!(row.len(), a.len() * $bytes, "one weight block per activation block");
+            }
             // SAFETY: `_cpu` proves the CPU has AVX2, and the lengths were checked above.
             unsafe { $body(row, acts) }
         }
@@ -117,16 +108,16 @@ macro_rules! safe_kernel {
 }
 
 safe_kernel!(
-    /// One Q4_K row with one token's Q8_K activation blocks.
-    dot_q4_k, dot_q4_k_avx2, Act256, 144
+    /// One Q4_K row with `T` tokens' Q8_K activation blocks.
+    dot_q4_k, dot_q4_k_avx2, 144
 );
 safe_kernel!(
-    /// One Q5_K row with one token's Q8_K activation blocks.
-    dot_q5_k, dot_q5_k_avx2, Act256, 176
+    /// One Q5_K row with `T` tokens' Q8_K activation blocks.
+    dot_q5_k, dot_q5_k_avx2, 176
 );
 safe_kernel!(
-    /// One Q6_K row with one token's Q8_K activation blocks.
-    dot_q6_k, dot_q6_k_avx2, Act256, 210
+    /// One Q6_K row with `T` tokens' Q8_K activation blocks.
+    dot_q6_k, dot_q6_k_avx2, 210
 );
 
 /// `acc + (d_w · d_x) · lanes`, lane by lane (multiply, then add: no fusing, as the portable
@@ -154,52 +145,61 @@ fn sum_acc(acc: __m256) -> f32 {
 }
 
 /// # Safety
-/// The CPU must support AVX2; `row.len() == acts.len() * 144`.
+/// The CPU must support AVX2; `row.len() == acts[t].len() * 144` for every `t`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_q4_k_avx2(row: &[u8], acts: &[Act256]) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, a) in row.chunks_exact(144).zip(acts) {
+unsafe fn dot_q4_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
+    let mut acc = [0.0f32; T];
+    for (k, b) in row.chunks_exact(144).enumerate() {
         let (sc, m) = scale_min(&b[4..16]);
         // SAFETY: AVX2 is present (caller); `b` is 144 bytes, so the four 32-byte loads at
-        // 16 + 32i (i < 4) end by byte 144; `a.q` is 256 bytes, read at 64i and 64i + 32.
-        let isum = unsafe {
+        // 16 + 32i (i < 4) end by byte 144; each token's block `k` exists (caller) and its `q`
+        // is 256 bytes, read at 64i and 64i + 32.
+        let sums = unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
-            let mut sums = _mm256_setzero_si256();
+            let mut sums = [_mm256_setzero_si256(); T];
             for i in 0..4 {
                 let raw = load32(b.as_ptr().add(16 + 32 * i));
                 let lo = _mm256_and_si256(raw, m4); // sub-block 2i
                 let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4); // sub-block 2i + 1
-                let x_lo = load32(a.q.as_ptr().add(64 * i) as *const u8);
-                let x_hi = load32(a.q.as_ptr().add(64 * i + 32) as *const u8);
-                let p_lo = _mm256_maddubs_epi16(lo, x_lo);
-                let p_hi = _mm256_maddubs_epi16(hi, x_hi);
                 let s_lo = _mm256_set1_epi16(i16::from(sc[2 * i]));
                 let s_hi = _mm256_set1_epi16(i16::from(sc[2 * i + 1]));
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p_lo, s_lo));
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p_hi, s_hi));
+                for (sums, a) in sums.iter_mut().zip(acts) {
+                    let q = a.get_unchecked(k).q.as_ptr();
+                    let x_lo = load32(q.add(64 * i) as *const u8);
+                    let x_hi = load32(q.add(64 * i + 32) as *const u8);
+                    let p_lo = _mm256_maddubs_epi16(lo, x_lo);
+                    let p_hi = _mm256_maddubs_epi16(hi, x_hi);
+                    *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p_lo, s_lo));
+                    *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p_hi, s_hi));
+                }
             }
-            hsum_i32(sums)
+            sums
         };
-        let imin = mins_dot(&m, &a.bsums);
-        acc = acc_k(acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
+        for ((acc, sums), a) in acc.iter_mut().zip(sums).zip(acts) {
+            let a = &a[k];
+            // SAFETY: AVX2 is present (caller).
+            let isum = unsafe { hsum_i32(sums) };
+            let imin = mins_dot(&m, &a.bsums);
+            *acc = acc_k(*acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
+        }
     }
     acc
 }
 
 /// # Safety
-/// The CPU must support AVX2; `row.len() == acts.len() * 176`.
+/// The CPU must support AVX2; `row.len() == acts[t].len() * 176` for every `t`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_q5_k_avx2(row: &[u8], acts: &[Act256]) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, a) in row.chunks_exact(176).zip(acts) {
+unsafe fn dot_q5_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
+    let mut acc = [0.0f32; T];
+    for (k, b) in row.chunks_exact(176).enumerate() {
         let (sc, m) = scale_min(&b[4..16]);
         // SAFETY: AVX2 is present (caller); `b` is 176 bytes: qh at 16..48, and the four
-        // 32-byte loads of qs at 48 + 32i (i < 4) end by byte 176; `a.q` is 256 bytes, read at
-        // 64i and 64i + 32.
-        let isum = unsafe {
+        // 32-byte loads of qs at 48 + 32i (i < 4) end by byte 176; each token's block `k`
+        // exists (caller) and its `q` is 256 bytes, read at 64i and 64i + 32.
+        let sums = unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             let qh = load32(b.as_ptr().add(16));
-            let mut sums = _mm256_setzero_si256();
+            let mut sums = [_mm256_setzero_si256(); T];
             for i in 0..4 {
                 let raw = load32(b.as_ptr().add(48 + 32 * i));
                 let j = 2 * i as i32;
@@ -208,38 +208,46 @@ unsafe fn dot_q5_k_avx2(row: &[u8], acts: &[Act256]) -> f32 {
                     _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4),
                     high_bit(qh, j + 1),
                 );
-                let x_lo = load32(a.q.as_ptr().add(64 * i) as *const u8);
-                let x_hi = load32(a.q.as_ptr().add(64 * i + 32) as *const u8);
-                let p_lo = _mm256_maddubs_epi16(lo, x_lo);
-                let p_hi = _mm256_maddubs_epi16(hi, x_hi);
                 let s_lo = _mm256_set1_epi16(i16::from(sc[2 * i]));
                 let s_hi = _mm256_set1_epi16(i16::from(sc[2 * i + 1]));
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p_lo, s_lo));
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p_hi, s_hi));
+                for (sums, a) in sums.iter_mut().zip(acts) {
+                    let q = a.get_unchecked(k).q.as_ptr();
+                    let x_lo = load32(q.add(64 * i) as *const u8);
+                    let x_hi = load32(q.add(64 * i + 32) as *const u8);
+                    let p_lo = _mm256_maddubs_epi16(lo, x_lo);
+                    let p_hi = _mm256_maddubs_epi16(hi, x_hi);
+                    *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p_lo, s_lo));
+                    *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p_hi, s_hi));
+                }
             }
-            hsum_i32(sums)
+            sums
         };
-        let imin = mins_dot(&m, &a.bsums);
-        acc = acc_k(acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
+        for ((acc, sums), a) in acc.iter_mut().zip(sums).zip(acts) {
+            let a = &a[k];
+            // SAFETY: AVX2 is present (caller).
+            let isum = unsafe { hsum_i32(sums) };
+            let imin = mins_dot(&m, &a.bsums);
+            *acc = acc_k(*acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
+        }
     }
     acc
 }
 
 /// # Safety
-/// The CPU must support AVX2; `row.len() == acts.len() * 210`.
+/// The CPU must support AVX2; `row.len() == acts[t].len() * 210` for every `t`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_q6_k_avx2(row: &[u8], acts: &[Act256]) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, a) in row.chunks_exact(210).zip(acts) {
+unsafe fn dot_q6_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
+    let mut acc = [0.0f32; T];
+    for (k, b) in row.chunks_exact(210).enumerate() {
         let scales = &b[192..208];
         let sc = |j: usize| i16::from(scales[j] as i8);
         // SAFETY: AVX2 is present (caller); `b` is 210 bytes: the ql loads at 64h and 64h + 32
-        // (h < 2) end by byte 128, the qh load at 128 + 32h by byte 192; `a.q` is 256 bytes,
-        // read at 128h + 32k (k < 4).
-        let isum = unsafe {
+        // (h < 2) end by byte 128, the qh load at 128 + 32h by byte 192; each token's block `k`
+        // exists (caller) and its `q` is 256 bytes, read at 128h + 32k (k < 4).
+        let sums = unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             let m2 = _mm256_set1_epi8(0x03);
-            let mut sums = _mm256_setzero_si256();
+            let mut sums = [_mm256_setzero_si256(); T];
             for h in 0..2 {
                 let ql_a = load32(b.as_ptr().add(64 * h));
                 let ql_b = load32(b.as_ptr().add(64 * h + 32));
@@ -250,24 +258,32 @@ unsafe fn dot_q6_k_avx2(row: &[u8], acts: &[Act256]) -> f32 {
                     _mm256_and_si256(_mm256_srli_epi16::<4>(ql_a), m4),
                     _mm256_and_si256(_mm256_srli_epi16::<4>(ql_b), m4),
                 ];
-                for (k, low) in lows.into_iter().enumerate() {
-                    let shift = _mm_cvtsi32_si128(2 * k as i32);
+                for (quarter, low) in lows.into_iter().enumerate() {
+                    let shift = _mm_cvtsi32_si128(2 * quarter as i32);
                     let high = _mm256_and_si256(_mm256_srl_epi16(qh, shift), m2);
                     let u = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high)); // 0..64
-                    let x = load32(a.q.as_ptr().add(128 * h + 32 * k) as *const u8);
-                    let p = _mm256_maddubs_epi16(u, x);
                     // Lanes 0..8 are elements 0..16 (one sub-block), 8..16 the next.
-                    let j = 8 * h + 2 * k;
+                    let j = 8 * h + 2 * quarter;
                     let s = _mm256_set_m128i(_mm_set1_epi16(sc(j + 1)), _mm_set1_epi16(sc(j)));
-                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p, s));
+                    for (sums, a) in sums.iter_mut().zip(acts) {
+                        let q = a.get_unchecked(k).q.as_ptr();
+                        let x = load32(q.add(128 * h + 32 * quarter) as *const u8);
+                        let p = _mm256_maddubs_epi16(u, x);
+                        *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p, s));
+                    }
                 }
             }
-            hsum_i32(sums)
+            sums
         };
-        let offset: i32 = (0..16)
-            .map(|j| i32::from(sc(j)) * i32::from(a.bsums[j]))
-            .sum();
-        acc = acc_d(acc, f16_at(b, 208), a.d, isum - 32 * offset);
+        for ((acc, sums), a) in acc.iter_mut().zip(sums).zip(acts) {
+            let a = &a[k];
+            // SAFETY: AVX2 is present (caller).
+            let isum = unsafe { hsum_i32(sums) };
+            let offset: i32 = (0..16)
+                .map(|j| i32::from(sc(j)) * i32::from(a.bsums[j]))
+                .sum();
+            *acc = acc_d(*acc, f16_at(b, 208), a.d, isum - 32 * offset);
+        }
     }
     acc
 }
@@ -276,43 +292,26 @@ unsafe fn dot_q6_k_avx2(row: &[u8], acts: &[Act256]) -> f32 {
 // The 32-element formats: register tiles of R rows × T tokens
 // ---------------------------------------------------------------------------------------------
 
-/// Proof that this CPU has AVX2, FMA and F16C (the f16 → f32 conversion instruction), and
-/// whether it also has AVX-VNNI (`vpdpbusd`: `maddubs`, `madd` and the add in one instruction).
-/// Like chapter 2's [`Avx2Fma`], safe code can only get one from [`Avx2F16c::detect`], after
-/// run-time detection, so the kernels that take it may use what it says.
+/// Proof that this CPU has AVX2, FMA and F16C (the f16 → f32 conversion instruction). Like
+/// chapter 2's [`Avx2Fma`], safe code can only get one from [`Avx2F16c::detect`], after run-time
+/// detection, so the kernels that take it may use all three.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Avx2F16c {
-    cpu: Avx2Fma,
-    vnni: bool,
-}
+pub struct Avx2F16c(Avx2Fma);
 
 impl Avx2F16c {
     /// `Some` if `isa` is AVX2 + FMA and this CPU also has F16C (checked now, at run time).
     /// Every CPU with AVX2 has shipped with F16C; one without runs the portable kernels.
     pub fn detect(isa: Isa) -> Option<Avx2F16c> {
         match isa {
-            Isa::Avx2Fma(cpu) if is_x86_feature_detected!("f16c") => Some(Avx2F16c {
-                cpu,
-                vnni: is_x86_feature_detected!("avxvnni"),
-            }),
+            Isa::Avx2Fma(cpu) if is_x86_feature_detected!("f16c") => Some(Avx2F16c(cpu)),
             _ => None,
         }
     }
 
     /// The AVX2 + FMA proof this one includes.
     pub fn avx2_fma(self) -> Avx2Fma {
-        self.cpu
+        self.0
     }
-
-    /// The same proof with AVX-VNNI unused (tests compare the two).
-    #[cfg(test)]
-    fn without_vnni(self) -> Avx2F16c {
-        Avx2F16c {
-            vnni: false,
-            ..self
-        }
-    }
-
 }
 
 /// The f16 at `p` widened to f32 by F16C's `vcvtph2ps`: exact, like
@@ -461,7 +460,7 @@ impl Block32 for Q5_1 {
 ///
 /// Panics unless `rows` is `R` rows of one block per activation block of a token.
 pub fn tile32<F: Block32, const R: usize, const T: usize>(
-    cpu: Avx2F16c,
+    _cpu: Avx2F16c,
     rows: &[u8],
     acts: &[Act32],
     out: &mut [[f32; T]; R],
@@ -473,98 +472,83 @@ pub fn tile32<F: Block32, const R: usize, const T: usize>(
         R * n * F::BYTES,
         "R rows of one block per activation block"
     );
-    // SAFETY: `cpu` proves AVX2, FMA and F16C (and AVX-VNNI when `cpu.vnni`); the body reads
-    // blocks `b < n` of rows `r < R` at `r·n·BYTES + b·BYTES`, inside `rows`, and activation
-    // blocks `t·n + b < T·n`, inside `acts`, as checked above.
-    unsafe {
-        if cpu.vnni {
-            tile32_body_vnni::<F, R, T>(rows.as_ptr(), acts.as_ptr(), n, out)
-        } else {
-            tile32_body::<F, R, T>(rows.as_ptr(), acts.as_ptr(), n, out)
+    // SAFETY: `_cpu` proves AVX2, FMA and F16C; the body reads blocks `b < n` of rows `r < R`
+    // at `r·n·BYTES + b·BYTES`, inside `rows`, and activation blocks `t·n + b < T·n`, inside
+    // `acts`, as checked above.
+    unsafe { tile32_body::<F, R, T>(rows.as_ptr(), acts.as_ptr(), n, out) }
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `rows` must point to `R · n` readable blocks and
+/// `acts` to `T · n` activation blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
+    rows: *const u8,
+    acts: *const Act32,
+    n: usize,
+    out: &mut [[f32; T]; R],
+) {
+    let row_bytes = n * F::BYTES;
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut acc_m = [[0.0f32; T]; R];
+    for b in 0..n {
+        let mut w = [_mm256_setzero_si256(); R]; // the weights, signed or unsigned
+        let mut u = [_mm256_setzero_si256(); R]; // maddubs' unsigned operand
+        let mut d = [0.0f32; R];
+        let mut m = [0.0f32; R];
+        for r in 0..R {
+            // SAFETY: block `b` of row `r` is readable (caller).
+            unsafe {
+                let p = rows.add(r * row_bytes + b * F::BYTES);
+                w[r] = F::weights(p);
+                d[r] = f16_ptr(p);
+                if F::OFFSET {
+                    m[r] = f16_ptr(p.add(2));
+                }
+            }
+            // |w| for the sign trick: maddubs' first operand is unsigned.
+            u[r] = if F::OFFSET {
+                w[r]
+            } else {
+                _mm256_sign_epi8(w[r], w[r])
+            };
+        }
+        for t in 0..T {
+            // SAFETY: activation block `t·n + b` is readable (caller); `q` is 32 bytes.
+            let (a, x) = unsafe {
+                let a = &*acts.add(t * n + b);
+                (a, load32(a.q.as_ptr() as *const u8))
+            };
+            for r in 0..R {
+                // w · x = |w| · (x · sign(w)) for signed weights.
+                let s = if F::OFFSET {
+                    x
+                } else {
+                    _mm256_sign_epi8(x, w[r])
+                };
+                // SAFETY: AVX2 is present; |w| ≤ 128 (Q8_0's −128 read unsigned) or ≤ 31 and
+                // |x| ≤ 127, so maddubs cannot saturate (see the module doc).
+                let lanes = unsafe { dot_u8_i8(u[r], s) };
+                acc[r][t] = acc_lanes(acc[r][t], d[r], a.d, lanes);
+                if F::OFFSET {
+                    acc_m[r][t] = acc_d(acc_m[r][t], m[r], a.d, a.sum);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            let lanes = sum_acc(acc[r][t]);
+            // Formats without an offset add nothing (not even +0.0, which would turn −0 into +0).
+            out[r][t] = if F::OFFSET {
+                lanes + acc_m[r][t]
+            } else {
+                lanes
+            };
         }
     }
 }
-
-/// The tile kernel's body, stamped out once per instruction set that forms the integer lanes
-/// (`$dot`), each compiled with its target features.
-macro_rules! tile32_body {
-    ($name:ident, $features:literal, $dot:ident) => {
-        /// # Safety
-        /// The CPU must support the target features; `rows` must point to `R · n` readable blocks and
-        /// `acts` to `T · n` activation blocks.
-        #[inline]
-        #[target_feature(enable = $features)]
-        unsafe fn $name<F: Block32, const R: usize, const T: usize>(
-            rows: *const u8,
-            acts: *const Act32,
-            n: usize,
-            out: &mut [[f32; T]; R],
-        ) {
-            let row_bytes = n * F::BYTES;
-            let mut acc = [[_mm256_setzero_ps(); T]; R];
-            let mut acc_m = [[0.0f32; T]; R];
-            for b in 0..n {
-                let mut w = [_mm256_setzero_si256(); R]; // the weights, signed or unsigned
-                let mut u = [_mm256_setzero_si256(); R]; // maddubs' unsigned operand
-                let mut d = [0.0f32; R];
-                let mut m = [0.0f32; R];
-                for r in 0..R {
-                    // SAFETY: block `b` of row `r` is readable (caller).
-                    unsafe {
-                        let p = rows.add(r * row_bytes + b * F::BYTES);
-                        w[r] = F::weights(p);
-                        d[r] = f16_ptr(p);
-                        if F::OFFSET {
-                            m[r] = f16_ptr(p.add(2));
-                        }
-                    }
-                    // |w| for the sign trick: maddubs' first operand is unsigned.
-                    u[r] = if F::OFFSET {
-                        w[r]
-                    } else {
-                        _mm256_sign_epi8(w[r], w[r])
-                    };
-                }
-                for t in 0..T {
-                    // SAFETY: activation block `t·n + b` is readable (caller); `q` is 32 bytes.
-                    let (a, x) = unsafe {
-                        let a = &*acts.add(t * n + b);
-                        (a, load32(a.q.as_ptr() as *const u8))
-                    };
-                    for r in 0..R {
-                        // w · x = |w| · (x · sign(w)) for signed weights.
-                        let s = if F::OFFSET {
-                            x
-                        } else {
-                            _mm256_sign_epi8(x, w[r])
-                        };
-                        // SAFETY: AVX2 is present; |w| ≤ 128 (Q8_0's −128 read unsigned) or ≤ 31 and
-                        // |x| ≤ 127, so maddubs cannot saturate (see the module doc).
-                        let lanes = unsafe { $dot(u[r], s) };
-                        acc[r][t] = acc_lanes(acc[r][t], d[r], a.d, lanes);
-                        if F::OFFSET {
-                            acc_m[r][t] = acc_d(acc_m[r][t], m[r], a.d, a.sum);
-                        }
-                    }
-                }
-            }
-            for r in 0..R {
-                for t in 0..T {
-                    let lanes = sum_acc(acc[r][t]);
-                    // Formats without an offset add nothing (not even +0.0, which would turn −0 into +0).
-                    out[r][t] = if F::OFFSET {
-                        lanes + acc_m[r][t]
-                    } else {
-                        lanes
-                    };
-                }
-            }
-        }
-    };
-}
-
-tile32_body!(tile32_body, "avx2,fma,f16c", dot_u8_i8);
-tile32_body!(tile32_body_vnni, "avx2,fma,f16c,avxvnni", dot_u8_i8_vnni);
 
 /// Rows `rows` (`n_rows` rows of `n` blocks, `n = acts.len() / tokens`) times every token of
 /// `acts` into `yt` [n_rows, tokens]: tiles of `R × T`, then the rows and tokens left over one
@@ -640,7 +624,7 @@ mod tests {
 
     #[test]
     fn f16c_conversion_is_exact() {
-        let Some(cpu) = Avx2F16c::detect(Isa::detect()).map(Avx2F16c::without_vnni) else {
+        let Some(cpu) = Avx2F16c::detect(Isa::detect()) else {
             return; // nothing to compare on this CPU
         };
         for bits in 0..=u16::MAX {
@@ -671,8 +655,8 @@ mod tests {
         out
     }
 
-    /// Every tile shape, with and without AVX-VNNI, equals the portable one-row kernel bit
-    /// for bit (the public tests reach only the instruction set this CPU picks).
+    /// Every tile shape equals the portable one-row kernel bit for bit (the public tests reach
+    /// only the shapes the kernels pick).
     fn tiles_equal_portable<F: Block32>(scale_at: &[usize], portable: fn(&[u8], &[Act32]) -> f32) {
         let Some(cpu) = Avx2F16c::detect(Isa::detect()) else {
             return;
@@ -693,19 +677,14 @@ mod tests {
                     .collect::<Vec<_>>()
             })
             .collect();
-        for cpu in [cpu, cpu.without_vnni()] {
+        {
             for (name, got) in [
                 ("4x1", run::<F, 4, 1>(cpu, &w, &acts, tokens, rows)),
                 ("2x4", run::<F, 2, 4>(cpu, &w, &acts, tokens, rows)),
                 ("1x1", run::<F, 1, 1>(cpu, &w, &acts, tokens, rows)),
             ] {
                 for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        e.to_bits(),
-                        "vnni {} tile {name} output {i}",
-                        cpu.vnni
-                    );
+                    assert_eq!(g.to_bits(), e.to_bits(), "tile {name} output {i}");
                 }
             }
         }
@@ -724,7 +703,7 @@ mod tests {
     }
 
     #[test]
-    fn tiles_with_and_without_vnni_equal_portable() {
+    fn every_tile_shape_equals_portable() {
         use super::super::portable;
         tiles_equal_portable::<Q8_0>(&[0], portable::dot_q8_0);
         tiles_equal_portable::<Q4_0>(&[0], portable::dot_q4_0);

@@ -12,8 +12,7 @@
 //! Per weight block the kernel forms an exact i32 (`Σ q_w · q_x`, the sub-block scales applied in
 //! integers for the K-quants), then adds `(d_w · d_x) · i` (and the offset's term) to one f32
 //! accumulator per output, block after block in row order. [`Isa::Avx2Fma`] forms the integers
-//! with `maddubs`/`madd`, or AVX-VNNI's `vpdpbusd` where the CPU has it (see `avx2.rs`),
-//! [`Isa::Portable`] with plain Rust; the f32 steps are the same operations in the same order,
+//! with `maddubs`/`madd` (see `avx2.rs`), [`Isa::Portable`] with plain Rust; the f32 steps are the same operations in the same order,
 //! so **they are all equal bit for bit** (tested with `==`). Threads (rayon) split the output
 //! rows.
 //!
@@ -36,8 +35,9 @@
 //! independent accumulator chains in flight. Prefill takes `2 × 4`: each weight block is
 //! unpacked once for four tokens, so [`matmul`] costs less per token than [`matvec`]. The
 //! tiles change which outputs are computed together, never the operations of one output, so
-//! [`matmul`] still equals [`matvec`] bit for bit. The K-quants run one row and one token at a
-//! time (their 256-element blocks already amortise the loop).
+//! [`matmul`] still equals [`matvec`] bit for bit. The K-quants run one row at a time (their
+//! 256-element blocks already amortise the loop) and, in [`matmul`], four tokens per unpacked
+//! super-block.
 //!
 //! # The error bound against dequantize-then-dense
 //!
@@ -400,15 +400,25 @@ fn dot(path: Path, ty: GgmlType, row: &[u8], acts: Acts<'_>) -> f32 {
             _ => unreachable!("{ty} has no 256-element kernel"),
         },
         #[cfg(target_arch = "x86_64")]
-        (Path::Avx2(cpu), Acts::B256(a)) => {
-            let cpu = cpu.avx2_fma();
-            match ty {
-                Q4K => avx2::dot_q4_k(cpu, row, a),
-                Q5K => avx2::dot_q5_k(cpu, row, a),
-                Q6K => avx2::dot_q6_k(cpu, row, a),
-                _ => unreachable!("{ty} has no 256-element kernel"),
-            }
-        }
+        (Path::Avx2(cpu), Acts::B256(a)) => dot_k_avx2(cpu.avx2_fma(), ty, row, [a])[0],
+    }
+}
+
+/// One K-quant row with `T` tokens on AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn dot_k_avx2<const T: usize>(
+    cpu: ch02::kernels::Avx2Fma,
+    ty: GgmlType,
+    row: &[u8],
+    acts: [&[Act256]; T],
+) -> [f32; T] {
+    use GgmlType::*;
+    match ty {
+        Q4K => avx2::dot_q4_k(cpu, row, acts),
+        Q5K => avx2::dot_q5_k(cpu, row, acts),
+        Q6K => avx2::dot_q6_k(cpu, row, acts),
+        _ => unreachable!("{ty} has no 256-element kernel"),
     }
 }
 
@@ -454,6 +464,26 @@ fn rows_times_tokens(
             Q5_0 => run!(avx2::Q5_0),
             Q5_1 => run!(avx2::Q5_1),
             ty => unreachable!("{ty} has no 32-element kernel"),
+        }
+        return;
+    }
+    // The K-quants on AVX2, several tokens: each row's super-blocks unpacked once per
+    // `KQ_TOKENS` tokens.
+    #[cfg(target_arch = "x86_64")]
+    if let (Path::Avx2(cpu), Acts::B256(a), true) = (path, acts, tokens > 1) {
+        const KQ_TOKENS: usize = 4;
+        for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
+            let row = w.row(r0 + i);
+            let token = |t: usize| &a[t * per_token..(t + 1) * per_token];
+            let mut chunks = yt_row.chunks_exact_mut(KQ_TOKENS);
+            for (c, y) in (&mut chunks).enumerate() {
+                let acts = std::array::from_fn(|j| token(c * KQ_TOKENS + j));
+                y.copy_from_slice(&dot_k_avx2::<KQ_TOKENS>(cpu.avx2_fma(), w.ty, row, acts));
+            }
+            let done = tokens - tokens % KQ_TOKENS;
+            for (j, y) in chunks.into_remainder().iter_mut().enumerate() {
+                *y = dot_k_avx2(cpu.avx2_fma(), w.ty, row, [token(done + j)])[0];
+            }
         }
         return;
     }
