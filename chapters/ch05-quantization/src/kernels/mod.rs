@@ -104,11 +104,22 @@ impl Act32 {
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
         let mut q = [0i8; 32];
         for (q, &x) in q.iter_mut().zip(x) {
-            *q = (x * id).round() as i8;
+            *q = round_half_away(x * id) as i8;
         }
         let sum = q.iter().map(|&q| i32::from(q)).sum();
         Act32 { q, d, sum }
     }
+}
+
+/// `v.round()` (halves away from zero) for `|v| < 2³¹`, saturating beyond like `as`, NaN to 0,
+/// in operations that inline and vectorise (`f32::round` is a library call on baseline x86-64).
+/// `v − trunc(v)` is exact (both have the same sign and `trunc(v)` has no more bits than `v`),
+/// so comparing it with ±½ decides the rounding exactly.
+#[inline(always)]
+pub fn round_half_away(v: f32) -> i32 {
+    let t = v as i32; // truncation toward zero
+    let frac = v - t as f32;
+    t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5)
 }
 
 /// 256 activations as Q8_K ([`crate::blocks::q8_k`]): `x ≈ d·q`, `|q| ≤ 127`, and the sums of
@@ -169,6 +180,38 @@ fn acc_d(acc: f32, d: f32, dx: f32, s: i32) -> f32 {
 #[inline(always)]
 fn acc_k(acc: f32, d: f32, dmin: f32, dx: f32, isum: i32, imin: i32) -> f32 {
     acc + ((d * dx) * isum as f32 - (dmin * dx) * imin as f32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_half_away;
+
+    #[test]
+    fn round_half_away_equals_f32_round() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut values = vec![
+            0.5,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            126.5,
+            -127.5,
+            0.49999997,
+            -0.49999997,
+        ];
+        values.extend((0..=200_000).map(|i| i as f32 / 782.0 - 128.0));
+        for _ in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            values.push(f32::from_bits(state as u32) % 128.0);
+        }
+        for v in values.into_iter().filter(|v| v.is_finite()) {
+            assert_eq!(round_half_away(v), v.round() as i32, "{v:e}");
+        }
+        assert_eq!(round_half_away(f32::NAN), 0);
+    }
 }
 
 /// Whether the kernels multiply weights of type `ty`.
