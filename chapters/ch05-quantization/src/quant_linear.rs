@@ -6,9 +6,9 @@
 //!
 //! | `{name}.weight` is                      | result                                                  |
 //! |-----------------------------------------|---------------------------------------------------------|
-//! | blocks with a kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) | [`QuantLinear`] on the stored bytes, whatever `target` says (never re-quantized: that would add a second rounding) |
+//! | blocks with a kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) | [`QuantLinear`] on the stored bytes, whatever `target` says (never re-quantized: that would add a second rounding) |
 //! | blocks without a kernel that [`crate::blocks`] decodes (Q8_K) | decoded to f32, then as a dense tensor |
-//! | other blocks (Q2_K, Q3_K, Q5_0, ...)     | an error naming the tensor and its type                 |
+//! | other blocks (Q2_K, Q3_K, IQ4_NL, ...)  | an error naming the tensor and its type                 |
 //! | dense F32 / F16 / BF16                  | `target: None`: chapter 2's [`FastLinear`] (f32); `target: Some(t)`: quantized to `t` on load |
 //!
 //! A K-quant target needs `in_features` to be a multiple of 256; when it is not (SmolLM2's 576),

@@ -1,5 +1,5 @@
 //! The block formats against gguf-py, bit for bit: decoding every format, and round-to-nearest
-//! encoding of Q8_0, Q4_0 and Q4_1, on the seeded cases of `fixtures/golden/quant/` (written by
+//! encoding of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, on the seeded cases of `fixtures/golden/quant/` (written by
 //! `fixtures/scripts/make_quant_golden.py` with gguf-py 0.19.0). Then the K-quant encoders,
 //! which are this crate's own, within the bound their module docs derive.
 
@@ -74,7 +74,7 @@ fn dequantize_equals_gguf_py_bit_for_bit() {
         }
         seen += 1;
     }
-    assert_eq!(seen, 6, "one case per format");
+    assert_eq!(seen, 8, "one case per format");
 }
 
 #[test]
@@ -101,7 +101,7 @@ fn round_to_nearest_equals_gguf_py_bit_for_bit() {
         assert_eq!(case.shape[0] * case.shape[1], x.len());
         seen += 1;
     }
-    assert_eq!(seen, 3, "Q8_0, Q4_0, Q4_1");
+    assert_eq!(seen, 5, "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1");
 }
 
 /// The bound of `q4_k`'s and `q6_k`'s module docs, per element, from the input alone.

@@ -14,10 +14,12 @@ use half::f16;
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
 
-const FORMATS: [GgmlType; 6] = [
+const FORMATS: [GgmlType; 8] = [
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
@@ -26,14 +28,14 @@ const FORMATS: [GgmlType; 6] = [
 /// f32's unit roundoff.
 const U: f64 = 1.0 / 16_777_216.0;
 
-/// The offset term of each decoded weight of a row (Q4_1's `m`, a K-quant's `dmin · m[j]`,
+/// The offset term of each decoded weight of a row (Q4_1's and Q5_1's `m`, a K-quant's `dmin · m[j]`,
 /// else 0), which the bound needs.
 fn offsets(ty: GgmlType, row: &[u8]) -> Vec<f64> {
     let f16_at = |b: &[u8], at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
     let mut out = Vec::new();
     for b in row.chunks_exact(ty.block_bytes()) {
         match ty {
-            GgmlType::Q4_1 => out.extend([f16_at(b, 2).abs() as f64; 32]),
+            GgmlType::Q4_1 | GgmlType::Q5_1 => out.extend([f16_at(b, 2).abs() as f64; 32]),
             GgmlType::Q4K | GgmlType::Q5K => {
                 let (_, m) = scale_min(&b[4..16]);
                 for m in m {
@@ -195,7 +197,7 @@ fn arbitrary_block_bytes_multiply_as_they_decode() {
                 .collect();
             // Finite, moderate f16 scales (random bytes would make infinities and NaNs).
             let scale_at: &[usize] = match ty {
-                GgmlType::Q8_0 | GgmlType::Q4_0 => &[0],
+                GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
                 GgmlType::Q6K => &[208],
                 _ => &[0, 2],
             };

@@ -41,7 +41,13 @@ fn decode_steps_allocate_nothing() {
     let w = Array2::from_shape_fn((out, cols), |(o, k)| {
         ((o * 7 + k * 3) % 19) as f32 / 19.0 - 0.5
     });
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+    ] {
         let layer = QuantLinear::quantize(ty, &w, Some(Array1::zeros(out))).unwrap();
         let x = Array2::from_shape_fn((1, cols), |(_, k)| (k % 13) as f32 / 13.0 - 0.5);
         let mut y = Array2::<f32>::zeros((1, out));

@@ -9,6 +9,8 @@
 //! | [`q8_0`] | 32 in 34 B   | `d·q`                         | round to nearest, = gguf-py bit for bit  |
 //! | [`q4_0`] | 32 in 18 B   | `d·(q − 8)`                   | round to nearest, = gguf-py bit for bit  |
 //! | [`q4_1`] | 32 in 20 B   | `d·q + m`                     | round to nearest, = gguf-py bit for bit  |
+//! | [`q5_0`] | 32 in 22 B   | `d·(q − 16)`, 5-bit q         | round to nearest, = gguf-py bit for bit  |
+//! | [`q5_1`] | 32 in 24 B   | `d·q + m`, 5-bit q            | round to nearest, = gguf-py bit for bit  |
 //! | [`q4_k`] | 256 in 144 B | `(d·sc)·q − dmin·m`           | covering min/max grid (own rule, bounded) |
 //! | [`q5_k`] | 256 in 176 B | `(d·sc)·q − dmin·m`, 5-bit q  | covering min/max grid (own rule, bounded) |
 //! | [`q6_k`] | 256 in 210 B | `(d·sc)·(q − 32)`             | covering symmetric grid (own rule, bounded) |
@@ -25,6 +27,8 @@
 pub mod q4_0;
 pub mod q4_1;
 pub mod q4_k;
+pub mod q5_0;
+pub mod q5_1;
 pub mod q5_k;
 pub mod q6_k;
 pub mod q8_0;
@@ -63,7 +67,7 @@ pub const fn can_dequantize(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q4K | Q5K | Q6K | Q8K
+        F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K | Q8K
     )
 }
 
@@ -83,6 +87,8 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Blo
         GgmlType::Q8_0 => q8_0::dequantize(bytes, out),
         GgmlType::Q4_0 => q4_0::dequantize(bytes, out),
         GgmlType::Q4_1 => q4_1::dequantize(bytes, out),
+        GgmlType::Q5_0 => q5_0::dequantize(bytes, out),
+        GgmlType::Q5_1 => q5_1::dequantize(bytes, out),
         GgmlType::Q4K => q4_k::dequantize(bytes, out),
         GgmlType::Q5K => q5_k::dequantize(bytes, out),
         GgmlType::Q6K => q6_k::dequantize(bytes, out),
@@ -104,6 +110,8 @@ pub fn quantize(ty: GgmlType, values: &[f32], out: &mut [u8]) -> Result<(), Bloc
         GgmlType::Q8_0 => q8_0::quantize(values, out),
         GgmlType::Q4_0 => q4_0::quantize(values, out),
         GgmlType::Q4_1 => q4_1::quantize(values, out),
+        GgmlType::Q5_0 => q5_0::quantize(values, out),
+        GgmlType::Q5_1 => q5_1::quantize(values, out),
         GgmlType::Q4K => q4_k::quantize(values, out),
         GgmlType::Q5K => q5_k::quantize(values, out),
         GgmlType::Q6K => q6_k::quantize(values, out),

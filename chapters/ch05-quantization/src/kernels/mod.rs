@@ -3,19 +3,41 @@
 //! Like llama.cpp, the kernels never decode a weight to f32. They quantize the **activation** row
 //! to 8-bit blocks first, once per call, and take integer dot products block by block:
 //!
-//! - the 32-element formats (Q8_0, Q4_0, Q4_1) pair with [`Act32`]: Q8_0's rule with an f32 scale
-//!   `d_x` and the sum of the block's values, so Q4_1's offset `m` costs one multiply per block
-//!   instead of one per weight;
+//! - the 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) pair with [`Act32`]: Q8_0's rule with
+//!   an f32 scale `d_x` and the sum of the block's values, so Q4_1's and Q5_1's offset `m` costs
+//!   one multiply per block instead of one per weight;
 //! - the K-quants (Q4_K, Q5_K, Q6_K) pair with [`Act256`], Q8_K: one f32 scale per 256 values and
 //!   the sums of each 16 (for Q4_K's and Q5_K's mins and Q6_K's −32).
 //!
 //! Per weight block the kernel forms an exact i32 (`Σ q_w · q_x`, the sub-block scales applied in
 //! integers for the K-quants), then adds `(d_w · d_x) · i` (and the offset's term) to one f32
 //! accumulator per output, block after block in row order. [`Isa::Avx2Fma`] forms the integers
-//! with `maddubs`/`madd` (see `avx2.rs`), [`Isa::Portable`] with plain Rust; the f32 steps are
-//! the same code, so **the two are equal bit for bit** (tested with `==`). Threads (rayon) split
-//! the output rows; [`matmul`] reads each weight row once for all the tokens of a call (the row
-//! stays in L1 while every token uses it), so prefill streams the weights once.
+//! with `maddubs`/`madd` (see `avx2.rs`), [`Isa::Portable`] with plain Rust; the f32 steps are the same operations in the same order,
+//! so **they are all equal bit for bit** (tested with `==`). Threads (rayon) split the output
+//! rows.
+//!
+//! # Register tiles (the 32-element formats on AVX2)
+//!
+//! A block's work is small (one load, one or two instructions to unpack, one integer dot, three
+//! f32 steps), so what surrounds it decides the speed. The AVX2 kernel computes a tile of `R`
+//! rows × `T` tokens at once, with `R·T` vector accumulators of 8 f32 lanes (no horizontal sum
+//! until the row ends):
+//!
+//! ```text
+//! for b in blocks of the row:                      W: [R rows, blocks]   X: [T tokens, blocks]
+//!     w[r] = unpack(W[r, b])     r < R             unpacked once, used T times
+//!     for t < T:
+//!         x = X[t, b].q                            loaded once, used R times
+//!         acc[r][t] += (d_w · d_x) · lanes(w[r] · x)
+//! ```
+//!
+//! Decode (one token) takes `4 × 1` tiles: four rows share each activation load and keep four
+//! independent accumulator chains in flight. Prefill takes `2 × 4`: each weight block is
+//! unpacked once for four tokens, so [`matmul`] costs less per token than [`matvec`]. The
+//! tiles change which outputs are computed together, never the operations of one output, so
+//! [`matmul`] still equals [`matvec`] bit for bit. The K-quants run one row at a time (their
+//! 256-element blocks already amortise the loop) and, in [`matmul`], four tokens per unpacked
+//! super-block.
 //!
 //! # The error bound against dequantize-then-dense
 //!
@@ -41,6 +63,7 @@
 //! dominates: about `d_x/2 ≈ max|x| / 254` per unit of `Σ|w|`.
 //!
 //! # Costs
+//! (Per call.)
 //! One pass over `x` to quantize it (`T·in` values, into a [`Scratch`] that grows once), then
 //! `out · in` weight bytes read once per call whatever `T` is, `T · out · in` integer products.
 //! Nothing allocates once the scratch has grown to the largest call, except that [`matmul`]'s
@@ -81,11 +104,22 @@ impl Act32 {
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
         let mut q = [0i8; 32];
         for (q, &x) in q.iter_mut().zip(x) {
-            *q = (x * id).round() as i8;
+            *q = round_half_away(x * id) as i8;
         }
         let sum = q.iter().map(|&q| i32::from(q)).sum();
         Act32 { q, d, sum }
     }
+}
+
+/// `v.round()` (halves away from zero) for `|v| < 2³¹`, saturating beyond like `as`, NaN to 0,
+/// in operations that inline and vectorise (`f32::round` is a library call on baseline x86-64).
+/// `v − trunc(v)` is exact (both have the same sign and `trunc(v)` has no more bits than `v`),
+/// so comparing it with ±½ decides the rounding exactly.
+#[inline(always)]
+pub fn round_half_away(v: f32) -> i32 {
+    let t = v as i32; // truncation toward zero
+    let frac = v - t as f32;
+    t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5)
 }
 
 /// 256 activations as Q8_K ([`crate::blocks::q8_k`]): `x ≈ d·q`, `|q| ≤ 127`, and the sums of
@@ -148,17 +182,49 @@ fn acc_k(acc: f32, d: f32, dmin: f32, dx: f32, isum: i32, imin: i32) -> f32 {
     acc + ((d * dx) * isum as f32 - (dmin * dx) * imin as f32)
 }
 
+#[cfg(test)]
+mod tests {
+    use super::round_half_away;
+
+    #[test]
+    fn round_half_away_equals_f32_round() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut values = vec![
+            0.5,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            126.5,
+            -127.5,
+            0.49999997,
+            -0.49999997,
+        ];
+        values.extend((0..=200_000).map(|i| i as f32 / 782.0 - 128.0));
+        for _ in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            values.push(f32::from_bits(state as u32) % 128.0);
+        }
+        for v in values.into_iter().filter(|v| v.is_finite()) {
+            assert_eq!(round_half_away(v), v.round() as i32, "{v:e}");
+        }
+        assert_eq!(round_half_away(f32::NAN), 0);
+    }
+}
+
 /// Whether the kernels multiply weights of type `ty`.
 pub const fn has_kernel(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, Q8_0 | Q4_0 | Q4_1 | Q4K | Q5K | Q6K)
+    matches!(ty, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K)
 }
 
 /// A weight the kernels cannot take.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
     #[error(
-        "no integer kernel multiplies {0} weights (kernels: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"
+        "no integer kernel multiplies {0} weights (kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
     )]
     NoKernel(GgmlType),
     #[error(transparent)]
@@ -337,43 +403,147 @@ fn quantize_acts<'s>(
     }
 }
 
-/// One row's dot product with one token's activation blocks, on `isa`.
+/// Which kernels a call runs: the portable ones, or the AVX2 ones with their proof (AVX2, FMA
+/// and F16C; a CPU with AVX2 but without F16C runs the portable kernels).
+#[derive(Clone, Copy)]
+enum Path {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2(avx2::Avx2F16c),
+}
+
+impl Path {
+    fn of(isa: Isa) -> Path {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = avx2::Avx2F16c::detect(isa) {
+            return Path::Avx2(cpu);
+        }
+        let _ = isa;
+        Path::Portable
+    }
+}
+
+/// One row's dot product with one token's activation blocks.
 #[inline]
-fn dot(isa: Isa, ty: GgmlType, row: &[u8], acts: Acts<'_>) -> f32 {
+fn dot(path: Path, ty: GgmlType, row: &[u8], acts: Acts<'_>) -> f32 {
     use GgmlType::*;
-    match (isa, acts) {
-        (Isa::Portable, Acts::B32(a)) => match ty {
+    match (path, acts) {
+        (_, Acts::B32(a)) => match ty {
             Q8_0 => portable::dot_q8_0(row, a),
             Q4_0 => portable::dot_q4_0(row, a),
             Q4_1 => portable::dot_q4_1(row, a),
+            Q5_0 => portable::dot_q5_0(row, a),
+            Q5_1 => portable::dot_q5_1(row, a),
             _ => unreachable!("{ty} has no 32-element kernel"),
         },
-        (Isa::Portable, Acts::B256(a)) => match ty {
+        (Path::Portable, Acts::B256(a)) => match ty {
             Q4K => portable::dot_q4_k(row, a),
             Q5K => portable::dot_q5_k(row, a),
             Q6K => portable::dot_q6_k(row, a),
             _ => unreachable!("{ty} has no 256-element kernel"),
         },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2Fma(cpu), Acts::B32(a)) => match ty {
-            Q8_0 => avx2::dot_q8_0(cpu, row, a),
-            Q4_0 => avx2::dot_q4_0(cpu, row, a),
-            Q4_1 => avx2::dot_q4_1(cpu, row, a),
-            _ => unreachable!("{ty} has no 32-element kernel"),
-        },
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2Fma(cpu), Acts::B256(a)) => match ty {
-            Q4K => avx2::dot_q4_k(cpu, row, a),
-            Q5K => avx2::dot_q5_k(cpu, row, a),
-            Q6K => avx2::dot_q6_k(cpu, row, a),
-            _ => unreachable!("{ty} has no 256-element kernel"),
-        },
+        (Path::Avx2(cpu), Acts::B256(a)) => dot_k_avx2(cpu.avx2_fma(), ty, row, [a])[0],
     }
 }
 
-/// Output rows one task computes: enough to amortise the task, few enough to balance the cores.
+/// One K-quant row with `T` tokens on AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn dot_k_avx2<const T: usize>(
+    cpu: ch02::kernels::Avx2Fma,
+    ty: GgmlType,
+    row: &[u8],
+    acts: [&[Act256]; T],
+) -> [f32; T] {
+    use GgmlType::*;
+    match ty {
+        Q4K => avx2::dot_q4_k(cpu, row, acts),
+        Q5K => avx2::dot_q5_k(cpu, row, acts),
+        Q6K => avx2::dot_q6_k(cpu, row, acts),
+        _ => unreachable!("{ty} has no 256-element kernel"),
+    }
+}
+
+/// Register tiles of the AVX2 32-element kernels: `(rows, tokens)` per tile. One token (decode)
+/// takes 4 rows, so each activation block loaded serves 4 weight blocks; several tokens
+/// (prefill) take 2 rows × 4 tokens, so each unpacked weight block serves 4 tokens.
+const DECODE_TILE: (usize, usize) = (4, 1);
+const PREFILL_TILE: (usize, usize) = (2, 4);
+
+/// Rows `r0..r0 + n` of `w` times every token of `acts` (`per_token` blocks each) into `yt`
+/// `[n, tokens]`.
+fn rows_times_tokens(
+    path: Path,
+    w: &QuantMatrix,
+    r0: usize,
+    acts: Acts<'_>,
+    tokens: usize,
+    per_token: usize,
+    yt: &mut [f32],
+) {
+    let n = yt.len() / tokens;
+    #[cfg(target_arch = "x86_64")]
+    if let (Path::Avx2(cpu), Acts::B32(a)) = (path, acts) {
+        use GgmlType::*;
+        let rows = &w.bytes[r0 * w.row_bytes..(r0 + n) * w.row_bytes];
+        macro_rules! run {
+            ($f:ty) => {
+                if tokens == 1 {
+                    avx2::rows32::<$f, { DECODE_TILE.0 }, { DECODE_TILE.1 }>(
+                        cpu, rows, a, tokens, yt,
+                    )
+                } else {
+                    avx2::rows32::<$f, { PREFILL_TILE.0 }, { PREFILL_TILE.1 }>(
+                        cpu, rows, a, tokens, yt,
+                    )
+                }
+            };
+        }
+        match w.ty {
+            Q8_0 => run!(avx2::Q8_0),
+            Q4_0 => run!(avx2::Q4_0),
+            Q4_1 => run!(avx2::Q4_1),
+            Q5_0 => run!(avx2::Q5_0),
+            Q5_1 => run!(avx2::Q5_1),
+            ty => unreachable!("{ty} has no 32-element kernel"),
+        }
+        return;
+    }
+    // The K-quants on AVX2, several tokens: each row's super-blocks unpacked once per
+    // `KQ_TOKENS` tokens.
+    #[cfg(target_arch = "x86_64")]
+    if let (Path::Avx2(cpu), Acts::B256(a), true) = (path, acts, tokens > 1) {
+        const KQ_TOKENS: usize = 4;
+        for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
+            let row = w.row(r0 + i);
+            let token = |t: usize| &a[t * per_token..(t + 1) * per_token];
+            let mut chunks = yt_row.chunks_exact_mut(KQ_TOKENS);
+            for (c, y) in (&mut chunks).enumerate() {
+                let acts = std::array::from_fn(|j| token(c * KQ_TOKENS + j));
+                y.copy_from_slice(&dot_k_avx2::<KQ_TOKENS>(cpu.avx2_fma(), w.ty, row, acts));
+            }
+            let done = tokens - tokens % KQ_TOKENS;
+            for (j, y) in chunks.into_remainder().iter_mut().enumerate() {
+                *y = dot_k_avx2(cpu.avx2_fma(), w.ty, row, [token(done + j)])[0];
+            }
+        }
+        return;
+    }
+    for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
+        let row = w.row(r0 + i);
+        for (t, y) in yt_row.iter_mut().enumerate() {
+            *y = dot(path, w.ty, row, acts.token(t, per_token));
+        }
+    }
+}
+
+/// Output rows one task computes: enough to amortise the task, few enough to balance the cores;
+/// a multiple of 4, so that tasks split into whole register tiles.
 fn rows_per_task(rows: usize) -> usize {
-    rows.div_ceil(4 * rayon::current_num_threads()).clamp(1, 64)
+    rows.div_ceil(4 * rayon::current_num_threads())
+        .clamp(1, 64)
+        .next_multiple_of(4)
 }
 
 // ANCHOR: matvec
@@ -384,14 +554,11 @@ pub fn matvec(isa: Isa, w: &QuantMatrix, x: &[f32], y: &mut [f32], scratch: &mut
     assert_eq!(x.len(), w.cols, "x is [in]");
     assert_eq!(y.len(), w.rows, "y is [out]");
     let acts = quantize_acts(w.ty, x, 1, &mut scratch.act32, &mut scratch.act256); // [in / block]
+    let (path, per_token) = (Path::of(isa), w.cols / w.ty.block_elems());
     let per_task = rows_per_task(w.rows);
     y.par_chunks_mut(per_task)
         .enumerate()
-        .for_each(|(task, y)| {
-            for (i, y) in y.iter_mut().enumerate() {
-                *y = dot(isa, w.ty, w.row(task * per_task + i), acts);
-            }
-        });
+        .for_each(|(task, y)| rows_times_tokens(path, w, task * per_task, acts, 1, per_token, y));
 }
 // ANCHOR_END: matvec
 
@@ -420,16 +587,11 @@ pub fn matmul(
         yt.resize(w.rows * tokens, 0.0);
     }
     let yt = &mut yt[..w.rows * tokens]; // [out, tokens]
-    let per_task = rows_per_task(w.rows);
+    let (path, per_task) = (Path::of(isa), rows_per_task(w.rows));
     yt.par_chunks_mut(per_task * tokens)
         .enumerate()
         .for_each(|(task, yt)| {
-            for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
-                let row = w.row(task * per_task + i);
-                for (t, y) in yt_row.iter_mut().enumerate() {
-                    *y = dot(isa, w.ty, row, acts.token(t, per_token));
-                }
-            }
+            rows_times_tokens(path, w, task * per_task, acts, tokens, per_token, yt)
         });
     for (t, y_t) in y.chunks_exact_mut(w.rows).enumerate() {
         for (o, y) in y_t.iter_mut().enumerate() {

@@ -5,6 +5,7 @@
 use super::{Act32, Act256, LANES, acc_d, acc_k, acc_lanes, sum_lanes};
 use crate::blocks::f16_at;
 use crate::blocks::q4_k::scale_min;
+use crate::blocks::q5_0::q5;
 use crate::blocks::q6_k::q6;
 
 /// `Σ_l u[l] · q[l]` over 32 pairs.
@@ -56,6 +57,36 @@ pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
     let mut acc_m = 0.0f32;
     for (b, a) in row.chunks_exact(20).zip(acts) {
         let s = lanes32(|l| nibble(&b[4..20], l), &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
+    }
+    sum_lanes(&acc) + acc_m
+}
+
+/// The little-endian u32 at `b[at..at + 4]` (a Q5 block's high bits).
+#[inline(always)]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// One Q5_0 row with one token's activation blocks: `Σ (q − 16)·x`.
+pub fn dot_q5_0(row: &[u8], acts: &[Act32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (b, a) in row.chunks_exact(22).zip(acts) {
+        let qh = u32_at(b, 2);
+        let s = lanes32(|l| i32::from(q5(qh, &b[6..22], l)) - 16, &a.q);
+        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+    }
+    sum_lanes(&acc)
+}
+
+/// One Q5_1 row with one token's activation blocks: `d·Σ q·x + m·Σ x`, as Q4_1.
+pub fn dot_q5_1(row: &[u8], acts: &[Act32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut acc_m = 0.0f32;
+    for (b, a) in row.chunks_exact(24).zip(acts) {
+        let qh = u32_at(b, 4);
+        let s = lanes32(|l| i32::from(q5(qh, &b[8..24], l)), &a.q);
         acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
         acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
     }
