@@ -202,7 +202,18 @@ impl<'e> Engine<'e> {
 
     /// Ends a request now and frees its blocks. False if it is unknown or already finished.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        self.scheduler.abort(id)
+        let aborted = self.scheduler.abort(id);
+        self.release_ended();
+        aborted
+    }
+
+    /// Tells the speculator which requests ended, so that it frees what it kept for them.
+    fn release_ended(&mut self) {
+        if let Some(speculator) = self.speculator.as_deref_mut() {
+            for id in self.scheduler.take_ended() {
+                speculator.release(id);
+            }
+        }
     }
 
     pub fn has_unfinished(&self) -> bool {
@@ -221,8 +232,11 @@ impl<'e> Engine<'e> {
             return Ok(Vec::new());
         }
         let logits = self.executor.execute(&plan)?;
-        self.scheduler
-            .update_with(&plan, logits, self.speculator.as_deref_mut())
+        let outputs = self
+            .scheduler
+            .update_with(&plan, logits, self.speculator.as_deref_mut())?;
+        self.release_ended();
+        Ok(outputs)
     }
     // ANCHOR_END: step
 

@@ -295,6 +295,11 @@ impl Scheduler {
         self.speculative = on;
     }
 
+    /// Requests that ended since the last call (recorded only while speculative).
+    pub(crate) fn take_ended(&mut self) -> std::vec::Drain<'_, RequestId> {
+        self.ended.drain(..)
+    }
+
     // ANCHOR: propose
     /// Asks `speculator` for the drafts of this step: every running decode gets up to k
     /// tokens, unless more sequences run than its `disable_by_batch_size`. Tells it first which

@@ -228,13 +228,12 @@ impl Drafter for ModelDrafter<'_> {
         self.active.clear();
         // Sync each sequence's draft cache with its tokens; plan the first draft step.
         for (i, seq) in seqs.iter().enumerate() {
-            if !self.states.contains_key(&seq.id) {
-                let state = DraftState {
+            if let std::collections::hash_map::Entry::Vacant(entry) = self.states.entry(seq.id) {
+                entry.insert(DraftState {
                     table: BlockTable::new(block_size),
                     known: Vec::new(),
                     sampler: drafting_sampler(seq.params)?,
-                };
-                self.states.insert(seq.id, state);
+                });
             }
             // Positions T-1 .. T+k-2 run: all within the draft model's context.
             let len = seq.tokens.len();

@@ -33,3 +33,25 @@ pub trait Drafter: Send {
     fn release(&mut self, _id: RequestId) {}
 }
 // ANCHOR_END: drafter
+
+/// A borrowed drafter drafts as the drafter does (so a test can inspect it afterwards).
+impl<D: Drafter + ?Sized> Drafter for &mut D {
+    fn propose(&mut self, seqs: &[DraftSeq], drafts: &mut [Draft]) -> Result<(), DraftError> {
+        (**self).propose(seqs, drafts)
+    }
+
+    fn release(&mut self, id: RequestId) {
+        (**self).release(id);
+    }
+}
+
+/// A drafter chosen at run time (`--speculative-method`).
+impl<D: Drafter + ?Sized> Drafter for Box<D> {
+    fn propose(&mut self, seqs: &[DraftSeq], drafts: &mut [Draft]) -> Result<(), DraftError> {
+        (**self).propose(seqs, drafts)
+    }
+
+    fn release(&mut self, id: RequestId) {
+        (**self).release(id);
+    }
+}
