@@ -5,6 +5,7 @@ pub mod forward;
 pub mod generate;
 pub mod perplexity;
 pub mod serve;
+pub mod speculative_args;
 
 use std::path::PathBuf;
 
