@@ -29,6 +29,13 @@ chapter n:
          echo "   (prompts split into chunks) in a KV cache of 9 blocks (sequences preempted, recomputed later)"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --max-num-batched-tokens 16 --kv-cache-memory 432KiB --trace ;;
+      6) echo "-- greedy decoding with n-gram speculation (prompt lookup): each step verifies the last"
+         echo "   token and up to 4 drafts in one forward; the output equals the target alone"
+         cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 48 \
+           --temperature 0 --speculative-method ngram --num-speculative-tokens 4 --trace
+         echo "-- the same with shakespeare-tiny drafting for shakespeare-small"
+         cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 64 --temperature 0 \
+           --speculative-model fixtures/shakespeare-tiny --num-speculative-tokens 4 ;;
       8) cargo build --release -q
          source fixtures/scripts/server_lib.sh
          kiln_server_start target/release/kiln serve
@@ -63,7 +70,7 @@ book action="build":
 fixtures:
     bash fixtures/scripts/make_all.sh
 
-# ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
+# ch02, ch03, ch04 and ch06 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
 # and llama.cpp (`just build-llama-cpp`) when those are present. `serve` starts `kiln serve` on
 # SmolLM2 and loads it with `kiln bench serve` at rates 1, 2, 4, 8 and inf (args go to the latter;
 # --num-prompts and --request-rate replace the defaults; --ignore-eos is always on).
@@ -72,7 +79,7 @@ bench which="ch01" *args:
     #!/usr/bin/env bash
     set -euo pipefail
     case "{{which}}" in
-      ch02|ch03|ch04) bash fixtures/scripts/fetch_smollm2.sh
+      ch02|ch03|ch04|ch06) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
       serve) bash fixtures/scripts/fetch_smollm2.sh
             cargo build --release

@@ -8,6 +8,7 @@ pub mod ch01;
 pub mod ch02;
 pub mod ch03;
 pub mod ch04;
+pub mod ch06;
 pub mod serve;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
@@ -38,6 +39,8 @@ enum Chapter {
     Ch03(ch03::Args),
     /// Chapter 4: sequential vs static vs continuous batching, chunked prefill, max_num_seqs.
     Ch04(ch04::Args),
+    /// Chapter 6: speculative decoding: acceptance per drafter, tokens per step, speed-ups.
+    Ch06(ch06::Args),
     /// The server (chapter 8): a load generator against a running `kiln serve`, like `vllm bench serve`.
     Serve(serve::Args),
 }
@@ -48,6 +51,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch02(args) => ch02::run(args),
         Chapter::Ch03(args) => ch03::run(args),
         Chapter::Ch04(args) => ch04::run(args),
+        Chapter::Ch06(args) => ch06::run(args),
         Chapter::Serve(args) => serve::run(args),
     }
 }
