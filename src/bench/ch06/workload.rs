@@ -25,8 +25,9 @@ pub fn corpus_prompts(corpus: &[u32], bos: Option<u32>, n: usize, len: usize) ->
 }
 
 /// `n` passages of the text (about 400 characters, whole lines, starting at a paragraph),
-/// each wrapped in a request to repeat it: in the model's chat format when its tokenizer has
-/// one (SmolLM2's `<|im_start|>`), else as plain text.
+/// each in a request to repeat it whose answer starts with the passage's first paragraph (the
+/// model continues a quotation it has begun): in the model's chat format when its tokenizer
+/// has one (SmolLM2's `<|im_start|>`), else as plain text.
 pub fn grounded_prompts(
     tokenizer: &Tokenizer,
     text: &str,
@@ -45,14 +46,18 @@ pub fn grounded_prompts(
             passage.push_str(line);
             passage.push('\n');
         }
-        let ask = format!("Repeat this passage from Hamlet exactly, word for word:\n\n{passage}");
+        let first = passage.split("\n\n").next().unwrap_or_default();
+        let ask = format!(
+            "Repeat the following passage from Hamlet exactly, word for word.\n\n{passage}"
+        );
         let prompt = if chat {
             format!(
                 "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by \
-                 Hugging Face<|im_end|>\n<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+                 Hugging Face<|im_end|>\n<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n\
+                 {first}\n\n"
             )
         } else {
-            ask
+            format!("{ask}\n{first}\n\n")
         };
         prompts.push(tokenizer.encode(&prompt, true)?);
     }
