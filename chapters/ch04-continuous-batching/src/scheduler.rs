@@ -10,6 +10,9 @@
 //! update():    per sequence, its own seeded sampler on its logit row; stop checks;
 //!              finished → blocks freed                                → RequestOutputs
 //! ```
+//! With speculative decoding (chapter 6, [`Speculator`]), `propose()` first asks for drafts for
+//! the running decodes; `schedule()` puts them in lookahead slots; `update_with()` verifies
+//! them, applies the stop checks to every emitted token in order and rolls back the rest.
 
 use std::collections::BTreeMap;
 
