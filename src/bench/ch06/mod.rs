@@ -272,6 +272,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     eprintln!(
         "kiln bench ch06: shakespeare-small + shakespeare-tiny, {big_name}, {threads} threads"
     );
+    let caption_with = |runs: &str| {
+        format!(
+            "_f32 weights, KV blocks of {bs}, {threads} threads on {} ({} CPUs), {}, {runs}. \
+             Command: `{}`._",
+            facts.cpu.as_deref().unwrap_or("an unknown CPU"),
+            facts.nproc,
+            facts.date,
+            facts.command
+        )
+    };
     let caption = format!(
         "_f32 weights, KV blocks of {bs}, {threads} threads on {} ({} CPUs), {}, {}. Command: \
          `{}`._",
@@ -593,10 +603,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let batch_md = format!(
         "{}\n_Greedy, k = 4, the requests submitted together; output tokens/s over the whole run \
          (prefill included). shakespeare-small: Hamlet prompts, {} tokens each; {big_name}: the \
-         repeat-the-passage prompts, up to {} tokens (end-of-sequence stops). One run per cell._ {caption}\n",
+         repeat-the-passage prompts, up to {} tokens (end-of-sequence stops)._ {}\n",
         batch.to_markdown(),
         plan.batch_output,
-        plan.batch_output
+        plan.batch_output,
+        caption_with("one run per cell")
     );
 
     write_figures(
