@@ -305,11 +305,7 @@ fn raw_typed_tensors_come_back_exactly() {
         assert_eq!(raw.dtype(), dtype, "{name}");
         assert_eq!(raw.shape(), &shape[..], "{name}");
         assert_eq!(raw.bytes(), &bytes[..], "{name}");
-        assert_eq!(
-            raw.bytes().len(),
-            raw.len() * dtype.size_bytes().unwrap(),
-            "{name}"
-        );
+        assert_eq!(raw.bytes().len(), raw.len() * dtype.size_bytes().unwrap(), "{name}");
     }
     let decoded: Vec<i32> = source
         .tensor("proj.qweight")

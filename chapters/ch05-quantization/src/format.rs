@@ -206,16 +206,8 @@ mod tests {
             assert_eq!(GgmlType::from_name(t.name()), Some(t));
             assert_eq!(GgmlType::from_tensor_dtype(t.tensor_dtype()), Some(t));
         }
-        assert_eq!(
-            GgmlType::from_id(4),
-            None,
-            "Q4_2 was removed from llama.cpp"
-        );
-        assert_eq!(
-            GgmlType::Q4K.row_bytes(576),
-            None,
-            "576 is not a multiple of 256"
-        );
+        assert_eq!(GgmlType::from_id(4), None, "Q4_2 was removed from llama.cpp");
+        assert_eq!(GgmlType::Q4K.row_bytes(576), None, "576 is not a multiple of 256");
         assert_eq!(GgmlType::Q8_0.row_bytes(576), Some(18 * 34));
         assert_eq!(GgmlType::Q6K.bits_per_weight(), 6.5625);
     }
