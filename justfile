@@ -48,6 +48,13 @@ chapter n:
          echo "-- six prompts through the engine with --attention-backend flash"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --attention-backend flash ;;
+      6) echo "-- greedy decoding with n-gram speculation (prompt lookup): each step verifies the last"
+         echo "   token and up to 4 drafts in one forward; the output equals the target alone"
+         cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 48 \
+           --temperature 0 --speculative-method ngram --num-speculative-tokens 4 --trace
+         echo "-- the same with shakespeare-tiny drafting for shakespeare-small"
+         cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 64 --temperature 0 \
+           --speculative-model fixtures/shakespeare-tiny --num-speculative-tokens 4 ;;
       8) cargo build --release -q
          source fixtures/scripts/server_lib.sh
          kiln_server_start target/release/kiln serve
@@ -84,6 +91,7 @@ fixtures:
 
 # ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch05 its GGUF files beside llama.cpp
 # (`just build-llama-cpp` makes them); ch02 beside transformers (`just fixtures`)
+# ch02, ch03, ch04 and ch06 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
 # and llama.cpp (`just build-llama-cpp`) when those are present. `serve` starts `kiln serve` on
 # SmolLM2 and loads it with `kiln bench serve` at rates 1, 2, 4, 8 and inf (args go to the latter;
 # --num-prompts and --request-rate replace the defaults; --ignore-eos is always on).
@@ -95,6 +103,7 @@ bench which="ch01" *args:
       ch05) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench ch05 {{args}} ;;
       ch02|ch03|ch04) bash fixtures/scripts/fetch_smollm2.sh
+      ch02|ch03|ch04|ch06) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
       serve) bash fixtures/scripts/fetch_smollm2.sh
             cargo build --release

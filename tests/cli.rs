@@ -444,12 +444,20 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
     assert!(output.status.success(), "{}", stderr(&output));
 
     assert_fails_with(
-        &["quantize", "--model", model, "--type", "q2_k", "--out", out_path],
+        &[
+            "quantize", "--model", model, "--type", "q2_k", "--out", out_path,
+        ],
         "invalid value 'q2_k'",
     );
     assert_fails_with(
         &[
-            "quantize", "--model", "/nonexistent/model", "--type", "q4_0", "--out", out_path,
+            "quantize",
+            "--model",
+            "/nonexistent/model",
+            "--type",
+            "q4_0",
+            "--out",
+            out_path,
         ],
         "/nonexistent/model/config.json",
     );
@@ -467,7 +475,9 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
         "rope_scaling llama3 is not supported",
     );
     assert_fails_with(
-        &["quantize", "--model", out_path, "--type", "q4_0", "--out", out_path],
+        &[
+            "quantize", "--model", out_path, "--type", "q4_0", "--out", out_path,
+        ],
         "is a file",
     );
 }

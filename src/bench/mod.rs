@@ -10,6 +10,7 @@ pub mod ch02;
 pub mod ch03;
 pub mod ch04;
 pub mod ch05;
+pub mod ch06;
 pub mod ch07;
 pub mod serve;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
@@ -45,6 +46,8 @@ enum Chapter {
     Ch05(ch05::Args),
     /// Chapter 7: flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode time.
     Ch07(ch07::Args),
+    /// Chapter 6: speculative decoding: acceptance per drafter, tokens per step, speed-ups.
+    Ch06(ch06::Args),
     /// The server (chapter 8): a load generator against a running `kiln serve`, like `vllm bench serve`.
     Serve(serve::Args),
 }
@@ -57,6 +60,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch04(args) => ch04::run(args),
         Chapter::Ch05(args) => ch05::run(args),
         Chapter::Ch07(args) => ch07::run(args),
+        Chapter::Ch06(args) => ch06::run(args),
         Chapter::Serve(args) => serve::run(args),
     }
 }

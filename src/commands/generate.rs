@@ -13,6 +13,7 @@ use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
+use super::speculative_args::{self, SpeculativeArgs};
 use super::{LoadedModel, ModelArgs};
 
 #[derive(clap::Args, Debug)]
@@ -74,6 +75,9 @@ pub struct Args {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub attention: AttentionArgs,
+    /// Speculative decoding (chapter 6); with one --prompt it runs on the engine too.
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
     /// With --prompts-file: print on stderr, for each engine step, what it ran, admitted and
     /// preempted.
     // Conflicting with --prompt means requiring --prompts-file: one of the two is given.
@@ -112,6 +116,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     options.sampling.validate()?;
     match (&args.prompt, prompts) {
+        (Some(prompt), None) if args.speculative.method()?.is_some() => {
+            run_many(&args, std::slice::from_ref(prompt), &loaded, &options)
+        }
         (Some(prompt), None) => run_one(&args, prompt, &loaded, &options),
         (None, Some(prompts)) => run_many(&args, &prompts, &loaded, &options),
         _ => unreachable!("clap requires exactly one of --prompt and --prompts-file"),
@@ -244,7 +251,14 @@ fn run_many(
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
     let attention = args.attention.kind();
     let executor = ch07::cpu_executor(model, &cache, attention)?;
+    let draft = args.speculative.load_draft(&args.model.dtype, model)?;
     let mut engine = Engine::boxed(executor, args.engine.config())?;
+    if let Some(speculator) =
+        args.speculative
+            .speculator(model, draft.as_ref(), cache.block_size)?
+    {
+        engine = engine.with_speculator(speculator);
+    }
     let tokenized = prompts
         .iter()
         .enumerate()
@@ -262,6 +276,9 @@ fn run_many(
         args.engine.describe(),
         attention,
     );
+    if let Some(line) = args.speculative.describe()? {
+        eprintln!("kiln: {line}");
+    }
 
     let start = Instant::now();
     let mut client = Prompts {
@@ -326,6 +343,9 @@ fn run_many(
         "steps: {} | preemptions: {} | prefix cache hits: {} of {} blocks",
         counters.steps, counters.preemptions, prefix.hit_blocks, prefix.queried_blocks
     );
+    if let Some(line) = speculative_args::summary(&counters) {
+        eprintln!("{line}");
+    }
     Ok(())
 }
 
@@ -399,6 +419,7 @@ fn trace_line(engine: &Engine, sampled: &[RequestId], recomputing: &BTreeSet<Req
         scheduled,
         preempted,
         admitted,
+        speculated,
     } = scheduler.last_step();
     let ids = |ids: &[RequestId]| {
         ids.iter()
@@ -409,6 +430,9 @@ fn trace_line(engine: &Engine, sampled: &[RequestId], recomputing: &BTreeSet<Req
     let runs: Vec<String> = scheduled
         .iter()
         .map(|&(id, n, prompt)| {
+            if let Some(&(_, drafts, accepted)) = speculated.iter().find(|s| s.0 == id) {
+                return format!("[{id}] decode 1+{drafts} drafts ({accepted} accepted)");
+            }
             if !prompt && n == 1 {
                 return format!("[{id}] decode 1");
             }

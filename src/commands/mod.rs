@@ -6,6 +6,7 @@ pub mod generate;
 pub mod perplexity;
 pub mod quantize;
 pub mod serve;
+pub mod speculative_args;
 
 use std::path::PathBuf;
 

@@ -9,9 +9,10 @@ use anyhow::Context;
 use ch08::auth::ApiKeys;
 use ch08::chat_template::ChatTemplate;
 use ch08::rate_limit::RateLimit;
-use ch08::{ServedModel, Server, ServerConfig};
+use ch08::{ServedModel, Server, ServerConfig, SpeculatorFactory};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
+use super::speculative_args::SpeculativeArgs;
 use super::{ModelArgs, ModelFormat};
 
 #[derive(clap::Args, Debug)]
@@ -34,6 +35,8 @@ pub struct Args {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub attention: AttentionArgs,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
     /// Accepted for vLLM compatibility: chunked prefill is already on unless
     /// --no-enable-chunked-prefill.
     #[arg(
@@ -101,6 +104,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         max_queue: args.max_queue,
         seed: args.seed,
         shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+        speculator: speculator_factory(&args, &loaded.model, cache.block_size)?,
         ..ServerConfig::default()
     };
     let has_template = chat_template.is_some();
@@ -155,6 +159,34 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         eprintln!("kiln serve: stopped");
         anyhow::Ok(())
     })
+}
+
+/// The engine thread's speculator (chapter 6), if the flags ask for one. A draft model lives
+/// as long as the process (it is leaked, as the server runs until the process ends).
+fn speculator_factory(
+    args: &Args,
+    target: &ch01::Llama,
+    block_size: usize,
+) -> anyhow::Result<Option<SpeculatorFactory>> {
+    let spec = args.speculative.clone();
+    if spec.method()?.is_none() {
+        return Ok(None);
+    }
+    let draft: Option<&'static ch01::Llama> = spec
+        .load_draft(&args.model.dtype, target)?
+        .map(|d| &*Box::leak(Box::new(d)));
+    // Build one now, so that a bad flag fails at start rather than in the engine thread.
+    spec.speculator(target, draft, block_size)?;
+    if let Some(line) = spec.describe()? {
+        eprintln!("kiln serve: {line}");
+    }
+    Ok(Some(SpeculatorFactory(Arc::new(
+        move |model: &ch01::Llama| {
+            spec.speculator(model, draft, block_size)
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "speculation is off".to_string())
+        },
+    ))))
 }
 
 /// Ctrl-C or SIGTERM.

@@ -445,20 +445,8 @@ impl Sampler {
             return argmax(&self.logits).ok_or(no_candidates);
         }
 
-        // 5. Temperature. (-inf stays -inf; a tiny temperature may overflow a logit to +inf,
-        // which the softmax treats as its limit.)
-        for logit in self.logits.iter_mut() {
-            *logit /= p.temperature;
-        }
-
-        // 6-10.
-        filter_candidates(
-            &self.logits,
-            p.top_k,
-            p.top_p,
-            p.min_p,
-            &mut self.candidates,
-        )?;
+        // 5-10.
+        self.filter_scaled()?;
 
         // 11. Exactly one draw per call, even when only one candidate is left, so the RNG
         // stream advances the same way whatever the logits were.
@@ -466,6 +454,58 @@ impl Sampler {
         draw(&self.candidates, u).ok_or(no_candidates)
     }
     // ANCHOR_END: sample
+
+    /// Steps 1-10 without the draw: the distribution [`sample`](Self::sample) would draw
+    /// from, as candidates (best first, probabilities summing to 1). Greedy: the argmax alone,
+    /// with probability 1. Uses no randomness. Speculative decoding (chapter 6) compares it
+    /// with a drafter's distribution.
+    pub fn distribution(
+        &mut self,
+        logits: &[f32],
+        prompt_tokens: &[u32],
+        output_tokens: &[u32],
+    ) -> Result<&[Candidate], SamplingError> {
+        self.apply_penalties(logits, prompt_tokens, output_tokens)?;
+        if self.params.is_greedy() {
+            let token = argmax(&self.logits).ok_or(SamplingError::NoCandidates {
+                vocab_size: logits.len(),
+            })?;
+            self.candidates.clear();
+            self.candidates.push(Candidate {
+                token,
+                logit: self.logits[token as usize],
+                prob: 1.0,
+            });
+        } else {
+            self.filter_scaled()?;
+        }
+        Ok(&self.candidates)
+    }
+
+    /// One uniform draw in `[0, 1)` from the request's RNG stream (what step 11 uses), for
+    /// callers that decide with the sampler's randomness themselves (chapter 6's
+    /// acceptance test).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random()
+    }
+
+    /// Steps 5-10 on the penalised logits: temperature, then the candidate filters.
+    fn filter_scaled(&mut self) -> Result<(), SamplingError> {
+        let p = &self.params;
+        // 5. Temperature. (-inf stays -inf; a tiny temperature may overflow a logit to +inf,
+        // which the softmax treats as its limit.)
+        for logit in self.logits.iter_mut() {
+            *logit /= p.temperature;
+        }
+        // 6-10.
+        filter_candidates(
+            &self.logits,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+            &mut self.candidates,
+        )
+    }
 
     /// Steps 1-3 only: the logits after the repetition, frequency and presence penalties
     /// (before temperature). Uses no randomness. Exposed so the penalties can be checked

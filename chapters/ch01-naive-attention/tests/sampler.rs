@@ -740,3 +740,40 @@ fn sample_errors_instead_of_panicking() {
         Err(SamplingError::EmptyLogits)
     );
 }
+
+#[test]
+fn distribution_is_what_sample_draws_from() {
+    let logits = [1.0f32, 3.0, -2.0, 3.0, 0.5, f32::NEG_INFINITY];
+    let params = SamplingParams {
+        temperature: 0.7,
+        top_k: 4,
+        top_p: 0.9,
+        repetition_penalty: 1.3,
+        seed: 11,
+        ..SamplingParams::default()
+    };
+    let (prompt, output) = ([1u32, 4], [3u32]);
+    let mut a = Sampler::new(params.clone()).unwrap();
+    let mut b = Sampler::new(params).unwrap();
+    for _ in 0..50 {
+        let dist = a.distribution(&logits, &prompt, &output).unwrap().to_vec();
+        let total: f32 = dist.iter().map(|c| c.prob).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+        // The same draw by hand: inverse CDF over the candidates, best first.
+        let u = a.uniform();
+        let mut cumulative = 0.0f64;
+        let by_hand = dist
+            .iter()
+            .find(|c| {
+                cumulative += f64::from(c.prob);
+                u < cumulative
+            })
+            .map_or(dist[dist.len() - 1].token, |c| c.token);
+        assert_eq!(b.sample(&logits, &prompt, &output).unwrap(), by_hand);
+    }
+    // Greedy: the argmax alone (ties to the lower id), with probability 1, and no draw.
+    let mut greedy = Sampler::new(SamplingParams::greedy()).unwrap();
+    let dist = greedy.distribution(&logits, &[], &[]).unwrap();
+    assert_eq!(dist.len(), 1);
+    assert_eq!((dist[0].token, dist[0].prob), (1, 1.0));
+}

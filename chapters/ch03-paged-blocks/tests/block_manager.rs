@@ -672,3 +672,27 @@ fn block_hash_is_fnv1a_64_over_the_parent_hash_and_token_bytes() {
     bytes.extend(7u32.to_le_bytes());
     assert_eq!(block_hash(first, &[7]), fnv1a(&bytes));
 }
+
+#[test]
+fn rollback_keeps_the_block_of_the_last_kept_position_and_frees_the_rest() {
+    let mut bm = BlockManager::new(8, 2, true);
+    let mut table = prefill(&mut bm, &[1, 2, 3]).unwrap(); // 3 positions in 2 blocks
+    bm.reserve(&mut table, 4).unwrap(); // lookahead: positions 3..7, 4 blocks in all
+    assert_eq!(table.blocks().len(), 4);
+    bm.commit(&mut table, 7);
+    let kept = table.blocks()[..3].to_vec();
+    bm.rollback(&mut table, 5); // positions 5 and 6 rejected
+    assert_eq!(table.num_tokens(), 5);
+    assert_eq!(
+        table.blocks(),
+        kept,
+        "position 4 lives in block 2, which stays"
+    );
+    assert_eq!(bm.num_free_blocks(), 5);
+    assert_invariants(&bm, &[&table]);
+    bm.rollback(&mut table, 4); // on a block boundary: block 2 holds nothing kept
+    assert_eq!(table.blocks(), &kept[..2]);
+    assert_invariants(&bm, &[&table]);
+    bm.free(table);
+    assert_invariants(&bm, &[]);
+}

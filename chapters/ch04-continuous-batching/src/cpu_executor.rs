@@ -39,7 +39,10 @@ pub struct CacheConfig {
 
 /// Runs steps on the CPU: chapter 1's model, a pool of `K` elements, and an attention backend.
 ///
-/// Invariant: the pool was made for this model (its layers, KV heads and head size).
+/// Invariant: the pool was made for this model (its KV heads and head size) and holds its
+/// first `n` layers: the executor runs those `n` layers, then the final norm and the head.
+/// Normally `n` is every layer; fewer make the target's own draft model (chapter 6's
+/// self-speculation by layer skipping).
 pub struct CpuExecutor<'m, K: KvElement = f32> {
     model: &'m Llama,
     pool: KvPool<K>,
@@ -63,6 +66,12 @@ impl<'m, K: KvElement> CpuExecutor<'m, K> {
         pool: KvPool<K>,
         backend: Box<dyn AttentionBackend<K> + 'm>,
     ) -> Self {
+        assert!(
+            (1..=model.layers.len()).contains(&pool.num_layers()),
+            "a pool of {} layers for a model of {}",
+            pool.num_layers(),
+            model.layers.len()
+        );
         CpuExecutor {
             model,
             pool,
@@ -119,7 +128,7 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
     fn kv_layout(&self) -> KvLayout {
         let c = &self.model.config;
         KvLayout {
-            num_layers: c.num_hidden_layers,
+            num_layers: self.pool.num_layers(),
             num_kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
             block_size: self.pool.block_size(),
@@ -161,7 +170,8 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
                 })
             })
             .collect(); // [n]
-        for (i, layer) in model.layers.iter().enumerate() {
+        let layers = model.layers.iter().take(self.pool.num_layers());
+        for (i, layer) in layers.enumerate() {
             let shape = layer.self_attn.shape();
             let (pool, backend) = (&mut self.pool, &mut self.backend);
             // Every new token's K/V goes to its slot, then the whole batch attends at once.

@@ -5,6 +5,8 @@
 //!        logits  = executor.execute(&plan)      swaps, copies, one batched forward
 //!        outputs = scheduler.update(&plan, logits)   sample, stop checks, free finished blocks
 //! ```
+//! With a [`Speculator`] (chapter 6), each step starts by proposing drafts for the running
+//! decodes, and `update` verifies them.
 //! The engine knows neither where K/V live nor which device runs the forward: chapter 7's GPU
 //! executor and chapter 8's tensor-parallel one plug in here unchanged.
 
@@ -12,6 +14,7 @@ use crate::executor::{Executor, ExecutorError};
 use crate::logprobs::TokenLogprobs;
 use crate::request::{FinishReason, Request, RequestId};
 use crate::scheduler::Scheduler;
+use crate::speculation::Speculator;
 
 /// How a preempted sequence gives its blocks back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -123,6 +126,8 @@ pub struct StepTrace {
     pub preempted: Vec<RequestId>,
     /// Requests admitted (from waiting or swapped) this step.
     pub admitted: Vec<RequestId>,
+    /// Speculative decodes verified this step: (request, drafts run, drafts accepted).
+    pub speculated: Vec<(RequestId, usize, usize)>,
 }
 
 /// Counters for the server's metrics (chapter 8).
@@ -132,12 +137,19 @@ pub struct Counters {
     pub preemptions: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
+    /// Speculative decoding (chapter 6), named as vLLM's metrics: verification steps of a
+    /// sequence with at least one draft, draft tokens verified, draft tokens accepted.
+    pub spec_decode_num_drafts: u64,
+    pub spec_decode_num_draft_tokens: u64,
+    pub spec_decode_num_accepted_tokens: u64,
 }
 
 /// The engine: a scheduler and the executor it drives.
 pub struct Engine<'e> {
     scheduler: Scheduler,
     executor: Box<dyn Executor + Send + 'e>,
+    /// Chapter 6: drafts proposed before each step, verified after it.
+    speculator: Option<Box<dyn Speculator + 'e>>,
 }
 
 impl<'e> Engine<'e> {
@@ -158,7 +170,20 @@ impl<'e> Engine<'e> {
         Ok(Engine {
             scheduler,
             executor,
+            speculator: None,
         })
+    }
+
+    /// Speculative decoding (chapter 6): before each step `speculator` proposes drafts for the
+    /// running decodes; the step verifies them.
+    pub fn with_speculator(mut self, speculator: Box<dyn Speculator + 'e>) -> Self {
+        self.scheduler.set_speculative(true);
+        self.speculator = Some(speculator);
+        self
+    }
+
+    pub fn speculator(&self) -> Option<&(dyn Speculator + 'e)> {
+        self.speculator.as_deref()
     }
 
     /// The scheduler: queues, counters, the last step's trace, KV usage.
@@ -177,7 +202,18 @@ impl<'e> Engine<'e> {
 
     /// Ends a request now and frees its blocks. False if it is unknown or already finished.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        self.scheduler.abort(id)
+        let aborted = self.scheduler.abort(id);
+        self.release_ended();
+        aborted
+    }
+
+    /// Tells the speculator which requests ended, so that it frees what it kept for them.
+    fn release_ended(&mut self) {
+        if let Some(speculator) = self.speculator.as_deref_mut() {
+            for id in self.scheduler.take_ended() {
+                speculator.release(id);
+            }
+        }
     }
 
     pub fn has_unfinished(&self) -> bool {
@@ -188,12 +224,19 @@ impl<'e> Engine<'e> {
     /// One engine step; returns what each request produced. A step with nothing to run
     /// returns an empty list.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>, EngineError> {
+        if let Some(speculator) = self.speculator.as_deref_mut() {
+            self.scheduler.propose(speculator)?;
+        }
         let plan = self.scheduler.schedule();
         if plan.is_empty() {
             return Ok(Vec::new());
         }
         let logits = self.executor.execute(&plan)?;
-        self.scheduler.update(&plan, logits)
+        let outputs = self
+            .scheduler
+            .update_with(&plan, logits, self.speculator.as_deref_mut())?;
+        self.release_ended();
+        Ok(outputs)
     }
     // ANCHOR_END: step
 

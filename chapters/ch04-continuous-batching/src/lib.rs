@@ -25,6 +25,7 @@
 //! | [`engine`]       | [`Engine`]: a scheduler, an executor, and the step between them         |
 //! | [`driver`]       | [`drive`]: the one loop that feeds an engine and hands out its outputs  |
 //! | [`logprobs`]     | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
+//! | [`speculation`]  | the [`Speculator`] seam: drafts proposed, lookahead slots, verification (chapter 6) |
 
 pub mod attention;
 pub mod cpu_executor;
@@ -34,6 +35,7 @@ pub mod executor;
 pub mod logprobs;
 pub mod request;
 pub mod scheduler;
+pub mod speculation;
 
 pub use attention::{AttentionBackend, BatchAttention};
 pub use cpu_executor::{CacheConfig, CpuExecutor, cpu_executor};
@@ -45,3 +47,4 @@ pub use executor::{Executor, ExecutorError, KvLayout, ModelSpec};
 pub use logprobs::TokenLogprobs;
 pub use request::{FinishReason, Request, RequestId, Status};
 pub use scheduler::{BlockOp, ScheduledSeq, Scheduler, SchedulerOutput};
+pub use speculation::{Draft, DraftSeq, Speculator};

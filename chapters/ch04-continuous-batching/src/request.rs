@@ -3,6 +3,8 @@
 use ch01::{Sampler, SamplingParams};
 use ch03::{BlockManager, BlockTable};
 
+use crate::speculation::Draft;
+
 /// Engine-wide request id, in arrival order.
 pub type RequestId = u64;
 
@@ -79,6 +81,8 @@ pub(crate) struct Sequence {
     pub sampler: Sampler,
     /// Tokens sent to the caller so far (`output_len()` when finished).
     pub streamed: usize,
+    /// Draft tokens for the next step (chapter 6's speculation); empty unless a decode.
+    pub draft: Draft,
 }
 
 impl Sequence {
@@ -96,6 +100,7 @@ impl Sequence {
         if let Some(table) = self.table.take() {
             manager.free(table);
         }
+        self.draft.clear();
         self.status = Status::Finished(reason);
     }
 

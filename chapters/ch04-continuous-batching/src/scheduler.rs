@@ -10,6 +10,9 @@
 //! update():    per sequence, its own seeded sampler on its logit row; stop checks;
 //!              finished → blocks freed                                → RequestOutputs
 //! ```
+//! With speculative decoding (chapter 6, [`Speculator`]), `propose()` first asks for drafts for
+//! the running decodes; `schedule()` puts them in lookahead slots; `update_with()` verifies
+//! them, applies the stop checks to every emitted token in order and rolls back the rest.
 
 use std::collections::BTreeMap;
 
@@ -21,6 +24,7 @@ use crate::engine::{Counters, EngineConfig, EngineError, Preemption, RequestOutp
 use crate::executor::{ExecutorError, KvLayout, ModelSpec};
 use crate::logprobs::TokenLogprobs;
 use crate::request::{FinishReason, Request, RequestId, Sequence, Status};
+use crate::speculation::{Draft, DraftSeq, Speculator};
 
 // ANCHOR: scheduler_output
 /// One sequence's share of a step.
@@ -95,6 +99,11 @@ pub struct Scheduler {
     /// The step being planned: block operations so far, and swapped requests that ended.
     block_ops: Vec<BlockOp>,
     finished_swapped: Vec<RequestId>,
+    /// Chapter 6: whether a speculator proposes drafts; requests ended since it last heard;
+    /// the tokens one verification accepted (a scratch buffer).
+    speculative: bool,
+    ended: Vec<RequestId>,
+    accepted: Vec<u32>,
 }
 
 impl Scheduler {
@@ -124,6 +133,9 @@ impl Scheduler {
             trace: StepTrace::default(),
             block_ops: Vec::new(),
             finished_swapped: Vec::new(),
+            speculative: false,
+            ended: Vec::new(),
+            accepted: Vec::new(),
         })
     }
 
@@ -169,6 +181,7 @@ impl Scheduler {
                 num_computed: 0,
                 table: None,
                 streamed: 0,
+                draft: Draft::default(),
             },
         );
         Ok(id)
@@ -275,7 +288,78 @@ impl Scheduler {
             self.finished_swapped.push(id);
         }
         seq.finish(&mut self.manager, reason);
+        if self.speculative {
+            self.ended.push(id);
+        }
     }
+
+    /// Whether a speculator proposes drafts (set by [`Engine::with_speculator`](crate::Engine::with_speculator)).
+    pub fn set_speculative(&mut self, on: bool) {
+        self.speculative = on;
+    }
+
+    /// Requests that ended since the last call (recorded only while speculative).
+    pub(crate) fn take_ended(&mut self) -> std::vec::Drain<'_, RequestId> {
+        self.ended.drain(..)
+    }
+
+    // ANCHOR: propose
+    /// Asks `speculator` for the drafts of this step: every running decode gets up to k
+    /// tokens, unless more sequences run than its `disable_by_batch_size`. Tells it first which
+    /// requests ended since the last call.
+    pub fn propose(&mut self, speculator: &mut dyn Speculator) -> Result<(), EngineError> {
+        for id in self.ended.drain(..) {
+            speculator.release(id);
+        }
+        let k = speculator.num_speculative_tokens();
+        let running = self.in_order(Status::Running);
+        let paused = speculator
+            .disable_by_batch_size()
+            .is_some_and(|limit| running.len() > limit);
+        let max_len = self.model.max_model_len;
+        let mut ids = Vec::new();
+        let mut drafts = Vec::new();
+        for id in running {
+            let seq = self.seqs.get_mut(&id).expect("running");
+            seq.draft.clear();
+            if paused || k == 0 || seq.pending() != 1 {
+                continue;
+            }
+            // The step yields up to drafts + 1 tokens: stay within max_tokens and the context.
+            let generated = seq.tokens.len() - seq.request.prompt.len();
+            let left = seq.request.max_tokens.saturating_sub(generated);
+            let room = max_len.saturating_sub(seq.tokens.len());
+            let max_drafts = k.min(left.saturating_sub(1)).min(room.saturating_sub(1));
+            if max_drafts > 0 {
+                ids.push((id, max_drafts));
+                drafts.push(std::mem::take(&mut seq.draft));
+            }
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let views: Vec<DraftSeq> = ids
+            .iter()
+            .map(|&(id, max_drafts)| {
+                let seq = &self.seqs[&id];
+                DraftSeq {
+                    id,
+                    tokens: &seq.tokens,
+                    prompt_len: seq.request.prompt.len(),
+                    params: &seq.request.params,
+                    max_drafts,
+                }
+            })
+            .collect();
+        let proposed = speculator.propose(&views, &mut drafts);
+        for (&(id, max_drafts), mut draft) in ids.iter().zip(drafts) {
+            draft.truncate(max_drafts);
+            self.seqs.get_mut(&id).expect("running").draft = draft;
+        }
+        proposed?;
+        Ok(())
+    }
+    // ANCHOR_END: propose
 
     /// Sequences in scheduling order: priority, then arrival.
     fn in_order(&self, status: Status) -> Vec<RequestId> {
@@ -301,12 +385,16 @@ impl Scheduler {
             self.trace
                 .scheduled
                 .push((id, n, start < s.request.prompt.len()));
+            // Past the sequence's end: its drafts (chapter 6), one logit row each.
+            let drafts = end.saturating_sub(s.tokens.len());
+            let mut tokens = s.tokens[start..end - drafts].to_vec();
+            tokens.extend_from_slice(&s.draft.tokens[..drafts]);
             seqs.push(ScheduledSeq {
                 id,
-                tokens: s.tokens[start..end].to_vec(),
+                tokens,
                 start_pos: start,
                 block_table: s.table.as_ref().expect("running").blocks().to_vec(),
-                logit_rows: usize::from(end == s.tokens.len()),
+                logit_rows: usize::from(end >= s.tokens.len()) + drafts,
             });
         }
         if !seqs.is_empty() {
@@ -333,6 +421,20 @@ impl Scheduler {
             let Some(n) = self.chunk(id, budget) else {
                 continue;
             };
+            // Drafts (chapter 6) run in lookahead slots when the budget and the free blocks
+            // allow; otherwise they are dropped, never a reason to preempt.
+            let drafts = self.seqs[&id].draft.tokens.len().min(budget - n);
+            if drafts > 0 && self.reserve(id, n + drafts).is_ok() {
+                self.seqs
+                    .get_mut(&id)
+                    .expect("known")
+                    .draft
+                    .truncate(drafts);
+                scheduled.push((id, n + drafts));
+                budget -= n + drafts;
+                continue;
+            }
+            self.seqs.get_mut(&id).expect("known").draft.clear();
             if self.reserve_or_preempt(id, n, &scheduled) {
                 scheduled.push((id, n));
                 budget -= n;
@@ -428,6 +530,7 @@ impl Scheduler {
         self.counters.preemptions += 1;
         self.trace.preempted.push(id);
         let seq = self.seqs.get_mut(&id).expect("known");
+        seq.draft.clear();
         let table = seq.table.take().expect("preempted sequences hold blocks");
         match self.config.preemption {
             Preemption::Recompute => {
@@ -483,10 +586,23 @@ impl Scheduler {
     // ANCHOR: update
     /// Folds a step's results in: the scheduled positions now hold K/V, and each sequence
     /// with a logit row samples its next token. `logits`: `[step.num_logit_rows(), vocab]`.
+    /// A step with drafts needs [`update_with`](Self::update_with) and the speculator.
     pub fn update(
         &mut self,
         step: &SchedulerOutput,
         logits: ArrayView2<f32>,
+    ) -> Result<Vec<RequestOutput>, EngineError> {
+        self.update_with(step, logits, None)
+    }
+
+    /// [`update`](Self::update), verifying the drafts of speculative decodes with
+    /// `speculator`: each accepted token goes through the stop checks in order, and the K/V
+    /// of rejected drafts is rolled back.
+    pub fn update_with(
+        &mut self,
+        step: &SchedulerOutput,
+        logits: ArrayView2<f32>,
+        mut speculator: Option<&mut (dyn Speculator + '_)>,
     ) -> Result<Vec<RequestOutput>, EngineError> {
         if logits.nrows() != step.num_logit_rows() {
             return Err(EngineError::Executor(ExecutorError(format!(
@@ -501,38 +617,89 @@ impl Scheduler {
         for scheduled in &step.seqs {
             let rows = logits.slice(s![first_row..first_row + scheduled.logit_rows, ..]);
             first_row += scheduled.logit_rows;
+            // Drafts ran past the sequence's end: their K/V counts once they are accepted.
+            let drafts = scheduled.logit_rows.saturating_sub(1);
             let seq = self.seqs.get_mut(&scheduled.id).expect("scheduled");
             let table = seq.table.as_mut().expect("scheduled sequences hold blocks");
-            seq.num_computed += scheduled.tokens.len();
-            self.manager.commit(table, seq.num_computed);
+            seq.num_computed += scheduled.tokens.len() - drafts;
+            if scheduled.logit_rows == 0 {
+                // A prompt chunk: no token yet.
+                self.manager.commit(table, seq.num_computed);
+                self.manager
+                    .cache_full_blocks(table, &seq.tokens[..seq.num_computed]);
+                continue;
+            }
+            let prompt = &seq.request.prompt;
+            let accepted = &mut self.accepted;
+            accepted.clear();
+            if drafts == 0 {
+                let row = rows.row(0);
+                let row = row.as_slice().expect("contiguous rows");
+                accepted.push(
+                    seq.sampler
+                        .sample(row, prompt, &seq.tokens[prompt.len()..])?,
+                );
+            } else {
+                let speculator = speculator.as_deref_mut().ok_or_else(|| {
+                    EngineError::Config("a step with draft tokens needs a speculator".into())
+                })?;
+                let output = &seq.tokens[prompt.len()..];
+                speculator.verify(&mut seq.sampler, rows, prompt, output, &seq.draft, accepted)?;
+                if accepted.is_empty() || accepted.len() > drafts + 1 {
+                    return Err(EngineError::Config(format!(
+                        "the speculator accepted {} tokens from {drafts} drafts",
+                        accepted.len()
+                    )));
+                }
+                let c = &mut self.counters;
+                c.spec_decode_num_drafts += 1;
+                c.spec_decode_num_draft_tokens += drafts as u64;
+                c.spec_decode_num_accepted_tokens += accepted.len() as u64 - 1;
+                self.trace
+                    .speculated
+                    .push((scheduled.id, drafts, accepted.len() - 1));
+            }
+            // Every token through the stop checks, in order; the first stop ends the request.
+            let mut logprobs = Vec::new();
+            let mut finish = None;
+            let mut pushed = 0;
+            for (i, &token) in accepted.iter().enumerate() {
+                if let Some(top) = seq.request.logprobs {
+                    let row = rows.row(i);
+                    let row = row.as_slice().expect("contiguous rows");
+                    logprobs.push(TokenLogprobs::of(row, token, top));
+                }
+                seq.tokens.push(token);
+                pushed += 1;
+                self.counters.generation_tokens += 1;
+                let generated = seq.tokens.len() - seq.request.prompt.len();
+                finish = if !seq.request.ignore_eos && seq.request.stop_token_ids.contains(&token) {
+                    Some(FinishReason::Stop)
+                } else if generated >= seq.request.max_tokens || seq.tokens.len() >= max_len {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+                if finish.is_some() {
+                    break;
+                }
+            }
+            // Accepted drafts hold K/V (the last token pushed does not yet); rejected ones
+            // are rolled back.
+            if drafts == 0 {
+                self.manager.commit(table, seq.num_computed);
+            } else {
+                seq.num_computed += pushed.min(accepted.len() - 1);
+                self.manager.rollback(table, seq.num_computed);
+            }
             self.manager
                 .cache_full_blocks(table, &seq.tokens[..seq.num_computed]);
-            let Some(row) = rows.rows().into_iter().next_back() else {
-                continue; // a prompt chunk: no token yet
-            };
-            let row = row.as_slice().expect("contiguous rows");
-            let prompt = &seq.request.prompt;
-            let token = seq
-                .sampler
-                .sample(row, prompt, &seq.tokens[prompt.len()..])?;
-            let logprobs: Vec<TokenLogprobs> = seq
-                .request
-                .logprobs
-                .map(|top| TokenLogprobs::of(row, token, top))
-                .into_iter()
-                .collect();
-            seq.tokens.push(token);
-            self.counters.generation_tokens += 1;
-            let generated = seq.tokens.len() - prompt.len();
-            let finish = if !seq.request.ignore_eos && seq.request.stop_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if generated >= seq.request.max_tokens || seq.tokens.len() >= max_len {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            seq.draft.clear();
             if let Some(reason) = finish {
                 seq.finish(&mut self.manager, reason);
+                if self.speculative {
+                    self.ended.push(scheduled.id);
+                }
             }
             let new_tokens = seq.output()[seq.streamed..].to_vec();
             seq.streamed += new_tokens.len();

@@ -27,6 +27,7 @@ use ch07::AttentionKind;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::{EngineGauges, Metrics};
+use crate::server::SpeculatorFactory;
 
 // ANCHOR: event
 /// What the engine sends a request's handler.
@@ -124,13 +125,26 @@ impl EngineThread {
         metrics: Arc<Metrics>,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, EngineError> {
+        Self::spawn_with(model, cache, config, attention, None, metrics, install)
+    }
+
+    /// [`EngineThread::spawn`], with the speculator `speculator` builds (chapter 6).
+    pub fn spawn_with(
+        model: Arc<Llama>,
+        cache: CacheConfig,
+        config: EngineConfig,
+        attention: AttentionKind,
+        speculator: Option<SpeculatorFactory>,
+        metrics: Arc<Metrics>,
+        install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
+    ) -> Result<Self, EngineError> {
         let (commands, receiver) = std_mpsc::channel();
         let (started, start) = std_mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
                 install(Box::new(move || {
-                    match start_engine(&model, &cache, config, attention) {
+                    match start_engine(&model, &cache, config, attention, speculator.as_ref()) {
                         Ok(engine) => {
                             let _ = started.send(Ok(engine.scheduler().max_request_tokens()));
                             run(engine, receiver, &metrics);
@@ -190,8 +204,13 @@ fn start_engine<'m>(
     cache: &CacheConfig,
     config: EngineConfig,
     attention: AttentionKind,
+    speculator: Option<&SpeculatorFactory>,
 ) -> Result<Engine<'m>, EngineError> {
-    Engine::boxed(ch07::cpu_executor(model, cache, attention)?, config)
+    let engine = Engine::boxed(ch07::cpu_executor(model, cache, attention)?, config)?;
+    Ok(match speculator {
+        Some(factory) => engine.with_speculator((factory.0)(model).map_err(EngineError::Config)?),
+        None => engine,
+    })
 }
 
 /// The engine thread's side of the channels: chapter 4's loop calls it before and after
@@ -344,5 +363,8 @@ fn publish(engine: &Engine<'_>, metrics: &Metrics) {
         preemptions: counters.preemptions,
         prompt_tokens: counters.prompt_tokens,
         generation_tokens: counters.generation_tokens,
+        spec_decode_num_drafts: counters.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens: counters.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens: counters.spec_decode_num_accepted_tokens,
     });
 }

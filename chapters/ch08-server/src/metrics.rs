@@ -59,6 +59,11 @@ pub struct EngineGauges {
     pub prompt_tokens: u64,
     /// Cumulative.
     pub generation_tokens: u64,
+    /// Cumulative, speculative decoding (chapter 6): verifications of a sequence's drafts,
+    /// draft tokens verified, draft tokens accepted.
+    pub spec_decode_num_drafts: u64,
+    pub spec_decode_num_draft_tokens: u64,
+    pub spec_decode_num_accepted_tokens: u64,
 }
 
 /// A histogram with fixed upper bounds.
@@ -240,6 +245,21 @@ impl Metrics {
                 "kiln:generation_tokens_total",
                 "Number of generation tokens processed.",
                 e.generation_tokens,
+            ),
+            (
+                "kiln:spec_decode_num_drafts_total",
+                "Number of spec decoding drafts.",
+                e.spec_decode_num_drafts,
+            ),
+            (
+                "kiln:spec_decode_num_draft_tokens_total",
+                "Number of draft tokens.",
+                e.spec_decode_num_draft_tokens,
+            ),
+            (
+                "kiln:spec_decode_num_accepted_tokens_total",
+                "Number of accepted tokens.",
+                e.spec_decode_num_accepted_tokens,
             ),
         ];
         for (name, help, value) in counters {
@@ -430,6 +450,9 @@ mod tests {
             ("kiln:num_preemptions_total", "counter"),
             ("kiln:prompt_tokens_total", "counter"),
             ("kiln:generation_tokens_total", "counter"),
+            ("kiln:spec_decode_num_drafts_total", "counter"),
+            ("kiln:spec_decode_num_draft_tokens_total", "counter"),
+            ("kiln:spec_decode_num_accepted_tokens_total", "counter"),
             ("kiln:request_success_total", "counter"),
             ("kiln:time_to_first_token_seconds", "histogram"),
             ("kiln:inter_token_latency_seconds", "histogram"),
@@ -470,6 +493,9 @@ mod tests {
             preemptions: 2,
             prompt_tokens: 1234,
             generation_tokens: 5678,
+            spec_decode_num_drafts: 11,
+            spec_decode_num_draft_tokens: 44,
+            spec_decode_num_accepted_tokens: 30,
         };
         m.set_engine(gauges);
         assert_eq!(m.engine(), gauges);
@@ -484,6 +510,9 @@ mod tests {
             ("kiln:num_preemptions_total", 2.0),
             ("kiln:prompt_tokens_total", 1234.0),
             ("kiln:generation_tokens_total", 5678.0),
+            ("kiln:spec_decode_num_drafts_total", 11.0),
+            ("kiln:spec_decode_num_draft_tokens_total", 44.0),
+            ("kiln:spec_decode_num_accepted_tokens_total", 30.0),
         ] {
             assert_eq!(value(&samples, name), expected, "{name}");
         }

@@ -31,6 +31,22 @@ pub struct ServedModel {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// Builds a [`Speculator`](ch04::Speculator) over the served model, in the engine thread
+/// (speculative decoding, chapter 6; the server knows no drafter).
+#[derive(Clone)]
+#[allow(clippy::type_complexity)]
+pub struct SpeculatorFactory(
+    pub  Arc<
+        dyn for<'m> Fn(&'m Llama) -> Result<Box<dyn ch04::Speculator + 'm>, String> + Send + Sync,
+    >,
+);
+
+impl std::fmt::Debug for SpeculatorFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SpeculatorFactory")
+    }
+}
+
 /// Everything `kiln serve`'s flags set, besides the model and its KV pool.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -48,6 +64,8 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
+    /// Speculative decoding (chapter 6): builds the engine's speculator over the served model.
+    pub speculator: Option<SpeculatorFactory>,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +80,7 @@ impl Default for ServerConfig {
             seed: 0,
             shutdown_grace: Duration::from_secs(30),
             max_body_bytes: 8 << 20,
+            speculator: None,
         }
     }
 }
@@ -141,11 +160,12 @@ impl Server {
             });
         }
         let metrics = Arc::new(Metrics::new(&config.served_model_name));
-        let engine = EngineThread::spawn(
+        let engine = EngineThread::spawn_with(
             Arc::clone(&served.model),
             cache,
             config.engine,
             config.attention,
+            config.speculator.clone(),
             Arc::clone(&metrics),
             install,
         )?;

@@ -30,7 +30,11 @@ impl Report<'_> {
             files.push(("speed", self.speed_table(), self.speed_plot()));
         }
         if self.rows.iter().any(|r| r.kiln_ppl.is_some()) {
-            files.push(("perplexity", self.perplexity_table(), self.perplexity_plot()));
+            files.push((
+                "perplexity",
+                self.perplexity_table(),
+                self.perplexity_plot(),
+            ));
         }
         if let Some(b) = self.batching {
             files.push(("batching", self.batching_table(b), self.batching_plot(b)));

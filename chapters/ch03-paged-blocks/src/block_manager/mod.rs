@@ -265,6 +265,21 @@ impl BlockManager {
         table.num_tokens = new_len;
     }
 
+    /// Rolls the table back to `len` positions (`len <= capacity()`): positions `len..` no
+    /// longer hold K/V, and blocks no position below `len` lives in are let go, last first.
+    /// Speculative decoding (chapter 6) writes drafts' K/V ahead and keeps only the accepted
+    /// ones. The blocks let go were reserved past the sequence's end, so none is registered
+    /// in the prefix cache; the block holding position `len - 1` stays.
+    pub fn rollback(&mut self, table: &mut BlockTable, len: usize) {
+        debug_assert_eq!(table.block_size, self.block_size, "foreign table");
+        self.commit(table, len);
+        let keep = len.div_ceil(self.block_size);
+        while table.blocks.len() > keep {
+            let block = table.blocks.pop().expect("more blocks than kept");
+            self.release(block);
+        }
+    }
+
     /// Offers the table's full blocks to later prompts: registers, under its chained hash, each
     /// full block not registered yet. `tokens` are the ids of positions `0..num_tokens()` (ids
     /// past `num_tokens()`, of positions not yet computed, are ignored).

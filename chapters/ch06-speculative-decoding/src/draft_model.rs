@@ -1,0 +1,306 @@
+//! [`ModelDrafter`]: drafts from a model: a smaller one with the same tokenizer
+//! (`shakespeare-tiny` for `shakespeare-small`), or the target's own first layers
+//! ([`layer_skip_executor`]: self-speculation).
+//!
+//! The draft model runs on chapter 4's [`Executor`] seam with its own paged KV cache: its own
+//! executor (a [`CpuExecutor`] over its own pool) and its own chapter 3 [`BlockManager`], one
+//! [`BlockTable`] per request. One proposal for every decoding sequence at once:
+//!
+//! ```text
+//! sync:    known = the tokens whose K/V the draft cache holds; keep their longest common
+//!          prefix with the sequence (at most all but its last token); roll back the rest
+//!          (rejected drafts of the last step, nothing after a full acceptance)
+//! step 1:  one batched forward over every sequence's tokens past `keep` (the last token, or
+//!          the accepted ones too, or the whole prompt the first time)   → d1
+//! step j:  one batched forward over every sequence's d(j-1)               → dj,  j ≤ k
+//! ```
+//! So k draft forwards per engine step, each as wide as the batch. Greedy requests draft the
+//! argmax (q one-hot, no `probs`); sampled ones draw from the draft model's distribution
+//! with the request's temperature and filters (no penalties), from a stream seeded by the
+//! request's seed, and hand over that distribution as `probs`.
+//!
+//! Invariants: a state's `known.len() == table.num_tokens()`; every block of every state is
+//! the draft manager's, and [`ModelDrafter::release`] frees them. When blocks run out, the
+//! states of requests not proposing now are dropped first; a sequence that still does not
+//! fit gets no drafts this step.
+
+use std::collections::HashMap;
+
+use ch01::{Llama, Sampler, SamplingParams};
+use ch03::{BlockManager, BlockTable, KvDtype, KvPool};
+use ch04::{
+    CpuExecutor, Draft, DraftSeq, Executor, ExecutorError, RequestId, ScheduledSeq, SchedulerOutput,
+};
+
+use crate::drafter::{DraftError, Drafter};
+
+/// What the draft cache holds for one request.
+struct DraftState {
+    table: BlockTable,
+    /// Tokens whose K/V are in `table`, positions `0..known.len()`.
+    known: Vec<u32>,
+    /// The request's drafting sampler (no penalties), `None` for greedy requests.
+    sampler: Option<Sampler>,
+}
+
+/// A draft model with its own executor and paged KV cache.
+pub struct ModelDrafter<'m> {
+    executor: Box<dyn Executor + Send + 'm>,
+    manager: BlockManager,
+    vocab: usize,
+    max_len: usize,
+    states: HashMap<RequestId, DraftState>,
+    /// The draft step being run (reused).
+    plan: SchedulerOutput,
+    /// Per entry of `plan.seqs`: the index of its sequence in the proposal, and its k.
+    active: Vec<(usize, usize)>,
+}
+
+/// A chapter 4 CPU executor over `model`'s first `num_layers` layers, the final norm and the
+/// head, with a pool of `memory` bytes: the target as its own draft model.
+pub fn layer_skip_executor<'m>(
+    model: &'m Llama,
+    num_layers: usize,
+    block_size: usize,
+    memory: u64,
+) -> Result<Box<dyn Executor + Send + 'm>, DraftError> {
+    if num_layers == 0 || num_layers >= model.layers.len() {
+        return Err(DraftError::Config(format!(
+            "layer skipping keeps 1 to {} of the model's {} layers, not {num_layers}",
+            model.layers.len() - 1,
+            model.layers.len()
+        )));
+    }
+    let mut config = model.config.clone();
+    config.num_hidden_layers = num_layers;
+    let pool = KvPool::<f32>::with_budget(&config, block_size, memory)
+        .map_err(|e| DraftError::Config(e.to_string()))?;
+    Ok(Box::new(CpuExecutor::new(model, pool)))
+}
+
+/// A chapter 4 CPU executor over all of `model` with an f32 pool of `memory` bytes.
+pub fn draft_executor<'m>(
+    model: &'m Llama,
+    block_size: usize,
+    memory: u64,
+) -> Result<Box<dyn Executor + Send + 'm>, DraftError> {
+    let cache = ch04::CacheConfig {
+        memory,
+        block_size,
+        dtype: KvDtype::F32,
+    };
+    ch04::cpu_executor(model, &cache).map_err(|e| DraftError::Config(e.to_string()))
+}
+
+impl<'m> ModelDrafter<'m> {
+    /// A drafter running `executor`, for a target of `target_vocab` tokens (the draft model
+    /// must share the target's tokenizer, so at least its vocabulary size).
+    pub fn new(
+        executor: Box<dyn Executor + Send + 'm>,
+        target_vocab: usize,
+    ) -> Result<Self, DraftError> {
+        let (kv, spec) = (executor.kv_layout(), executor.model_spec());
+        if spec.vocab_size != target_vocab {
+            return Err(DraftError::Config(format!(
+                "the draft model has {} tokens, the target {target_vocab}: they must share a \
+                 tokenizer",
+                spec.vocab_size
+            )));
+        }
+        Ok(ModelDrafter {
+            manager: BlockManager::new(kv.num_blocks, kv.block_size, false),
+            executor,
+            vocab: spec.vocab_size,
+            max_len: spec.max_model_len,
+            states: HashMap::new(),
+            plan: SchedulerOutput::default(),
+            active: Vec::new(),
+        })
+    }
+
+    /// Share of the draft cache's blocks in use (0 once every request was released).
+    pub fn kv_usage(&self) -> f64 {
+        1.0 - self.manager.num_free_blocks() as f64 / self.manager.num_blocks() as f64
+    }
+
+    /// The draft manager's invariants against its live tables.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let tables: Vec<&BlockTable> = self.states.values().map(|s| &s.table).collect();
+        self.manager.check_invariants(&tables)
+    }
+
+    /// Reserves `n` more positions for `id`, dropping the states of requests not in `keep`
+    /// when blocks run out. False if it still does not fit.
+    fn reserve(&mut self, id: RequestId, n: usize, keep: &[DraftSeq]) -> bool {
+        loop {
+            let state = self.states.get_mut(&id).expect("made by the caller");
+            if self.manager.reserve(&mut state.table, n).is_ok() {
+                return true;
+            }
+            let victim = self
+                .states
+                .keys()
+                .copied()
+                .find(|v| !keep.iter().any(|s| s.id == *v));
+            match victim {
+                Some(v) => self.release(v),
+                None => return false,
+            }
+        }
+    }
+}
+
+/// Longest common prefix of two token lists.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The argmax of `row`, lowest id on ties.
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, &v) in row.iter().enumerate() {
+        if v > best.1 {
+            best = (i, v);
+        }
+    }
+    best.0 as u32
+}
+
+/// The next draft from logits `row`: the argmax for greedy requests; otherwise a draw from
+/// the drafting sampler's distribution, written into `draft.probs` as q.
+fn choose(
+    row: &[f32],
+    sampler: Option<&mut Sampler>,
+    vocab: usize,
+    draft: &mut Draft,
+) -> Result<u32, DraftError> {
+    let Some(sampler) = sampler else {
+        return Ok(argmax(row));
+    };
+    let q = sampler
+        .distribution(row, &[], &[])
+        .map_err(|e| DraftError::Config(e.to_string()))?;
+    let start = draft.probs.len();
+    draft.probs.resize(start + vocab, 0.0);
+    let q_row = &mut draft.probs[start..];
+    for c in q {
+        q_row[c.token as usize] = c.prob;
+    }
+    // Inverse CDF over q in token order: a draw from q like any other.
+    let u = sampler.uniform();
+    let mut cumulative = 0.0f64;
+    let mut last = 0;
+    for (t, &p) in draft.probs[start..].iter().enumerate() {
+        if p > 0.0 {
+            cumulative += f64::from(p);
+            last = t;
+            if u < cumulative {
+                return Ok(t as u32);
+            }
+        }
+    }
+    Ok(last as u32)
+}
+
+/// The drafting sampler of a request: its temperature and filters, no penalties, its own
+/// stream.
+fn drafting_sampler(params: &SamplingParams) -> Result<Option<Sampler>, DraftError> {
+    if params.is_greedy() {
+        return Ok(None);
+    }
+    let params = SamplingParams {
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        seed: params.seed ^ 0xD4AF_7000_0000_0006,
+        ..params.clone()
+    };
+    Sampler::new(params)
+        .map(Some)
+        .map_err(|e| DraftError::Config(e.to_string()))
+}
+
+impl Drafter for ModelDrafter<'_> {
+    // ANCHOR: propose
+    fn propose(&mut self, seqs: &[DraftSeq], drafts: &mut [Draft]) -> Result<(), DraftError> {
+        let block_size = self.manager.block_size();
+        self.plan.seqs.clear();
+        self.active.clear();
+        // Sync each sequence's draft cache with its tokens; plan the first draft step.
+        for (i, seq) in seqs.iter().enumerate() {
+            if let std::collections::hash_map::Entry::Vacant(entry) = self.states.entry(seq.id) {
+                entry.insert(DraftState {
+                    table: BlockTable::new(block_size),
+                    known: Vec::new(),
+                    sampler: drafting_sampler(seq.params)?,
+                });
+            }
+            // Positions T-1 .. T+k-2 run: all within the draft model's context.
+            let len = seq.tokens.len();
+            let k = seq.max_drafts.min(self.max_len.saturating_sub(len));
+            let state = self.states.get_mut(&seq.id).expect("inserted");
+            let keep = common_prefix(&state.known, seq.tokens).min(len - 1);
+            state.known.truncate(keep);
+            self.manager.rollback(&mut state.table, keep);
+            if k == 0 || !self.reserve(seq.id, len - keep + k - 1, seqs) {
+                continue;
+            }
+            let state = &self.states[&seq.id];
+            self.plan.seqs.push(ScheduledSeq {
+                id: seq.id,
+                tokens: seq.tokens[keep..].to_vec(),
+                start_pos: keep,
+                block_table: state.table.blocks().to_vec(),
+                logit_rows: 1,
+            });
+            self.active.push((i, k));
+        }
+        // k batched draft forwards.
+        while !self.plan.seqs.is_empty() {
+            let logits = self.executor.execute(&self.plan)?;
+            for (r, (scheduled, &(i, _))) in self.plan.seqs.iter().zip(&self.active).enumerate() {
+                let state = self.states.get_mut(&scheduled.id).expect("planned");
+                state.known.extend_from_slice(&scheduled.tokens);
+                self.manager.commit(&mut state.table, state.known.len());
+                let row = logits.row(r);
+                let row = row
+                    .to_slice()
+                    .ok_or_else(|| ExecutorError("non-contiguous logits".into()))?;
+                let token = choose(row, state.sampler.as_mut(), self.vocab, &mut drafts[i])?;
+                drafts[i].tokens.push(token);
+            }
+            // The next step: every sequence that wants more drafts runs its last one.
+            let mut kept = 0;
+            for j in 0..self.plan.seqs.len() {
+                let (i, k) = self.active[j];
+                if drafts[i].tokens.len() < k {
+                    let id = self.plan.seqs[j].id;
+                    let last = *drafts[i].tokens.last().expect("drafted above");
+                    let next = &mut self.plan.seqs[j];
+                    next.tokens.clear();
+                    next.tokens.push(last);
+                    next.start_pos = self.states[&id].known.len();
+                    self.plan.seqs.swap(kept, j);
+                    self.active.swap(kept, j);
+                    kept += 1;
+                }
+            }
+            self.plan.seqs.truncate(kept);
+            self.active.truncate(kept);
+        }
+        // The lookahead reserved but not written goes back.
+        for seq in seqs {
+            if let Some(state) = self.states.get_mut(&seq.id) {
+                self.manager.rollback(&mut state.table, state.known.len());
+            }
+        }
+        Ok(())
+    }
+    // ANCHOR_END: propose
+
+    fn release(&mut self, id: RequestId) {
+        if let Some(state) = self.states.remove(&id) {
+            self.manager.free(state.table);
+        }
+    }
+}

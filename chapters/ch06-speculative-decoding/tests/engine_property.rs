@@ -1,0 +1,213 @@
+//! Speculation inside the batched engine: for random request sets (prompt and output lengths,
+//! arrival steps, aborts), random budgets and small block pools that force chunked prefill and
+//! both kinds of preemption, with prefix caching on or off, every drafter and k, and
+//! speculation paused above a random batch size: every greedy output equals the target alone;
+//! after every step the block manager's invariants hold; afterwards no block of the target's
+//! cache, nor of a draft model's, is in use.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ch01::testing::seeded_runner;
+use ch03::KvPool;
+use ch04::{CpuExecutor, Engine, EngineConfig, FinishReason, Preemption, Request, Status};
+use ch06_speculative_decoding::testing::{OracleDrafter, RandomDrafter};
+use ch06_speculative_decoding::{
+    Drafter, ModelDrafter, NgramDrafter, SpecConfig, SpeculativeDecoding, layer_skip_executor,
+};
+use common::{Checked, alone, load};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+struct Arrival {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    arrive_at: usize,
+    abort_at: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    arrivals: Vec<Arrival>,
+    block_size: usize,
+    blocks: usize,
+    budget: usize,
+    chunked: bool,
+    swap: bool,
+    caching: bool,
+    drafter: usize,
+    k: usize,
+    disable_above: Option<usize>,
+}
+
+fn case(vocab: u32) -> impl Strategy<Value = Case> {
+    // Prompts from a small alphabet repeat themselves, so n-gram lookup finds drafts.
+    let arrival = (
+        proptest::collection::vec(0..vocab.min(12), 1..30),
+        1usize..14,
+        0usize..6,
+        proptest::option::weighted(0.15, 0usize..10),
+    )
+        .prop_map(|(prompt, max_tokens, arrive_at, abort_at)| Arrival {
+            prompt,
+            max_tokens,
+            arrive_at,
+            abort_at,
+        });
+    (
+        proptest::collection::vec(arrival, 1..6),
+        (1usize..=8, 6usize..40, 1usize..48),
+        (any::<bool>(), any::<bool>(), any::<bool>()),
+        (0usize..4, 1usize..=6, proptest::option::of(1usize..4)),
+    )
+        .prop_map(
+            |(
+                arrivals,
+                (block_size, blocks, budget),
+                (chunked, swap, caching),
+                (drafter, k, disable_above),
+            )| {
+                Case {
+                    arrivals,
+                    block_size,
+                    blocks,
+                    budget,
+                    chunked,
+                    swap,
+                    caching,
+                    drafter,
+                    k,
+                    disable_above,
+                }
+            },
+        )
+}
+
+static PREEMPTIONS: AtomicU64 = AtomicU64::new(0);
+static ACCEPTED: AtomicU64 = AtomicU64::new(0);
+
+#[test]
+fn speculation_in_the_batched_engine_equals_the_target_alone_and_leaks_no_block() {
+    let model = load("shakespeare-tiny");
+    let vocab = model.config.vocab_size as u32;
+    seeded_runner(64, 6)
+        .run(&case(vocab), |c| {
+            let references: Vec<Vec<u32>> = c
+                .arrivals
+                .iter()
+                .map(|a| alone(&model, &a.prompt, a.max_tokens))
+                .collect();
+            let longest = c
+                .arrivals
+                .iter()
+                .map(|a| a.prompt.len() + a.max_tokens)
+                .max()
+                .unwrap();
+            let blocks = c.blocks.max(longest.div_ceil(c.block_size) + 1);
+            let budget = if c.chunked {
+                c.budget
+            } else {
+                c.budget.max(longest)
+            };
+            let pool = KvPool::<f32>::new(&model.config, c.block_size, blocks).unwrap();
+            let config = EngineConfig {
+                max_num_seqs: 4,
+                max_num_batched_tokens: budget,
+                enable_chunked_prefill: c.chunked,
+                watermark: 0.0,
+                preemption: if c.swap {
+                    Preemption::Swap
+                } else {
+                    Preemption::Recompute
+                },
+                enable_prefix_caching: c.caching,
+            };
+            // The draft model's cache is small too, so that its states are evicted.
+            let mut model_drafter = ModelDrafter::new(
+                layer_skip_executor(&model, 2, c.block_size, 64 << 10).unwrap(),
+                vocab as usize,
+            )
+            .unwrap();
+            let drafter: Box<dyn Drafter> = match c.drafter {
+                0 => Box::new(NgramDrafter::new(1, 3).unwrap()),
+                1 => Box::new(RandomDrafter::new(vocab as usize, 7, false)),
+                2 => Box::new(OracleDrafter::new(
+                    c.arrivals
+                        .iter()
+                        .map(|a| a.prompt.clone())
+                        .zip(references.iter().cloned()),
+                )),
+                _ => Box::new(&mut model_drafter),
+            };
+            let spec = SpeculativeDecoding::new(
+                drafter,
+                SpecConfig {
+                    num_speculative_tokens: c.k,
+                    disable_by_batch_size: c.disable_above,
+                },
+            );
+            let mut engine = Engine::new(Checked(CpuExecutor::new(&model, pool)), config)
+                .unwrap()
+                .with_speculator(Box::new(spec));
+            let mut ids = vec![None; c.arrivals.len()];
+            let mut step = 0;
+            while ids.iter().any(Option::is_none) || engine.has_unfinished() {
+                for (i, a) in c.arrivals.iter().enumerate() {
+                    if ids[i].is_none() && a.arrive_at <= step {
+                        let request = Request::greedy(a.prompt.clone(), a.max_tokens);
+                        ids[i] = Some(engine.add_request(request).unwrap());
+                    }
+                    if let (Some(id), Some(at)) = (ids[i], a.abort_at)
+                        && at == step
+                    {
+                        engine.abort(id);
+                    }
+                }
+                engine
+                    .step_or_stall()
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                engine
+                    .scheduler()
+                    .check_invariants()
+                    .map_err(TestCaseError::fail)?;
+                step += 1;
+                prop_assert!(step < 2000, "no progress");
+            }
+            for ((a, id), reference) in c.arrivals.iter().zip(&ids).zip(&references) {
+                let id = id.unwrap();
+                let aborted =
+                    engine.scheduler().status(id) == Some(Status::Finished(FinishReason::Abort));
+                let done = engine.take(id).unwrap();
+                if aborted {
+                    prop_assert!(reference.starts_with(&done.tokens), "an aborted prefix");
+                    continue;
+                }
+                prop_assert_eq!(done.finish_reason, FinishReason::Length);
+                prop_assert_eq!(&done.tokens, reference, "max_tokens {}", a.max_tokens);
+            }
+            prop_assert_eq!(
+                engine.scheduler().kv_usage(),
+                0.0,
+                "target blocks still held"
+            );
+            let counters = engine.scheduler().counters();
+            PREEMPTIONS.fetch_add(counters.preemptions, Ordering::Relaxed);
+            ACCEPTED.fetch_add(counters.spec_decode_num_accepted_tokens, Ordering::Relaxed);
+            drop(engine);
+            prop_assert_eq!(model_drafter.kv_usage(), 0.0, "draft blocks still held");
+            model_drafter
+                .check_invariants()
+                .map_err(TestCaseError::fail)?;
+            Ok(())
+        })
+        .unwrap();
+    let (preemptions, accepted) = (
+        PREEMPTIONS.load(Ordering::Relaxed),
+        ACCEPTED.load(Ordering::Relaxed),
+    );
+    assert!(
+        preemptions > 0 && accepted > 0,
+        "preemptions {preemptions}, accepted drafts {accepted}"
+    );
+}
