@@ -266,7 +266,7 @@ fn tensor_types(path: &Path) -> anyhow::Result<String> {
             None => counts.push((info.ty, 1)),
         }
     }
-    counts.sort_by(|a, b| b.1.cmp(&a.1));
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1));
     Ok(counts
         .iter()
         .map(|(t, n)| format!("{t} × {n}"))
