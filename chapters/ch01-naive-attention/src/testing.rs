@@ -487,6 +487,37 @@ pub fn load_golden(name: &str) -> Golden {
     }
 }
 
+/// A global allocator for tests that must prove a path allocates nothing: it forwards every call
+/// to the system allocator and counts allocations (and reallocations) of every thread.
+/// Declare it in the test binary with
+/// `#[global_allocator] static GLOBAL: CountingAllocator = CountingAllocator;`
+/// and compare [`CountingAllocator::count`] before and after.
+pub struct CountingAllocator;
+
+static ALLOCATIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl CountingAllocator {
+    /// Allocations so far, of every thread of this process.
+    pub fn count() -> usize {
+        ALLOCATIONS.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,30 +6,9 @@
 //! started from a worker thread and queue their jobs on its own deque, which allocates nothing;
 //! jobs injected from outside a pool go through a global queue that allocates a block now and then.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use ch01::fixtures_dir;
+use ch01::testing::CountingAllocator;
 use ch02_kv_cache::{CachedSession, ContiguousKvCache, WeightDtype, load_fast};
-
-struct CountingAllocator;
-
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged.
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -47,12 +26,12 @@ fn decode_steps_allocate_nothing() {
         let allocations = pool.install(|| {
             session.prefill(&[0, 412, 306, 13, 534, 325, 291]).unwrap();
             session.decode(306).unwrap(); // the first decode sizes nothing new, but warm up anyway
-            let before = ALLOCATIONS.load(Ordering::SeqCst);
+            let before = CountingAllocator::count();
             for t in 0..32 {
                 let logits = session.decode(100 + t).unwrap();
                 assert!(logits.iter().all(|v| v.is_finite()));
             }
-            ALLOCATIONS.load(Ordering::SeqCst) - before
+            CountingAllocator::count() - before
         });
         assert_eq!(
             allocations, 0,

@@ -2,31 +2,10 @@
 //! scratch has grown: the activation blocks are reused, the weights are read as stored.
 //! (Run inside a rayon pool, as `kiln generate` runs layers: see chapter 2's no_alloc test.)
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use ch01::linear::Linear;
+use ch01::testing::CountingAllocator;
 use ch05_quantization::{GgmlType, QuantLinear};
 use ndarray::{Array1, Array2};
-
-struct CountingAllocator;
-
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged.
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -53,11 +32,11 @@ fn decode_steps_allocate_nothing() {
         let mut y = Array2::<f32>::zeros((1, out));
         let allocations = pool.install(|| {
             layer.forward_into(x.view(), y.view_mut()); // grows the scratch
-            let before = ALLOCATIONS.load(Ordering::SeqCst);
+            let before = CountingAllocator::count();
             for _ in 0..32 {
                 layer.forward_into(x.view(), y.view_mut());
             }
-            ALLOCATIONS.load(Ordering::SeqCst) - before
+            CountingAllocator::count() - before
         });
         assert!(y.iter().all(|v| v.is_finite()));
         assert_eq!(

@@ -5,33 +5,12 @@
 //! steps run inside a rayon pool, as `kiln` runs them (jobs injected from outside a pool go
 //! through a global queue that allocates now and then).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use ch01::fixtures_dir;
+use ch01::testing::CountingAllocator;
 use ch03::KvPool;
 use ch04::attention::{AttentionBackend, QueryRow};
 use ch07_flash_attention::FlashAttention;
 use ndarray::Array2;
-
-struct CountingAllocator;
-
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged.
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -77,13 +56,13 @@ fn decode_steps_allocate_nothing() {
             ]
         };
         backend.attend(&kv, 0, &step(len - 1), &q, shape, &mut out);
-        let before = ALLOCATIONS.load(Ordering::SeqCst);
+        let before = CountingAllocator::count();
         for t in 0..32 {
             let rows = step(len - 33 + t);
             backend.attend(&kv, 0, &rows, &q, shape, &mut out);
             assert!(out.iter().all(|v| v.is_finite()));
         }
-        ALLOCATIONS.load(Ordering::SeqCst) - before
+        CountingAllocator::count() - before
     });
     assert_eq!(
         allocations, 0,
