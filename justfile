@@ -131,6 +131,14 @@ serve *args:
 generate prompt="ROMEO." *args:
     cargo run --release -- generate --prompt "{{prompt}}" {{args}}
 
+# Chapter 7 part 2 on a GPU box: every CUDA kernel against its CPU twin (skips, saying why, without a GPU).
+gpu-check out="target/gpu-check":
+    bash fixtures/scripts/gpu_check.sh {{out}}
+
+# Compile every kernels/*.cu through NVRTC (from its PyPI wheel), no GPU needed.
+kernels:
+    LD_LIBRARY_PATH="$(bash fixtures/scripts/fetch_nvrtc.sh)" KILN_REQUIRE_NVRTC=1 cargo test -p ch07-flash-attention --features cuda --test nvrtc_compile -- --nocapture
+
 # What CI runs.
 ci:
     bash .ci/run

@@ -57,6 +57,11 @@ impl Rope {
         Rope::new(config.head_dim, config.rope_theta, &config.rope_scaling)
     }
 
+    /// `inv_freq[i]` for the pairs `i < head_dim / 2`, scaling applied (what a device uploads).
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
     pub fn head_dim(&self) -> usize {
         self.inv_freq.len() * 2
     }

@@ -23,6 +23,8 @@
 
 pub mod attention;
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod decode;
 pub mod dense;
 pub mod online;

@@ -1,0 +1,91 @@
+//! NVRTC: a kernel's source → PTX for one GPU architecture, at start-up.
+
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
+
+use super::CudaError;
+use super::kernels::KernelSource;
+
+/// A GPU architecture the kernels are compiled for (`--gpu-architecture=sm_XY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Ampere (A100): compute capability 8.0.
+    Sm80,
+    /// Ada (L4, L40): 8.9.
+    Sm89,
+    /// Hopper (H100, H200): 9.0.
+    Sm90,
+    /// Blackwell: 10.0 and later run `sm_90` PTX through the driver's JIT.
+    Sm100,
+}
+
+impl Arch {
+    /// The architecture for a compute capability: the newest kiln knows that is not newer than
+    /// the device.
+    pub fn from_capability(major: i32, minor: i32) -> Result<Arch, CudaError> {
+        match (major, minor) {
+            (m, _) if m >= 10 => Ok(Arch::Sm100),
+            (9, _) => Ok(Arch::Sm90),
+            (8, n) if n >= 9 => Ok(Arch::Sm89),
+            (8, _) => Ok(Arch::Sm80),
+            _ => Err(CudaError::UnsupportedArch { major, minor }),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Sm80 => "sm_80",
+            Arch::Sm89 => "sm_89",
+            Arch::Sm90 => "sm_90",
+            Arch::Sm100 => "sm_100",
+        }
+    }
+
+    /// Every architecture, for the compile check.
+    pub const ALL: [Arch; 4] = [Arch::Sm80, Arch::Sm89, Arch::Sm90, Arch::Sm100];
+}
+
+/// Whether the NVRTC library can be loaded (cudarc would panic on first use otherwise).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the library by its candidate names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles one kernel file for `arch`. Precise division and square roots, no flush-to-zero:
+/// the kernels are held to the CPU reference within 1e-5.
+pub fn compile_kernel(kernel: &KernelSource, arch: Arch) -> Result<Ptx, CudaError> {
+    if !nvrtc_present() {
+        return Err(CudaError::NvrtcMissing);
+    }
+    let options = CompileOptions {
+        arch: Some(arch.name()),
+        name: Some(kernel.file.to_string()),
+        options: vec!["--std=c++17".to_string()],
+        ..Default::default()
+    };
+    compile_ptx_with_opts(kernel.resolved(), options).map_err(|e| CudaError::Compile {
+        file: kernel.file,
+        arch: arch.name().to_string(),
+        log: match e {
+            CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => other.to_string(),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn architectures_follow_the_compute_capability() {
+        assert_eq!(Arch::from_capability(8, 0).unwrap(), Arch::Sm80);
+        assert_eq!(Arch::from_capability(8, 6).unwrap(), Arch::Sm80);
+        assert_eq!(Arch::from_capability(8, 9).unwrap(), Arch::Sm89);
+        assert_eq!(Arch::from_capability(9, 0).unwrap(), Arch::Sm90);
+        assert_eq!(Arch::from_capability(12, 0).unwrap(), Arch::Sm100);
+        assert!(matches!(
+            Arch::from_capability(7, 5),
+            Err(CudaError::UnsupportedArch { major: 7, minor: 5 })
+        ));
+    }
+}

@@ -1,0 +1,130 @@
+//! One GPU: its context and stream, the architecture the kernels were compiled for, and every
+//! kernel function loaded on it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+
+use super::CudaError;
+use super::compile::{Arch, compile_kernel};
+use super::kernels::KERNELS;
+
+/// Where the model runs: `cpu`, `cuda` (device 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = CudaError;
+
+    fn from_str(s: &str) -> Result<Self, CudaError> {
+        match s {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::Cuda)
+                .ok_or_else(|| CudaError::BadDeviceName(s.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// Whether the CUDA driver library can be loaded (cudarc would panic on first use otherwise).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library by its candidate names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// A GPU with every kernel of [`KERNELS`] compiled for it and loaded.
+///
+/// Invariant: `functions` holds every function that [`KERNELS`] lists.
+pub struct GpuDevice {
+    pub context: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub name: String,
+    pub arch: Arch,
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl GpuDevice {
+    /// Opens device `ordinal`, compiles every kernel for its architecture and loads them.
+    pub fn open(ordinal: usize) -> Result<GpuDevice, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::DriverMissing);
+        }
+        let count = CudaContext::device_count()? as usize;
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let context = CudaContext::new(ordinal)?;
+        let (major, minor) = context.compute_capability()?;
+        let arch = Arch::from_capability(major, minor)?;
+        let mut functions = HashMap::new();
+        for kernel in KERNELS {
+            let module = context.load_module(compile_kernel(kernel, arch)?)?;
+            for &function in kernel.functions {
+                functions.insert(function, module.load_function(function)?);
+            }
+        }
+        Ok(GpuDevice {
+            stream: context.default_stream(),
+            name: context.name()?,
+            context,
+            arch,
+            functions,
+        })
+    }
+
+    /// A loaded kernel function.
+    ///
+    /// # Panics
+    /// If `name` is not listed in [`KERNELS`]: a programming error, caught by the GPU tests.
+    pub fn function(&self, name: &str) -> &CudaFunction {
+        self.functions
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel function `{name}` is not listed in KERNELS"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse() {
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(0));
+        assert_eq!("cuda:3".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(3));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CUDA"] {
+            assert!(
+                matches!(bad.parse::<DeviceSpec>(), Err(CudaError::BadDeviceName(_))),
+                "{bad}"
+            );
+        }
+        assert_eq!(DeviceSpec::Cuda(2).to_string(), "cuda:2");
+    }
+
+    #[test]
+    fn a_machine_without_a_driver_gets_an_error_not_a_panic() {
+        if driver_present() {
+            return; // a GPU box: the GPU suite covers opening the device
+        }
+        assert!(matches!(GpuDevice::open(0), Err(CudaError::DriverMissing)));
+    }
+}

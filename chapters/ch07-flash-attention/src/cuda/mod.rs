@@ -1,0 +1,59 @@
+//! # Chapter 7, part 2: CUDA
+//!
+//! The kernels of `kernels/*.cu` (each one the twin of a CPU function of chapters 1–7), their
+//! compilation by NVRTC for the device's architecture, and the device they run on. cudarc loads
+//! the CUDA libraries when first asked (dynamic loading), so a build with this module runs on a
+//! machine with no CUDA at all: asking for a GPU there is a [`CudaError`] that says which library
+//! or device is missing, never a panic and never a silent fall-back to the CPU.
+//!
+//! | module      | what it does                                                              |
+//! |-------------|---------------------------------------------------------------------------|
+//! | [`kernels`] | the sources, embedded in the binary, and the kernel names each one defines |
+//! | [`compile`] | NVRTC: source → PTX for `sm_80`, `sm_90`, ...                              |
+//! | [`device`]  | one GPU: its context, stream, architecture, and every kernel loaded on it  |
+//! | [`ops`]     | safe launches: every length and index a kernel relies on, checked on the host |
+
+pub mod compile;
+pub mod device;
+pub mod kernels;
+pub mod ops;
+
+pub use compile::{Arch, compile_kernel};
+pub use device::{DeviceSpec, GpuDevice};
+pub use kernels::{KERNELS, KernelSource};
+pub use ops::{DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows};
+
+/// Why the GPU path could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "the CUDA driver library (libcuda.so) was not found: this machine has no NVIDIA driver, \
+         or it is not on the library path"
+    )]
+    DriverMissing,
+    #[error(
+        "the NVRTC library (libnvrtc.so.13) was not found: install the CUDA 13 toolkit or the \
+         `nvidia-cuda-nvrtc` wheel and put its lib folder on LD_LIBRARY_PATH"
+    )]
+    NvrtcMissing,
+    #[error("the cuBLAS library (libcublas.so.13) was not found")]
+    CublasMissing,
+    #[error("no CUDA device {ordinal}: this machine has {count}")]
+    NoSuchDevice { ordinal: usize, count: usize },
+    #[error("`{0}` is not a device: expected `cpu`, `cuda` or `cuda:N`")]
+    BadDeviceName(String),
+    #[error(
+        "compute capability {major}.{minor} is older than 8.0 (Ampere), the oldest kiln's kernels target"
+    )]
+    UnsupportedArch { major: i32, minor: i32 },
+    #[error("kernel {file} did not compile for {arch}:\n{log}")]
+    Compile {
+        file: &'static str,
+        arch: String,
+        log: String,
+    },
+    #[error("GPU operation: {0}")]
+    Shape(String),
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+}

@@ -1,0 +1,592 @@
+//! Safe launches of the kernels. Each checks, on the host, every length and index bound its
+//! kernel relies on, so that no call with valid Rust values reads or writes past a device
+//! buffer: token ids and slots are uploaded through types that checked them
+//! ([`DeviceTokens`], [`PagedBatch`]), and lengths are checked against the shapes given.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use half::bf16;
+
+use super::CudaError;
+use super::device::GpuDevice;
+
+/// An element type of weights or K/V on the device: f32, or bf16 for half the bytes.
+pub trait DeviceScalar: DeviceRepr + ValidAsZeroBits + Copy + Unpin + 'static {
+    /// The suffix of the kernel variant that reads this type (`kv_write_f32`, `..._bf16`).
+    const SUFFIX: &'static str;
+}
+
+impl DeviceScalar for f32 {
+    const SUFFIX: &'static str = "f32";
+}
+
+impl DeviceScalar for bf16 {
+    const SUFFIX: &'static str = "bf16";
+}
+
+/// Token ids on the device. Invariant: every id is below `vocab`.
+pub struct DeviceTokens {
+    ids: CudaSlice<u32>,
+    vocab: usize,
+}
+
+impl DeviceTokens {
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.len() == 0
+    }
+}
+
+/// One sequence of a step on the host side: `rows` query rows at positions
+/// `start_pos..start_pos + rows`, its K/V in the blocks of `block_table`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqRows {
+    pub start_pos: usize,
+    pub rows: usize,
+    pub block_table: Vec<u32>,
+}
+
+/// A step's sequences on the device, the arrays the attention and KV-write kernels read.
+///
+/// Invariants (checked by [`GpuDevice::upload_batch`]): every sequence has at least one row;
+/// every block id is below `num_blocks`; each table covers `start_pos + rows` positions; `slots`
+/// holds, for every row in order, the slot its K/V goes to.
+pub struct PagedBatch {
+    pub num_rows: usize,
+    pub num_seqs: usize,
+    pub max_rows: usize,
+    pub max_blocks: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// The longest context (last position + 1) of any sequence.
+    pub max_context: usize,
+    /// Every sequence has exactly one row (a decode step): the split-K kernel applies.
+    pub all_single_rows: bool,
+    row_start: CudaSlice<u32>,
+    start_pos: CudaSlice<u32>,
+    block_tables: CudaSlice<u32>,
+    slots: CudaSlice<u32>,
+    /// For the decode kernel: each sequence's row and context length.
+    rows: CudaSlice<u32>,
+    context_lens: CudaSlice<u32>,
+}
+
+fn shape(what: impl Into<String>) -> CudaError {
+    CudaError::Shape(what.into())
+}
+
+fn check_len(name: &str, actual: usize, expected: usize) -> Result<(), CudaError> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(shape(format!(
+            "{name}: {actual} elements, expected {expected}"
+        )))
+    }
+}
+
+fn grid_stride(count: usize) -> LaunchConfig {
+    let blocks = count.div_ceil(256).clamp(1, 65_535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn u32_arg(name: &str, value: usize) -> Result<u32, CudaError> {
+    u32::try_from(value).map_err(|_| shape(format!("{name} = {value} does not fit in 32 bits")))
+}
+
+fn i32_arg(name: &str, value: usize) -> Result<i32, CudaError> {
+    i32::try_from(value).map_err(|_| shape(format!("{name} = {value} does not fit in 32 bits")))
+}
+
+/// The largest head the attention kernels take (their per-lane registers are sized for it).
+pub const HEAD_DIM_MAX: usize = 128;
+/// The largest GQA group the decode kernel takes.
+pub const GROUP_MAX: usize = 8;
+
+/// The attention shape of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl HeadShape {
+    fn check(&self) -> Result<(), CudaError> {
+        let HeadShape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        } = *self;
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(shape(format!(
+                "{num_heads} query heads cannot share {num_kv_heads} KV heads evenly"
+            )));
+        }
+        if head_dim == 0 || head_dim > HEAD_DIM_MAX || head_dim % 2 != 0 {
+            return Err(shape(format!(
+                "head_dim {head_dim}: the kernels take even head dims up to {HEAD_DIM_MAX}"
+            )));
+        }
+        if num_heads / num_kv_heads > GROUP_MAX {
+            return Err(shape(format!(
+                "{} query heads per KV head: the decode kernel takes at most {GROUP_MAX}",
+                num_heads / num_kv_heads
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+impl GpuDevice {
+    /// Uploads token ids, checking each is below `vocab`.
+    pub fn upload_tokens(&self, ids: &[u32], vocab: usize) -> Result<DeviceTokens, CudaError> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(shape(format!(
+                "token id {bad} is not below the vocabulary size {vocab}"
+            )));
+        }
+        Ok(DeviceTokens {
+            ids: self.stream.clone_htod(ids)?,
+            vocab,
+        })
+    }
+
+    /// Uploads a step's sequences: row offsets, positions, padded block tables, the slot of
+    /// every row, and the decode kernel's row/context arrays.
+    pub fn upload_batch(
+        &self,
+        seqs: &[SeqRows],
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<PagedBatch, CudaError> {
+        if block_size == 0 || seqs.is_empty() {
+            return Err(shape(
+                "a batch needs a block size and at least one sequence",
+            ));
+        }
+        let max_blocks = seqs
+            .iter()
+            .map(|s| s.block_table.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let (mut row_start, mut start_pos, mut tables) = (vec![0u32], vec![], vec![]);
+        let (mut slots, mut rows, mut context_lens) = (vec![], vec![], vec![]);
+        for (i, seq) in seqs.iter().enumerate() {
+            let end = seq.start_pos + seq.rows;
+            if seq.rows == 0 || seq.block_table.len() * block_size < end {
+                return Err(shape(format!(
+                    "sequence {i}: {} rows from position {}, blocks for {} positions",
+                    seq.rows,
+                    seq.start_pos,
+                    seq.block_table.len() * block_size
+                )));
+            }
+            if let Some(&bad) = seq.block_table.iter().find(|&&b| b as usize >= num_blocks) {
+                return Err(shape(format!("sequence {i}: block {bad} of {num_blocks}")));
+            }
+            rows.push(u32_arg(
+                "row",
+                *row_start.last().unwrap() as usize + seq.rows - 1,
+            )?);
+            context_lens.push(u32_arg("context", end)?);
+            for pos in seq.start_pos..end {
+                let block = seq.block_table[pos / block_size] as usize;
+                slots.push(u32_arg("slot", block * block_size + pos % block_size)?);
+            }
+            let next = *row_start.last().unwrap() as usize + seq.rows;
+            row_start.push(u32_arg("rows", next)?);
+            start_pos.push(u32_arg("start_pos", seq.start_pos)?);
+            tables.extend_from_slice(&seq.block_table);
+            tables.resize((i + 1) * max_blocks, 0);
+        }
+        u32_arg("slots", num_blocks * block_size)?;
+        let s = &self.stream;
+        Ok(PagedBatch {
+            num_rows: slots.len(),
+            num_seqs: seqs.len(),
+            max_rows: seqs.iter().map(|s| s.rows).max().unwrap_or(0),
+            max_blocks,
+            block_size,
+            num_blocks,
+            max_context: seqs.iter().map(|s| s.start_pos + s.rows).max().unwrap_or(0),
+            all_single_rows: seqs.iter().all(|s| s.rows == 1),
+            row_start: s.clone_htod(&row_start)?,
+            start_pos: s.clone_htod(&start_pos)?,
+            block_tables: s.clone_htod(&tables)?,
+            slots: s.clone_htod(&slots)?,
+            rows: s.clone_htod(&rows)?,
+            context_lens: s.clone_htod(&context_lens)?,
+        })
+    }
+
+    /// `out[t] = table[tokens[t]]`. table: `[vocab, dim]`; out: `[tokens, dim]`.
+    pub fn embedding<T: DeviceScalar>(
+        &self,
+        table: &CudaSlice<T>,
+        dim: usize,
+        tokens: &DeviceTokens,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check_len("embedding table", table.len(), tokens.vocab * dim)?;
+        check_len("embedding output", out.len(), tokens.len() * dim)?;
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let dim = i32_arg("dim", dim)?;
+        let config = LaunchConfig {
+            grid_dim: (u32_arg("tokens", tokens.len())?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let function = self.function(&format!("embedding_{}", T::SUFFIX));
+        let mut launch = self.stream.launch_builder(function);
+        launch.arg(table).arg(&tokens.ids).arg(out).arg(&dim);
+        // SAFETY: table holds vocab·dim elements and every id is below vocab (DeviceTokens);
+        // out holds tokens·dim; the argument types match the kernel's signature.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// `residual += delta` (when given), then `out = rmsnorm(residual) · weight`, row by row.
+    /// residual, delta, out: `[rows, dim]`; weight: `[dim]`.
+    pub fn add_rmsnorm(
+        &self,
+        residual: &mut CudaSlice<f32>,
+        delta: Option<&CudaSlice<f32>>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let dim = weight.len();
+        if dim == 0 || residual.len() % dim != 0 {
+            return Err(shape(format!(
+                "residual of {} is not rows of {dim}",
+                residual.len()
+            )));
+        }
+        let rows = residual.len() / dim;
+        if let Some(delta) = delta {
+            check_len("delta", delta.len(), residual.len())?;
+        }
+        check_len("rmsnorm output", out.len(), residual.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let dim_arg = i32_arg("dim", dim)?;
+        let config = LaunchConfig {
+            grid_dim: (u32_arg("rows", rows)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(self.function("add_rmsnorm"));
+        launch.arg(residual);
+        // A null delta pointer skips the add.
+        let null: u64 = 0;
+        match delta {
+            Some(delta) => launch.arg(delta),
+            None => launch.arg(&null),
+        };
+        launch.arg(weight).arg(out).arg(&dim_arg).arg(&eps);
+        // SAFETY: every buffer holds rows·dim elements (weight dim); blockDim is a multiple of 32.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// `out = silu(gate) · up`, elementwise.
+    pub fn silu_mul(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check_len("up", up.len(), gate.len())?;
+        check_len("silu_mul output", out.len(), gate.len())?;
+        let count = gate.len() as i64;
+        let mut launch = self.stream.launch_builder(self.function("silu_mul"));
+        launch.arg(gate).arg(up).arg(out).arg(&count);
+        // SAFETY: the three buffers hold `count` elements.
+        unsafe { launch.launch(grid_stride(gate.len())) }?;
+        Ok(())
+    }
+
+    /// Rotates q `[rows, num_heads·head_dim]` and k `[rows, num_kv_heads·head_dim]` in place,
+    /// row t at `positions[t]`; `inv_freq`: `[head_dim / 2]`.
+    pub fn rope(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        positions: &CudaSlice<u32>,
+        inv_freq: &CudaSlice<f32>,
+        heads: HeadShape,
+    ) -> Result<(), CudaError> {
+        heads.check()?;
+        let rows = positions.len();
+        check_len("q", q.len(), rows * heads.q_dim())?;
+        check_len("k", k.len(), rows * heads.kv_dim())?;
+        check_len("inv_freq", inv_freq.len(), heads.head_dim / 2)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (h, kvh, d) = (
+            i32_arg("heads", heads.num_heads)?,
+            i32_arg("kv heads", heads.num_kv_heads)?,
+            i32_arg("head_dim", heads.head_dim)?,
+        );
+        let config = LaunchConfig {
+            grid_dim: (u32_arg("rows", rows)?, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(self.function("rope"));
+        launch.arg(q).arg(k).arg(positions).arg(inv_freq);
+        launch.arg(&h).arg(&kvh).arg(&d);
+        // SAFETY: q, k hold rows of their widths; inv_freq head_dim/2; positions any value.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// Writes each row's K and V (`[rows, kv_dim]`) into its slot of one layer's caches
+    /// (`[num_blocks · block_size, kv_dim]`).
+    pub fn kv_write<T: DeviceScalar>(
+        &self,
+        batch: &PagedBatch,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        kv_dim: usize,
+        k_cache: &mut CudaSlice<T>,
+        v_cache: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        check_len("k", k.len(), batch.num_rows * kv_dim)?;
+        check_len("v", v.len(), batch.num_rows * kv_dim)?;
+        let cache = batch.num_blocks * batch.block_size * kv_dim;
+        check_len("k cache", k_cache.len(), cache)?;
+        check_len("v cache", v_cache.len(), cache)?;
+        let kv_dim = i32_arg("kv_dim", kv_dim)?;
+        let config = LaunchConfig {
+            grid_dim: (u32_arg("rows", batch.num_rows)?, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let function = self.function(&format!("kv_write_{}", T::SUFFIX));
+        let mut launch = self.stream.launch_builder(function);
+        launch
+            .arg(k)
+            .arg(v)
+            .arg(&batch.slots)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&kv_dim);
+        // SAFETY: every slot is below num_blocks·block_size (PagedBatch), the caches hold
+        // that many rows of kv_dim, k and v hold num_rows rows.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// Causal attention of every query row of the batch over its sequence's paged K/V
+    /// (FlashAttention-2 tiles). q, out: `[rows, num_heads·head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill<T: DeviceScalar>(
+        &self,
+        batch: &PagedBatch,
+        heads: HeadShape,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<T>,
+        v_cache: &CudaSlice<T>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        heads.check()?;
+        self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
+        let config = LaunchConfig {
+            grid_dim: (
+                u32_arg("query tiles", batch.max_rows.div_ceil(16))?,
+                u32_arg("heads", heads.num_heads)?,
+                u32_arg("sequences", batch.num_seqs)?,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = self.attention_args(batch, heads)?;
+        let function = self.function(&format!("flash_prefill_{}", T::SUFFIX));
+        let mut launch = self.stream.launch_builder(function);
+        launch.arg(q).arg(k_cache).arg(v_cache).arg(out);
+        launch
+            .arg(&batch.row_start)
+            .arg(&batch.start_pos)
+            .arg(&batch.block_tables);
+        launch.arg(&args.max_blocks).arg(&args.block_size);
+        launch
+            .arg(&args.num_heads)
+            .arg(&args.num_kv_heads)
+            .arg(&args.head_dim);
+        launch.arg(&args.scale);
+        // SAFETY: check_attention and PagedBatch's invariants bound every row, slot and block
+        // id; head_dim ≤ HEAD_DIM_MAX as the kernel's shared tiles require; blockDim is 128 (4
+        // warps x 4 rows = BR).
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// Split-K decode attention: every sequence of the batch has one row, its context cut in
+    /// partitions of `partition_size` keys merged by log-sum-exp.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_decode<T: DeviceScalar>(
+        &self,
+        batch: &PagedBatch,
+        heads: HeadShape,
+        partition_size: usize,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<T>,
+        v_cache: &CudaSlice<T>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        heads.check()?;
+        self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
+        if !batch.all_single_rows || partition_size == 0 {
+            return Err(shape(
+                "split-K decode takes one row per sequence and partitions ≥ 1",
+            ));
+        }
+        let num_parts = batch.max_context.div_ceil(partition_size);
+        let partials = batch.num_seqs * heads.num_heads * num_parts;
+        let mut partial_o = self.stream.alloc_zeros::<f32>(partials * heads.head_dim)?;
+        let mut partial_ml = self.stream.alloc_zeros::<f32>(partials * 2)?;
+        let args = self.attention_args(batch, heads)?;
+        let part = i32_arg("partition size", partition_size)?;
+        let config = LaunchConfig {
+            grid_dim: (
+                u32_arg("kv heads", heads.num_kv_heads)?,
+                u32_arg("sequences", batch.num_seqs)?,
+                u32_arg("partitions", num_parts)?,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let function = self.function(&format!("paged_decode_{}", T::SUFFIX));
+        let mut launch = self.stream.launch_builder(function);
+        launch.arg(q).arg(k_cache).arg(v_cache);
+        launch
+            .arg(&batch.rows)
+            .arg(&batch.context_lens)
+            .arg(&batch.block_tables);
+        launch.arg(&mut partial_o).arg(&mut partial_ml);
+        launch.arg(&args.max_blocks).arg(&args.block_size);
+        launch
+            .arg(&args.num_heads)
+            .arg(&args.num_kv_heads)
+            .arg(&args.head_dim);
+        launch.arg(&part).arg(&args.scale);
+        // SAFETY: as flash_prefill; the partial buffers hold seqs·heads·partitions entries;
+        // the group is at most GROUP_MAX (HeadShape::check).
+        unsafe { launch.launch(config) }?;
+
+        let parts = i32_arg("partitions", num_parts)?;
+        let config = LaunchConfig {
+            grid_dim: (
+                u32_arg("heads", heads.num_heads)?,
+                u32_arg("sequences", batch.num_seqs)?,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self
+            .stream
+            .launch_builder(self.function("paged_decode_merge"));
+        launch
+            .arg(&partial_o)
+            .arg(&partial_ml)
+            .arg(&batch.rows)
+            .arg(out);
+        launch.arg(&args.num_heads).arg(&args.head_dim).arg(&parts);
+        // SAFETY: the partial buffers were sized above; rows are below num_rows.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// The index of each row's maximum (the first among equals). logits: `[rows, vocab]`.
+    pub fn argmax_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        if vocab == 0 {
+            return Err(shape("an empty vocabulary"));
+        }
+        check_len("logits", logits.len(), out.len() * vocab)?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let vocab = i32_arg("vocab", vocab)?;
+        let config = LaunchConfig {
+            grid_dim: (u32_arg("rows", out.len())?, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(self.function("argmax_rows"));
+        launch.arg(logits).arg(out).arg(&vocab);
+        // SAFETY: logits holds rows·vocab; blockDim is 1024 (32 warps, the kernel's maximum).
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    fn check_attention<T: DeviceScalar>(
+        &self,
+        batch: &PagedBatch,
+        heads: HeadShape,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<T>,
+        v_cache: &CudaSlice<T>,
+        out: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check_len("q", q.len(), batch.num_rows * heads.q_dim())?;
+        check_len(
+            "attention output",
+            out.len(),
+            batch.num_rows * heads.q_dim(),
+        )?;
+        let cache = batch.num_blocks * batch.block_size * heads.kv_dim();
+        check_len("k cache", k_cache.len(), cache)?;
+        check_len("v cache", v_cache.len(), cache)
+    }
+
+    fn attention_args(
+        &self,
+        batch: &PagedBatch,
+        heads: HeadShape,
+    ) -> Result<AttentionArgs, CudaError> {
+        Ok(AttentionArgs {
+            max_blocks: i32_arg("max blocks", batch.max_blocks)?,
+            block_size: i32_arg("block size", batch.block_size)?,
+            num_heads: i32_arg("heads", heads.num_heads)?,
+            num_kv_heads: i32_arg("kv heads", heads.num_kv_heads)?,
+            head_dim: i32_arg("head_dim", heads.head_dim)?,
+            scale: 1.0 / (heads.head_dim as f32).sqrt(),
+        })
+    }
+}
+
+struct AttentionArgs {
+    max_blocks: i32,
+    block_size: i32,
+    num_heads: i32,
+    num_kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+}

@@ -1,0 +1,436 @@
+//! Every CUDA kernel against its CPU twin, on random shapes that are not multiples of the
+//! kernels' tiles (rows of 16, keys of 32, warps of 32 lanes), random block tables and block
+//! sizes, f32 and bf16 caches.
+//!
+//! Needs a GPU: without a CUDA driver each test prints that it skipped, unless
+//! `KILN_REQUIRE_GPU=1` (set by `just gpu-check`), which turns a missing GPU into a failure.
+
+use ch01::attention::AttentionShape;
+use ch01::config::RopeScaling;
+use ch01::rope::Rope;
+use ch07_flash_attention::cuda::device::driver_present;
+use ch07_flash_attention::cuda::{GpuDevice, HeadShape, SeqRows};
+use ch07_flash_attention::naive_attention;
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use ndarray::Array2;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use rand::seq::{IndexedRandom, SliceRandom};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn device() -> Option<GpuDevice> {
+    if !driver_present() {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "KILN_REQUIRE_GPU is set but no CUDA driver can be loaded"
+        );
+        eprintln!("skipped: no CUDA driver on this machine");
+        return None;
+    }
+    Some(GpuDevice::open(0).unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn runner(cases: u32) -> TestRunner {
+    let seed = [7u8; 32];
+    TestRunner::new_with_rng(
+        Config {
+            cases,
+            ..Config::default()
+        },
+        TestRng::from_seed(RngAlgorithm::ChaCha, &seed),
+    )
+}
+
+fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn download(dev: &GpuDevice, x: &CudaSlice<f32>) -> Vec<f32> {
+    dev.stream.clone_dtoh(x).unwrap()
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tolerance: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let bound = tolerance * w.abs().max(1.0);
+        assert!(
+            (g - w).abs() <= bound,
+            "{what}[{i}]: GPU {g}, CPU {w}, |diff| {} > {bound}",
+            (g - w).abs()
+        );
+    }
+}
+
+/// A random step: sequences with their K/V, queries and block tables over a shuffled pool.
+struct Case {
+    heads: HeadShape,
+    block_size: usize,
+    num_blocks: usize,
+    seqs: Vec<SeqRows>,
+    /// Per sequence: K and V of every position `[context, kv_dim]`, queries `[rows, q_dim]`.
+    keys: Vec<Array2<f32>>,
+    values: Vec<Array2<f32>>,
+    queries: Vec<Array2<f32>>,
+}
+
+fn random_case(seed: u64, decode: bool) -> Case {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (num_heads, num_kv_heads) = *[(1, 1), (4, 4), (6, 2), (9, 3), (8, 1), (12, 4)]
+        .choose(&mut rng)
+        .unwrap();
+    let head_dim = *[24, 64, 66, 128].choose(&mut rng).unwrap();
+    let heads = HeadShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    };
+    let block_size = *[1, 5, 16, 17].choose(&mut rng).unwrap();
+    let num_seqs = rng.random_range(1..=4);
+    let mut lens: Vec<(usize, usize)> = vec![];
+    for _ in 0..num_seqs {
+        let context: usize = rng.random_range(1..=300);
+        let rows = if decode {
+            1
+        } else {
+            rng.random_range(1..=context)
+        };
+        lens.push((context - rows, rows));
+    }
+    let needed: usize = lens.iter().map(|(p, r)| (p + r).div_ceil(block_size)).sum();
+    let num_blocks = needed + rng.random_range(0..4);
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    ids.shuffle(&mut rng);
+    let mut ids = ids.into_iter();
+    let (mut seqs, mut keys, mut values, mut queries) = (vec![], vec![], vec![], vec![]);
+    for (start_pos, rows) in lens {
+        let context = start_pos + rows;
+        let block_table = ids.by_ref().take(context.div_ceil(block_size)).collect();
+        seqs.push(SeqRows {
+            start_pos,
+            rows,
+            block_table,
+        });
+        let kv = heads.kv_dim();
+        keys.push(Array2::from_shape_vec((context, kv), random(&mut rng, context * kv)).unwrap());
+        values.push(Array2::from_shape_vec((context, kv), random(&mut rng, context * kv)).unwrap());
+        let q = heads.q_dim();
+        queries.push(Array2::from_shape_vec((rows, q), random(&mut rng, rows * q)).unwrap());
+    }
+    Case {
+        heads,
+        block_size,
+        num_blocks,
+        seqs,
+        keys,
+        values,
+        queries,
+    }
+}
+
+impl Case {
+    /// The host pool with every position of every sequence in its slot, and the flattened q.
+    fn host_pool(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let kv = self.heads.kv_dim();
+        let mut k_pool = vec![0.0; self.num_blocks * self.block_size * kv];
+        let mut v_pool = k_pool.clone();
+        let mut q = vec![];
+        for (i, seq) in self.seqs.iter().enumerate() {
+            for pos in 0..seq.start_pos + seq.rows {
+                let slot = seq.block_table[pos / self.block_size] as usize * self.block_size
+                    + pos % self.block_size;
+                k_pool[slot * kv..][..kv]
+                    .copy_from_slice(self.keys[i].row(pos).as_slice().unwrap());
+                v_pool[slot * kv..][..kv]
+                    .copy_from_slice(self.values[i].row(pos).as_slice().unwrap());
+            }
+            q.extend(self.queries[i].iter());
+        }
+        (q, k_pool, v_pool)
+    }
+
+    /// Chapter 1's naive attention, sequence by sequence, over K/V rounded by `round`.
+    fn expected(&self, round: impl Fn(f32) -> f32) -> Vec<f32> {
+        let shape = AttentionShape {
+            num_heads: self.heads.num_heads,
+            num_kv_heads: self.heads.num_kv_heads,
+            head_dim: self.heads.head_dim,
+        };
+        let mut out = vec![];
+        for i in 0..self.seqs.len() {
+            let (k, v) = (self.keys[i].mapv(&round), self.values[i].mapv(&round));
+            let o = naive_attention(self.queries[i].view(), k.view(), v.view(), shape).unwrap();
+            out.extend(o.iter());
+        }
+        out
+    }
+}
+
+fn check_attention(
+    dev: &GpuDevice,
+    case: &Case,
+    cache_bf16: bool,
+    decode_partition: Option<usize>,
+) {
+    let (q, k_pool, v_pool) = case.host_pool();
+    let batch = dev
+        .upload_batch(&case.seqs, case.block_size, case.num_blocks)
+        .unwrap();
+    let q_dev = dev.stream.clone_htod(&q).unwrap();
+    let mut out = dev.stream.alloc_zeros::<f32>(q.len()).unwrap();
+    let run = |out: &mut CudaSlice<f32>| {
+        if cache_bf16 {
+            let to_bf16 = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+            let k = dev.stream.clone_htod(&to_bf16(&k_pool)).unwrap();
+            let v = dev.stream.clone_htod(&to_bf16(&v_pool)).unwrap();
+            match decode_partition {
+                Some(p) => dev.paged_decode(&batch, case.heads, p, &q_dev, &k, &v, out),
+                None => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
+            }
+        } else {
+            let k = dev.stream.clone_htod(&k_pool).unwrap();
+            let v = dev.stream.clone_htod(&v_pool).unwrap();
+            match decode_partition {
+                Some(p) => dev.paged_decode(&batch, case.heads, p, &q_dev, &k, &v, out),
+                None => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
+            }
+        }
+        .unwrap()
+    };
+    run(&mut out);
+    let round = |x: f32| {
+        if cache_bf16 {
+            bf16::from_f32(x).to_f32()
+        } else {
+            x
+        }
+    };
+    let what = format!(
+        "{} {:?} block {} {} cache, {} seqs",
+        if decode_partition.is_some() {
+            "paged_decode"
+        } else {
+            "flash_prefill"
+        },
+        case.heads,
+        case.block_size,
+        if cache_bf16 { "bf16" } else { "f32" },
+        case.seqs.len()
+    );
+    assert_close(&what, &download(dev, &out), &case.expected(round), 1e-5);
+}
+
+#[test]
+fn flash_prefill_equals_naive_attention() {
+    let Some(dev) = device() else { return };
+    runner(48)
+        .run(&(any::<u64>(), any::<bool>()), |(seed, bf16_cache)| {
+            check_attention(&dev, &random_case(seed, false), bf16_cache, None);
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn paged_decode_equals_naive_attention() {
+    let Some(dev) = device() else { return };
+    runner(48)
+        .run(
+            &(
+                any::<u64>(),
+                any::<bool>(),
+                prop::sample::select(vec![7usize, 64, 256, 1000]),
+            ),
+            |(seed, bf16_cache, part)| {
+                check_attention(&dev, &random_case(seed, true), bf16_cache, Some(part));
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+#[test]
+fn kv_write_puts_each_row_in_its_slot() {
+    let Some(dev) = device() else { return };
+    runner(24)
+        .run(&any::<u64>(), |seed| {
+            let case = random_case(seed, false);
+            let kv = case.heads.kv_dim();
+            let batch = dev
+                .upload_batch(&case.seqs, case.block_size, case.num_blocks)
+                .unwrap();
+            // Only the step's rows (positions start_pos..) are written.
+            let (mut k_rows, mut v_rows) = (vec![], vec![]);
+            let mut k_want = vec![0.0f32; case.num_blocks * case.block_size * kv];
+            let mut v_want = k_want.clone();
+            for (i, seq) in case.seqs.iter().enumerate() {
+                for pos in seq.start_pos..seq.start_pos + seq.rows {
+                    let slot = seq.block_table[pos / case.block_size] as usize * case.block_size
+                        + pos % case.block_size;
+                    k_rows.extend(case.keys[i].row(pos).iter());
+                    v_rows.extend(case.values[i].row(pos).iter());
+                    k_want[slot * kv..][..kv]
+                        .copy_from_slice(case.keys[i].row(pos).as_slice().unwrap());
+                    v_want[slot * kv..][..kv]
+                        .copy_from_slice(case.values[i].row(pos).as_slice().unwrap());
+                }
+            }
+            let (k, v) = (
+                dev.stream.clone_htod(&k_rows).unwrap(),
+                dev.stream.clone_htod(&v_rows).unwrap(),
+            );
+            let mut k_cache = dev.stream.alloc_zeros::<f32>(k_want.len()).unwrap();
+            let mut v_cache = dev.stream.alloc_zeros::<f32>(k_want.len()).unwrap();
+            dev.kv_write(&batch, &k, &v, kv, &mut k_cache, &mut v_cache)
+                .unwrap();
+            assert_eq!(download(&dev, &k_cache), k_want);
+            assert_eq!(download(&dev, &v_cache), v_want);
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn rope_equals_chapter_1() {
+    let Some(dev) = device() else { return };
+    runner(24)
+        .run(
+            &(
+                any::<u64>(),
+                prop::sample::select(vec![
+                    (4usize, 2usize, 64usize),
+                    (9, 3, 64),
+                    (3, 1, 30),
+                    (32, 8, 128),
+                ]),
+            ),
+            |(seed, (h, kvh, d))| {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                let rows = rng.random_range(1..40);
+                let positions: Vec<u32> = (0..rows).map(|_| rng.random_range(0..8192)).collect();
+                let rope = Rope::new(d, 10_000.0, &RopeScaling::Default);
+                let (mut q, mut k) = (
+                    random(&mut rng, rows * h * d),
+                    random(&mut rng, rows * kvh * d),
+                );
+                let mut q_dev = dev.stream.clone_htod(&q).unwrap();
+                let mut k_dev = dev.stream.clone_htod(&k).unwrap();
+                let inv_freq: Vec<f32> = rope.inv_freq().iter().map(|&f| f as f32).collect();
+                let heads = HeadShape {
+                    num_heads: h,
+                    num_kv_heads: kvh,
+                    head_dim: d,
+                };
+                dev.rope(
+                    &mut q_dev,
+                    &mut k_dev,
+                    &dev.stream.clone_htod(&positions).unwrap(),
+                    &dev.stream.clone_htod(&inv_freq).unwrap(),
+                    heads,
+                )
+                .unwrap();
+                for (t, &pos) in positions.iter().enumerate() {
+                    rope.rotate(&mut q[t * h * d..][..h * d], pos as usize);
+                    rope.rotate(&mut k[t * kvh * d..][..kvh * d], pos as usize);
+                }
+                assert_close("rope q", &download(&dev, &q_dev), &q, 1e-5);
+                assert_close("rope k", &download(&dev, &k_dev), &k, 1e-5);
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+#[test]
+fn add_rmsnorm_silu_mul_embedding_and_argmax_equal_their_definitions() {
+    let Some(dev) = device() else { return };
+    runner(24)
+        .run(&any::<u64>(), |seed| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let (rows, dim) = (rng.random_range(1..20), rng.random_range(1..3000));
+            let (x, delta, weight) = (
+                random(&mut rng, rows * dim),
+                random(&mut rng, rows * dim),
+                random(&mut rng, dim),
+            );
+            let eps = 1e-5f32;
+            let mut residual = dev.stream.clone_htod(&x).unwrap();
+            let mut out = dev.stream.alloc_zeros::<f32>(rows * dim).unwrap();
+            let delta_dev = dev.stream.clone_htod(&delta).unwrap();
+            dev.add_rmsnorm(
+                &mut residual,
+                Some(&delta_dev),
+                &dev.stream.clone_htod(&weight).unwrap(),
+                eps,
+                &mut out,
+            )
+            .unwrap();
+            let mut want_residual = x.clone();
+            let mut want = vec![0.0f32; rows * dim];
+            for r in 0..rows {
+                let row = &mut want_residual[r * dim..][..dim];
+                row.iter_mut()
+                    .zip(&delta[r * dim..][..dim])
+                    .for_each(|(a, b)| *a += b);
+                let mean_sq = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / dim as f64;
+                let inv = 1.0 / (mean_sq + eps as f64).sqrt();
+                for d in 0..dim {
+                    want[r * dim + d] = (row[d] as f64 * inv * weight[d] as f64) as f32;
+                }
+            }
+            assert_close("residual", &download(&dev, &residual), &want_residual, 1e-6);
+            assert_close("rmsnorm", &download(&dev, &out), &want, 1e-5);
+
+            let gate = dev.stream.clone_htod(&x).unwrap();
+            dev.silu_mul(&gate, &delta_dev, &mut out).unwrap();
+            let want: Vec<f32> = x
+                .iter()
+                .zip(&delta)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            assert_close("silu_mul", &download(&dev, &out), &want, 1e-5);
+
+            let vocab = rows * 7 + 1;
+            let table: Vec<f32> = random(&mut rng, vocab * dim);
+            let tokens: Vec<u32> = (0..rows)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect();
+            let table_dev = dev.stream.clone_htod(&table).unwrap();
+            dev.embedding(
+                &table_dev,
+                dim,
+                &dev.upload_tokens(&tokens, vocab).unwrap(),
+                &mut out,
+            )
+            .unwrap();
+            let want: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&t| table[t as usize * dim..][..dim].to_vec())
+                .collect();
+            assert_eq!(download(&dev, &out), want);
+            assert!(dev.upload_tokens(&[vocab as u32], vocab).is_err());
+
+            // Argmax with ties: the first maximum wins.
+            let mut logits = random(&mut rng, rows * dim);
+            for r in 0..rows {
+                let m = rng.random_range(0..dim);
+                logits[r * dim + m] = 2.0;
+                logits[r * dim + rng.random_range(m..dim)] = 2.0;
+            }
+            let mut argmax = dev.stream.alloc_zeros::<u32>(rows).unwrap();
+            dev.argmax_rows(&dev.stream.clone_htod(&logits).unwrap(), dim, &mut argmax)
+                .unwrap();
+            let want: Vec<u32> = (0..rows)
+                .map(|r| {
+                    logits[r * dim..][..dim]
+                        .iter()
+                        .position(|&v| v == 2.0)
+                        .unwrap() as u32
+                })
+                .collect();
+            assert_eq!(dev.stream.clone_dtoh(&argmax).unwrap(), want);
+            Ok(())
+        })
+        .unwrap();
+}

@@ -1,0 +1,18 @@
+// SwiGLU's middle: out = silu(gate) · up, elementwise. The CPU twin: the `zip_mut_with` in
+// ch01's `Mlp::forward`.
+#include "common.cuh"
+
+// gate, up, out: [count]. Grid-stride.
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, long count) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// f32 → bf16 (round to nearest even), for the activations that enter a bf16 matrix product.
+extern "C" __global__ void cast_f32_bf16(const float* x, bf16_bits* out, long count) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long)gridDim.x * blockDim.x) {
+        out[i] = f32_to_bf16(x[i]);
+    }
+}
