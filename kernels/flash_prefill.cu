@@ -54,6 +54,7 @@ __device__ void flash_prefill(const float* q, const T* k_cache, const T* v_cache
         for (int t = 0; t < HEAD_DIM_MAX / 32; t++) acc[i][t] = 0.0f;
     }
 
+    // ANCHOR: tile_loop
     for (int key0 = 0; key0 < kv_len; key0 += BC) {
         __syncthreads();  // the previous tile is no longer read (and q_tile is written)
         for (int i = threadIdx.x; i < BC * head_dim; i += blockDim.x) {
@@ -107,6 +108,7 @@ __device__ void flash_prefill(const float* q, const T* k_cache, const T* v_cache
         }
     }
 
+    // ANCHOR_END: tile_loop
     for (int i = 0; i < ROWS_PER_WARP; i++) {
         int r = warp * ROWS_PER_WARP + i;
         if (r >= tile_rows) continue;

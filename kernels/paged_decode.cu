@@ -46,6 +46,7 @@ __device__ void paged_decode(const float* q, const T* k_cache, const T* v_cache,
         }
     }
 
+    // ANCHOR: key_loop
     for (int key = begin + warp; key < end; key += WARPS) {
         long slot = (long)table[key / block_size] * block_size + key % block_size;
         long at = slot * kv_stride + kv_head * head_dim;
@@ -67,6 +68,7 @@ __device__ void paged_decode(const float* q, const T* k_cache, const T* v_cache,
         }
     }
 
+    // ANCHOR_END: key_loop
     for (int g = 0; g < group; g++) {
         for (int t = 0; t < HEAD_DIM_MAX / 32; t++) {
             int d = lane + 32 * t;

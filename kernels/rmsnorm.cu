@@ -30,3 +30,11 @@ extern "C" __global__ void add_in_place(float* residual, const float* delta, lon
         residual[i] += delta[i];
     }
 }
+
+// A projection's bias: y[r, c] += bias[c] for every row. Grid-stride over rows · cols.
+extern "C" __global__ void add_bias(float* y, const float* bias, long rows, int cols) {
+    long count = rows * cols;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long)gridDim.x * blockDim.x) {
+        y[i] += bias[i % cols];
+    }
+}

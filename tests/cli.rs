@@ -481,3 +481,21 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
         "is a file",
     );
 }
+
+#[test]
+fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
+    assert_fails_with(
+        &["generate", "--prompt", "HAMLET.", "--device", "gpu"],
+        "expected `cpu`, `cuda` or `cuda:N`",
+    );
+    assert_fails_with(
+        &["perplexity", "--file", "x.txt", "--device", "cuda"],
+        "runs on the CPU only so far",
+    );
+    if !ch07::cuda::device::driver_present() {
+        assert_fails_with(
+            &["generate", "--prompt", "HAMLET.", "--max-tokens", "2", "--device", "cuda"],
+            "the CUDA driver library (libcuda.so) was not found",
+        );
+    }
+}

@@ -15,6 +15,7 @@ use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
 use super::speculative_args::{self, SpeculativeArgs};
 use super::{LoadedModel, ModelArgs};
+use ch07::cuda::DeviceSpec;
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompts_file"])))]
@@ -91,7 +92,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(path) => Some(read_prompts(path)?),
         None => None,
     };
-    let loaded = args.model.load()?;
+    let loaded = args.model.load_on_host()?;
     let seed = args.seed.unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -116,7 +117,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     options.sampling.validate()?;
     match (&args.prompt, prompts) {
-        (Some(prompt), None) if args.speculative.method()?.is_some() => {
+        // On a GPU, one prompt runs on the engine too (its executor is the GPU's).
+        (Some(prompt), None)
+            if args.speculative.method()?.is_some() || args.model.device != DeviceSpec::Cpu =>
+        {
             run_many(&args, std::slice::from_ref(prompt), &loaded, &options)
         }
         (Some(prompt), None) => run_one(&args, prompt, &loaded, &options),
@@ -250,7 +254,13 @@ fn run_many(
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
     let attention = args.attention.kind();
-    let executor = ch07::cpu_executor(model, &cache, attention)?;
+    let executor = match args.model.device {
+        DeviceSpec::Cpu => ch07::cpu_executor(model, &cache, attention)?,
+        DeviceSpec::Cuda(_) if args.speculative.method()?.is_some() => {
+            anyhow::bail!("speculative decoding does not run on the GPU yet")
+        }
+        DeviceSpec::Cuda(_) => args.model.gpu_executor(&model.config, &cache)?,
+    };
     let draft = args.speculative.load_draft(&args.model.dtype, model)?;
     let mut engine = Engine::boxed(executor, args.engine.config())?;
     if let Some(speculator) =

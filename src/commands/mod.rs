@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use ch01::linear::LinearLoader;
 use ch01::{Llama, Tokenizer};
+use ch07::cuda::DeviceSpec;
 
 /// `--model DIR|FILE.gguf`, shared by every command that loads a model.
 #[derive(clap::Args, Debug)]
@@ -31,6 +32,14 @@ pub struct ModelArgs {
     /// A GGUF file's quantized tensors are always used as stored.
     #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "q6_k", "q5_k", "q4_k"])]
     pub quantization: Option<String>,
+    /// Where the model runs: cpu, cuda (GPU 0) or cuda:N (chapter 7, part 2). A GPU that is
+    /// not there is an error, never a silent fall-back to the CPU.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceSpec,
+}
+
+fn parse_device(text: &str) -> Result<DeviceSpec, String> {
+    text.parse().map_err(|e: ch07::cuda::CudaError| e.to_string())
 }
 
 /// A model ready to run: weights, tokenizer and the ids that end generation.
@@ -51,10 +60,36 @@ pub enum ModelFormat {
 }
 
 impl ModelArgs {
+    /// `--model PATH` with every other flag at its default (f32, no quantization, the CPU).
+    pub fn cpu(model: PathBuf) -> ModelArgs {
+        ModelArgs {
+            model,
+            dtype: "f32".into(),
+            quantization: None,
+            device: DeviceSpec::Cpu,
+        }
+    }
+
     /// Loads with the fast projections: a GGUF file's quantized tensors on chapter 5's integer
     /// kernels, dense weights on chapter 2's (stored as `--dtype` says) or quantized on load
     /// (`--quantization`).
+    ///
+    /// Refuses `--device cuda`: the commands that run on a GPU call [`ModelArgs::load_on_host`]
+    /// and build their executor with [`ModelArgs::gpu_executor`].
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
+        if let DeviceSpec::Cuda(_) = self.device {
+            anyhow::bail!(
+                "--device {}: this command runs on the CPU only so far; `kiln generate` runs \
+                 on the GPU (chapter 7, part 2)",
+                self.device
+            );
+        }
+        self.load_on_host()
+    }
+
+    /// [`ModelArgs::load`] whatever `--device` says: the tokenizer, the configuration and the
+    /// host copy of the weights.
+    pub fn load_on_host(&self) -> anyhow::Result<LoadedModel> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
         match &self.quantization {
             Some(name) => {
@@ -65,6 +100,38 @@ impl ModelArgs {
             None if self.is_gguf() => self.load_with(&ch05::QuantLoader::native().dense(dtype)),
             None => self.load_with(&ch02::FastLoader { dtype }),
         }
+    }
+
+    /// The executor of `--device cuda:N`: the weights read again from `--model` straight to the
+    /// GPU (f32), K/V memory as `cache` says.
+    pub fn gpu_executor(
+        &self,
+        config: &ch01::LlamaConfig,
+        cache: &ch04::CacheConfig,
+    ) -> anyhow::Result<Box<dyn ch04::Executor + Send>> {
+        use ch07::cuda::{CudaExecutor, GpuDevice};
+        let DeviceSpec::Cuda(ordinal) = self.device else {
+            anyhow::bail!("gpu_executor needs --device cuda");
+        };
+        if self.is_gguf() || self.quantization.is_some() || self.dtype != "f32" {
+            anyhow::bail!(
+                "--device {}: the GPU path runs f32 weights from a Hugging Face directory so far \
+                 (no GGUF file, --quantization or --dtype bf16)",
+                self.device
+            );
+        }
+        let device = GpuDevice::open(ordinal).with_context(|| format!("--device {}", self.device))?;
+        eprintln!("kiln: {} ({}, kernels for {})", self.device, device.name, device.arch.name());
+        let weights = ch01::Weights::open(&self.model)?;
+        let (block_size, memory) = (cache.block_size, cache.memory);
+        Ok(match cache.dtype {
+            ch03::KvDtype::F32 => Box::new(CudaExecutor::<f32>::new(
+                device, config.clone(), &weights, block_size, memory,
+            )?),
+            ch03::KvDtype::Bf16 => Box::new(CudaExecutor::<half::bf16>::new(
+                device, config.clone(), &weights, block_size, memory,
+            )?),
+        })
     }
 
     /// Whether `--model` names a GGUF file rather than a directory.

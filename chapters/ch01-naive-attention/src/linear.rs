@@ -67,6 +67,10 @@ impl DenseLinear {
     pub fn weight(&self) -> &Array2<f32> {
         &self.weight
     }
+
+    pub fn bias(&self) -> Option<&Array1<f32>> {
+        self.bias.as_ref()
+    }
 }
 
 impl Linear for DenseLinear {

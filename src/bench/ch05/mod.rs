@@ -124,9 +124,8 @@ fn quick_variants() -> Vec<Variant> {
 
 fn model_args(model: PathBuf, quantization: Option<&str>) -> ModelArgs {
     ModelArgs {
-        model,
-        dtype: "f32".into(),
         quantization: quantization.map(str::to_string),
+        ..ModelArgs::cpu(model)
     }
 }
 

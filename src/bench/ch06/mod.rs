@@ -257,16 +257,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
 
     let fixtures = ch01::fixtures_dir();
-    let target_args = ModelArgs {
-        model: fixtures.join("shakespeare-small"),
-        dtype: "f32".into(),
-        quantization: None,
-    };
-    let draft_args = ModelArgs {
-        model: fixtures.join("shakespeare-tiny"),
-        dtype: "f32".into(),
-        quantization: None,
-    };
+    let target_args = ModelArgs::cpu(fixtures.join("shakespeare-small"));
+    let draft_args = ModelArgs::cpu(fixtures.join("shakespeare-tiny"));
     let target = target_args.load()?;
     let draft = draft_args.load()?;
     let big = args.model.load()?;

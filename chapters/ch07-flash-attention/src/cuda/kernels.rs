@@ -27,7 +27,7 @@ macro_rules! kernel {
 /// Every kernel file, in the order a decoder layer uses them.
 pub const KERNELS: &[KernelSource] = &[
     kernel!("embedding.cu", ["embedding_f32", "embedding_bf16"]),
-    kernel!("rmsnorm.cu", ["add_rmsnorm", "add_in_place"]),
+    kernel!("rmsnorm.cu", ["add_rmsnorm", "add_in_place", "add_bias"]),
     kernel!("rope.cu", ["rope"]),
     kernel!(
         "kv_write.cu",

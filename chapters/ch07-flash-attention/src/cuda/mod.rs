@@ -11,15 +11,20 @@
 //! | [`kernels`] | the sources, embedded in the binary, and the kernel names each one defines |
 //! | [`compile`] | NVRTC: source → PTX for `sm_80`, `sm_90`, ...                              |
 //! | [`device`]  | one GPU: its context, stream, architecture, and every kernel loaded on it  |
+//! | [`weights`] | a Llama's weights in device memory, from any weight source                |
+//! | [`executor`]| [`CudaExecutor`]: chapter 4's `Executor` on a GPU                          |
 //! | [`ops`]     | safe launches: every length and index a kernel relies on, checked on the host |
 
 pub mod compile;
 pub mod device;
+pub mod executor;
 pub mod kernels;
 pub mod ops;
+pub mod weights;
 
 pub use compile::{Arch, compile_kernel};
 pub use device::{DeviceSpec, GpuDevice};
+pub use executor::CudaExecutor;
 pub use kernels::{KERNELS, KernelSource};
 pub use ops::{DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows};
 
@@ -52,6 +57,10 @@ pub enum CudaError {
         arch: String,
         log: String,
     },
+    #[error("loading the weights for the GPU: {0}")]
+    Weights(String),
+    #[error("cuBLAS: {0:?}")]
+    Cublas(cudarc::cublas::result::CublasError),
     #[error("GPU operation: {0}")]
     Shape(String),
     #[error("CUDA driver: {0}")]

@@ -398,6 +398,7 @@ impl GpuDevice {
         Ok(())
     }
 
+    // ANCHOR: flash_prefill_launch
     /// Causal attention of every query row of the batch over its sequence's paged K/V
     /// (FlashAttention-2 tiles). q, out: `[rows, num_heads·head_dim]`.
     #[allow(clippy::too_many_arguments)]
@@ -441,6 +442,7 @@ impl GpuDevice {
         unsafe { launch.launch(config) }?;
         Ok(())
     }
+    // ANCHOR_END: flash_prefill_launch
 
     /// Split-K decode attention: every sequence of the batch has one row, its context cut in
     /// partitions of `partition_size` keys merged by log-sum-exp.
@@ -589,4 +591,83 @@ struct AttentionArgs {
     num_kv_heads: i32,
     head_dim: i32,
     scale: f32,
+}
+
+impl GpuDevice {
+    /// `y = x · Wᵀ (+ bias)`: x `[rows, in]`, W `[out, in]` (row-major), y `[rows, out]`, by one
+    /// cuBLAS SGEMM. Row-major `y` is column-major `yᵀ = W · xᵀ`, so W is passed transposed.
+    pub fn linear(
+        &self,
+        blas: &cudarc::cublas::CudaBlas,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        layer: &super::weights::DeviceLinear,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+        let (in_f, out_f) = (layer.in_features, layer.out_features);
+        check_len("linear input", x.len(), rows * in_f)?;
+        check_len("linear output", y.len(), rows * out_f)?;
+        check_len("linear weight", layer.weight.len(), out_f * in_f)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let config = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: i32_arg("out_features", out_f)?,
+            n: i32_arg("rows", rows)?,
+            k: i32_arg("in_features", in_f)?,
+            alpha: 1.0f32,
+            lda: i32_arg("in_features", in_f)?,
+            ldb: i32_arg("in_features", in_f)?,
+            beta: 0.0f32,
+            ldc: i32_arg("out_features", out_f)?,
+        };
+        // SAFETY: W is [out, in] (out·in elements), x [rows, in], y [rows, out], checked above;
+        // the leading dimensions are the row lengths of those row-major arrays.
+        unsafe { blas.gemm(config, &layer.weight, x, y) }.map_err(CudaError::Cublas)?;
+        if let Some(bias) = &layer.bias {
+            check_len("bias", bias.len(), out_f)?;
+            let (rows_arg, cols) = (rows as i64, i32_arg("out_features", out_f)?);
+            let mut launch = self.stream.launch_builder(self.function("add_bias"));
+            launch.arg(&mut *y).arg(bias).arg(&rows_arg).arg(&cols);
+            // SAFETY: y holds rows·out, bias out.
+            unsafe { launch.launch(grid_stride(rows * out_f)) }?;
+        }
+        Ok(())
+    }
+
+    /// Copies block `from` to block `to` in one layer's K and V caches
+    /// (`block_elems` = block_size · kv_dim elements of `T` per block).
+    pub fn copy_block<T: DeviceScalar>(
+        &self,
+        k_cache: &mut CudaSlice<T>,
+        v_cache: &mut CudaSlice<T>,
+        block_elems: usize,
+        from: u32,
+        to: u32,
+    ) -> Result<(), CudaError> {
+        let blocks = k_cache.len() / block_elems.max(1);
+        if block_elems == 0
+            || v_cache.len() != k_cache.len()
+            || from as usize >= blocks
+            || to as usize >= blocks
+        {
+            return Err(shape(format!(
+                "copy of block {from} to {to} in a pool of {blocks}"
+            )));
+        }
+        let bytes = (block_elems * size_of::<T>()) as i64;
+        let mut launch = self.stream.launch_builder(self.function("copy_block"));
+        launch
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&from)
+            .arg(&to)
+            .arg(&bytes);
+        // SAFETY: both blocks lie inside both caches (checked); the kernel copies bytes.
+        unsafe { launch.launch(grid_stride(bytes as usize)) }?;
+        Ok(())
+    }
 }

@@ -1,0 +1,305 @@
+//! [`CudaExecutor`]: chapter 4's [`Executor`] on a GPU. The same step as the CPU executor, one
+//! kernel per stage:
+//!
+//! ```text
+//! upload once per step: tokens, positions, row offsets, block tables, slots
+//! x = embedding(tokens)                                   [n, hidden]
+//! per layer:  h = add_rmsnorm(x += previous MLP output)
+//!             q, k, v = cuBLAS(h · Wqᵀ), ...; rope(q, k)
+//!             kv_write(k, v → slots); attention over block tables
+//!               (split-K decode when every row is a decode, else FlashAttention-2 tiles)
+//!             h = add_rmsnorm(x += cuBLAS(attn · Woᵀ)); silu_mul(gate, up); down
+//! final norm, the logit rows gathered, cuBLAS(rows · Wheadᵀ) → host    [rows, vocab]
+//! ```
+//! Weights and K/V stay on the device; only the step's small arrays go up and the logit rows
+//! come back.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+
+use ch01::{LlamaConfig, WeightSource};
+use ch03::KvDtype;
+use ch04::executor::{Executor, ExecutorError, KvLayout, ModelSpec};
+use ch04::request::RequestId;
+use ch04::scheduler::{BlockOp, SchedulerOutput};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::CudaSlice;
+use ndarray::ArrayView2;
+
+use super::CudaError;
+use super::device::GpuDevice;
+use super::ops::{DeviceScalar, HeadShape, SeqRows};
+use super::weights::DeviceWeights;
+
+/// Keys per split-K partition of the decode kernel.
+const DECODE_PARTITION: usize = 256;
+
+/// A KV element the executor can hold: f32, or bf16 for half the bytes.
+pub trait DeviceKv: DeviceScalar {
+    const DTYPE: KvDtype;
+}
+
+impl DeviceKv for f32 {
+    const DTYPE: KvDtype = KvDtype::F32;
+}
+
+impl DeviceKv for half::bf16 {
+    const DTYPE: KvDtype = KvDtype::Bf16;
+}
+
+/// Runs steps on one GPU.
+///
+/// Invariant: every layer's `k_cache[l]`, `v_cache[l]` holds `num_blocks · block_size · kv_dim`
+/// elements; `swapped` holds, per swapped-out request, per block, every layer's K then V.
+pub struct CudaExecutor<K: DeviceKv = f32> {
+    dev: GpuDevice,
+    blas: CudaBlas,
+    config: LlamaConfig,
+    weights: DeviceWeights,
+    heads: HeadShape,
+    block_size: usize,
+    num_blocks: usize,
+    k_cache: Vec<CudaSlice<K>>,
+    v_cache: Vec<CudaSlice<K>>,
+    swapped: HashMap<RequestId, Vec<Vec<K>>>,
+    logits: Vec<f32>, // [rows, vocab], the last step's
+    _kv: PhantomData<K>,
+}
+
+impl<K: DeviceKv> CudaExecutor<K> {
+    /// Uploads the model from `source` to `dev` and allocates as many KV blocks of
+    /// `block_size` positions as `kv_memory` bytes hold.
+    pub fn new(
+        dev: GpuDevice,
+        config: LlamaConfig,
+        source: &dyn WeightSource,
+        block_size: usize,
+        kv_memory: u64,
+    ) -> Result<Self, CudaError> {
+        // SAFETY: only tries to open the library by its candidate names.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::CublasMissing);
+        }
+        let heads = HeadShape {
+            num_heads: config.num_attention_heads,
+            num_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+        };
+        let block_elems = block_size * heads.kv_dim();
+        let block_bytes = 2 * config.num_hidden_layers * block_elems * size_of::<K>();
+        let num_blocks = (kv_memory / block_bytes.max(1) as u64) as usize;
+        if block_size == 0 || num_blocks == 0 {
+            return Err(CudaError::Shape(format!(
+                "a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes"
+            )));
+        }
+        let weights = DeviceWeights::load(&dev, &config, source)?;
+        let mut k_cache = Vec::with_capacity(config.num_hidden_layers);
+        let mut v_cache = Vec::with_capacity(config.num_hidden_layers);
+        for _ in 0..config.num_hidden_layers {
+            k_cache.push(dev.stream.alloc_zeros::<K>(num_blocks * block_elems)?);
+            v_cache.push(dev.stream.alloc_zeros::<K>(num_blocks * block_elems)?);
+        }
+        let blas = CudaBlas::new(dev.stream.clone()).map_err(CudaError::Cublas)?;
+        Ok(CudaExecutor {
+            dev,
+            blas,
+            config,
+            weights,
+            heads,
+            block_size,
+            num_blocks,
+            k_cache,
+            v_cache,
+            swapped: HashMap::new(),
+            logits: Vec::new(),
+            _kv: PhantomData,
+        })
+    }
+
+    fn block_elems(&self) -> usize {
+        self.block_size * self.heads.kv_dim()
+    }
+
+    fn apply(&mut self, op: &BlockOp) -> Result<(), CudaError> {
+        let elems = self.block_elems();
+        match op {
+            BlockOp::Copy(copy) => {
+                for (k, v) in self.k_cache.iter_mut().zip(&mut self.v_cache) {
+                    self.dev.copy_block(k, v, elems, copy.src, copy.dst)?;
+                }
+            }
+            BlockOp::SwapOut { id, blocks } => {
+                let mut kept = Vec::with_capacity(blocks.len());
+                for &b in blocks {
+                    let range = b as usize * elems..(b as usize + 1) * elems;
+                    let mut data = Vec::with_capacity(2 * elems * self.k_cache.len());
+                    for (k, v) in self.k_cache.iter().zip(&self.v_cache) {
+                        data.extend(self.dev.stream.clone_dtoh(&k.slice(range.clone()))?);
+                        data.extend(self.dev.stream.clone_dtoh(&v.slice(range.clone()))?);
+                    }
+                    kept.push(data);
+                }
+                self.swapped.insert(*id, kept);
+            }
+            BlockOp::SwapIn { id, blocks } => {
+                let kept = self.swapped.remove(id).unwrap_or_default();
+                for (block, data) in blocks.iter().zip(&kept) {
+                    let Some(b) = block else { continue };
+                    let range = *b as usize * elems..(*b as usize + 1) * elems;
+                    let layers = self.k_cache.iter_mut().zip(&mut self.v_cache);
+                    for (l, (k, v)) in layers.enumerate() {
+                        let at = 2 * l * elems;
+                        let mut k_dst = k.slice_mut(range.clone());
+                        self.dev
+                            .stream
+                            .memcpy_htod(&data[at..at + elems], &mut k_dst)?;
+                        let mut v_dst = v.slice_mut(range.clone());
+                        let v_src = &data[at + elems..at + 2 * elems];
+                        self.dev.stream.memcpy_htod(v_src, &mut v_dst)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, step: &SchedulerOutput) -> Result<(), CudaError> {
+        for op in &step.block_ops {
+            self.apply(op)?;
+        }
+        for id in &step.finished {
+            self.swapped.remove(id);
+        }
+        let vocab = self.config.vocab_size;
+        self.logits.clear();
+        if step.seqs.is_empty() {
+            return Ok(());
+        }
+        let dev = &self.dev;
+        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
+        let (heads, eps) = (self.heads, self.config.rms_norm_eps as f32);
+        let seqs: Vec<SeqRows> = step
+            .seqs
+            .iter()
+            .map(|s| SeqRows {
+                start_pos: s.start_pos,
+                rows: s.tokens.len(),
+                block_table: s.block_table.clone(),
+            })
+            .collect();
+        let batch = dev.upload_batch(&seqs, self.block_size, self.num_blocks)?;
+        let n = batch.num_rows;
+        let tokens: Vec<u32> = step
+            .seqs
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let positions: Vec<u32> = step
+            .seqs
+            .iter()
+            .flat_map(|s| (s.start_pos..s.start_pos + s.tokens.len()).map(|p| p as u32))
+            .collect();
+        let tokens = dev.upload_tokens(&tokens, vocab)?;
+        let positions = dev.stream.clone_htod(&positions)?;
+
+        let zeros = |len: usize| dev.stream.alloc_zeros::<f32>(len);
+        let mut residual = zeros(n * hidden)?;
+        let (mut h, mut delta) = (zeros(n * hidden)?, zeros(n * hidden)?);
+        let (mut q, mut k, mut v) = (
+            zeros(n * heads.q_dim())?,
+            zeros(n * heads.kv_dim())?,
+            zeros(n * heads.kv_dim())?,
+        );
+        let mut attn = zeros(n * heads.q_dim())?;
+        let (mut gate, mut up) = (zeros(n * inter)?, zeros(n * inter)?);
+        dev.embedding(&self.weights.embed_tokens, hidden, &tokens, &mut residual)?;
+
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            // The previous layer's MLP output joins the residual stream here (none before layer 0).
+            let previous = (l > 0).then_some(&delta);
+            dev.add_rmsnorm(&mut residual, previous, &layer.input_norm, eps, &mut h)?;
+            dev.linear(&self.blas, &h, n, &layer.q, &mut q)?;
+            dev.linear(&self.blas, &h, n, &layer.k, &mut k)?;
+            dev.linear(&self.blas, &h, n, &layer.v, &mut v)?;
+            dev.rope(&mut q, &mut k, &positions, &self.weights.inv_freq, heads)?;
+            let (k_cache, v_cache) = (&mut self.k_cache[l], &mut self.v_cache[l]);
+            dev.kv_write(&batch, &k, &v, heads.kv_dim(), k_cache, v_cache)?;
+            if batch.all_single_rows {
+                dev.paged_decode(
+                    &batch,
+                    heads,
+                    DECODE_PARTITION,
+                    &q,
+                    k_cache,
+                    v_cache,
+                    &mut attn,
+                )?;
+            } else {
+                dev.flash_prefill(&batch, heads, &q, k_cache, v_cache, &mut attn)?;
+            }
+            dev.linear(&self.blas, &attn, n, &layer.o, &mut delta)?;
+            dev.add_rmsnorm(&mut residual, Some(&delta), &layer.post_norm, eps, &mut h)?;
+            dev.linear(&self.blas, &h, n, &layer.gate, &mut gate)?;
+            dev.linear(&self.blas, &h, n, &layer.up, &mut up)?;
+            let mut act = zeros(n * inter)?;
+            dev.silu_mul(&gate, &up, &mut act)?;
+            dev.linear(&self.blas, &act, n, &layer.down, &mut delta)?;
+        }
+        dev.add_rmsnorm(&mut residual, Some(&delta), &self.weights.norm, eps, &mut h)?;
+
+        // The logit rows: each sequence's last `logit_rows` rows, gathered like an embedding.
+        let mut wanted = vec![];
+        let mut row = 0usize;
+        for s in &step.seqs {
+            let end = row + s.tokens.len();
+            wanted.extend((end - s.logit_rows.min(s.tokens.len())..end).map(|r| r as u32));
+            row = end;
+        }
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let wanted_dev = dev.upload_tokens(&wanted, n)?;
+        let mut gathered = zeros(wanted.len() * hidden)?;
+        dev.embedding(&h, hidden, &wanted_dev, &mut gathered)?;
+        let mut logits = zeros(wanted.len() * vocab)?;
+        dev.linear(
+            &self.blas,
+            &gathered,
+            wanted.len(),
+            &self.weights.lm_head,
+            &mut logits,
+        )?;
+        self.logits = dev.stream.clone_dtoh(&logits)?;
+        Ok(())
+    }
+}
+
+impl<K: DeviceKv> Executor for CudaExecutor<K> {
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            num_layers: self.config.num_hidden_layers,
+            num_kv_heads: self.heads.num_kv_heads,
+            head_dim: self.heads.head_dim,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            dtype: K::DTYPE,
+        }
+    }
+
+    fn model_spec(&self) -> ModelSpec {
+        ModelSpec {
+            vocab_size: self.config.vocab_size,
+            max_model_len: self.config.max_position_embeddings,
+        }
+    }
+
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        self.run(step).map_err(|e| ExecutorError(e.to_string()))?;
+        let rows = self.logits.len() / self.config.vocab_size;
+        Ok(
+            ArrayView2::from_shape((rows, self.config.vocab_size), &self.logits)
+                .expect("logits hold whole rows"),
+        )
+    }
+}

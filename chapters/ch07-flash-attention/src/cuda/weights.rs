@@ -1,0 +1,119 @@
+//! A Llama's weights in device memory, f32, read from any chapter 1 [`WeightSource`] under the
+//! Hugging Face names (the names `Llama::from_source` reads).
+
+use ch01::{DenseLinear, LinearSpec, LlamaConfig, WeightSource};
+use cudarc::driver::CudaSlice;
+use ndarray::Array2;
+
+use super::CudaError;
+use super::device::GpuDevice;
+
+/// One projection on the device. Invariant: `weight` holds `out_features · in_features` values
+/// (`[out, in]`, row-major, as Hugging Face stores it), `bias` `out_features` when present.
+pub struct DeviceLinear {
+    pub weight: CudaSlice<f32>,
+    pub bias: Option<CudaSlice<f32>>,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+pub struct DeviceLayer {
+    pub input_norm: CudaSlice<f32>,
+    pub q: DeviceLinear,
+    pub k: DeviceLinear,
+    pub v: DeviceLinear,
+    pub o: DeviceLinear,
+    pub post_norm: CudaSlice<f32>,
+    pub gate: DeviceLinear,
+    pub up: DeviceLinear,
+    pub down: DeviceLinear,
+}
+
+/// Every weight of the model on one device.
+pub struct DeviceWeights {
+    pub embed_tokens: CudaSlice<f32>, // [vocab, hidden]
+    pub layers: Vec<DeviceLayer>,
+    pub norm: CudaSlice<f32>,
+    pub lm_head: DeviceLinear, // hidden → vocab
+    /// RoPE's inverse frequencies (scaling applied), `[head_dim / 2]`.
+    pub inv_freq: CudaSlice<f32>,
+}
+
+fn upload_matrix(dev: &GpuDevice, m: &Array2<f32>) -> Result<CudaSlice<f32>, CudaError> {
+    let m = m.as_standard_layout();
+    Ok(dev
+        .stream
+        .clone_htod(m.as_slice().expect("standard layout"))?)
+}
+
+impl DeviceWeights {
+    /// Reads and uploads every weight. Errors: a missing or misshapen tensor (from the source),
+    /// a device allocation that fails.
+    pub fn load(
+        dev: &GpuDevice,
+        config: &LlamaConfig,
+        source: &dyn WeightSource,
+    ) -> Result<DeviceWeights, CudaError> {
+        let c = config;
+        let load_err = |e: ch01::Error| CudaError::Weights(e.to_string());
+        let (hidden, q_dim, kv_dim) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let linear = |name: &str, in_f: usize, out_f: usize, bias: bool| {
+            let dense = DenseLinear::load(source, &LinearSpec::whole(name, in_f, out_f, bias))
+                .map_err(load_err)?;
+            Ok::<_, CudaError>(DeviceLinear {
+                weight: upload_matrix(dev, dense.weight())?,
+                bias: match dense.bias() {
+                    Some(b) => Some(dev.stream.clone_htod(b.as_slice().expect("contiguous"))?),
+                    None => None,
+                },
+                in_features: in_f,
+                out_features: out_f,
+            })
+        };
+        let norm = |name: &str| -> Result<CudaSlice<f32>, CudaError> {
+            let v = source.vector(name, hidden).map_err(load_err)?;
+            Ok(dev.stream.clone_htod(v.as_slice().expect("contiguous"))?)
+        };
+        let embed = source
+            .matrix("model.embed_tokens.weight", c.vocab_size, hidden)
+            .map_err(load_err)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let (attn, mlp) = (
+                format!("model.layers.{i}.self_attn"),
+                format!("model.layers.{i}.mlp"),
+            );
+            let inter = c.intermediate_size;
+            layers.push(DeviceLayer {
+                input_norm: norm(&format!("model.layers.{i}.input_layernorm.weight"))?,
+                q: linear(&format!("{attn}.q_proj"), hidden, q_dim, c.qkv_bias)?,
+                k: linear(&format!("{attn}.k_proj"), hidden, kv_dim, c.qkv_bias)?,
+                v: linear(&format!("{attn}.v_proj"), hidden, kv_dim, c.qkv_bias)?,
+                o: linear(&format!("{attn}.o_proj"), q_dim, hidden, c.o_bias)?,
+                post_norm: norm(&format!("model.layers.{i}.post_attention_layernorm.weight"))?,
+                gate: linear(&format!("{mlp}.gate_proj"), hidden, inter, c.mlp_bias)?,
+                up: linear(&format!("{mlp}.up_proj"), hidden, inter, c.mlp_bias)?,
+                down: linear(&format!("{mlp}.down_proj"), inter, hidden, c.mlp_bias)?,
+            });
+        }
+        // Tied embeddings: the head is the embedding matrix, as in chapter 1.
+        let head = if c.tie_word_embeddings && !source.contains("lm_head.weight") {
+            "model.embed_tokens"
+        } else {
+            "lm_head"
+        };
+        let rope = ch01::rope::Rope::from_config(c);
+        let inv_freq: Vec<f32> = rope.inv_freq().iter().map(|&f| f as f32).collect();
+        Ok(DeviceWeights {
+            embed_tokens: upload_matrix(dev, &embed)?,
+            layers,
+            norm: norm("model.norm.weight")?,
+            lm_head: linear(head, hidden, c.vocab_size, false)?,
+            inv_freq: dev.stream.clone_htod(&inv_freq)?,
+        })
+    }
+}

@@ -1,0 +1,121 @@
+//! The whole model on the GPU against the CPU, step by step inside chapter 4's engine: every
+//! step the scheduler plans (chunked prefills, decodes, copy-on-write, swaps under memory
+//! pressure) runs on both executors, and the GPU's logit rows must equal the CPU's within 1e-4;
+//! the engine samples greedily from the CPU's, so both see the same steps.
+//!
+//! Needs a GPU: without a CUDA driver the test prints that it skipped, unless
+//! `KILN_REQUIRE_GPU=1` (set by `just gpu-check`).
+
+use std::path::PathBuf;
+
+use ch01::{LlamaConfig, Weights};
+use ch03::KvPool;
+use ch04::CpuExecutor;
+use ch04::engine::{Engine, EngineConfig, Preemption};
+use ch04::executor::{Executor, ExecutorError, KvLayout, ModelSpec};
+use ch04::request::Request;
+use ch04::scheduler::SchedulerOutput;
+use ch07_flash_attention::cuda::device::driver_present;
+use ch07_flash_attention::cuda::{CudaExecutor, GpuDevice};
+use ndarray::{Array2, ArrayView2};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+/// Runs each step on both executors and keeps the largest difference of their logits.
+struct Twin<'m> {
+    cpu: CpuExecutor<'m, f32>,
+    gpu: CudaExecutor<f32>,
+    worst: f32,
+    steps: usize,
+}
+
+impl Executor for Twin<'_> {
+    fn kv_layout(&self) -> KvLayout {
+        assert_eq!(self.cpu.kv_layout(), self.gpu.kv_layout());
+        self.cpu.kv_layout()
+    }
+
+    fn model_spec(&self) -> ModelSpec {
+        self.cpu.model_spec()
+    }
+
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        let gpu: Array2<f32> = self.gpu.execute(step)?.to_owned();
+        let cpu = self.cpu.execute(step)?;
+        assert_eq!(gpu.dim(), cpu.dim(), "logit rows of step {}", self.steps);
+        for ((r, c), g) in gpu.indexed_iter() {
+            let diff = (g - cpu[[r, c]]).abs() / cpu[[r, c]].abs().max(1.0);
+            assert!(
+                diff <= 1e-4,
+                "step {}: logit [{r}, {c}] GPU {g}, CPU {}",
+                self.steps,
+                cpu[[r, c]]
+            );
+            self.worst = self.worst.max(diff);
+        }
+        self.steps += 1;
+        Ok(cpu)
+    }
+}
+
+#[test]
+fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
+    if !driver_present() {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "KILN_REQUIRE_GPU is set but no CUDA driver can be loaded"
+        );
+        eprintln!("skipped: no CUDA driver on this machine");
+        return;
+    }
+    for name in ["shakespeare-tiny", "shakespeare-small"] {
+        let dir = fixture(name);
+        let model = ch01::Llama::load(&dir).unwrap();
+        let config = LlamaConfig::from_dir(&dir).unwrap();
+        let weights = Weights::open(&dir).unwrap();
+        let block_size = 16;
+        // Few blocks: prompts and generations of 8 requests do not all fit, so the scheduler
+        // preempts (by swapping) and the executors move blocks.
+        let num_blocks = 12;
+        let pool = KvPool::<f32>::new(&model.config, block_size, num_blocks).unwrap();
+        let memory = num_blocks as u64 * KvPool::<f32>::bytes_per_block(&model.config, block_size);
+        let gpu = CudaExecutor::<f32>::new(
+            GpuDevice::open(0).unwrap(),
+            config,
+            &weights,
+            block_size,
+            memory,
+        )
+        .unwrap();
+        let twin = Twin {
+            cpu: CpuExecutor::new(&model, pool),
+            gpu,
+            worst: 0.0,
+            steps: 0,
+        };
+        let engine_config = EngineConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 48,
+            enable_chunked_prefill: true,
+            watermark: 0.0,
+            preemption: Preemption::Swap,
+            enable_prefix_caching: true,
+        };
+        let mut engine = Engine::new(twin, engine_config).unwrap();
+        let vocab = model.config.vocab_size as u32;
+        for i in 0..8u32 {
+            let prompt: Vec<u32> = (0..(5 + 7 * i))
+                .map(|t| (t * 31 + i * 17) % vocab)
+                .collect();
+            engine.add_request(Request::greedy(prompt, 24)).unwrap();
+        }
+        while engine.has_unfinished() {
+            engine.step().unwrap();
+        }
+        println!("{name}: GPU equals CPU on every step");
+    }
+}
