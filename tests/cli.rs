@@ -494,7 +494,15 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
     );
     if !ch07::cuda::device::driver_present() {
         assert_fails_with(
-            &["generate", "--prompt", "HAMLET.", "--max-tokens", "2", "--device", "cuda"],
+            &[
+                "generate",
+                "--prompt",
+                "HAMLET.",
+                "--max-tokens",
+                "2",
+                "--device",
+                "cuda",
+            ],
             "the CUDA driver library (libcuda.so) was not found",
         );
     }

@@ -39,7 +39,8 @@ pub struct ModelArgs {
 }
 
 fn parse_device(text: &str) -> Result<DeviceSpec, String> {
-    text.parse().map_err(|e: ch07::cuda::CudaError| e.to_string())
+    text.parse()
+        .map_err(|e: ch07::cuda::CudaError| e.to_string())
 }
 
 /// A model ready to run: weights, tokenizer and the ids that end generation.
@@ -120,16 +121,30 @@ impl ModelArgs {
                 self.device
             );
         }
-        let device = GpuDevice::open(ordinal).with_context(|| format!("--device {}", self.device))?;
-        eprintln!("kiln: {} ({}, kernels for {})", self.device, device.name, device.arch.name());
+        let device =
+            GpuDevice::open(ordinal).with_context(|| format!("--device {}", self.device))?;
+        eprintln!(
+            "kiln: {} ({}, kernels for {})",
+            self.device,
+            device.name,
+            device.arch.name()
+        );
         let weights = ch01::Weights::open(&self.model)?;
         let (block_size, memory) = (cache.block_size, cache.memory);
         Ok(match cache.dtype {
             ch03::KvDtype::F32 => Box::new(CudaExecutor::<f32>::new(
-                device, config.clone(), &weights, block_size, memory,
+                device,
+                config.clone(),
+                &weights,
+                block_size,
+                memory,
             )?),
             ch03::KvDtype::Bf16 => Box::new(CudaExecutor::<half::bf16>::new(
-                device, config.clone(), &weights, block_size, memory,
+                device,
+                config.clone(),
+                &weights,
+                block_size,
+                memory,
             )?),
         })
     }
