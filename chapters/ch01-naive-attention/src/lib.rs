@@ -54,9 +54,14 @@ pub mod testing;
 
 use std::path::{Path, PathBuf};
 
-/// The repository's `fixtures/` directory, resolved when the crate is compiled (this crate lives
-/// at `chapters/<name>/`, two levels below the repository root).
+/// The repository's `fixtures/` directory: `$KILN_FIXTURES` when set, else resolved when the
+/// crate is compiled (this crate lives at `chapters/<name>/`, two levels below the repository
+/// root).
 pub fn fixtures_dir() -> PathBuf {
+    // A binary built here and run from another checkout (a GPU box) is told where it is.
+    if let Some(dir) = std::env::var_os("KILN_FIXTURES") {
+        return PathBuf::from(dir);
+    }
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     crate_dir
         .ancestors()
