@@ -28,7 +28,8 @@ pub struct ModelArgs {
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     pub dtype: String,
     /// Quantize dense projection weights on load to one of llama.cpp's block formats (chapter
-    /// 5). A K-quant falls back to q8_0 for layers whose input size is not a multiple of 256.
+    /// 5). A K-quant falls back as llama.cpp's quantizer does (q4_k to q5_0, q5_k to q5_1, q6_k
+    /// to q8_0) for layers whose input size is not a multiple of 256.
     /// A GGUF file's quantized tensors are always used as stored.
     #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "q6_k", "q5_k", "q4_k"])]
     pub quantization: Option<String>,

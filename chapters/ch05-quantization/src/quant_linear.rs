@@ -12,7 +12,8 @@
 //! | dense F32 / F16 / BF16                  | `target: None`: chapter 2's [`FastLinear`] (f32); `target: Some(t)`: quantized to `t` on load |
 //!
 //! A K-quant target needs `in_features` to be a multiple of 256; when it is not (SmolLM2's 576),
-//! [`QuantLoader::to`] falls back to Q8_0 for that layer, as llama.cpp's quantizer does; the
+//! [`QuantLoader::to`] falls back for that layer as llama.cpp's quantizer does (Q4_K → Q5_0,
+//! Q5_K → Q5_1, Q6_K → Q8_0); the
 //! layer's own [`QuantLinear::ty`] says what it holds. With no fallback, or when even the
 //! fallback's block does not divide `in_features`, loading fails with an error.
 //!
@@ -177,13 +178,14 @@ impl QuantLoader {
         QuantLoader { dense, ..self }
     }
 
-    /// Dense weights quantized to `target` on load; a K-quant target falls back to Q8_0 for
-    /// layers whose `in_features` is not a multiple of 256. `target` must have a kernel.
+    /// Dense weights quantized to `target` on load; a K-quant target falls back as llama.cpp's
+    /// quantizer does (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0) for layers whose `in_features` is
+    /// not a multiple of 256. `target` must have a kernel.
     pub fn to(target: GgmlType) -> Result<Self, KernelError> {
         if !has_kernel(target) {
             return Err(KernelError::NoKernel(target));
         }
-        let fallback = (target.block_elems() == 256).then_some(GgmlType::Q8_0);
+        let fallback = crate::gguf::convert::k_quant_fallback(target);
         Ok(QuantLoader {
             target: Some(target),
             fallback,

@@ -149,11 +149,16 @@ fn dense_weights_stay_dense_or_are_quantized_on_load() {
         .load(&source, &spec)
         .unwrap();
     assert_eq!(q4.weight_bytes(), out * 18 * 18);
-    // Q4_K: 576 is not a multiple of 256, so the layer falls back to Q8_0.
+    // Q4_K: 576 is not a multiple of 256, so the layer falls back to Q5_0 (22 bytes per 32),
+    // as llama.cpp's quantizer does; Q5_K to Q5_1 (24 bytes), Q6_K to Q8_0 (34 bytes).
     let q4k = QuantLoader::to(GgmlType::Q4K).unwrap();
     let layer = q4k.load(&source, &spec).unwrap();
-    assert_eq!(layer.weight_bytes(), out * 18 * 34);
-    for (name, layer, tol) in [("q4_0", &q4, 0.2f32), ("q8_0 fallback", &layer, 0.02)] {
+    assert_eq!(layer.weight_bytes(), out * 18 * 22);
+    for (ty, bytes) in [(GgmlType::Q5K, 24), (GgmlType::Q6K, 34)] {
+        let other = QuantLoader::to(ty).unwrap().load(&source, &spec).unwrap();
+        assert_eq!(other.weight_bytes(), out * 18 * bytes, "{ty}");
+    }
+    for (name, layer, tol) in [("q4_0", &q4, 0.2f32), ("q5_0 fallback", &layer, 0.1)] {
         let y = layer.forward(x.view());
         assert_close(
             name,
@@ -177,7 +182,7 @@ fn dense_weights_stay_dense_or_are_quantized_on_load() {
     );
     // `build` (a tied head) quantizes the same way.
     let built = q4k.build(dense, None).unwrap();
-    assert_eq!(built.weight_bytes(), out * 18 * 34);
+    assert_eq!(built.weight_bytes(), out * 18 * 22);
 }
 
 #[test]

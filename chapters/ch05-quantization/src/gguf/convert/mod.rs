@@ -37,7 +37,9 @@ use ch01::{LlamaConfig, TensorDtype, WeightSource, Weights};
 use rayon::prelude::*;
 
 pub use error::{ConvertError, ConvertResult};
-pub use policy::{QUANTIZE_TYPES, TensorRole, fallback, llama_ftype, tensor_type};
+pub use policy::{
+    QUANTIZE_TYPES, TensorRole, fallback, k_quant_fallback, llama_ftype, tensor_type,
+};
 pub use vocab::HfVocab;
 
 use super::config::GgufArch;

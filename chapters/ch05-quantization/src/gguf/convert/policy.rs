@@ -68,11 +68,9 @@ pub fn llama_ftype(ty: GgmlType) -> Option<u32> {
     })
 }
 
-/// `ty`, or what llama.cpp uses instead when rows of `cols` are not whole blocks of it.
-pub fn fallback(ty: GgmlType, cols: usize) -> GgmlType {
-    if ty.row_bytes(cols).is_some() {
-        return ty;
-    }
+/// What llama.cpp's quantizer uses instead of a K-quant for rows that are not whole 256-blocks:
+/// Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0 (`None` for a type with no such rule).
+pub fn k_quant_fallback(ty: GgmlType) -> Option<GgmlType> {
     let or_q8_0 = |t: GgmlType| {
         if blocks::can_quantize(t) {
             t
@@ -80,12 +78,20 @@ pub fn fallback(ty: GgmlType, cols: usize) -> GgmlType {
             GgmlType::Q8_0
         }
     };
-    let next = match ty {
-        GgmlType::Q4K => or_q8_0(GgmlType::Q5_0),
-        GgmlType::Q5K => or_q8_0(GgmlType::Q5_1),
-        GgmlType::Q6K => GgmlType::Q8_0,
-        other => other,
-    };
+    match ty {
+        GgmlType::Q4K => Some(or_q8_0(GgmlType::Q5_0)),
+        GgmlType::Q5K => Some(or_q8_0(GgmlType::Q5_1)),
+        GgmlType::Q6K => Some(GgmlType::Q8_0),
+        _ => None,
+    }
+}
+
+/// `ty`, or what llama.cpp uses instead when rows of `cols` are not whole blocks of it.
+pub fn fallback(ty: GgmlType, cols: usize) -> GgmlType {
+    if ty.row_bytes(cols).is_some() {
+        return ty;
+    }
+    let next = k_quant_fallback(ty).unwrap_or(ty);
     if next.row_bytes(cols).is_some() {
         next
     } else {
