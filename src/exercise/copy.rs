@@ -57,9 +57,16 @@ pub fn write_if_changed(path: &Path, text: &str) -> Result<bool> {
 /// Makes `dest` a copy of the reference at `root`: the files it lacks are added (those in
 /// `replaced` with that text instead of the reference's); with `refresh`, files that differ
 /// are rewritten too. Returns the files added.
+///
+/// The copy shares the reference's build directory, and cargo names a workspace crate's
+/// artifacts by its name, version and path relative to the workspace: the same for the copy's
+/// crates as for the reference's. So the copy's workspace version gets the suffix `-tag`
+/// ([`tag_version`]), and its crates build apart from the reference's, while the registry
+/// dependencies, which are the same, are shared.
 pub fn sync(
     root: &Path,
     dest: &Path,
+    tag: &str,
     refresh: bool,
     replaced: &HashMap<PathBuf, String>,
 ) -> Result<Vec<PathBuf>> {
@@ -72,6 +79,9 @@ pub fn sync(
         }
         let bytes = match replaced.get(&rel) {
             Some(text) => text.as_bytes().to_vec(),
+            None if rel == Path::new("Cargo.toml") => {
+                tag_version(&std::fs::read_to_string(root.join(&rel))?, tag)?.into_bytes()
+            }
             None => std::fs::read(root.join(&rel))?,
         };
         if !exists || std::fs::read(&target)? != bytes {
@@ -102,4 +112,33 @@ fn link_dir(from: &Path, to: &Path) -> Result<()> {
         to.display(),
         from.display()
     )
+}
+
+/// The workspace manifest with `[workspace.package] version = "X"` as `"X-tag"`.
+pub fn tag_version(manifest: &str, tag: &str) -> Result<String> {
+    let section = manifest
+        .find("[workspace.package]")
+        .context("Cargo.toml has no [workspace.package]")?;
+    let at = section
+        + manifest[section..]
+            .find("version = \"")
+            .context("[workspace.package] has no version")?
+        + "version = \"".len();
+    let end = at + manifest[at..].find('"').context("unterminated version")?;
+    Ok(format!("{}-{tag}{}", &manifest[..end], &manifest[end..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workspace_version_gets_the_tag_and_nothing_else_changes() {
+        let manifest = "[package]\nversion = \"9.9.9\"\n[workspace.package]\nedition = \"2024\"\nversion = \"0.1.0\"\n[dependencies]\nx = { version = \"1.0\" }\n";
+        assert_eq!(
+            tag_version(manifest, "learner").unwrap(),
+            manifest.replace("\"0.1.0\"", "\"0.1.0-learner\"")
+        );
+        assert!(tag_version("[package]\nversion = \"1\"\n", "t").is_err());
+    }
 }

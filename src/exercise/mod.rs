@@ -88,7 +88,7 @@ fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
     let chapter = table::load_chapter(root, n)?;
     let learner = learner_dir(root);
     let fresh = !learner.exists();
-    let added = copy::sync(root, &learner, false, &Default::default())?;
+    let added = copy::sync(root, &learner, "learner", false, &Default::default())?;
     if fresh {
         println!("made the learner copy {}", learner.display());
     } else if !added.is_empty() {

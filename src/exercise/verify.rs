@@ -128,6 +128,10 @@ fn prepare(root: &Path, dir: &Path, chapters: &[Chapter], stub: Stub) -> Result<
             replaced.insert(rel, stub::stub(&text, task, stub)?);
         }
     }
-    copy::sync(root, dir, true, &replaced)?;
+    let tag = match stub {
+        Stub::Todo => "todo",
+        Stub::Switch => "switch",
+    };
+    copy::sync(root, dir, tag, true, &replaced)?;
     Ok(())
 }
