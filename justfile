@@ -72,6 +72,14 @@ chapter n:
       *) echo "(no demo for chapter {{n}} yet)" ;;
     esac
 
+# Make (or update) the learner copy learner/ with chapter N's task bodies as todo! (`just exercise 1`).
+exercise n *args:
+    cargo run -q -- exercise new {{n}} {{args}}
+
+# Run chapter N's task tests (or task K's) against the learner copy (`just check 1`, `just check 1 2`).
+check n k="":
+    cargo run -q -- exercise check {{n}} {{k}}
+
 # Every test of the workspace (the README's test command).
 test:
     cargo test --workspace

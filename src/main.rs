@@ -8,11 +8,13 @@
 //! kiln quantize   --type q4_0 --out F.gguf a Hugging Face checkpoint → GGUF (kiln and llama.cpp load it)
 //! kiln serve     --port 8000              the OpenAI-compatible server (chapter 8)
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
+//! kiln exercise new 1 | check 1 [k]        the learner's copy with chapter 1's tasks as todo!; its tests
 //! ```
 //! `--model` defaults to the embedded shakespeare-small fixture.
 
 mod bench;
 mod commands;
+mod exercise;
 
 use clap::{Parser, Subcommand};
 
@@ -49,6 +51,8 @@ enum Command {
     Serve(commands::serve::Args),
     /// Run a chapter's benchmark: print a markdown table, write it and an SVG plot for the book.
     Bench(bench::Args),
+    /// The learner's path: a copy with a chapter's task bodies as todo!, and their tests.
+    Exercise(exercise::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,5 +74,6 @@ fn main() -> anyhow::Result<()> {
         Command::Perplexity(args) => commands::perplexity::run(args),
         Command::Quantize(args) => commands::quantize::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Exercise(args) => exercise::run(args),
     })
 }

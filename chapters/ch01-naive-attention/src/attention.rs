@@ -34,6 +34,7 @@ pub fn causal_attention(
     v: ArrayView2<f32>,
     shape: AttentionShape,
 ) -> Array2<f32> {
+    // ANCHOR: task_1_4
     let AttentionShape {
         num_heads,
         num_kv_heads,
@@ -66,6 +67,7 @@ pub fn causal_attention(
             .assign(&scores.dot(&v_h)); // [T_q, d]
     }
     out
+    // ANCHOR_END: task_1_4
 }
 // ANCHOR_END: attention
 
@@ -73,6 +75,7 @@ pub fn causal_attention(
 /// Invariant: for a row with at least one finite value the result sums to 1.
 // ANCHOR: softmax
 pub fn softmax_in_place(row: &mut [f32]) {
+    // ANCHOR: task_1_1
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0;
     for x in row.iter_mut() {
@@ -82,6 +85,7 @@ pub fn softmax_in_place(row: &mut [f32]) {
     for x in row.iter_mut() {
         *x /= sum;
     }
+    // ANCHOR_END: task_1_1
 }
 // ANCHOR_END: softmax
 

@@ -41,6 +41,7 @@ impl RmsNorm {
     /// x: [T, hidden] → [T, hidden]
     // ANCHOR: rms_norm
     pub fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
+        // ANCHOR: task_1_2
         let mut out = x.to_owned();
         for mut row in out.rows_mut() {
             let mean_square = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
@@ -48,6 +49,7 @@ impl RmsNorm {
             row.zip_mut_with(&self.weight, |v, w| *v = *v * inv_rms * w);
         }
         out
+        // ANCHOR_END: task_1_2
     }
     // ANCHOR_END: rms_norm
 

@@ -70,6 +70,7 @@ impl Rope {
     /// `x`: [num_heads * head_dim] for the token at position `pos`.
     // ANCHOR: rope_rotate
     pub fn rotate(&self, x: &mut [f32], pos: usize) {
+        // ANCHOR: task_1_3
         let head_dim = self.head_dim();
         let half = head_dim / 2;
         for (i, &freq) in self.inv_freq.iter().enumerate() {
@@ -82,6 +83,7 @@ impl Rope {
                 head[i + half] = b * cos + a * sin;
             }
         }
+        // ANCHOR_END: task_1_3
     }
     // ANCHOR_END: rope_rotate
 }

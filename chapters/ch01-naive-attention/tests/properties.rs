@@ -5,10 +5,11 @@
 
 use ch01_naive_attention::attention::{AttentionShape, causal_attention, softmax_in_place};
 use ch01_naive_attention::config::RopeScaling;
+use ch01_naive_attention::model::RmsNorm;
 use ch01_naive_attention::rope::Rope;
 use ch01_naive_attention::testing::{Tolerance, assert_close_shaped, seeded_runner};
 use ch01_naive_attention::{Llama, fixtures_dir};
-use ndarray::Array2;
+use ndarray::{Array1, Array2};
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 
@@ -235,6 +236,102 @@ fn rope_scores_depend_only_on_relative_offset() {
             prop_assert!(
                 (s0 - s1).abs() <= 2e-3 * (1.0 + scale),
                 "q·k at ({m},{n}) = {s0}, shifted by {shift} = {s1}"
+            );
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// RMSNorm in f64, row by row: `x / sqrt(mean(x²) + eps) * weight`.
+fn rms_norm_f64(x: &Array2<f32>, weight: &[f32], eps: f64) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.rows() {
+        let mean_square = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / row.len() as f64;
+        let inv_rms = 1.0 / (mean_square + eps).sqrt();
+        out.extend(
+            row.iter()
+                .zip(weight)
+                .map(|(&v, &w)| (v as f64 * inv_rms * w as f64) as f32),
+        );
+    }
+    out
+}
+
+#[test]
+fn rms_norm_equals_f64_reference_on_random_shapes() {
+    let cases = (1usize..9, 1usize..70).prop_flat_map(|(t, hidden)| {
+        (
+            matrix(t, hidden),
+            proptest::collection::vec(-2.0f32..2.0, hidden),
+            prop_oneof![Just(1e-5), Just(1e-6)],
+        )
+    });
+    runner(200)
+        .run(&cases, |(x, weight, eps)| {
+            let norm = RmsNorm::new(Array1::from(weight.clone()), eps);
+            let expected = rms_norm_f64(&x, &weight, eps);
+            let shape = [x.nrows(), x.ncols()];
+            let out = norm.forward(x.view());
+            assert_close_shaped(
+                "forward",
+                out.as_slice().unwrap(),
+                &expected,
+                &shape,
+                Tolerance::F32,
+            );
+            // The allocation-free path (chapter 2's decode) against the same reference.
+            let mut into = Array2::<f32>::from_elem(x.dim(), f32::NAN);
+            norm.forward_into(x.view(), into.view_mut());
+            assert_close_shaped(
+                "forward_into",
+                into.as_slice().unwrap(),
+                &expected,
+                &shape,
+                Tolerance::F32,
+            );
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn rope_rotates_each_half_pair_like_the_reference() {
+    let cases = (
+        (1usize..40).prop_map(|half| half * 2),
+        100.0f64..1e6,
+        1usize..4,
+        0usize..2048,
+    )
+        .prop_flat_map(|(d, theta, heads, pos)| {
+            (
+                Just((d, theta, pos)),
+                proptest::collection::vec(-3.0f32..3.0, heads * d),
+            )
+        });
+    runner(300)
+        .run(&cases, |((d, theta, pos), x)| {
+            let rope = Rope::new(d, theta, &RopeScaling::Default);
+            let mut rotated = x.clone();
+            rope.rotate(&mut rotated, pos);
+            // Pair (i, i + d/2) of every head turns by pos · theta^(-2i/d); the angle is
+            // rounded to f32 as transformers computes it, the rest is f64.
+            let mut expected = x.clone();
+            for (head, out) in x.chunks(d).zip(expected.chunks_mut(d)) {
+                for i in 0..d / 2 {
+                    let freq = 1.0 / theta.powf((2 * i) as f64 / d as f64);
+                    let angle = ((pos as f32) * (freq as f32)) as f64;
+                    let (sin, cos) = angle.sin_cos();
+                    let (a, b) = (head[i] as f64, head[i + d / 2] as f64);
+                    out[i] = (a * cos - b * sin) as f32;
+                    out[i + d / 2] = (b * cos + a * sin) as f32;
+                }
+            }
+            assert_close_shaped(
+                &format!("head_dim {d}, theta {theta}, position {pos}"),
+                &rotated,
+                &expected,
+                &[x.len() / d, d],
+                Tolerance::F32,
             );
             Ok(())
         })

@@ -131,6 +131,7 @@ fn attend_head<R: Fn(usize) -> usize>(
     out_h: &mut [f32],
     scores: &mut [f32],
 ) {
+    // ANCHOR: task_2_1
     let Stored {
         k,
         v,
@@ -152,6 +153,7 @@ fn attend_head<R: Fn(usize) -> usize>(
         let v_j = &v[row_of(j) * kv_dim + kv_head * d..][..d];
         out_h.iter_mut().zip(v_j).for_each(|(o, v)| *o += p * v);
     }
+    // ANCHOR_END: task_2_1
 }
 // ANCHOR_END: cached_attention
 

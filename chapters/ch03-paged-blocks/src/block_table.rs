@@ -48,7 +48,51 @@ impl BlockTable {
     /// The pool slot of position `pos` (`pos < capacity()`): the slot mapping.
     // ANCHOR: slot
     pub fn slot(&self, pos: usize) -> usize {
+        // ANCHOR: task_3_1
         self.blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+        // ANCHOR_END: task_3_1
     }
     // ANCHOR_END: slot
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn slot_maps_each_position_through_its_block() {
+        // Tables of distinct blocks in any order, block sizes that divide nothing in particular.
+        let cases = (1usize..9, 1usize..12).prop_flat_map(|(block_size, num_blocks)| {
+            let blocks = Just((0..num_blocks as BlockId * 2).collect::<Vec<_>>())
+                .prop_shuffle()
+                .prop_map(move |ids| ids[..num_blocks].to_vec());
+            (Just(block_size), blocks)
+        });
+        ch01::testing::seeded_runner(200, 31)
+            .run(&cases, |(block_size, blocks)| {
+                let table = BlockTable {
+                    num_tokens: blocks.len() * block_size,
+                    blocks: blocks.clone(),
+                    block_size,
+                };
+                // The slots of the table's blocks, one after another, are its positions.
+                let expected: Vec<usize> = blocks
+                    .iter()
+                    .flat_map(|&b| (0..block_size).map(move |o| b as usize * block_size + o))
+                    .collect();
+                for (pos, &slot) in expected.iter().enumerate() {
+                    prop_assert_eq!(
+                        table.slot(pos),
+                        slot,
+                        "position {} of {:?} (block size {})",
+                        pos,
+                        blocks,
+                        block_size
+                    );
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
 }

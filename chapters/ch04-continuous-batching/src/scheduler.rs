@@ -146,6 +146,7 @@ impl Scheduler {
     // ANCHOR: admission
     /// Checks `request` and queues it; it runs from the next step on.
     pub fn add_request(&mut self, request: Request) -> Result<RequestId, EngineError> {
+        // ANCHOR: task_4_1
         self.model.check_tokens(&request.prompt)?;
         request.params.validate()?;
         let max_len = self.model.max_model_len;
@@ -166,6 +167,7 @@ impl Scheduler {
                 return Err(EngineError::OverBudget { needed, budget });
             }
         }
+        // ANCHOR_END: task_4_1
         // ANCHOR_END: admission
         let id = self.next_id;
         self.next_id += 1;
@@ -410,6 +412,7 @@ impl Scheduler {
     // ANCHOR: schedule
     /// Chooses this step's (sequence, number of tokens) and reserves their blocks.
     fn pick(&mut self) -> Vec<(RequestId, usize)> {
+        // ANCHOR: task_4_2
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled: Vec<(RequestId, usize)> = Vec::new();
 
@@ -472,6 +475,7 @@ impl Scheduler {
             }
         }
         scheduled
+        // ANCHOR_END: task_4_2
     }
     // ANCHOR_END: schedule
 
@@ -507,6 +511,7 @@ impl Scheduler {
         n: usize,
         scheduled: &[(RequestId, usize)],
     ) -> bool {
+        // ANCHOR: task_4_2
         while self.reserve(id, n).is_err() {
             let victim = self
                 .seqs
@@ -523,6 +528,7 @@ impl Scheduler {
             }
         }
         true
+        // ANCHOR_END: task_4_2
     }
 
     /// Frees `id`'s blocks: recomputed later, or its K/V kept outside the pool (swap).

@@ -112,5 +112,21 @@ fn unservable_requests_and_configurations_are_refused() {
         ),
         "{error}"
     );
-    assert!(!unchunked.has_unfinished() || unchunked.step_or_stall().is_ok());
+}
+
+#[test]
+fn a_request_that_fits_one_unchunked_step_is_served() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let unchunked = EngineConfig {
+        enable_chunked_prefill: false,
+        max_num_batched_tokens: 16,
+        ..EngineConfig::default()
+    };
+    let mut unchunked = engine(&model, 64, unchunked).unwrap();
+    unchunked
+        .add_request(Request::greedy(vec![1; 12], 5))
+        .unwrap();
+    while unchunked.has_unfinished() {
+        unchunked.step_or_stall().unwrap();
+    }
 }

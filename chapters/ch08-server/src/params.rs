@@ -40,6 +40,7 @@ pub struct Limits {
 /// Rejects every OpenAI field kiln parses but does not implement, unless it asks for the
 /// default behaviour.
 fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
+    // ANCHOR: task_8_1
     let unsupported = |param: &str, what: &str| {
         Err(ApiError::bad_param(
             param,
@@ -67,6 +68,7 @@ fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
         return unsupported("tool_choice", "no tool calling");
     }
     Ok(())
+    // ANCHOR_END: task_8_1
 }
 // ANCHOR_END: reject_unsupported
 

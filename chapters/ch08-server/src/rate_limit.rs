@@ -155,17 +155,21 @@ impl Bucket {
     }
 
     fn refill(&mut self, elapsed: Duration) {
+        // ANCHOR: task_8_2
         let capacity = self.rate * UNITS;
         self.level = (self.level + elapsed.as_nanos().saturating_mul(self.rate)).min(capacity);
+        // ANCHOR_END: task_8_2
     }
 
     /// How long until `amount` fits (zero if it fits now). `amount` must be at most the
     /// capacity, so the wait is at most a minute.
     fn wait_for(&self, amount: u64) -> Duration {
+        // ANCHOR: task_8_2
         let need = u128::from(amount) * UNITS;
         let missing = need.saturating_sub(self.level);
         let nanos = missing.div_ceil(self.rate.max(1));
         Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+        // ANCHOR_END: task_8_2
     }
 
     fn take(&mut self, amount: u64) {

@@ -325,22 +325,26 @@ impl BlockManager {
     /// `num_tokens`: parallel sampling of one prompt. The first branch to write into a shared
     /// block gets a copy from [`reserve`](Self::reserve).
     pub fn fork(&mut self, table: &BlockTable) -> BlockTable {
+        // ANCHOR: task_3_3
         debug_assert_eq!(table.block_size, self.block_size, "foreign table");
         for &block in &table.blocks {
             let count = self.allocator.incref(block);
             debug_assert!(count > 1, "forking a table that holds a free block");
         }
         table.clone()
+        // ANCHOR_END: task_3_3
     }
 
     /// Lets go of every block of the table. A block no table holds any more returns to the free
     /// list, or, if cached, becomes evictable. Blocks are released last first, so that a
     /// sequence's tail is evicted before its head, which more prompts share.
     pub fn free(&mut self, table: BlockTable) {
+        // ANCHOR: task_3_3
         debug_assert_eq!(table.block_size, self.block_size, "foreign table");
         for &block in table.blocks.iter().rev() {
             self.release(block);
         }
+        // ANCHOR_END: task_3_3
     }
 
     /// How many tables hold `block` (0 if free, cached or out of range).

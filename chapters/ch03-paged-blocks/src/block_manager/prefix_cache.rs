@@ -50,11 +50,13 @@ fn fnv1a_extend(mut hash: u64, bytes: &[u8]) -> u64 {
 /// block's token ids (4 bytes each, little-endian). Deterministic on every platform and Rust
 /// version. Use [`ROOT_HASH`] as `parent` for a sequence's first block.
 pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
+    // ANCHOR: task_3_2
     let mut hash = fnv1a_extend(FNV_OFFSET, &parent.to_le_bytes());
     for token in tokens {
         hash = fnv1a_extend(hash, &token.to_le_bytes());
     }
     hash
+    // ANCHOR_END: task_3_2
 }
 // ANCHOR_END: block_hash
 

@@ -1,0 +1,82 @@
+//! Cached attention == chapter 1's oracle: for random shapes, context lengths and numbers of
+//! new queries (one: a decode step; more: a prefill chunk), and stored rows in any order (as
+//! chapter 3's block tables scatter them), the output equals `causal_attention` on the same
+//! keys and values in position order.
+
+use ch01::attention::{AttentionShape, causal_attention};
+use ch01::testing::{Tolerance, assert_close_shaped, seeded_runner};
+use ch02_kv_cache::attention::{cached_attention_mapped, scratch_len};
+use ndarray::Array2;
+use proptest::prelude::*;
+
+fn values(len: usize) -> impl Strategy<Value = Vec<f32>> {
+    proptest::collection::vec(-2.0f32..2.0, len)
+}
+
+#[test]
+fn cached_attention_equals_the_oracle_for_decode_and_prefill() {
+    let shapes = (1usize..4, 1usize..4, 1usize..20, 1usize..40).prop_flat_map(
+        |(num_kv_heads, group, head_dim, context_len)| {
+            let shape = AttentionShape {
+                num_heads: num_kv_heads * group,
+                num_kv_heads,
+                head_dim,
+            };
+            // Decode (one query) half the time, else a chunk of the last positions.
+            let n = prop_oneof![Just(1), 1..=context_len];
+            (Just(shape), Just(context_len), n, 0usize..8)
+        },
+    );
+    let cases = shapes.prop_flat_map(|(shape, context_len, n, spare)| {
+        let kv_dim = shape.num_kv_heads * shape.head_dim;
+        let rows = context_len + spare; // storage with rows no position uses
+        (
+            Just((shape, context_len)),
+            values(n * shape.num_heads * shape.head_dim),
+            values(rows * kv_dim),
+            values(rows * kv_dim),
+            Just((0..rows).collect::<Vec<usize>>()).prop_shuffle(),
+        )
+    });
+    seeded_runner(300, 21)
+        .run(&cases, |((shape, context_len), q, k, v, rows)| {
+            let (q_dim, kv_dim) = (
+                shape.num_heads * shape.head_dim,
+                shape.num_kv_heads * shape.head_dim,
+            );
+            let n = q.len() / q_dim;
+            let row_of = |pos: usize| rows[pos];
+            let mut out = vec![f32::NAN; q.len()];
+            let mut scores = vec![0.0; scratch_len(n, context_len, shape)];
+            cached_attention_mapped(
+                &q,
+                &k,
+                &v,
+                &row_of,
+                context_len,
+                shape,
+                &mut out,
+                &mut scores,
+            );
+
+            // The oracle sees the keys and values in position order.
+            let in_order = |stored: &[f32]| {
+                let data: Vec<f32> = (0..context_len)
+                    .flat_map(|pos| stored[row_of(pos) * kv_dim..][..kv_dim].to_vec())
+                    .collect();
+                Array2::from_shape_vec((context_len, kv_dim), data).unwrap()
+            };
+            let q = Array2::from_shape_vec((n, q_dim), q).unwrap();
+            let expected =
+                causal_attention(q.view(), in_order(&k).view(), in_order(&v).view(), shape);
+            assert_close_shaped(
+                &format!("{shape:?}, {n} queries at the end of {context_len} positions"),
+                &out,
+                expected.as_slice().unwrap(),
+                &[n, q_dim],
+                Tolerance::F32,
+            );
+            Ok(())
+        })
+        .unwrap();
+}

@@ -1,0 +1,187 @@
+//! `kiln exercise`: the learner's path. Each chapter names its tasks in `exercises.toml`;
+//! `new N` makes a copy of the repository under `learner/` in which chapter N's task bodies are
+//! `todo!("Task N.k: ...")`; `check N [k]` runs the tasks' tests against that copy; `verify`
+//! (CI) proves every task's tests fail without its body and pass with it; `boxes` writes the
+//! book's task boxes from the same tables.
+
+mod boxes;
+mod copy;
+mod run;
+mod stub;
+mod table;
+mod verify;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Subcommand;
+
+use stub::Stub;
+use table::Chapter;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Action,
+}
+
+#[derive(Subcommand)]
+enum Action {
+    /// Make (or update) the learner copy `learner/` with chapter N's task bodies as `todo!`.
+    /// Bodies you have already changed there are kept.
+    New {
+        chapter: u32,
+        /// Put the `todo!` back in task K (or every task of the chapter with `--reset 0`),
+        /// throwing away what you wrote there.
+        #[arg(long, value_name = "K")]
+        reset: Option<u32>,
+    },
+    /// Run the tests of chapter N's tasks (or of task K only) against the learner copy.
+    Check { chapter: u32, task: Option<u32> },
+    /// CI: every copy compiles with its bodies stubbed; without task K's body its tests fail,
+    /// each with task K's own `todo!`; with tasks 1..=K done they pass.
+    Verify {
+        /// Only these chapters (default: every chapter with exercises).
+        #[arg(long, value_delimiter = ',')]
+        chapters: Vec<u32>,
+        /// Skip the compile check of the copy with every task of every chapter stubbed.
+        #[arg(long)]
+        no_check: bool,
+    },
+    /// Write the book's task boxes (`book/src/chNN/tasks.md`) from the tables; with `--check`,
+    /// fail if they or the pages' includes of them are out of date.
+    Boxes {
+        #[arg(long)]
+        check: bool,
+    },
+}
+
+/// The reference repository: where this binary was built from.
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The reference's build directory, which the copies share (their own crates build apart, as
+/// packages at another path; the dependencies are not built again).
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"))
+}
+
+fn learner_dir(root: &Path) -> PathBuf {
+    root.join("learner")
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let root = root();
+    match args.command {
+        Action::New { chapter, reset } => new(&root, chapter, reset),
+        Action::Check { chapter, task } => check(&root, chapter, task),
+        Action::Verify { chapters, no_check } => verify::verify(&root, &chapters, !no_check),
+        Action::Boxes { check } => boxes::boxes(&root, check),
+    }
+}
+
+/// `kiln exercise new N`.
+fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
+    let chapter = table::load_chapter(root, n)?;
+    let learner = learner_dir(root);
+    let fresh = !learner.exists();
+    let added = copy::sync(root, &learner, "learner", false, &Default::default())?;
+    if fresh {
+        println!("made the learner copy {}", learner.display());
+    } else if !added.is_empty() {
+        println!(
+            "{} new files from the reference copied into learner/",
+            added.len()
+        );
+    }
+    for (k, task) in (1..).zip(&chapter.tasks) {
+        let rel = chapter.dir.join(&task.file);
+        let reference = std::fs::read_to_string(root.join(&rel))?;
+        let path = learner.join(&rel);
+        let mine = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+        let stubbed = stub::stub_bodies(&reference, task, Stub::Todo)?;
+        let ours = stub::bodies(&reference, task)?;
+        let theirs = stub::bodies(&mine, task)?;
+        let forced = matches!(reset, Some(r) if r == 0 || r == k);
+        let state = if theirs == stubbed {
+            "a todo!, yours to write"
+        } else if theirs == ours || forced {
+            copy::write_if_changed(&path, &stub::replace_bodies(&mine, task, &stubbed)?)?;
+            "now a todo!"
+        } else {
+            "kept: your own code (--reset to start it again)"
+        };
+        println!(
+            "  {} {:<24} {}: {}",
+            task.label(),
+            task.name,
+            rel.display(),
+            state
+        );
+    }
+    println!(
+        "\nwrite the bodies in learner/, then `just check {n}` (or `just check {n} K` for task K)"
+    );
+    Ok(())
+}
+
+/// `kiln exercise check N [K]`.
+fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
+    let chapter = table::load_chapter(root, n)?;
+    let learner = learner_dir(root);
+    if !learner.exists() {
+        bail!("no learner copy yet: run `just exercise {n}` first");
+    }
+    let tasks: Vec<&table::Task> = match k {
+        Some(k) => vec![chapter.task(k)?],
+        None => chapter.tasks.iter().collect(),
+    };
+    let tests: Vec<table::TestRef> = tasks.iter().flat_map(|t| t.test_refs()).collect();
+    let results = run::run_tests(&learner, &target_dir(root), &chapter, &tests, &[])?;
+    report(&chapter, &tasks, &results)
+}
+
+/// Prints each task's tests, with the panic of each failure, and fails if one did.
+fn report(
+    chapter: &Chapter,
+    tasks: &[&table::Task],
+    results: &std::collections::BTreeMap<String, run::TestResult>,
+) -> Result<()> {
+    let mut failed = 0;
+    println!();
+    for task in tasks {
+        let refs = task.test_refs();
+        let ok = refs.iter().filter(|t| results[&t.name].passed).count();
+        let mark = if ok == refs.len() { "ok  " } else { "FAIL" };
+        println!(
+            "{mark} {} {} ({}): {ok} of {} tests pass",
+            task.label(),
+            task.name,
+            task.function,
+            refs.len()
+        );
+        for t in refs {
+            let r = &results[&t.name];
+            if !r.passed {
+                failed += 1;
+                println!(
+                    "    ✗ {} ({}):\n      {}",
+                    t.name,
+                    t.target,
+                    run::summary(&r.output, 12)
+                );
+            }
+        }
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} test(s) of chapter {} fail (the whole output is above)",
+            chapter.number
+        );
+    }
+    println!("\nchapter {}: every test checked passes", chapter.number);
+    Ok(())
+}

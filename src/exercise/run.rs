@@ -1,0 +1,182 @@
+//! Running a chapter's task tests in a copy with `cargo test`, and reading the results.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+
+use super::table::{Chapter, TestRef};
+
+/// What one test did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TestResult {
+    pub passed: bool,
+    /// Its captured output when it failed (the panic messages).
+    pub output: String,
+}
+
+/// Runs `tests` of `chapter` in the workspace at `copy`, building into `target_dir` (the
+/// reference's, so the dependencies are not built again), with `env` set. Every test must
+/// have run: a name that matched nothing is an error, not a pass.
+pub fn run_tests(
+    copy: &Path,
+    target_dir: &Path,
+    chapter: &Chapter,
+    tests: &[TestRef],
+    env: &[(&str, String)],
+) -> Result<BTreeMap<String, TestResult>> {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(copy)
+        .arg("test")
+        .arg("--no-fail-fast")
+        .arg("--target-dir")
+        .arg(target_dir)
+        .args(["-p", &chapter.package]);
+    let mut targets: Vec<&str> = tests.iter().map(|t| t.target.as_str()).collect();
+    targets.sort_unstable();
+    targets.dedup();
+    for target in targets {
+        match target {
+            "lib" => cmd.arg("--lib"),
+            test => cmd.args(["--test", test]),
+        };
+    }
+    cmd.args(["--", "--exact"]);
+    cmd.args(tests.iter().map(|t| &t.name));
+    // One line per panic: a backtrace would bury the message.
+    cmd.env("RUST_BACKTRACE", "0");
+    for (key, value) in env {
+        cmd.env(key, value);
+    }
+    let out = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo test")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let results = parse(&stdout);
+    let missing: Vec<&str> = tests
+        .iter()
+        .map(|t| t.name.as_str())
+        .filter(|name| !results.contains_key(*name))
+        .collect();
+    if !missing.is_empty() {
+        if !out.status.success() && results.is_empty() {
+            bail!("cargo test failed before running any test (see above)\n{stdout}");
+        }
+        bail!(
+            "no test of {} is named {} (names are exact; unit tests need their module path)",
+            chapter.package,
+            missing.join(", ")
+        );
+    }
+    Ok(results)
+}
+
+/// Reads libtest's plain output: `test NAME ... ok|FAILED` lines, then one `---- NAME stdout
+/// ----` section per failure.
+pub fn parse(stdout: &str) -> BTreeMap<String, TestResult> {
+    let mut results = BTreeMap::new();
+    let mut section: Option<(String, Vec<&str>)> = None;
+    let finish = |section: &mut Option<(String, Vec<&str>)>,
+                  results: &mut BTreeMap<String, TestResult>| {
+        if let Some((name, lines)) = section.take()
+            && let Some(r) = results.get_mut(&name)
+        {
+            r.output = lines.join("\n");
+        }
+    };
+    for line in stdout.lines() {
+        if let Some(rest) = line.strip_prefix("---- ")
+            && let Some(name) = rest.strip_suffix(" stdout ----")
+        {
+            finish(&mut section, &mut results);
+            section = Some((name.to_string(), Vec::new()));
+            continue;
+        }
+        if line == "failures:" || line.starts_with("test result:") {
+            finish(&mut section, &mut results);
+            continue;
+        }
+        if let Some((_, lines)) = &mut section {
+            lines.push(line);
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("test ")
+            && let Some((name, status)) = rest.rsplit_once(" ... ")
+        {
+            let passed = match status {
+                "ok" => true,
+                "FAILED" => false,
+                _ => continue, // ignored
+            };
+            results.insert(
+                name.to_string(),
+                TestResult {
+                    passed,
+                    output: String::new(),
+                },
+            );
+        }
+    }
+    finish(&mut section, &mut results);
+    results
+}
+
+/// The task labels (`Task 1.2`) that a failure's output names in its panic messages.
+pub fn task_labels(output: &str) -> Vec<String> {
+    let mut labels: Vec<String> = output
+        .match_indices("Task ")
+        .filter_map(|(i, _)| {
+            let rest = &output[i + 5..];
+            let id: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            (id.contains('.') && rest[id.len()..].starts_with(':')).then(|| format!("Task {id}"))
+        })
+        .collect();
+    labels.sort();
+    labels.dedup();
+    labels
+}
+
+/// A failure's output for a reader: its distinct lines, at most `max` of them.
+pub fn summary(output: &str, max: usize) -> String {
+    let mut seen = std::collections::HashSet::new();
+    let lines: Vec<&str> = output
+        .lines()
+        .filter(|l| !l.trim().is_empty() && seen.insert(*l))
+        .collect();
+    let mut text = lines[..lines.len().min(max)].join("\n      ");
+    if lines.len() > max {
+        text += &format!("\n      ... ({} more lines)", lines.len() - max);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OUTPUT: &str = "\nrunning 2 tests\ntest a ... ok\ntest m::b ... FAILED\n\nfailures:\n\n---- m::b stdout ----\nthread 'm::b' panicked at src/x.rs:3:5:\nnot yet implemented: Task 1.2: do it\n\nfailures:\n    m::b\n\ntest result: FAILED. 1 passed; 1 failed\n";
+
+    #[test]
+    fn libtest_output_gives_each_test_and_its_failure() {
+        let results = parse(OUTPUT);
+        assert_eq!(results.len(), 2);
+        assert!(results["a"].passed);
+        assert!(!results["m::b"].passed);
+        assert!(results["m::b"].output.contains("Task 1.2: do it"));
+        assert_eq!(task_labels(&results["m::b"].output), ["Task 1.2"]);
+    }
+
+    #[test]
+    fn labels_need_a_number_and_a_colon() {
+        assert_eq!(
+            task_labels("Task 3.1: x; Task 2.10: y; Task 4 z; Task 3.1: again"),
+            ["Task 2.10", "Task 3.1"]
+        );
+    }
+}
