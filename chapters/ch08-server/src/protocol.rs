@@ -262,7 +262,9 @@ pub struct CompletionChoice {
     pub finish_reason: Option<String>,
 }
 
-/// A completions response, or one chunk of a stream (`usage` only in the last, when asked).
+/// A completions response, or one chunk of a stream. `usage`: absent (`None`) in a stream
+/// that did not ask for it; in one that did, `null` (`Some(None)`) in every chunk but the
+/// last, which has the counts (as a whole response does).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct CompletionResponse {
     pub id: String,
@@ -270,8 +272,17 @@ pub struct CompletionResponse {
     pub created: u64,
     pub model: String,
     pub choices: Vec<CompletionChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub usage: Option<Option<Usage>>,
+}
+
+/// A field that is present, `null` or not: `Some(None)` for `null` (absent is the default).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<Usage>>, D::Error> {
+    Option::<Usage>::deserialize(d).map(Some)
 }
 
 /// Chat's logprobs: one entry per token, with its bytes and alternatives.
@@ -316,8 +327,13 @@ pub struct ChatResponse {
     pub created: u64,
     pub model: String,
     pub choices: Vec<ChatChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
+    /// As [`CompletionResponse::usage`].
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub usage: Option<Option<Usage>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -382,6 +398,25 @@ mod tests {
         assert_eq!(text, r#"{"z":-0.1,"a":-1.5,"m":-3.0}"#);
         let back: TopLogprobs = serde_json::from_str(&text).unwrap();
         assert_eq!(back, top);
+    }
+
+    #[test]
+    fn usage_is_absent_null_or_counts() {
+        let chunk = |usage: Option<Option<Usage>>| CompletionResponse {
+            id: "c".into(),
+            object: "text_completion".into(),
+            created: 0,
+            model: "m".into(),
+            choices: Vec::new(),
+            usage,
+        };
+        for usage in [None, Some(None), Some(Some(Usage::new(2, 3)))] {
+            let text = serde_json::to_string(&chunk(usage)).unwrap();
+            let value: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(value.get("usage").is_some(), usage.is_some(), "{text}");
+            let back: CompletionResponse = serde_json::from_str(&text).unwrap();
+            assert_eq!(back.usage, usage);
+        }
     }
 
     #[test]

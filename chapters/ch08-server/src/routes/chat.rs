@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
-use serde_json::Value;
 
-use super::{Accepted, Job, Shape, accept, respond, serve_generation, unix_now};
+use super::{
+    Accepted, Job, Shape, accept, chunk_usage, respond, serve_generation, to_json, unix_now,
+};
 use crate::chat_template::ChatMessage;
 use crate::driver::{Delta, TokenInfo};
 use crate::error::ApiError;
@@ -79,6 +80,7 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
             created: unix_now(),
             model: state.served_model_name.clone(),
             logprobs: logprobs.is_some(),
+            include_usage: generation.include_usage,
         },
         state,
         started,
@@ -125,6 +127,7 @@ struct ChatShape {
     created: u64,
     model: String,
     logprobs: bool,
+    include_usage: bool,
 }
 
 fn token_logprob(info: &TokenInfo) -> ChatTokenLogprob {
@@ -147,8 +150,13 @@ fn token_logprob(info: &TokenInfo) -> ChatTokenLogprob {
 }
 
 impl ChatShape {
-    fn envelope(&self, object: &str, choices: Vec<ChatChoice>, usage: Option<Usage>) -> Value {
-        serde_json::to_value(ChatResponse {
+    fn envelope(
+        &self,
+        object: &str,
+        choices: Vec<ChatChoice>,
+        usage: Option<Option<Usage>>,
+    ) -> String {
+        to_json(&ChatResponse {
             id: self.id.clone(),
             object: object.into(),
             created: self.created,
@@ -156,7 +164,6 @@ impl ChatShape {
             choices,
             usage,
         })
-        .expect("serialisable")
     }
 
     fn logprobs(&self, deltas: &[&Delta]) -> Option<ChatLogprobs> {
@@ -170,7 +177,7 @@ impl ChatShape {
 }
 
 impl Shape for ChatShape {
-    fn opening_chunks(&self, choices: usize) -> Vec<Value> {
+    fn opening_chunks(&self, choices: usize) -> Vec<String> {
         (0..choices)
             .map(|index| {
                 self.envelope(
@@ -185,13 +192,13 @@ impl Shape for ChatShape {
                         logprobs: None,
                         finish_reason: None,
                     }],
-                    None,
+                    chunk_usage(self.include_usage),
                 )
             })
             .collect()
     }
 
-    fn chunk(&self, delta: &Delta) -> Value {
+    fn chunk(&self, delta: &Delta) -> String {
         self.envelope(
             "chat.completion.chunk",
             vec![ChatChoice {
@@ -204,15 +211,15 @@ impl Shape for ChatShape {
                 logprobs: self.logprobs(&[delta]),
                 finish_reason: delta.finish_reason.map(str::to_string),
             }],
-            None,
+            chunk_usage(self.include_usage),
         )
     }
 
-    fn usage_chunk(&self, usage: Usage) -> Value {
-        self.envelope("chat.completion.chunk", Vec::new(), Some(usage))
+    fn usage_chunk(&self, usage: Usage) -> String {
+        self.envelope("chat.completion.chunk", Vec::new(), Some(Some(usage)))
     }
 
-    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> Value {
+    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> String {
         let choices = choices
             .into_iter()
             .enumerate()
@@ -234,6 +241,6 @@ impl Shape for ChatShape {
                 }
             })
             .collect();
-        self.envelope("chat.completion", choices, Some(usage))
+        self.envelope("chat.completion", choices, Some(Some(usage)))
     }
 }

@@ -4,9 +4,10 @@ use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
-use serde_json::Value;
 
-use super::{Accepted, Job, Shape, accept, respond, serve_generation, unix_now};
+use super::{
+    Accepted, Job, Shape, accept, chunk_usage, respond, serve_generation, to_json, unix_now,
+};
 use crate::driver::Delta;
 use crate::error::ApiError;
 use crate::params;
@@ -75,6 +76,7 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
             id: format!("cmpl-{number}"),
             created: unix_now(),
             model: state.served_model_name.clone(),
+            include_usage: generation.include_usage,
         },
         planned: generation.plan(prompts, "prompt", &state.limits)?,
         state,
@@ -118,11 +120,12 @@ struct CompletionShape {
     id: String,
     created: u64,
     model: String,
+    include_usage: bool,
 }
 
 impl CompletionShape {
-    fn envelope(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Value {
-        serde_json::to_value(CompletionResponse {
+    fn envelope(&self, choices: Vec<CompletionChoice>, usage: Option<Option<Usage>>) -> String {
+        to_json(&CompletionResponse {
             id: self.id.clone(),
             object: "text_completion".into(),
             created: self.created,
@@ -130,7 +133,6 @@ impl CompletionShape {
             choices,
             usage,
         })
-        .expect("serialisable")
     }
 }
 
@@ -150,11 +152,11 @@ fn push_logprobs(into: &mut CompletionLogprobs, delta: &Delta) {
 }
 
 impl Shape for CompletionShape {
-    fn opening_chunks(&self, _choices: usize) -> Vec<Value> {
+    fn opening_chunks(&self, _choices: usize) -> Vec<String> {
         Vec::new()
     }
 
-    fn chunk(&self, delta: &Delta) -> Value {
+    fn chunk(&self, delta: &Delta) -> String {
         let logprobs = (!delta.logprobs.is_empty()).then(|| {
             let mut lp = CompletionLogprobs::default();
             push_logprobs(&mut lp, delta);
@@ -167,15 +169,15 @@ impl Shape for CompletionShape {
                 logprobs,
                 finish_reason: delta.finish_reason.map(str::to_string),
             }],
-            None,
+            chunk_usage(self.include_usage),
         )
     }
 
-    fn usage_chunk(&self, usage: Usage) -> Value {
-        self.envelope(Vec::new(), Some(usage))
+    fn usage_chunk(&self, usage: Usage) -> String {
+        self.envelope(Vec::new(), Some(Some(usage)))
     }
 
-    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> Value {
+    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> String {
         let wants_logprobs = choices.iter().flatten().any(|d| !d.logprobs.is_empty());
         let choices = choices
             .into_iter()
@@ -197,6 +199,6 @@ impl Shape for CompletionShape {
                 }
             })
             .collect();
-        self.envelope(choices, Some(usage))
+        self.envelope(choices, Some(Some(usage)))
     }
 }

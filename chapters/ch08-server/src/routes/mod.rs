@@ -165,16 +165,28 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// How one endpoint shapes its responses.
+/// How one endpoint shapes its responses, as JSON text (serialised from the typed bodies of
+/// [`crate::protocol`], so fields and logprob alternatives keep their written order).
 pub trait Shape: Send + Sync + 'static {
     /// Chunks sent before any token (chat: each choice's role).
-    fn opening_chunks(&self, choices: usize) -> Vec<serde_json::Value>;
+    fn opening_chunks(&self, choices: usize) -> Vec<String>;
     /// One stream chunk for one delta.
-    fn chunk(&self, delta: &Delta) -> serde_json::Value;
+    fn chunk(&self, delta: &Delta) -> String;
     /// The stream's last chunk when usage was asked for.
-    fn usage_chunk(&self, usage: Usage) -> serde_json::Value;
+    fn usage_chunk(&self, usage: Usage) -> String;
     /// The whole response from every choice's deltas, in order.
-    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> serde_json::Value;
+    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> String;
+}
+
+/// A stream chunk's `usage` before the last chunk: `null` when usage was asked for (OpenAI's
+/// shape, so a client can tell "not yet" from "not asked"), absent otherwise.
+pub fn chunk_usage(include_usage: bool) -> Option<Option<Usage>> {
+    include_usage.then_some(None)
+}
+
+/// A typed body as JSON text.
+pub fn to_json(body: &impl serde::Serialize) -> String {
+    serde_json::to_string(body).expect("response bodies serialise")
 }
 
 /// A request that passed its checks: what to generate and how to answer.
@@ -222,7 +234,8 @@ async fn collect_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Result<R
     )
     .await?;
     job.note.usage(usage);
-    Ok(axum::Json(job.shape.response(deltas, usage)).into_response())
+    let body = job.shape.response(deltas, usage);
+    Ok(([(CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 // ANCHOR: stream_response
@@ -230,15 +243,7 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
     let (events, receiver) = mpsc::unbounded_channel::<SseEvent>();
     tokio::spawn(async move {
         let _admitted = admitted;
-        let include_usage = job.generation.include_usage;
-        // With include_usage, every chunk before the last says `"usage": null` (OpenAI's
-        // shape), so a client can tell "not yet" from "not asked".
-        let json = |mut value: serde_json::Value| {
-            if include_usage && value.get("usage").is_none() {
-                value["usage"] = serde_json::Value::Null;
-            }
-            SseEvent::default().data(value.to_string())
-        };
+        let json = |text: String| SseEvent::default().data(text);
         for chunk in job.shape.opening_chunks(job.planned.requests.len()) {
             let _ = events.send(json(chunk));
         }
@@ -255,7 +260,7 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
         match result {
             Ok(usage) => {
                 job.note.usage(usage);
-                if include_usage {
+                if job.generation.include_usage {
                     let _ = events.send(json(job.shape.usage_chunk(usage)));
                 }
             }
