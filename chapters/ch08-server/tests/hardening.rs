@@ -401,11 +401,7 @@ async fn the_key_is_checked_before_the_body_and_guessing_is_rate_limited() {
     expect_error(plain, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
     let text = server.wait_idle().await;
     assert_eq!(
-        metric(
-            &text,
-            "kiln:request_success_total",
-            "finished_reason=\"length\""
-        ),
+        finished(&text, "length"),
         1.0,
         "only the one accepted request ran"
     );
@@ -508,14 +504,7 @@ async fn prompt_lists_are_capped_and_sequences_fill_the_queue() {
     // One streaming request of n = 4 fills it; a request of one more sequence waits outside.
     let body = json!({"model": MODEL, "prompt": PROMPT, "n": 4, "max_tokens": 200,
                       "ignore_eos": true, "stream": true});
-    let response = server
-        .post("/v1/completions")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut events = Events::new(response);
+    let mut events = server.open_stream("/v1/completions", &body).await;
     events.next().await.expect("a first chunk");
     let full = post(json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}))
         .await
@@ -539,14 +528,7 @@ async fn the_disconnect_of_a_16_choice_stream_stops_all_work_within_one_step() {
     .await;
     let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "n": 16,
                       "ignore_eos": true, "stream": true});
-    let response = server
-        .post("/v1/completions")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut events = Events::new(response);
+    let mut events = server.open_stream("/v1/completions", &body).await;
     // The first chunk: the first step has run, all 16 choices in it.
     events.next().await.expect("a chunk");
     drop(events);
@@ -562,22 +544,8 @@ async fn the_disconnect_of_a_16_choice_stream_stops_all_work_within_one_step() {
         "{generated} tokens generated for a stream abandoned after its first step"
     );
     // Counted once, as one aborted request.
-    assert_eq!(
-        metric(
-            &text,
-            "kiln:request_success_total",
-            "finished_reason=\"abort\""
-        ),
-        1.0
-    );
-    assert_eq!(
-        metric(
-            &text,
-            "kiln:request_success_total",
-            "finished_reason=\"length\""
-        ),
-        0.0
-    );
+    assert_eq!(finished(&text, "abort"), 1.0);
+    assert_eq!(finished(&text, "length"), 0.0);
     server.stop().await;
 }
 

@@ -1079,14 +1079,7 @@ async fn a_client_that_disconnects_mid_stream_frees_everything() {
     let max_tokens = 480;
     let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
                       "ignore_eos": true, "stream": true});
-    let response = server
-        .post("/v1/completions")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut events = Events::new(response);
+    let mut events = server.open_stream("/v1/completions", &body).await;
     for _ in 0..2 {
         events.next().await.expect("a chunk");
     }
@@ -1094,22 +1087,11 @@ async fn a_client_that_disconnects_mid_stream_frees_everything() {
 
     let text = server.wait_idle().await;
     assert_eq!(
-        metric(
-            &text,
-            "kiln:request_success_total",
-            "finished_reason=\"length\""
-        ),
+        finished(&text, "length"),
         0.0,
         "an abandoned request did not finish"
     );
-    assert_eq!(
-        metric(
-            &text,
-            "kiln:request_success_total",
-            "finished_reason=\"stop\""
-        ),
-        0.0
-    );
+    assert_eq!(finished(&text, "stop"), 0.0);
     let generated = metric(&text, "kiln:generation_tokens_total", "");
     assert!(
         generated >= 2.0 && generated < max_tokens as f64,
@@ -1132,14 +1114,7 @@ async fn a_client_that_disconnects_mid_stream_frees_everything() {
     let gave_up = tokio::time::timeout(Duration::from_millis(200), request).await;
     assert!(gave_up.is_err(), "16 × 480 tokens in under 200 ms?");
     let text = server.wait_idle().await;
-    assert_eq!(
-        metric(
-            &text,
-            "kiln:request_success_total",
-            "finished_reason=\"length\""
-        ),
-        0.0
-    );
+    assert_eq!(finished(&text, "length"), 0.0);
     let more = metric(&text, "kiln:generation_tokens_total", "") - generated;
     assert!(more < (16 * max_tokens) as f64, "{more} tokens");
     server.stop().await;
@@ -1224,14 +1199,7 @@ async fn sixty_four_concurrent_streams_all_finish_and_the_counters_add_up() {
         metric(&text, "kiln:inter_token_latency_seconds_count", ""),
         (completion_sum - 64) as f64
     );
-    assert_eq!(
-        metric(
-            &text,
-            "kiln:request_success_total",
-            "finished_reason=\"length\""
-        ),
-        64.0
-    );
+    assert_eq!(finished(&text, "length"), 64.0);
     eprintln!(
         "64 clients: {completion_sum} tokens, {} preemptions",
         metric(&text, "kiln:num_preemptions_total", "")
@@ -1251,14 +1219,7 @@ async fn shutdown_refuses_new_work_and_aborts_streams_after_the_grace() {
     let mut server = start(setup).await;
     let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": true,
                       "n": 16, "stream": true});
-    let response = server
-        .post("/v1/completions")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut events = Events::new(response);
+    let mut events = server.open_stream("/v1/completions", &body).await;
     events.next().await.expect("a chunk");
 
     let _ = server.shutdown.take().unwrap().send(());

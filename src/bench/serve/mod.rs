@@ -428,16 +428,19 @@ impl AbusedRun<'_> {
         let mut runs = Vec::new();
         let mut jsons = Vec::new();
         for &rate in &args.request_rate {
+            // The normal requests, the same in both runs.
+            let normal = || {
+                run_rate(
+                    self.http,
+                    self.config,
+                    self.prompts,
+                    rate,
+                    args.max_concurrency,
+                    args.seed,
+                )
+            };
             eprintln!("== request rate {rate} (req/s), clean");
-            let (records, duration) = run_rate(
-                self.http,
-                self.config,
-                self.prompts,
-                rate,
-                args.max_concurrency,
-                args.seed,
-            )
-            .await?;
+            let (records, duration) = normal().await?;
             let clean = Metrics::of(&records, duration);
             print!(
                 "{}",
@@ -458,15 +461,7 @@ impl AbusedRun<'_> {
                     })
                 })
                 .collect();
-            let (records, duration) = run_rate(
-                self.http,
-                self.config,
-                self.prompts,
-                rate,
-                args.max_concurrency,
-                args.seed,
-            )
-            .await?;
+            let (records, duration) = normal().await?;
             let abused = Metrics::of(&records, duration);
             print!(
                 "{}",

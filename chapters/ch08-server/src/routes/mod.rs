@@ -40,6 +40,10 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// Bodies up to this size are parsed on the HTTP worker (a fraction of a millisecond); larger
+/// ones on the blocking pool.
+const PARSE_ON_RUNTIME_BYTES: usize = 64 << 10;
+
 /// A generation request past the checks every endpoint makes first.
 pub struct Accepted<T> {
     /// When the request arrived: the start of its TTFT and end-to-end latency.
@@ -62,7 +66,7 @@ pub fn client_of(extensions: &Extensions) -> Option<IpAddr> {
 /// The API key, then the content type, then the body (read under the size limit and the
 /// body-read timeout), then the model it names (`model_of`), in that order: a caller without
 /// a valid key learns nothing about the request and cannot make the server read its body.
-pub async fn accept<T: DeserializeOwned>(
+pub async fn accept<T: DeserializeOwned + Send + 'static>(
     state: &AppState,
     request: Request,
     model_of: impl Fn(&T) -> &str,
@@ -79,7 +83,13 @@ pub async fn accept<T: DeserializeOwned>(
     note.key_id(&key);
     require_json(&parts.headers)?;
     let bytes = read_body(state, &parts.headers, body).await?;
-    let request: T = parse_body(&bytes)?;
+    // Parsing is linear in the body, up to the 8 MiB limit: a large body is parsed off the
+    // HTTP worker threads too.
+    let request: T = if bytes.len() > PARSE_ON_RUNTIME_BYTES {
+        state.off_runtime(move || parse_body(&bytes)).await??
+    } else {
+        parse_body(&bytes)?
+    };
     state.check_model(model_of(&request))?;
     Ok(Accepted {
         started,

@@ -212,6 +212,13 @@ impl TestServer {
         out
     }
 
+    /// POSTs a streaming `body`, expects 200; its events as they come.
+    pub async fn open_stream(&self, path: &str, body: &Value) -> Events {
+        let response = self.post(path).json(body).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{path} {body}");
+        Events::new(response)
+    }
+
     pub async fn metrics(&self) -> String {
         let response = self.get("/metrics").send().await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
@@ -307,6 +314,15 @@ pub fn metric(text: &str, name: &str, label: &str) -> f64 {
             (series == name && labels.contains(label)).then(|| value.parse().unwrap())
         })
         .unwrap_or_else(|| panic!("no {name}{{{label}}} in /metrics:\n{text}"))
+}
+
+/// `kiln:request_success_total{finished_reason="<reason>"}` in `/metrics`' `text`.
+pub fn finished(text: &str, reason: &str) -> f64 {
+    metric(
+        text,
+        "kiln:request_success_total",
+        &format!("finished_reason=\"{reason}\""),
+    )
 }
 
 /// Checks an error response: its status, JSON content type and OpenAI's shape (the four keys
