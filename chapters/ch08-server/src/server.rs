@@ -58,7 +58,8 @@ pub struct ServerConfig {
     /// The CPU executor's attention (chapter 7's `--attention-backend`).
     pub attention: AttentionKind,
     pub rate_limit: Option<RateLimit>,
-    /// Requests that may wait beyond the `max_num_seqs` that run; `None`: no limit.
+    /// Engine sequences (prompts × n) that may wait beyond the `max_num_seqs` that run;
+    /// `None`: no limit.
     pub max_queue: Option<usize>,
     pub seed: u64,
     /// How long in-flight requests may go on after a shutdown signal before they are aborted.
