@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use ch08::access_log::{AccessLog, AccessRecord};
 use ch08::auth::ApiKeys;
 use ch08::chat_template::ChatTemplate;
 use ch08::rate_limit::RateLimit;
-use ch08::{ServedModel, Server, ServerConfig, SpeculatorFactory};
+use ch08::{ConnectionLimits, ServedModel, Server, ServerConfig, SpeculatorFactory};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
 use super::speculative_args::SpeculativeArgs;
@@ -51,11 +52,14 @@ pub struct Args {
     /// A file of API keys, one per line ('#' comments).
     #[arg(long, value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
-    /// Per API key, per minute: REQUESTS or REQUESTS:TOKENS (e.g. 60:20000; '-' for no request
-    /// limit). Tokens are prompt + max_tokens. Over it: 429 with Retry-After.
+    /// Per API key (per client address on an open server), per minute: REQUESTS or
+    /// REQUESTS:TOKENS (e.g. 60:20000; '-' for no request limit). A request counts once per
+    /// engine sequence (prompts × n); tokens are prompt + max_tokens. Over it: 429 with
+    /// Retry-After.
     #[arg(long, value_name = "LIMIT")]
     pub rate_limit: Option<RateLimit>,
-    /// Requests that may wait beyond the --max-num-seqs that run; more get 429.
+    /// Engine sequences (prompts × n of each request) that may wait beyond the --max-num-seqs
+    /// that run; a request that would pass it gets 429.
     #[arg(long, value_name = "N")]
     pub max_queue: Option<usize>,
     /// Seed of the requests that name none (request n gets a seed derived from it and n).
@@ -64,6 +68,40 @@ pub struct Args {
     /// Seconds in-flight requests may go on after SIGTERM / Ctrl-C before they are aborted.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     pub shutdown_grace: f64,
+    /// Seconds a connection may stay open with no request in progress and nothing received
+    /// (uvicorn's and vLLM's name and default).
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub timeout_keep_alive: f64,
+    /// Seconds from when a connection waits for a request until that request's headers are in.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub header_read_timeout: f64,
+    /// Seconds a request body may take to arrive once its headers are in (408 beyond).
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub body_read_timeout: f64,
+    /// Most connections open at once; more are answered 503 and closed. Keep it under the
+    /// file-descriptor limit (`ulimit -n`).
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub max_connections: usize,
+    /// Most prompts in one /v1/completions request (each is n engine sequences).
+    #[arg(long, default_value_t = ch08::params::DEFAULT_MAX_PROMPTS, value_name = "N")]
+    pub max_prompts_per_request: usize,
+    /// Failed authentications per minute from one client address before its requests are
+    /// refused (429) without checking the key.
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    pub auth_failures_per_minute: u32,
+    /// No access log (by default one line per request on stderr: client, key id, method, path,
+    /// status, tokens, latency; never the key).
+    #[arg(long)]
+    pub disable_access_log: bool,
+}
+
+/// A flag's seconds, checked.
+fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {
+    anyhow::ensure!(
+        value.is_finite() && value >= 0.0,
+        "--{flag} must be a number of seconds >= 0"
+    );
+    Ok(Duration::from_secs_f64(value))
 }
 
 pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
@@ -92,8 +130,12 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
     let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
     let cache = args.kv.cache(&loaded.model.config, &args.model.dtype)?;
     anyhow::ensure!(
-        args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0,
-        "--shutdown-grace must be a number of seconds >= 0"
+        args.max_connections >= 1 && args.max_prompts_per_request >= 1,
+        "--max-connections and --max-prompts-per-request must be at least 1"
+    );
+    anyhow::ensure!(
+        args.auth_failures_per_minute >= 1,
+        "--auth-failures-per-minute must be at least 1"
     );
     let config = ServerConfig {
         served_model_name: name.clone(),
@@ -103,7 +145,20 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         rate_limit: args.rate_limit,
         max_queue: args.max_queue,
         seed: args.seed,
-        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+        shutdown_grace: seconds(args.shutdown_grace, "shutdown-grace")?,
+        connections: ConnectionLimits {
+            max_connections: args.max_connections,
+            header_read_timeout: seconds(args.header_read_timeout, "header-read-timeout")?,
+            keep_alive_timeout: seconds(args.timeout_keep_alive, "timeout-keep-alive")?,
+        },
+        body_read_timeout: seconds(args.body_read_timeout, "body-read-timeout")?,
+        max_prompts: args.max_prompts_per_request,
+        auth_failures_per_minute: args.auth_failures_per_minute,
+        access_log: (!args.disable_access_log).then(|| {
+            AccessLog(Arc::new(|record: &AccessRecord| {
+                eprintln!("kiln serve: {record}");
+            }))
+        }),
         speculator: speculator_factory(&args, &loaded.model, cache.block_size)?,
         ..ServerConfig::default()
     };
@@ -141,6 +196,16 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         args.rate_limit
             .map_or("none".into(), |r| format!("{r} per minute")),
         args.max_queue.map_or("none".into(), |q| q.to_string()),
+    );
+    eprintln!(
+        "kiln serve: max connections {} | timeouts: keep-alive {} s, headers {} s, body {} s | \
+         max prompts per request {} | access log {}",
+        args.max_connections,
+        args.timeout_keep_alive,
+        args.header_read_timeout,
+        args.body_read_timeout,
+        args.max_prompts_per_request,
+        if args.disable_access_log { "off" } else { "on" },
     );
 
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)

@@ -30,6 +30,9 @@ pub struct TokenInfo {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delta {
     pub choice: usize,
+    /// Where `text` starts in the choice's whole text (echo included), in bytes: the
+    /// completions' `text_offset` of the delta's first token.
+    pub offset: usize,
     pub text: String,
     /// One per new token, when logprobs were asked for.
     pub logprobs: Vec<TokenInfo>,
@@ -41,9 +44,11 @@ pub struct Delta {
 struct Choice<'t> {
     id: RequestId,
     text: OutputText<'t>,
+    /// Bytes of text sent so far (echo included).
+    sent: usize,
     tokens: usize,
     last_token: Option<Instant>,
-    done: bool,
+    finish: Option<&'static str>,
 }
 
 fn reason_name(reason: FinishReason) -> &'static str {
@@ -54,11 +59,58 @@ fn reason_name(reason: FinishReason) -> &'static str {
     }
 }
 
-/// Submits the planned requests (choice `p × n + i` is prompt `p`'s), then calls `emit` with
-/// every delta until every choice has finished. `echo[p]` is sent first as prompt `p`'s
-/// choices' text. Returns the usage. Ends early, aborting what is left, when `gone` resolves
-/// (the client disconnected) or `emit` returns false; dropping the returned future aborts too
-/// (the engine drops requests whose channel is closed).
+/// The finish reason of a whole request, from its choices': `abort` if any was aborted,
+/// else `length` if any hit its limit, else `stop`. A request is counted once in
+/// `request_success_total`, however many choices it has.
+fn request_reason(choices: &[Choice<'_>]) -> &'static str {
+    ["abort", "length"]
+        .into_iter()
+        .find(|&r| choices.iter().any(|c| c.finish == Some(r)))
+        .unwrap_or("stop")
+}
+
+/// The request-level metrics: one time to first token (the first token of any choice), one
+/// end-to-end latency and one finish reason per HTTP request; inter-token gaps per choice.
+struct RequestClock {
+    started: Instant,
+    first_token: bool,
+}
+
+impl RequestClock {
+    fn token(&mut self, state: &AppState, now: Instant, last: Option<Instant>) {
+        if !self.first_token {
+            self.first_token = true;
+            state
+                .metrics
+                .observe_ttft((now - self.started).as_secs_f64());
+        }
+        if let Some(last) = last {
+            state
+                .metrics
+                .observe_inter_token((now - last).as_secs_f64());
+        }
+    }
+
+    fn finished(&self, state: &AppState, reason: &str) {
+        let e2e = self.started.elapsed().as_secs_f64();
+        state.metrics.observe_e2e(e2e);
+        state.metrics.request_finished(reason);
+    }
+}
+
+/// Why [`generate`] ended before every choice finished.
+fn disconnected(state: &AppState, clock: &RequestClock) -> ApiError {
+    clock.finished(state, "abort");
+    ApiError::bad_request("client disconnected")
+}
+
+// ANCHOR: generate
+/// Submits the planned requests together (choice `p × n + i` is prompt `p`'s), then calls
+/// `emit` with every delta until every choice has finished. `echo[p]` is sent first as prompt
+/// `p`'s choices' text. Returns the usage. Ends early when `gone` resolves (the client
+/// disconnected) or `emit` returns false, counting the request as aborted: the events'
+/// receiver is dropped on return, and the engine aborts every choice of a closed channel
+/// before its next step. Dropping the returned future aborts the same way.
 pub async fn generate(
     state: &AppState,
     started: Instant,
@@ -73,36 +125,43 @@ pub async fn generate(
         prompt_tokens,
     } = planned;
     let (events, mut received) = mpsc::unbounded_channel();
-    let mut choices = Vec::with_capacity(requests.len());
-    for (index, request) in requests.into_iter().enumerate() {
-        let id = state
-            .engine
-            .submit(request, index, events.clone())
-            .await
-            .map_err(|e| match e {
-                SubmitError::Stopped => ApiError::unavailable("the server is shutting down"),
-                SubmitError::Rejected(e) => ApiError::bad_request(e.to_string()),
-            })?;
-        choices.push(Choice {
+    let ids = state
+        .engine
+        .submit(requests, events)
+        .await
+        .map_err(|e| match e {
+            SubmitError::Stopped => ApiError::unavailable("the engine has stopped"),
+            SubmitError::Rejected(e) => ApiError::bad_request(e.to_string()),
+        })?;
+    let mut choices: Vec<Choice<'_>> = ids
+        .into_iter()
+        .map(|id| Choice {
             id,
             text: OutputText::new(&state.tokenizer, generation.stop.clone()),
+            sent: 0,
             tokens: 0,
             last_token: None,
-            done: false,
-        });
-    }
-    drop(events);
+            finish: None,
+        })
+        .collect();
+    let mut clock = RequestClock {
+        started,
+        first_token: false,
+    };
 
     if let Some(echo) = echo {
-        for (index, _) in choices.iter().enumerate() {
+        for (index, choice) in choices.iter_mut().enumerate() {
             let text = echo[index / generation.n].clone();
-            if !emit(Delta {
+            choice.sent = text.len();
+            let delta = Delta {
                 choice: index,
+                offset: 0,
                 text,
                 logprobs: Vec::new(),
                 finish_reason: None,
-            }) {
-                return Err(ApiError::bad_request("client disconnected"));
+            };
+            if !emit(delta) {
+                return Err(disconnected(state, &clock));
             }
         }
     }
@@ -112,7 +171,7 @@ pub async fn generate(
     while remaining > 0 {
         let event = tokio::select! {
             event = received.recv() => event,
-            () = &mut gone => return Err(ApiError::bad_request("client disconnected")),
+            () = &mut gone => return Err(disconnected(state, &clock)),
         };
         let Some(event) = event else {
             return Err(ApiError::internal("the engine stopped mid-request"));
@@ -127,28 +186,32 @@ pub async fn generate(
             Event::Failed { message, .. } => return Err(ApiError::internal(message)),
         };
         let choice = &mut choices[index];
-        if choice.done {
+        if choice.finish.is_some() {
             continue; // stopped by a stop string; the engine's last tokens are dropped
         }
-        let delta = advance(state, started, choice, index, &tokens, &logprobs, finished)?;
-        if choice.done {
+        let delta = advance(
+            state, &mut clock, choice, index, &tokens, &logprobs, finished,
+        )?;
+        if choice.finish.is_some() {
             remaining -= 1;
         }
         if !emit(delta) {
-            return Err(ApiError::bad_request("client disconnected"));
+            return Err(disconnected(state, &clock));
         }
     }
+    clock.finished(state, request_reason(&choices));
     Ok(Usage::new(
         prompt_tokens,
         choices.iter().map(|c| c.tokens).sum(),
     ))
 }
+// ANCHOR_END: generate
 
 // ANCHOR: advance
 /// Folds one event into its choice; the delta to send.
 fn advance(
     state: &AppState,
-    started: Instant,
+    clock: &mut RequestClock,
     choice: &mut Choice<'_>,
     index: usize,
     tokens: &[u32],
@@ -156,20 +219,17 @@ fn advance(
     finished: Option<FinishReason>,
 ) -> Result<Delta, ApiError> {
     let now = Instant::now();
-    let metrics = &state.metrics;
     let detokenize = |e: ch01::Error| ApiError::internal(format!("detokenizing: {e}"));
     let mut delta = Delta {
         choice: index,
+        offset: choice.sent,
         text: String::new(),
         logprobs: Vec::new(),
         finish_reason: None,
     };
     let mut stopped = false;
     for (i, &token) in tokens.iter().enumerate() {
-        match choice.last_token {
-            None => metrics.observe_ttft((now - started).as_secs_f64()),
-            Some(last) => metrics.observe_inter_token((now - last).as_secs_f64()),
-        }
+        clock.token(state, now, choice.last_token);
         choice.last_token = Some(now);
         choice.tokens += 1;
         if let Some(lp) = logprobs.get(i) {
@@ -189,16 +249,15 @@ fn advance(
         delta.text.push_str(&rest.text);
         stopped = rest.stopped;
     }
+    choice.sent += delta.text.len();
     let finish = if stopped {
         Some("stop")
     } else {
         finished.map(reason_name)
     };
     if let Some(reason) = finish {
-        choice.done = true;
+        choice.finish = Some(reason);
         delta.finish_reason = Some(reason);
-        metrics.observe_e2e((now - started).as_secs_f64());
-        metrics.request_finished(reason);
     }
     Ok(delta)
 }

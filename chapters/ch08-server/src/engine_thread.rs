@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::thread::JoinHandle;
 
@@ -46,11 +47,11 @@ pub enum Event {
 // ANCHOR_END: event
 
 enum Command {
+    /// Every choice of one HTTP request, added in one poll (choice `i` is `requests[i]`).
     Add {
-        request: Request,
-        choice: usize,
+        requests: Vec<Request>,
         events: mpsc::UnboundedSender<Event>,
-        reply: oneshot::Sender<Result<RequestId, EngineError>>,
+        reply: oneshot::Sender<Result<Vec<RequestId>, EngineError>>,
     },
     Abort(RequestId),
     AbortAll,
@@ -61,6 +62,17 @@ enum Command {
 #[derive(Clone)]
 pub struct EngineHandle {
     commands: std_mpsc::Sender<Command>,
+    /// Cleared when the engine thread's loop ends, however it ends (a panic included).
+    alive: Arc<AtomicBool>,
+}
+
+/// Clears `alive` when dropped: at the end of the engine thread, or while it unwinds.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// Why a request could not be handed to the engine.
@@ -73,24 +85,38 @@ pub enum SubmitError {
 }
 
 impl EngineHandle {
-    /// Queues `request` as choice `choice`; its tokens will arrive on `events`. The request
-    /// is aborted as soon as `events`' receiver is dropped.
+    // ANCHOR: submit
+    /// Queues `requests` as choices `0..requests.len()`, all in the same engine poll (so all
+    /// run from the same step, and a client that disconnects stops all of them at once); their
+    /// tokens arrive on `events`. If one is refused none is queued. Every one is aborted
+    /// as soon as `events`' receiver is dropped.
     pub async fn submit(
         &self,
-        request: Request,
-        choice: usize,
+        requests: Vec<Request>,
         events: mpsc::UnboundedSender<Event>,
-    ) -> Result<RequestId, SubmitError> {
+    ) -> Result<Vec<RequestId>, SubmitError> {
         let (reply, answer) = oneshot::channel();
         self.commands
             .send(Command::Add {
-                request,
-                choice,
+                requests,
                 events,
                 reply,
             })
             .map_err(|_| SubmitError::Stopped)?;
         Ok(answer.await.map_err(|_| SubmitError::Stopped)??)
+    }
+    // ANCHOR_END: submit
+
+    /// Whether the engine thread is still running its loop (`/health` asks).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Ends the engine loop (what [`EngineThread::stop`] does, without joining): requests in
+    /// flight end with `abort`, later ones are refused, and [`EngineHandle::is_alive`] turns
+    /// false.
+    pub fn stop(&self) {
+        let _ = self.commands.send(Command::Stop);
     }
 
     /// Aborts a request (a no-op if it already finished).
@@ -140,9 +166,12 @@ impl EngineThread {
     ) -> Result<Self, EngineError> {
         let (commands, receiver) = std_mpsc::channel();
         let (started, start) = std_mpsc::channel();
+        let alive = Arc::new(AtomicBool::new(true));
+        let guard = AliveGuard(Arc::clone(&alive));
         let thread = std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
+                let _alive = guard;
                 install(Box::new(move || {
                     match start_engine(&model, &cache, config, attention, speculator.as_ref()) {
                         Ok(engine) => {
@@ -163,7 +192,7 @@ impl EngineThread {
             Err(_) => return Err(EngineError::Config("the engine thread panicked".into())),
         };
         Ok(EngineThread {
-            handle: EngineHandle { commands },
+            handle: EngineHandle { commands, alive },
             thread: Some(thread),
             max_request_tokens,
         })
@@ -244,6 +273,44 @@ fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &
     }
 }
 
+impl Client<'_> {
+    /// Adds every choice of one request, or none: a refused choice aborts those added before.
+    fn add(
+        &mut self,
+        engine: &mut Engine<'_>,
+        requests: Vec<Request>,
+        events: mpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<Result<Vec<RequestId>, EngineError>>,
+    ) {
+        let mut ids = Vec::with_capacity(requests.len());
+        for request in requests {
+            match engine.add_request(request) {
+                Ok(id) => ids.push(id),
+                Err(error) => {
+                    for id in ids {
+                        engine.abort(id);
+                        engine.take(id);
+                    }
+                    let _ = reply.send(Err(error));
+                    return;
+                }
+            }
+        }
+        if reply.send(Ok(ids.clone())).is_ok() {
+            for (choice, id) in ids.into_iter().enumerate() {
+                let events = events.clone();
+                self.routes.insert(id, Route { choice, events });
+            }
+        } else {
+            // The handler is gone already.
+            for id in ids {
+                engine.abort(id);
+                engine.take(id);
+            }
+        }
+    }
+}
+
 impl EngineClient for Client<'_> {
     fn poll(&mut self, engine: &mut Engine<'_>) -> ControlFlow<()> {
         // Block only when there is nothing to step.
@@ -259,24 +326,10 @@ impl EngineClient for Client<'_> {
         for command in first.into_iter().chain(queued).collect::<Vec<_>>() {
             match command {
                 Command::Add {
-                    request,
-                    choice,
+                    requests,
                     events,
                     reply,
-                } => match engine.add_request(request) {
-                    Ok(id) => {
-                        if reply.send(Ok(id)).is_ok() {
-                            self.routes.insert(id, Route { choice, events });
-                        } else {
-                            // The handler is gone already.
-                            engine.abort(id);
-                            engine.take(id);
-                        }
-                    }
-                    Err(error) => {
-                        let _ = reply.send(Err(error));
-                    }
-                },
+                } => self.add(engine, requests, events, reply),
                 Command::Abort(id) => end(engine, &mut self.routes, id, None),
                 Command::AbortAll => abort_all(engine, &mut self.routes),
                 Command::Stop => {

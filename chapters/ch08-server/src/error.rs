@@ -91,6 +91,24 @@ impl ApiError {
         )
     }
 
+    /// 415: a body that is not declared `application/json`.
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            message,
+        )
+    }
+
+    /// 408: the body did not arrive within the body-read timeout.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
+        )
+    }
+
     /// 503: the server is shutting down or its engine has stopped.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(

@@ -7,8 +7,8 @@
 //!
 //! ```text
 //! HTTP handlers (tokio tasks)                      engine thread (one, owns the Engine)
-//!   parse + validate JSON, auth, rate limit          loop {
-//!   tokenize (chat template), submit ───Command──▶     drain commands: add / abort
+//!   auth, read + validate JSON, rate limit           loop {
+//!   tokenize (blocking pool), submit ───Command──▶     drain commands: add / abort
 //!   receive token deltas ◀──────────Event─────────     step(); send each request its tokens
 //!   detokenize, stop strings, logprobs, SSE          }
 //!   client gone → guard dropped → Abort ──────────▶
@@ -16,8 +16,10 @@
 //!
 //! | module            | what it does                                                       |
 //! |-------------------|--------------------------------------------------------------------|
+//! | [`connections`]   | the accept loop: connection limit, header and keep-alive timeouts   |
+//! | [`access_log`]    | one record per request: method, path, status, key id, tokens, time  |
 //! | [`auth`]          | API keys from `--api-key` / a file; the `Authorization` header      |
-//! | [`rate_limit`]    | per-key requests and tokens per minute (token buckets)              |
+//! | [`rate_limit`]    | per-key (or per-address) requests and tokens per minute             |
 //! | [`metrics`]       | histograms, gauges, counters; Prometheus text, named like vLLM's    |
 //! | [`chat_template`] | the model's Jinja chat template, rendered with minijinja            |
 //! | [`protocol`]      | OpenAI's request and response bodies                                |
@@ -29,8 +31,10 @@
 //! | [`state`]         | what handlers share; admission (keys, rate limits, queue limit)      |
 //! | [`server`]        | start-up checks, the router, graceful shutdown                       |
 
+pub mod access_log;
 pub mod auth;
 pub mod chat_template;
+pub mod connections;
 pub mod driver;
 pub mod engine_thread;
 pub mod error;
@@ -42,4 +46,5 @@ pub mod routes;
 pub mod server;
 pub mod state;
 
+pub use connections::ConnectionLimits;
 pub use server::{ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory};

@@ -11,6 +11,11 @@ use crate::protocol::Sampling;
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// The most choices one request may ask for (`n`).
 pub const MAX_N: u32 = 16;
+/// The most prompts one completions request may list (each is `n` engine sequences).
+pub const DEFAULT_MAX_PROMPTS: usize = 64;
+/// The most token entries one response may carry: every choice's max_tokens, times one plus
+/// its logprobs alternatives. At a few dozen bytes an entry, a response stays under ~100 MB.
+pub const MAX_RESPONSE_ENTRIES: usize = 1 << 21;
 
 /// The parts of a request that apply to each of its choices, checked.
 #[derive(Debug, Clone)]
@@ -34,7 +39,59 @@ pub struct Limits {
     pub max_model_len: usize,
     pub eos_token_ids: Vec<u32>,
     pub vocab_size: usize,
+    /// Most prompts per completions request.
+    pub max_prompts: usize,
+    /// Most bytes of input text one token can stand for (see [`max_token_bytes`]).
+    pub max_token_bytes: usize,
 }
+
+// ANCHOR: max_token_bytes
+/// The most bytes of input text any one token of `tokenizer` can stand for: its longest token
+/// as written in the vocabulary, times 4. A token's written form is never shorter than the
+/// text it covers (byte-level tokens write each byte as one or two bytes, SentencePiece writes
+/// a space as three, byte fallback writes a byte as six), except where a normalizer shrinks the
+/// text first, and a Unicode normalization turns one character of at most 4 bytes into at least
+/// one byte: hence the factor. So a text of `b` bytes is at least `⌈b / max_token_bytes⌉`
+/// tokens, which is known before tokenizing it. (A normalizer that deletes characters outright
+/// would break the bound; the Llama-family tokenizers kiln loads have none.)
+pub fn max_token_bytes(tokenizer: &ch01::Tokenizer) -> usize {
+    let inner = tokenizer.inner();
+    let longest = (0..inner.get_vocab_size(true) as u32)
+        .filter_map(|id| inner.id_to_token(id))
+        .map(|token| token.len())
+        .max()
+        .unwrap_or(1);
+    4 * longest.max(1)
+}
+// ANCHOR_END: max_token_bytes
+
+// ANCHOR: fits_by_bytes
+/// Refuses a text of `bytes` bytes that cannot fit the context, before it is tokenized: it is
+/// at least `⌈bytes / max_token_bytes⌉` tokens, and needs room for `max_tokens` (at least one)
+/// more. Tokenizing 8 MB takes seconds and a gigabyte; this takes nothing.
+pub fn fits_by_bytes(
+    bytes: usize,
+    max_tokens: Option<u32>,
+    param: &str,
+    limits: &Limits,
+) -> Result<(), ApiError> {
+    let at_least = bytes.div_ceil(limits.max_token_bytes);
+    let completion = max_tokens.map_or(1, |m| m.max(1) as usize);
+    if at_least.saturating_add(completion) > limits.max_model_len {
+        return Err(ApiError::bad_param(
+            param,
+            format!(
+                "This model's maximum context length is {} tokens. However, your {param} is \
+                 {bytes} bytes of text, at least {at_least} tokens (no token covers more than \
+                 {} bytes), and the completion needs {completion}. Please reduce the length \
+                 of the {param}.",
+                limits.max_model_len, limits.max_token_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+// ANCHOR_END: fits_by_bytes
 
 // ANCHOR: reject_unsupported
 /// Rejects every OpenAI field kiln parses but does not implement, unless it asks for the
@@ -182,6 +239,23 @@ pub fn generation(
     })
 }
 
+/// Refuses a request of more than [`Limits::max_prompts`] prompts, or of none.
+pub fn check_prompt_count(prompts: usize, limits: &Limits) -> Result<(), ApiError> {
+    if prompts == 0 {
+        return Err(ApiError::bad_param("prompt", "the prompt list is empty"));
+    }
+    if prompts > limits.max_prompts {
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!(
+                "at most {} prompts per request, got {prompts} (each is n engine sequences)",
+                limits.max_prompts
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Every engine request of one HTTP request, built and checked once, before admission.
 #[derive(Debug, Clone)]
 pub struct Planned {
@@ -201,11 +275,37 @@ impl Planned {
 
 impl Generation {
     /// The engine requests for `prompts`, `n` per prompt (see [`Generation::requests`]).
-    pub fn plan(&self, prompts: Vec<Vec<u32>>, limits: &Limits) -> Result<Planned, ApiError> {
+    /// `prompt_param` names the prompt in errors (`prompt` or `messages`). Refuses more than
+    /// [`Limits::max_prompts`] prompts, and a response that could carry more than
+    /// [`MAX_RESPONSE_ENTRIES`] token entries.
+    pub fn plan(
+        &self,
+        prompts: Vec<Vec<u32>>,
+        prompt_param: &str,
+        limits: &Limits,
+    ) -> Result<Planned, ApiError> {
+        check_prompt_count(prompts.len(), limits)?;
         let prompt_tokens = prompts.iter().map(Vec::len).sum();
         let mut requests = Vec::with_capacity(prompts.len() * self.n);
         for prompt in prompts {
-            requests.extend(self.requests(prompt, limits)?);
+            requests.extend(self.requests(prompt, prompt_param, limits)?);
+        }
+        let per_token = 1 + self.logprobs.unwrap_or(0);
+        let entries: usize = requests.iter().map(|r| r.max_tokens * per_token).sum();
+        if entries > MAX_RESPONSE_ENTRIES {
+            return Err(ApiError::bad_param(
+                if self.logprobs.is_some() {
+                    "logprobs"
+                } else {
+                    "n"
+                },
+                format!(
+                    "the response could carry {entries} token entries ({} sequences, their \
+                     max_tokens, {per_token} entries a token with logprobs), more than \
+                     {MAX_RESPONSE_ENTRIES}: lower n, max_tokens, logprobs or the prompts",
+                    requests.len()
+                ),
+            ));
         }
         Ok(Planned {
             requests,
@@ -216,14 +316,19 @@ impl Generation {
     /// The engine requests for one prompt: `n` of them, choice `i` seeded `seed + i` so that
     /// the choices differ and each is reproducible. Refuses a prompt that, with `max_tokens`,
     /// does not fit the context; without `max_tokens` a request may use the rest of it.
-    pub fn requests(&self, prompt: Vec<u32>, limits: &Limits) -> Result<Vec<Request>, ApiError> {
+    pub fn requests(
+        &self,
+        prompt: Vec<u32>,
+        prompt_param: &str,
+        limits: &Limits,
+    ) -> Result<Vec<Request>, ApiError> {
         let len = prompt.len();
         if len == 0 {
-            return Err(ApiError::bad_param("prompt", "the prompt is empty"));
+            return Err(ApiError::bad_param(prompt_param, "the prompt is empty"));
         }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= limits.vocab_size) {
             return Err(ApiError::bad_param(
-                "prompt",
+                prompt_param,
                 format!(
                     "token id {bad} is outside the vocabulary of {}",
                     limits.vocab_size
@@ -233,8 +338,14 @@ impl Generation {
         let room = limits.max_model_len.saturating_sub(len);
         let max_tokens = match self.max_tokens {
             Some(m) if len + m > limits.max_model_len => {
+                // The prompt alone fills the context: the prompt is at fault, else max_tokens.
+                let param = if room == 0 {
+                    prompt_param
+                } else {
+                    "max_tokens"
+                };
                 return Err(ApiError::bad_param(
-                    "max_tokens",
+                    param,
                     format!(
                         "This model's maximum context length is {} tokens. However, you \
                          requested {} tokens ({len} in the messages, {m} in the completion). \
@@ -247,7 +358,7 @@ impl Generation {
             Some(m) => m,
             None if room == 0 => {
                 return Err(ApiError::bad_param(
-                    "prompt",
+                    prompt_param,
                     format!(
                         "the prompt's {len} tokens fill the model's context of {} tokens",
                         limits.max_model_len
@@ -284,6 +395,8 @@ mod tests {
             max_model_len: 64,
             eos_token_ids: vec![1],
             vocab_size: 100,
+            max_prompts: 4,
+            max_token_bytes: 8,
         }
     }
 
@@ -297,7 +410,7 @@ mod tests {
         assert_eq!(g.params.temperature, 1.0);
         assert_eq!(g.params.seed, 7);
         assert_eq!(g.n, 1);
-        let requests = g.requests(vec![5; 10], &limits()).unwrap();
+        let requests = g.requests(vec![5; 10], "prompt", &limits()).unwrap();
         assert_eq!(requests[0].max_tokens, 54, "the rest of the context");
         assert_eq!(requests[0].stop_token_ids, vec![1]);
     }
@@ -345,16 +458,70 @@ mod tests {
             &limits(),
         )
         .unwrap();
-        let err = g.requests(vec![5; 50], &limits()).unwrap_err();
+        let err = g.requests(vec![5; 50], "prompt", &limits()).unwrap_err();
         assert!(
             err.message.contains("maximum context length is 64"),
             "{}",
             err.message
         );
-        let requests = g.requests(vec![5; 44], &limits()).unwrap();
+        let requests = g.requests(vec![5; 44], "prompt", &limits()).unwrap();
         let seeds: Vec<u64> = requests.iter().map(|r| r.params.seed).collect();
         assert_eq!(seeds, [10, 11, 12]);
-        assert!(g.requests(vec![], &limits()).is_err());
-        assert!(g.requests(vec![100], &limits()).is_err());
+        assert!(g.requests(vec![], "prompt", &limits()).is_err());
+        assert!(g.requests(vec![100], "prompt", &limits()).is_err());
+    }
+
+    #[test]
+    fn a_prompt_that_fills_the_context_names_the_prompt_param() {
+        let g = generation(&sampling("{}"), Some(10), None, 0, &limits()).unwrap();
+        let err = g.requests(vec![5; 64], "messages", &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("messages"));
+        // The prompt fits, the completion does not: max_tokens is at fault.
+        let err = g.requests(vec![5; 60], "messages", &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("max_tokens"));
+        let open = generation(&sampling("{}"), None, None, 0, &limits()).unwrap();
+        let err = open
+            .requests(vec![5; 64], "messages", &limits())
+            .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn prompt_lists_and_responses_are_capped() {
+        let g = generation(&sampling(r#"{"n": 2}"#), Some(4), None, 0, &limits()).unwrap();
+        assert_eq!(
+            g.plan(vec![vec![5]; 4], "prompt", &limits())
+                .unwrap()
+                .requests
+                .len(),
+            8
+        );
+        let err = g.plan(vec![vec![5]; 5], "prompt", &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("prompt"));
+        assert!(err.message.contains("at most 4 prompts"), "{}", err.message);
+        assert!(g.plan(vec![], "prompt", &limits()).is_err());
+        // 16 choices x 60 tokens x (1 + 20) entries fit; a context of 8192 would not.
+        let wide = Limits {
+            max_model_len: 8192,
+            max_prompts: 64,
+            ..limits()
+        };
+        let g = generation(&sampling(r#"{"n": 16}"#), Some(8000), Some(20), 0, &wide).unwrap();
+        let err = g.plan(vec![vec![5]], "prompt", &wide).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("logprobs"));
+        let g = generation(&sampling(r#"{"n": 16}"#), Some(60), Some(20), 0, &wide).unwrap();
+        assert!(g.plan(vec![vec![5]], "prompt", &wide).is_ok());
+    }
+
+    #[test]
+    fn text_that_cannot_fit_is_refused_by_its_bytes() {
+        // 8 bytes a token at most: 63 x 8 bytes is at least 63 tokens, + 1 to generate = 64.
+        assert!(fits_by_bytes(63 * 8, None, "prompt", &limits()).is_ok());
+        let err = fits_by_bytes(63 * 8 + 1, None, "prompt", &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("prompt"));
+        assert!(fits_by_bytes(60 * 8, Some(4), "messages", &limits()).is_ok());
+        let err = fits_by_bytes(60 * 8, Some(5), "messages", &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("messages"));
+        assert!(fits_by_bytes(usize::MAX, Some(u32::MAX), "prompt", &limits()).is_err());
     }
 }

@@ -186,13 +186,72 @@ impl Usage {
     }
 }
 
-/// Completions' logprobs: parallel lists, one entry per token.
+/// Completions' logprobs: parallel lists, one entry per token. `text_offset[i]` is the byte
+/// offset in the choice's text (echo included) where `tokens[i]` starts.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<serde_json::Map<String, Value>>,
+    pub top_logprobs: Vec<TopLogprobs>,
     pub text_offset: Vec<usize>,
+}
+
+/// One position's alternatives, `{token text: logprob}`, written most likely first (a JSON
+/// object keeps the order it is written in; a sorted map would put them in key order).
+/// Invariant: no text appears twice (of two tokens with the same text, the likelier is kept).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogprobs(Vec<(String, f32)>);
+
+impl TopLogprobs {
+    /// From alternatives best first; a text seen before is skipped.
+    pub fn new(best_first: impl IntoIterator<Item = (String, f32)>) -> Self {
+        let mut entries: Vec<(String, f32)> = Vec::new();
+        for (text, logprob) in best_first {
+            if !entries.iter().any(|(t, _)| *t == text) {
+                entries.push((text, logprob));
+            }
+        }
+        TopLogprobs(entries)
+    }
+
+    /// The entries in the order they are written.
+    pub fn entries(&self) -> &[(String, f32)] {
+        &self.0
+    }
+}
+
+impl Serialize for TopLogprobs {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (text, logprob) in &self.0 {
+            map.serialize_entry(text, logprob)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for TopLogprobs {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Ordered;
+        impl<'de> serde::de::Visitor<'de> for Ordered {
+            type Value = TopLogprobs;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object of token texts to logprobs")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, f32>()? {
+                    entries.push(entry);
+                }
+                Ok(TopLogprobs(entries))
+            }
+        }
+        deserializer.deserialize_map(Ordered)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -203,7 +262,9 @@ pub struct CompletionChoice {
     pub finish_reason: Option<String>,
 }
 
-/// A completions response, or one chunk of a stream (`usage` only in the last, when asked).
+/// A completions response, or one chunk of a stream. `usage`: absent (`None`) in a stream
+/// that did not ask for it; in one that did, `null` (`Some(None)`) in every chunk but the
+/// last, which has the counts (as a whole response does).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct CompletionResponse {
     pub id: String,
@@ -211,8 +272,17 @@ pub struct CompletionResponse {
     pub created: u64,
     pub model: String,
     pub choices: Vec<CompletionChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub usage: Option<Option<Usage>>,
+}
+
+/// A field that is present, `null` or not: `Some(None)` for `null` (absent is the default).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<Usage>>, D::Error> {
+    Option::<Usage>::deserialize(d).map(Some)
 }
 
 /// Chat's logprobs: one entry per token, with its bytes and alternatives.
@@ -257,8 +327,13 @@ pub struct ChatResponse {
     pub created: u64,
     pub model: String,
     pub choices: Vec<ChatChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
+    /// As [`CompletionResponse::usage`].
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub usage: Option<Option<Usage>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -309,6 +384,39 @@ mod tests {
         let chat = r#"{"model": "m", "messages": [], "temprature": 1}"#;
         let err = serde_json::from_str::<ChatRequest>(chat).unwrap_err();
         assert!(err.to_string().contains("temprature"), "{err}");
+    }
+
+    #[test]
+    fn top_logprobs_are_written_best_first_not_in_key_order() {
+        let top = TopLogprobs::new([
+            ("z".to_string(), -0.1),
+            ("a".to_string(), -1.5),
+            ("z".to_string(), -2.0),
+            ("m".to_string(), -3.0),
+        ]);
+        let text = serde_json::to_string(&top).unwrap();
+        assert_eq!(text, r#"{"z":-0.1,"a":-1.5,"m":-3.0}"#);
+        let back: TopLogprobs = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, top);
+    }
+
+    #[test]
+    fn usage_is_absent_null_or_counts() {
+        let chunk = |usage: Option<Option<Usage>>| CompletionResponse {
+            id: "c".into(),
+            object: "text_completion".into(),
+            created: 0,
+            model: "m".into(),
+            choices: Vec::new(),
+            usage,
+        };
+        for usage in [None, Some(None), Some(Some(Usage::new(2, 3)))] {
+            let text = serde_json::to_string(&chunk(usage)).unwrap();
+            let value: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(value.get("usage").is_some(), usage.is_some(), "{text}");
+            let back: CompletionResponse = serde_json::from_str(&text).unwrap();
+            assert_eq!(back.usage, usage);
+        }
     }
 
     #[test]

@@ -9,8 +9,11 @@
 //! nanosecond of refill adds exactly `capacity` units: no rounding error can make a request
 //! that was told to wait `d` still not fit at `now + d`.
 //!
-//! The map of buckets grows by one entry per distinct key; keys are the identities from
-//! [`crate::auth`] (`anonymous` or one per configured API key), so it stays small.
+//! The map of buckets grows by one entry per distinct key: the identities from
+//! [`crate::auth`] (one per configured API key), or client addresses on an open server and for
+//! failed authentications. Past [`PRUNE_AT`] entries, the keys whose buckets have refilled are
+//! forgotten (a full bucket is what a new key gets anyway), so the map holds at most the keys
+//! charged within about the last minute.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -20,6 +23,8 @@ use std::time::{Duration, Instant};
 
 /// Units of bucket level per request (or token): nanoseconds per minute.
 const UNITS: u128 = 60_000_000_000;
+/// Keys held before the full ones are forgotten.
+pub const PRUNE_AT: usize = 4096;
 
 /// Per-key limits; `None` is unlimited. (`Some(0)` refuses everything; the CLI syntax rejects it.)
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -119,6 +124,12 @@ pub enum RateLimited {
          Reduce the prompt or max_tokens."
     )]
     TooLarge { tokens: u64, limit: u64 },
+    /// The request is more sequences than the per-minute request capacity: it can never fit.
+    #[error(
+        "Request too large: it is {requests} sequences (prompts × n) but the limit is {limit} \
+         requests per minute. Send fewer prompts or a smaller n."
+    )]
+    TooManySequences { requests: u64, limit: u64 },
 }
 
 impl RateLimited {
@@ -130,7 +141,7 @@ impl RateLimited {
                 let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
                 Some(secs.max(1))
             }
-            RateLimited::TooLarge { .. } => None,
+            RateLimited::TooLarge { .. } | RateLimited::TooManySequences { .. } => None,
         }
     }
 }
@@ -187,6 +198,20 @@ struct KeyState {
     updated: Instant,
 }
 
+impl KeyState {
+    /// Whether every bucket would be full at `now` (the key is as good as new).
+    fn is_full(&self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.updated);
+        [self.requests, self.tokens]
+            .into_iter()
+            .flatten()
+            .all(|mut bucket| {
+                bucket.refill(elapsed);
+                bucket.level == bucket.rate * UNITS
+            })
+    }
+}
+
 /// Per-key token buckets; shared by all request handlers (the state is behind a mutex).
 #[derive(Debug)]
 pub struct RateLimiter {
@@ -207,6 +232,24 @@ impl RateLimiter {
         self.limit
     }
 
+    /// How long until one more request of no tokens would fit for `key` at `now`, without
+    /// charging anything: `Err(Wait)` if it would have to wait.
+    pub fn peek(&self, key: &str, now: Instant) -> Result<(), RateLimited> {
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(state) = keys.get(key) else {
+            return Ok(());
+        };
+        let wait = state.requests.map_or(Duration::ZERO, |mut bucket| {
+            bucket.refill(now.saturating_duration_since(state.updated));
+            bucket.wait_for(1)
+        });
+        if wait.is_zero() {
+            Ok(())
+        } else {
+            Err(RateLimited::Wait(wait))
+        }
+    }
+
     /// Charges one request of `tokens` tokens (prompt + max_tokens) to `key` at `now`.
     ///
     /// On refusal nothing is charged, and the error says how long until the request would fit
@@ -214,6 +257,19 @@ impl RateLimiter {
     /// the whole per-minute capacity). A `now` earlier than one already seen for the key is
     /// treated as that earlier-seen instant (time never runs backwards for a bucket).
     pub fn check(&self, key: &str, tokens: u64, now: Instant) -> Result<(), RateLimited> {
+        self.check_many(key, 1, tokens, now)
+    }
+
+    /// [`RateLimiter::check`] for `requests` requests at once (a request of several engine
+    /// sequences is charged one request each). More requests than the per-minute capacity is
+    /// [`RateLimited::TooLarge`], as is more tokens.
+    pub fn check_many(
+        &self,
+        key: &str,
+        requests: u64,
+        tokens: u64,
+        now: Instant,
+    ) -> Result<(), RateLimited> {
         if self.limit == RateLimit::UNLIMITED {
             return Ok(());
         }
@@ -222,7 +278,15 @@ impl RateLimiter {
                 return Err(RateLimited::TooLarge { tokens, limit });
             }
         }
+        if let Some(limit) = self.limit.requests_per_minute.map(u64::from)
+            && requests > limit
+        {
+            return Err(RateLimited::TooManySequences { requests, limit });
+        }
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        if keys.len() >= PRUNE_AT && !keys.contains_key(key) {
+            keys.retain(|_, state| !state.is_full(now));
+        }
         let state = keys.entry(key.to_string()).or_insert_with(|| KeyState {
             requests: self
                 .limit
@@ -240,14 +304,16 @@ impl RateLimiter {
             bucket.refill(elapsed);
         }
 
-        let wait_requests = state.requests.map_or(Duration::ZERO, |b| b.wait_for(1));
+        let wait_requests = state
+            .requests
+            .map_or(Duration::ZERO, |b| b.wait_for(requests));
         let wait_tokens = state.tokens.map_or(Duration::ZERO, |b| b.wait_for(tokens));
         let wait = wait_requests.max(wait_tokens);
         if !wait.is_zero() {
             return Err(RateLimited::Wait(wait));
         }
         if let Some(b) = state.requests.as_mut() {
-            b.take(1);
+            b.take(requests);
         }
         if let Some(b) = state.tokens.as_mut() {
             b.take(tokens);
@@ -414,6 +480,61 @@ mod tests {
         assert!(err.to_string().contains("1001"));
         // Exactly the capacity fits a fresh key.
         assert_eq!(rl.check("k", 1000, t0), Ok(()));
+    }
+
+    #[test]
+    fn many_sequences_are_charged_one_request_each() {
+        let rl = RateLimiter::new(limit("10"));
+        let t0 = Instant::now();
+        assert_eq!(rl.check_many("k", 8, 0, t0), Ok(()));
+        // 2 left: 3 more wait for one to refill (6 s at 10 per minute).
+        assert_eq!(
+            rl.check_many("k", 3, 0, t0),
+            Err(RateLimited::Wait(secs(6.0)))
+        );
+        assert_eq!(rl.check_many("k", 2, 0, t0), Ok(()));
+        let err = rl.check_many("k", 11, 0, t0).unwrap_err();
+        assert_eq!(
+            err,
+            RateLimited::TooManySequences {
+                requests: 11,
+                limit: 10
+            }
+        );
+        assert_eq!(err.retry_after_secs(), None);
+    }
+
+    #[test]
+    fn peek_charges_nothing() {
+        let rl = RateLimiter::new(limit("2"));
+        let t0 = Instant::now();
+        assert_eq!(rl.peek("k", t0), Ok(()));
+        assert_eq!(rl.check("k", 0, t0), Ok(()));
+        for _ in 0..5 {
+            assert_eq!(rl.peek("k", t0), Ok(()));
+        }
+        assert_eq!(rl.check("k", 0, t0), Ok(()));
+        assert_eq!(rl.peek("k", t0), Err(RateLimited::Wait(secs(30.0))));
+        assert_eq!(rl.peek("k", t0 + secs(30.0)), Ok(()));
+    }
+
+    #[test]
+    fn keys_whose_buckets_refilled_are_forgotten() {
+        let rl = RateLimiter::new(limit("1"));
+        let t0 = Instant::now();
+        for i in 0..PRUNE_AT {
+            assert_eq!(rl.check(&format!("client {i}"), 0, t0), Ok(()));
+        }
+        // A minute on, every bucket is full again: a new key prunes them all.
+        let later = t0 + secs(60.0);
+        assert_eq!(rl.check("new", 0, later), Ok(()));
+        assert_eq!(rl.keys.lock().unwrap().len(), 1);
+        // Within the minute nothing is forgotten, so nothing is refilled early.
+        for i in 0..PRUNE_AT {
+            assert_eq!(rl.check(&format!("again {i}"), 0, later), Ok(()));
+        }
+        assert_eq!(rl.check("one more", 0, later + secs(1.0)), Ok(()));
+        assert!(rl.check("again 0", 0, later + secs(1.0)).is_err());
     }
 
     #[test]

@@ -7,15 +7,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use ch01::{Llama, Tokenizer};
 use ch04::{CacheConfig, EngineConfig, EngineError};
 use ch07::AttentionKind;
 use tokio::net::TcpListener;
 
+use crate::access_log::{self, AccessLog};
 use crate::auth::ApiKeys;
 use crate::chat_template::ChatTemplate;
+use crate::connections::{self, ConnectionLimits};
 use crate::engine_thread::EngineThread;
 use crate::metrics::Metrics;
 use crate::params::Limits;
@@ -57,13 +58,27 @@ pub struct ServerConfig {
     /// The CPU executor's attention (chapter 7's `--attention-backend`).
     pub attention: AttentionKind,
     pub rate_limit: Option<RateLimit>,
-    /// Requests that may wait beyond the `max_num_seqs` that run; `None`: no limit.
+    /// Engine sequences (prompts × n) that may wait beyond the `max_num_seqs` that run;
+    /// `None`: no limit.
     pub max_queue: Option<usize>,
     pub seed: u64,
     /// How long in-flight requests may go on after a shutdown signal before they are aborted.
     pub shutdown_grace: Duration,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
+    /// Most prompts in one completions request (each is `n` engine sequences).
+    pub max_prompts: usize,
+    /// Tokenizations (and chat template renderings) at once, on tokio's blocking threads.
+    pub tokenizer_workers: usize,
+    /// Open connections and their timeouts.
+    pub connections: ConnectionLimits,
+    /// How long a body may take to arrive once its headers are in (408 beyond).
+    pub body_read_timeout: Duration,
+    /// Failed authentications a client address may make per minute before its requests are
+    /// refused (429) without looking at the key.
+    pub auth_failures_per_minute: u32,
+    /// Where each request's record goes; `None`: no access log.
+    pub access_log: Option<AccessLog>,
     /// Speculative decoding (chapter 6): builds the engine's speculator over the served model.
     pub speculator: Option<SpeculatorFactory>,
 }
@@ -80,6 +95,12 @@ impl Default for ServerConfig {
             seed: 0,
             shutdown_grace: Duration::from_secs(30),
             max_body_bytes: 8 << 20,
+            max_prompts: crate::params::DEFAULT_MAX_PROMPTS,
+            tokenizer_workers: 2,
+            connections: ConnectionLimits::default(),
+            body_read_timeout: Duration::from_secs(30),
+            auth_failures_per_minute: 10,
+            access_log: None,
             speculator: None,
         }
     }
@@ -119,7 +140,8 @@ pub struct Server {
     state: Arc<AppState>,
     engine: EngineThread,
     grace: Duration,
-    max_body_bytes: usize,
+    connections: ConnectionLimits,
+    access_log: Option<AccessLog>,
 }
 
 impl Server {
@@ -182,17 +204,26 @@ impl Server {
                 max_model_len,
                 eos_token_ids: served.eos_token_ids,
                 vocab_size: served.model.config.vocab_size,
+                max_prompts: config.max_prompts.max(1),
+                max_token_bytes: crate::params::max_token_bytes(&served.tokenizer),
             },
             tokenizer: served.tokenizer,
             chat_template: served.chat_template,
             metrics,
             keys,
             rate_limiter: config.rate_limit.map(RateLimiter::new),
+            auth_failures: RateLimiter::new(RateLimit {
+                requests_per_minute: Some(config.auth_failures_per_minute.max(1)),
+                tokens_per_minute: None,
+            }),
+            max_body_bytes: config.max_body_bytes,
+            body_read_timeout: config.body_read_timeout,
             served_model_name: config.served_model_name,
             max_in_flight: config
                 .max_queue
                 .map(|queue| queue + config.engine.max_num_seqs),
             in_flight: AtomicUsize::new(0),
+            tokenizing: tokio::sync::Semaphore::new(config.tokenizer_workers.max(1)),
             seed: config.seed,
             next_request: AtomicU64::new(0),
             created: unix_now(),
@@ -202,7 +233,8 @@ impl Server {
             state: Arc::new(state),
             engine,
             grace: config.shutdown_grace,
-            max_body_bytes: config.max_body_bytes,
+            connections: config.connections,
+            access_log: config.access_log,
         })
     }
 
@@ -216,9 +248,9 @@ impl Server {
         self.state.limits.max_model_len
     }
 
-    /// The routes, over this server's state.
+    /// The routes, over this server's state, with the access log when there is one.
     pub fn router(&self) -> Router {
-        Router::new()
+        let router = Router::new()
             .route("/v1/completions", post(routes::completions::handler))
             .route("/v1/chat/completions", post(routes::chat::handler))
             .route("/v1/models", get(routes::info::models))
@@ -226,8 +258,14 @@ impl Server {
             .route("/metrics", get(routes::info::metrics))
             .fallback(routes::info::not_found)
             .method_not_allowed_fallback(routes::info::method_not_allowed)
-            .layer(DefaultBodyLimit::max(self.max_body_bytes))
-            .with_state(Arc::clone(&self.state))
+            .with_state(Arc::clone(&self.state));
+        match &self.access_log {
+            Some(log) => router.layer(axum::middleware::from_fn_with_state(
+                log.clone(),
+                access_log::log_access,
+            )),
+            None => router,
+        }
     }
 
     // ANCHOR: run
@@ -247,7 +285,7 @@ impl Server {
             state.shutting_down.store(true, Ordering::SeqCst);
             let _ = signalled_tx.send(());
         };
-        let serve = axum::serve(listener, self.router()).with_graceful_shutdown(graceful);
+        let serve = connections::serve(listener, self.router(), self.connections, graceful);
         let handle = self.state.engine.clone();
         let deadline = async move {
             if signalled.await.is_err() {

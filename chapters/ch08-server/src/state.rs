@@ -1,6 +1,7 @@
 //! What every handler shares: the engine's handle, the tokenizer and template, the metrics,
 //! and the admission rules (keys, rate limits, the queue limit).
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -8,8 +9,9 @@ use std::time::{Duration, Instant};
 use axum::http::HeaderMap;
 use axum::http::header::AUTHORIZATION;
 use ch01::Tokenizer;
+use tokio::sync::Semaphore;
 
-use crate::auth::ApiKeys;
+use crate::auth::{ANONYMOUS, ApiKeys};
 use crate::chat_template::ChatTemplate;
 use crate::engine_thread::EngineHandle;
 use crate::error::ApiError;
@@ -24,11 +26,23 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub keys: ApiKeys,
     pub rate_limiter: Option<RateLimiter>,
+    /// Failed authentications per client address: past the limit, a client's requests are
+    /// refused (429) before its key is even looked at, so keys cannot be guessed at speed.
+    pub auth_failures: RateLimiter,
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    /// How long a request's body may take to arrive once its headers are in (408 beyond).
+    pub body_read_timeout: Duration,
     pub served_model_name: String,
     pub limits: Limits,
-    /// Most requests in the server at once (running or queued); `None`: no limit.
+    /// Most engine sequences in the server at once (running or queued; a request of `p`
+    /// prompts and `n` choices is `p × n`); `None`: no limit.
     pub max_in_flight: Option<usize>,
+    /// Engine sequences admitted and not yet finished.
     pub in_flight: AtomicUsize,
+    /// Tokenizing and template rendering run on tokio's blocking threads, this many at once,
+    /// so that no HTTP worker thread ever tokenizes.
+    pub tokenizing: Semaphore,
     /// Seeds requests that name none: `seed + request number`, so a server started with the
     /// same `--seed` answers the same requests in the same order the same way.
     pub seed: u64,
@@ -38,14 +52,17 @@ pub struct AppState {
     pub shutting_down: AtomicBool,
 }
 
-/// A request admitted into the server; dropping it gives its place back.
+/// A request admitted into the server; dropping it gives its sequences' places back.
 pub struct Admitted {
     state: Arc<AppState>,
+    sequences: usize,
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        self.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.state
+            .in_flight
+            .fetch_sub(self.sequences, Ordering::SeqCst);
     }
 }
 
@@ -65,29 +82,89 @@ impl AppState {
             .map_err(|e| ApiError::unauthorized(e.to_string()))
     }
 
+    // ANCHOR: authorize_client
+    /// [`AppState::authorize`], for a client at `client`: refused with 429 while the client
+    /// is over its failed-authentication limit (whatever key it sends now), and a failure is
+    /// charged to it.
+    pub fn authorize_client(
+        &self,
+        headers: &HeaderMap,
+        client: Option<IpAddr>,
+    ) -> Result<String, ApiError> {
+        if self.keys.is_open() {
+            return Ok(ANONYMOUS.to_string());
+        }
+        let who = client.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
+        let now = Instant::now();
+        if let Err(RateLimited::Wait(wait)) = self.auth_failures.peek(&who, now) {
+            return Err(ApiError::too_many(
+                format!(
+                    "too many failed authentications from this address: retry in {:.0} s",
+                    wait.as_secs_f64().ceil()
+                ),
+                wait,
+            ));
+        }
+        self.authorize(headers).inspect_err(|_| {
+            let _ = self.auth_failures.check(&who, 0, now);
+        })
+    }
+    // ANCHOR_END: authorize_client
+
+    /// Whom the rate limit charges: the key's identity, or on an open server (where every
+    /// caller is `anonymous`) the client's address, so that one client cannot spend everyone's
+    /// allowance.
+    pub fn limiter_key(&self, key: String, client: Option<IpAddr>) -> String {
+        match client {
+            Some(ip) if self.keys.is_open() => format!("client {ip}"),
+            _ => key,
+        }
+    }
+
     // ANCHOR: admit
-    /// Admits a request of `tokens` (prompt + max_tokens, every choice) from `key`, or refuses
-    /// it with 429 (rate limit or full queue) or 503 (shutting down).
-    pub fn admit(self: &Arc<Self>, key: &str, tokens: u64) -> Result<Admitted, ApiError> {
+    /// Admits a request of `sequences` engine sequences (prompts × n) and `tokens` tokens
+    /// (prompt + max_tokens, every choice) from `key`, or refuses it with 429 (rate limit or
+    /// full queue) or 503 (shutting down). Both the queue and the requests-per-minute limit
+    /// count sequences, not HTTP requests: one request of 64 prompts × 16 choices is 1,024.
+    pub fn admit(
+        self: &Arc<Self>,
+        key: &str,
+        sequences: usize,
+        tokens: u64,
+    ) -> Result<Admitted, ApiError> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
-        // Take a place first, so that a request refused for a full queue is not charged to
-        // the key's rate limit.
-        let in_flight = self.in_flight.fetch_add(1, Ordering::SeqCst);
+        // Take the places first, so that a request refused for a full queue is not charged
+        // to the key's rate limit.
+        let in_flight = self.in_flight.fetch_add(sequences, Ordering::SeqCst);
         let admitted = Admitted {
             state: Arc::clone(self),
+            sequences,
         };
         if let Some(max) = self.max_in_flight
-            && in_flight >= max
+            && in_flight + sequences > max
         {
+            if sequences > max {
+                // Waiting cannot help: no Retry-After.
+                return Err(ApiError {
+                    retry_after: None,
+                    ..ApiError::too_many(
+                        format!(
+                            "the request is {sequences} sequences (prompts × n), more than \
+                             the server's queue of {max}"
+                        ),
+                        Duration::ZERO,
+                    )
+                });
+            }
             return Err(ApiError::too_many(
-                format!("the server's queue is full ({max} requests): retry shortly"),
+                format!("the server's queue is full ({max} sequences): retry shortly"),
                 Duration::from_secs(1),
             ));
         }
         if let Some(limiter) = &self.rate_limiter {
-            match limiter.check(key, tokens, Instant::now()) {
+            match limiter.check_many(key, sequences as u64, tokens, Instant::now()) {
                 Ok(()) => {}
                 Err(RateLimited::Wait(wait)) => {
                     return Err(ApiError::too_many(
@@ -98,7 +175,10 @@ impl AppState {
                         wait,
                     ));
                 }
-                Err(too_large @ RateLimited::TooLarge { .. }) => {
+                Err(
+                    too_large @ (RateLimited::TooLarge { .. }
+                    | RateLimited::TooManySequences { .. }),
+                ) => {
                     // Waiting cannot help: no Retry-After.
                     return Err(ApiError {
                         retry_after: None,
@@ -111,12 +191,30 @@ impl AppState {
     }
     // ANCHOR_END: admit
 
-    /// The model name a request must name.
+    /// Runs `work` (tokenizing, rendering a template) on tokio's blocking threads, at most
+    /// [`AppState::tokenizing`]'s permits at once; a caller waits its turn without holding an
+    /// HTTP worker thread.
+    pub async fn off_runtime<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _permit = self
+            .tokenizing
+            .acquire()
+            .await
+            .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+        tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))
+    }
+
+    /// The model name a request must name; another is 404, as OpenAI and vLLM answer.
     pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
         if model == self.served_model_name {
             Ok(())
         } else {
             Err(ApiError {
+                status: axum::http::StatusCode::NOT_FOUND,
                 code: Some("model_not_found"),
                 ..ApiError::bad_param(
                     "model",

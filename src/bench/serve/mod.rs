@@ -14,10 +14,12 @@
 //!
 //! | module      | what it does                                                     |
 //! |-------------|------------------------------------------------------------------|
+//! | [`abuse`]   | `--abusive-mix`: slow clients, oversized prompts, disconnects      |
 //! | [`client`]  | one streamed request: SSE lines, chunks, usage, errors, timing    |
 //! | [`dataset`] | prompts from the held-out corpus, lengths in words                |
 //! | [`report`]  | the statistics (pure) and the block, JSON, table and plots        |
 
+mod abuse;
 mod client;
 mod dataset;
 mod report;
@@ -103,9 +105,15 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub result_json: Option<PathBuf>,
     /// Write `serve-rate-<R>.json` per rate into DIR; for several rates also `serve.md`,
-    /// `serve-throughput.svg` and `serve-latency.svg`.
+    /// `serve-throughput.svg` and `serve-latency.svg` (with --abusive-mix: `serve-abuse.md`
+    /// and `serve-abuse.json` instead).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// Run each rate twice, side by side: clean, then with F × N abusive requests besides the
+    /// N normal ones (slow clients, 7 MB prompts, n = 16 streams dropped after one chunk, in
+    /// turn, arriving at the same rate), and compare the normal requests' numbers.
+    #[arg(long, value_name = "F")]
+    pub abusive_mix: Option<f64>,
 }
 
 /// A request rate: Poisson arrivals at so many requests per second, or all at once.
@@ -162,6 +170,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if !(args.length_scale > 0.0 && args.length_scale.is_finite()) {
         bail!("--length-scale must be a positive number");
+    }
+    if args
+        .abusive_mix
+        .is_some_and(|f| !(f > 0.0 && f.is_finite()))
+    {
+        bail!("--abusive-mix must be a positive number");
     }
     // The root binary runs commands on a rayon worker; this one needs an async runtime.
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -247,6 +261,18 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         "client_cpu": facts.cpu,
         "client_nproc": facts.nproc,
     });
+    if let Some(mix) = args.abusive_mix {
+        let abused = AbusedRun {
+            http: &http,
+            config: &config,
+            prompts: &prompts,
+            addr: abuse::host_port(&base_url)?,
+            mix,
+        };
+        return abused
+            .sweep(&args, &run_config, &facts, &dataset_text)
+            .await;
+    }
     let mut runs = Vec::new();
     let mut jsons = Vec::new();
     for &rate in &args.request_rate {
@@ -377,6 +403,133 @@ async fn run_rate(
     let duration = start.elapsed().as_secs_f64();
     progress.finish();
     Ok((records, duration))
+}
+
+/// `--abusive-mix`: each rate clean, then abused, side by side.
+struct AbusedRun<'a> {
+    http: &'a reqwest::Client,
+    config: &'a Arc<RequestConfig>,
+    prompts: &'a Arc<Vec<Prompt>>,
+    /// The server's `host:port`, for the slow clients' raw sockets.
+    addr: String,
+    mix: f64,
+}
+
+impl AbusedRun<'_> {
+    async fn sweep(
+        &self,
+        args: &Args,
+        run_config: &Value,
+        facts: &RunFacts,
+        dataset_text: &str,
+    ) -> anyhow::Result<()> {
+        let longest = self.prompts.iter().map(|p| p.max_tokens).max().unwrap_or(1);
+        let count = (self.mix * self.prompts.len() as f64).ceil() as usize;
+        let mut runs = Vec::new();
+        let mut jsons = Vec::new();
+        for &rate in &args.request_rate {
+            // The normal requests, the same in both runs.
+            let normal = || {
+                run_rate(
+                    self.http,
+                    self.config,
+                    self.prompts,
+                    rate,
+                    args.max_concurrency,
+                    args.seed,
+                )
+            };
+            eprintln!("== request rate {rate} (req/s), clean");
+            let (records, duration) = normal().await?;
+            let clean = Metrics::of(&records, duration);
+            print!(
+                "{}",
+                report::result_block(rate, args.max_concurrency, &clean)
+            );
+
+            eprintln!("== request rate {rate} (req/s), with {count} abusive requests");
+            let start = tokio::time::Instant::now();
+            let abusers: Vec<_> = schedule(count, rate, args.seed.wrapping_add(1))
+                .into_iter()
+                .enumerate()
+                .map(|(i, at)| {
+                    let (http, config) = (self.http.clone(), Arc::clone(self.config));
+                    let addr = self.addr.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep_until(start + at).await;
+                        abuse::send(&http, &config, &addr, abuse::Abuse::nth(i), longest).await
+                    })
+                })
+                .collect();
+            let (records, duration) = normal().await?;
+            let abused = Metrics::of(&records, duration);
+            print!(
+                "{}",
+                report::result_block(rate, args.max_concurrency, &abused)
+            );
+            let mut outcomes = Vec::with_capacity(abusers.len());
+            for abuser in abusers {
+                outcomes.push(abuser.await.context("an abusive request's task panicked")?);
+            }
+            eprintln!("   abusive requests: {}", abuse::summary(&outcomes));
+            jsons.push(json!({
+                "request_rate": rate.to_string(),
+                "clean": clean,
+                "abusive": abused,
+                "abusive_requests": outcomes,
+            }));
+            runs.push((rate, clean, abused, outcomes));
+        }
+        let table = abuse::table(&runs);
+        println!("{table}");
+        if let Some(dir) = &args.out {
+            let mut config = run_config.clone();
+            config["abusive_mix"] = json!(self.mix);
+            write_json(
+                &dir.join("serve-abuse.json"),
+                &json!({"config": config, "runs": jsons}),
+            )?;
+            let text = format!(
+                "Each rate sends the same {dataset_text}, streamed from `{}` at temperature {}, \
+                 twice: clean, then beside {count} abusive requests ({} × {}) arriving at the \
+                 same rate (seed {}), one kind after another: a slow client that sends a \
+                 request's headers one byte every 500 ms, a prompt of {} bytes, a stream of \
+                 n = 16 choices at max_tokens {longest} dropped after its first chunk. The \
+                 numbers are the normal requests'; the last column says what the server \
+                 answered the abusive ones and how long each was held (slow clients: until the \
+                 server closed them).",
+                args.endpoint.path(),
+                args.temperature,
+                self.mix,
+                self.prompts.len(),
+                args.seed.wrapping_add(1),
+                abuse::OVERSIZED_PROMPT_BYTES,
+            );
+            let caption = format!(
+                "_{} served at {}; load generated on {} ({} CPUs), {}. Command: `{}`._",
+                self.config.model,
+                args.base_url,
+                facts.cpu.as_deref().unwrap_or("an unknown CPU"),
+                facts.nproc,
+                facts.date,
+                facts.command
+            );
+            let path = dir.join("serve-abuse.md");
+            std::fs::write(
+                &path,
+                format!(
+                    "{table}
+{text}
+
+{caption}
+"
+                ),
+            )
+            .with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        Ok(())
+    }
 }
 
 /// A progress line on stderr, redrawn in place on a terminal, printed once at the end

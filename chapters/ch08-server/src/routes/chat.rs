@@ -3,14 +3,13 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::extract::rejection::BytesRejection;
-use axum::http::HeaderMap;
+use axum::extract::{Request, State};
 use axum::response::Response;
-use serde_json::Value;
 
-use super::{Accepted, Job, Shape, accept, respond, serve_generation, unix_now};
+use super::{
+    Accepted, Job, Shape, accept, chunk_usage, respond, serve_generation, to_json, unix_now,
+};
+use crate::chat_template::ChatMessage;
 use crate::driver::{Delta, TokenInfo};
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
@@ -19,30 +18,23 @@ use crate::protocol::{
 };
 use crate::state::AppState;
 
-pub async fn handler(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    respond(handle(state, headers, body).await)
+pub async fn handler(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    respond(handle(state, request).await)
 }
 
-async fn handle(
-    state: Arc<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiError> {
     let Accepted {
         started,
         key,
         request,
-    } = accept::<ChatRequest>(&state, &headers, body, |r| &r.model)?;
-    let template = state.chat_template.as_ref().ok_or_else(|| {
-        ApiError::bad_request(
+        note,
+    } = accept::<ChatRequest>(&state, request, |r| &r.model).await?;
+    if state.chat_template.is_none() {
+        return Err(ApiError::bad_request(
             "this model has no chat template (tokenizer_config.json or chat_template.jinja): \
              use /v1/completions",
-        )
-    })?;
+        ));
+    }
     if request.messages.is_empty() {
         return Err(ApiError::bad_param("messages", "messages is empty"));
     }
@@ -52,15 +44,6 @@ async fn handle(
         .map(|m| m.to_template())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| ApiError::bad_param("messages", e))?;
-    let text = template
-        .render(&messages, request.add_generation_prompt.unwrap_or(true))
-        .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
-    // The template writes the special tokens (BOS) itself.
-    let prompt = state
-        .tokenizer
-        .encode(&text, false)
-        .map_err(|e| ApiError::bad_param("messages", format!("cannot tokenize: {e}")))?;
-
     let max_tokens = match (request.max_tokens, request.max_completion_tokens) {
         (Some(a), Some(b)) if a != b => {
             return Err(ApiError::bad_param(
@@ -86,16 +69,18 @@ async fn handle(
         (true, k) => Some(k.unwrap_or(0)),
         (false, None) => None,
     };
+    let prompt = render_and_tokenize(&state, messages, &request, max_tokens).await?;
     let (number, seed) = state.number_request();
     let generation =
         params::generation(&request.sampling, max_tokens, logprobs, seed, &state.limits)?;
-    let planned = generation.plan(vec![prompt], &state.limits)?;
+    let planned = generation.plan(vec![prompt], "messages", &state.limits)?;
     serve_generation(Job {
         shape: ChatShape {
             id: format!("chatcmpl-{number}"),
             created: unix_now(),
             model: state.served_model_name.clone(),
             logprobs: logprobs.is_some(),
+            include_usage: generation.include_usage,
         },
         state,
         started,
@@ -103,8 +88,38 @@ async fn handle(
         generation,
         echo: None,
         key,
+        note,
     })
     .await
+}
+
+/// The messages through the chat template, then tokenized, off the async runtime. The
+/// messages' text is refused by its bytes first (the template only adds to it), and the
+/// rendered text again before it is tokenized.
+async fn render_and_tokenize(
+    state: &Arc<AppState>,
+    messages: Vec<ChatMessage>,
+    request: &ChatRequest,
+    max_tokens: Option<u32>,
+) -> Result<Vec<u32>, ApiError> {
+    let bytes = messages.iter().map(|m| m.content.len()).sum();
+    params::fits_by_bytes(bytes, max_tokens, "messages", &state.limits)?;
+    let add_generation_prompt = request.add_generation_prompt.unwrap_or(true);
+    let shared = Arc::clone(state);
+    state
+        .off_runtime(move || {
+            let template = shared.chat_template.as_ref().expect("checked before");
+            let text = template
+                .render(&messages, add_generation_prompt)
+                .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
+            params::fits_by_bytes(text.len(), max_tokens, "messages", &shared.limits)?;
+            // The template writes the special tokens (BOS) itself.
+            shared
+                .tokenizer
+                .encode(&text, false)
+                .map_err(|e| ApiError::bad_param("messages", format!("cannot tokenize: {e}")))
+        })
+        .await?
 }
 
 struct ChatShape {
@@ -112,6 +127,7 @@ struct ChatShape {
     created: u64,
     model: String,
     logprobs: bool,
+    include_usage: bool,
 }
 
 fn token_logprob(info: &TokenInfo) -> ChatTokenLogprob {
@@ -134,8 +150,13 @@ fn token_logprob(info: &TokenInfo) -> ChatTokenLogprob {
 }
 
 impl ChatShape {
-    fn envelope(&self, object: &str, choices: Vec<ChatChoice>, usage: Option<Usage>) -> Value {
-        serde_json::to_value(ChatResponse {
+    fn envelope(
+        &self,
+        object: &str,
+        choices: Vec<ChatChoice>,
+        usage: Option<Option<Usage>>,
+    ) -> String {
+        to_json(&ChatResponse {
             id: self.id.clone(),
             object: object.into(),
             created: self.created,
@@ -143,7 +164,6 @@ impl ChatShape {
             choices,
             usage,
         })
-        .expect("serialisable")
     }
 
     fn logprobs(&self, deltas: &[&Delta]) -> Option<ChatLogprobs> {
@@ -157,7 +177,7 @@ impl ChatShape {
 }
 
 impl Shape for ChatShape {
-    fn opening_chunks(&self, choices: usize) -> Vec<Value> {
+    fn opening_chunks(&self, choices: usize) -> Vec<String> {
         (0..choices)
             .map(|index| {
                 self.envelope(
@@ -172,13 +192,13 @@ impl Shape for ChatShape {
                         logprobs: None,
                         finish_reason: None,
                     }],
-                    None,
+                    chunk_usage(self.include_usage),
                 )
             })
             .collect()
     }
 
-    fn chunk(&self, delta: &Delta) -> Value {
+    fn chunk(&self, delta: &Delta) -> String {
         self.envelope(
             "chat.completion.chunk",
             vec![ChatChoice {
@@ -191,15 +211,15 @@ impl Shape for ChatShape {
                 logprobs: self.logprobs(&[delta]),
                 finish_reason: delta.finish_reason.map(str::to_string),
             }],
-            None,
+            chunk_usage(self.include_usage),
         )
     }
 
-    fn usage_chunk(&self, usage: Usage) -> Value {
-        self.envelope("chat.completion.chunk", Vec::new(), Some(usage))
+    fn usage_chunk(&self, usage: Usage) -> String {
+        self.envelope("chat.completion.chunk", Vec::new(), Some(Some(usage)))
     }
 
-    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> Value {
+    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> String {
         let choices = choices
             .into_iter()
             .enumerate()
@@ -221,6 +241,6 @@ impl Shape for ChatShape {
                 }
             })
             .collect();
-        self.envelope("chat.completion", choices, Some(usage))
+        self.envelope("chat.completion", choices, Some(Some(usage)))
     }
 }

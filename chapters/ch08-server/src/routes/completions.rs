@@ -2,67 +2,51 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::extract::rejection::BytesRejection;
-use axum::http::HeaderMap;
+use axum::extract::{Request, State};
 use axum::response::Response;
-use serde_json::{Map, Value, json};
 
-use super::{Accepted, Job, Shape, accept, respond, serve_generation, unix_now};
+use super::{
+    Accepted, Job, Shape, accept, chunk_usage, respond, serve_generation, to_json, unix_now,
+};
 use crate::driver::Delta;
 use crate::error::ApiError;
 use crate::params;
 use crate::protocol::{
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, Usage,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt,
+    TopLogprobs, Usage,
 };
 use crate::state::AppState;
 
 /// OpenAI's default `max_tokens` for completions.
 const DEFAULT_MAX_TOKENS: u32 = 16;
 
-pub async fn handler(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    respond(handle(state, headers, body).await)
+pub async fn handler(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    respond(handle(state, request).await)
 }
 
-async fn handle(
-    state: Arc<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiError> {
     let Accepted {
         started,
         key,
         request,
-    } = accept::<CompletionRequest>(&state, &headers, body, |r| &r.model)?;
+        note,
+    } = accept::<CompletionRequest>(&state, request, |r| &r.model).await?;
     if request.echo && request.logprobs.is_some() {
         return Err(ApiError::bad_param(
             "echo",
             "echo with logprobs is not supported (kiln does not score prompt tokens)",
         ));
     }
-    let encode = |text: &str| {
-        state
-            .tokenizer
-            .encode(text, true)
-            .map_err(|e| ApiError::bad_param("prompt", format!("cannot tokenize: {e}")))
+    let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let (prompts, texts) = match request.prompt {
+        Prompt::Text(text) => tokenize(&state, vec![text], max_tokens).await?,
+        Prompt::Texts(texts) => tokenize(&state, texts, max_tokens).await?,
+        Prompt::Tokens(tokens) => (vec![tokens], None),
+        Prompt::TokenLists(lists) => {
+            params::check_prompt_count(lists.len(), &state.limits)?;
+            (lists, None)
+        }
     };
-    let (prompts, texts): (Vec<Vec<u32>>, Option<Vec<String>>) = match &request.prompt {
-        Prompt::Text(text) => (vec![encode(text)?], Some(vec![text.clone()])),
-        Prompt::Texts(texts) => (
-            texts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
-            Some(texts.clone()),
-        ),
-        Prompt::Tokens(tokens) => (vec![tokens.clone()], None),
-        Prompt::TokenLists(lists) => (lists.clone(), None),
-    };
-    if prompts.is_empty() {
-        return Err(ApiError::bad_param("prompt", "the prompt list is empty"));
-    }
     let (number, seed) = state.number_request();
     let generation = params::generation(
         &request.sampling,
@@ -92,26 +76,56 @@ async fn handle(
             id: format!("cmpl-{number}"),
             created: unix_now(),
             model: state.served_model_name.clone(),
+            include_usage: generation.include_usage,
         },
-        planned: generation.plan(prompts, &state.limits)?,
+        planned: generation.plan(prompts, "prompt", &state.limits)?,
         state,
         started,
         generation,
         echo,
         key,
+        note,
     })
     .await
 }
+
+// ANCHOR: tokenize
+/// Tokenizes text prompts off the async runtime (see [`AppState::off_runtime`]), after
+/// refusing, by their bytes alone, a list that is too long and a text that cannot fit the
+/// context with `max_tokens`. Returns the prompts' ids and their texts (for echo).
+async fn tokenize(
+    state: &Arc<AppState>,
+    texts: Vec<String>,
+    max_tokens: u32,
+) -> Result<(Vec<Vec<u32>>, Option<Vec<String>>), ApiError> {
+    params::check_prompt_count(texts.len(), &state.limits)?;
+    for text in &texts {
+        params::fits_by_bytes(text.len(), Some(max_tokens), "prompt", &state.limits)?;
+    }
+    let shared = Arc::clone(state);
+    state
+        .off_runtime(move || {
+            let prompts = texts
+                .iter()
+                .map(|text| shared.tokenizer.encode(text, true))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| ApiError::bad_param("prompt", format!("cannot tokenize: {e}")))?;
+            Ok((prompts, Some(texts)))
+        })
+        .await?
+}
+// ANCHOR_END: tokenize
 
 struct CompletionShape {
     id: String,
     created: u64,
     model: String,
+    include_usage: bool,
 }
 
 impl CompletionShape {
-    fn envelope(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Value {
-        serde_json::to_value(CompletionResponse {
+    fn envelope(&self, choices: Vec<CompletionChoice>, usage: Option<Option<Usage>>) -> String {
+        to_json(&CompletionResponse {
             id: self.id.clone(),
             object: "text_completion".into(),
             created: self.created,
@@ -119,34 +133,33 @@ impl CompletionShape {
             choices,
             usage,
         })
-        .expect("serialisable")
     }
 }
 
-/// Appends `delta`'s logprobs; `offset` is where the delta's text starts in the choice's text.
-fn push_logprobs(into: &mut CompletionLogprobs, delta: &Delta, mut offset: usize) {
+/// Appends `delta`'s logprobs. A token's `text_offset` is where it starts in the choice's
+/// whole text: the delta's offset plus the texts of the delta's tokens before it, so streamed
+/// chunks carry the same offsets as the whole response.
+fn push_logprobs(into: &mut CompletionLogprobs, delta: &Delta) {
+    let mut offset = delta.offset;
     for token in &delta.logprobs {
         into.tokens.push(token.text.clone());
         into.token_logprobs.push(token.logprob);
-        let mut top = Map::new();
-        for (text, logprob) in &token.top {
-            top.entry(text.clone()).or_insert(json!(logprob));
-        }
-        into.top_logprobs.push(top);
+        into.top_logprobs
+            .push(TopLogprobs::new(token.top.iter().cloned()));
         into.text_offset.push(offset);
         offset += token.text.len();
     }
 }
 
 impl Shape for CompletionShape {
-    fn opening_chunks(&self, _choices: usize) -> Vec<Value> {
+    fn opening_chunks(&self, _choices: usize) -> Vec<String> {
         Vec::new()
     }
 
-    fn chunk(&self, delta: &Delta) -> Value {
+    fn chunk(&self, delta: &Delta) -> String {
         let logprobs = (!delta.logprobs.is_empty()).then(|| {
             let mut lp = CompletionLogprobs::default();
-            push_logprobs(&mut lp, delta, 0);
+            push_logprobs(&mut lp, delta);
             lp
         });
         self.envelope(
@@ -156,15 +169,15 @@ impl Shape for CompletionShape {
                 logprobs,
                 finish_reason: delta.finish_reason.map(str::to_string),
             }],
-            None,
+            chunk_usage(self.include_usage),
         )
     }
 
-    fn usage_chunk(&self, usage: Usage) -> Value {
-        self.envelope(Vec::new(), Some(usage))
+    fn usage_chunk(&self, usage: Usage) -> String {
+        self.envelope(Vec::new(), Some(Some(usage)))
     }
 
-    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> Value {
+    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> String {
         let wants_logprobs = choices.iter().flatten().any(|d| !d.logprobs.is_empty());
         let choices = choices
             .into_iter()
@@ -174,7 +187,7 @@ impl Shape for CompletionShape {
                 let mut logprobs = CompletionLogprobs::default();
                 let mut finish_reason = None;
                 for delta in &deltas {
-                    push_logprobs(&mut logprobs, delta, text.len());
+                    push_logprobs(&mut logprobs, delta);
                     text.push_str(&delta.text);
                     finish_reason = delta.finish_reason.or(finish_reason);
                 }
@@ -186,6 +199,6 @@ impl Shape for CompletionShape {
                 }
             })
             .collect();
-        self.envelope(choices, Some(usage))
+        self.envelope(choices, Some(Some(usage)))
     }
 }

@@ -5,15 +5,17 @@ use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::http::request::Parts;
+use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 
+use super::client_of;
 use crate::error::ApiError;
 use crate::protocol::{ModelCard, ModelList};
 use crate::state::AppState;
 
-pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(error) = state.authorize(&headers) {
+pub async fn models(State(state): State<Arc<AppState>>, parts: Parts) -> Response {
+    if let Err(error) = state.authorize_client(&parts.headers, client_of(&parts.extensions)) {
         return error.into_response();
     }
     Json(ModelList {
@@ -29,9 +31,10 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
     .into_response()
 }
 
-/// 200 while serving; 503 once shutting down, so a load balancer stops sending.
+/// 200 while serving; 503 once shutting down or when the engine thread has ended (a panic, a
+/// stop), so a load balancer stops sending and a supervisor restarts the server.
 pub async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
-    if state.shutting_down.load(Ordering::SeqCst) {
+    if state.shutting_down.load(Ordering::SeqCst) || !state.engine.is_alive() {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK

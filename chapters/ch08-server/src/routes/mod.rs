@@ -9,32 +9,29 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, StatusCode};
+use std::net::{IpAddr, SocketAddr};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Request};
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::{Extensions, HeaderMap};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream;
+use futures_util::{StreamExt, stream};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
+use crate::access_log::AccessNote;
 use crate::driver::{self, Delta};
 use crate::error::ApiError;
 use crate::params::{Generation, Planned};
 use crate::protocol::Usage;
 use crate::state::{Admitted, AppState};
 
-/// Parses a JSON body into `T`, with OpenAI-shaped errors: 413 for a body over the limit, 400
-/// for anything that is not the request's JSON (the message names the field at fault).
-pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let bytes = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::payload_too_large(format!("the request body is too large: {rejection}"))
-        } else {
-            ApiError::bad_request(format!("could not read the request body: {rejection}"))
-        }
-    })?;
-    serde_json::from_slice(&bytes).map_err(|e| {
+/// Parses a JSON body into `T`, with OpenAI-shaped errors: 400 for anything that is not the
+/// request's JSON (the message names the field at fault).
+pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| {
         let param = unknown_field(&e.to_string());
         ApiError {
             param,
@@ -43,32 +40,121 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> R
     })
 }
 
+/// Bodies up to this size are parsed on the HTTP worker (a fraction of a millisecond); larger
+/// ones on the blocking pool.
+const PARSE_ON_RUNTIME_BYTES: usize = 64 << 10;
+
 /// A generation request past the checks every endpoint makes first.
 pub struct Accepted<T> {
     /// When the request arrived: the start of its TTFT and end-to-end latency.
     pub started: Instant,
-    /// The caller's identity, for rate limiting.
+    /// Who the rate limit charges: the key's identity, or the client's address on an open
+    /// server.
     pub key: String,
     pub request: T,
+    pub note: AccessNote,
 }
 
-/// The API key, then the body, then the model it names (`model_of`), in that order, so that a
-/// caller without a valid key learns nothing about the request.
-pub fn accept<T: DeserializeOwned>(
+/// The client's address, as the accept loop recorded it.
+pub fn client_of(extensions: &Extensions) -> Option<IpAddr> {
+    extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip())
+}
+
+// ANCHOR: accept
+/// The API key, then the content type, then the body (read under the size limit and the
+/// body-read timeout), then the model it names (`model_of`), in that order: a caller without
+/// a valid key learns nothing about the request and cannot make the server read its body.
+pub async fn accept<T: DeserializeOwned + Send + 'static>(
     state: &AppState,
-    headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    request: Request,
     model_of: impl Fn(&T) -> &str,
 ) -> Result<Accepted<T>, ApiError> {
     let started = Instant::now();
-    let key = state.authorize(headers)?;
-    let request: T = parse_body(body)?;
+    let (parts, body) = request.into_parts();
+    let client = client_of(&parts.extensions);
+    let note = parts
+        .extensions
+        .get::<AccessNote>()
+        .cloned()
+        .unwrap_or_default();
+    let key = state.authorize_client(&parts.headers, client)?;
+    note.key_id(&key);
+    require_json(&parts.headers)?;
+    let bytes = read_body(state, &parts.headers, body).await?;
+    // Parsing is linear in the body, up to the 8 MiB limit: a large body is parsed off the
+    // HTTP worker threads too.
+    let request: T = if bytes.len() > PARSE_ON_RUNTIME_BYTES {
+        state.off_runtime(move || parse_body(&bytes)).await??
+    } else {
+        parse_body(&bytes)?
+    };
     state.check_model(model_of(&request))?;
     Ok(Accepted {
         started,
-        key,
+        key: state.limiter_key(key, client),
         request,
+        note,
     })
+}
+// ANCHOR_END: accept
+
+/// 415 unless the body is declared `application/json` (parameters such as `charset` allowed):
+/// a browser may send a cross-site `text/plain` POST without asking, never a JSON one.
+fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let declared = headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(str::trim);
+    match declared {
+        Some(kind) if kind.eq_ignore_ascii_case("application/json") => Ok(()),
+        other => Err(ApiError::unsupported_media_type(format!(
+            "the request body must be JSON with Content-Type: application/json, not {}",
+            other.map_or("none".to_string(), |k| format!("{k:?}"))
+        ))),
+    }
+}
+
+/// The body, at most `max_body_bytes` (413 beyond, from `Content-Length` before anything is
+/// read), within the body-read timeout (408).
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let limit = state.max_body_bytes;
+    let too_large = || {
+        ApiError::payload_too_large(format!(
+            "the request body is too large: more than {limit} bytes"
+        ))
+    };
+    let declared = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return Err(too_large());
+    }
+    let read = async {
+        let mut chunks = body.into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::bad_request(format!("could not read the request body: {e}"))
+            })?;
+            if bytes.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(bytes))
+    };
+    tokio::time::timeout(state.body_read_timeout, read)
+        .await
+        .map_err(|_| {
+            ApiError::request_timeout(format!(
+                "the request body did not arrive within {:.1} s",
+                state.body_read_timeout.as_secs_f64()
+            ))
+        })?
 }
 
 /// A handler's result as a response: the error's own status and JSON when it failed.
@@ -89,16 +175,28 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// How one endpoint shapes its responses.
+/// How one endpoint shapes its responses, as JSON text (serialised from the typed bodies of
+/// [`crate::protocol`], so fields and logprob alternatives keep their written order).
 pub trait Shape: Send + Sync + 'static {
     /// Chunks sent before any token (chat: each choice's role).
-    fn opening_chunks(&self, choices: usize) -> Vec<serde_json::Value>;
+    fn opening_chunks(&self, choices: usize) -> Vec<String>;
     /// One stream chunk for one delta.
-    fn chunk(&self, delta: &Delta) -> serde_json::Value;
+    fn chunk(&self, delta: &Delta) -> String;
     /// The stream's last chunk when usage was asked for.
-    fn usage_chunk(&self, usage: Usage) -> serde_json::Value;
+    fn usage_chunk(&self, usage: Usage) -> String;
     /// The whole response from every choice's deltas, in order.
-    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> serde_json::Value;
+    fn response(&self, choices: Vec<Vec<Delta>>, usage: Usage) -> String;
+}
+
+/// A stream chunk's `usage` before the last chunk: `null` when usage was asked for (OpenAI's
+/// shape, so a client can tell "not yet" from "not asked"), absent otherwise.
+pub fn chunk_usage(include_usage: bool) -> Option<Option<Usage>> {
+    include_usage.then_some(None)
+}
+
+/// A typed body as JSON text.
+pub fn to_json(body: &impl serde::Serialize) -> String {
+    serde_json::to_string(body).expect("response bodies serialise")
 }
 
 /// A request that passed its checks: what to generate and how to answer.
@@ -111,12 +209,15 @@ pub struct Job<S: Shape> {
     pub shape: S,
     /// The caller's identity: the rate limit charges it the planned budget.
     pub key: String,
+    /// The access log's note: the usage goes there when the generation ends.
+    pub note: AccessNote,
 }
 
 /// Admits the job and answers it: a stream of server-sent events, or one JSON response.
 pub async fn serve_generation<S: Shape>(job: Job<S>) -> Result<Response, ApiError> {
     // Check the admission rules before spawning anything.
-    let admitted = job.state.admit(&job.key, job.planned.budget())?;
+    let sequences = job.planned.requests.len();
+    let admitted = job.state.admit(&job.key, sequences, job.planned.budget())?;
     if job.generation.stream {
         Ok(stream_response(job, admitted))
     } else {
@@ -142,7 +243,9 @@ async fn collect_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Result<R
         },
     )
     .await?;
-    Ok(axum::Json(job.shape.response(deltas, usage)).into_response())
+    job.note.usage(usage);
+    let body = job.shape.response(deltas, usage);
+    Ok(([(CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 // ANCHOR: stream_response
@@ -150,7 +253,7 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
     let (events, receiver) = mpsc::unbounded_channel::<SseEvent>();
     tokio::spawn(async move {
         let _admitted = admitted;
-        let json = |value: serde_json::Value| SseEvent::default().data(value.to_string());
+        let json = |text: String| SseEvent::default().data(text);
         for chunk in job.shape.opening_chunks(job.planned.requests.len()) {
             let _ = events.send(json(chunk));
         }
@@ -166,6 +269,7 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
         .await;
         match result {
             Ok(usage) => {
+                job.note.usage(usage);
                 if job.generation.include_usage {
                     let _ = events.send(json(job.shape.usage_chunk(usage)));
                 }
