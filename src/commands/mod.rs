@@ -131,23 +131,25 @@ impl ModelArgs {
             device.arch.name()
         );
         let weights = ch01::Weights::open(&self.model)?;
-        let (block_size, memory) = (cache.block_size, cache.memory);
-        Ok(match cache.dtype {
-            ch03::KvDtype::F32 => Box::new(CudaExecutor::<f32>::new(
+        fn boxed<K: ch07::cuda::executor::DeviceKv>(
+            device: GpuDevice,
+            config: &ch01::LlamaConfig,
+            weights: &ch01::Weights,
+            cache: &ch04::CacheConfig,
+        ) -> anyhow::Result<Box<dyn ch04::Executor + Send>> {
+            let executor = CudaExecutor::<K>::new(
                 device,
                 config.clone(),
-                &weights,
-                block_size,
-                memory,
-            )?),
-            ch03::KvDtype::Bf16 => Box::new(CudaExecutor::<half::bf16>::new(
-                device,
-                config.clone(),
-                &weights,
-                block_size,
-                memory,
-            )?),
-        })
+                weights,
+                cache.block_size,
+                cache.memory,
+            )?;
+            Ok(Box::new(executor))
+        }
+        match cache.dtype {
+            ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, cache),
+            ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, cache),
+        }
     }
 
     /// Whether `--model` names a GGUF file rather than a directory.

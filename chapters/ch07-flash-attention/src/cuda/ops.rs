@@ -10,7 +10,9 @@ use super::CudaError;
 use super::device::GpuDevice;
 
 /// An element type of weights or K/V on the device: f32, or bf16 for half the bytes.
-pub trait DeviceScalar: DeviceRepr + ValidAsZeroBits + Copy + Unpin + 'static {
+pub trait DeviceScalar:
+    DeviceRepr + ValidAsZeroBits + Copy + Unpin + Send + Sync + 'static
+{
     /// The suffix of the kernel variant that reads this type (`kv_write_f32`, `..._bf16`).
     const SUFFIX: &'static str;
 }
@@ -94,6 +96,15 @@ fn grid_stride(count: usize) -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// One block of `threads` per row: the launch of the row kernels.
+fn one_block_per_row(what: &str, rows: usize, threads: u32) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (u32_arg(what, rows)?, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
 
 fn u32_arg(name: &str, value: usize) -> Result<u32, CudaError> {
@@ -249,11 +260,7 @@ impl GpuDevice {
             return Ok(());
         }
         let dim = i32_arg("dim", dim)?;
-        let config = LaunchConfig {
-            grid_dim: (u32_arg("tokens", tokens.len())?, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = one_block_per_row("tokens", tokens.len(), 256)?;
         let function = self.function(&format!("embedding_{}", T::SUFFIX));
         let mut launch = self.stream.launch_builder(function);
         launch.arg(table).arg(&tokens.ids).arg(out).arg(&dim);
@@ -289,11 +296,7 @@ impl GpuDevice {
             return Ok(());
         }
         let dim_arg = i32_arg("dim", dim)?;
-        let config = LaunchConfig {
-            grid_dim: (u32_arg("rows", rows)?, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = one_block_per_row("rows", rows, 256)?;
         let mut launch = self.stream.launch_builder(self.function("add_rmsnorm"));
         launch.arg(residual);
         // A null delta pointer skips the add.
@@ -348,11 +351,7 @@ impl GpuDevice {
             i32_arg("kv heads", heads.num_kv_heads)?,
             i32_arg("head_dim", heads.head_dim)?,
         );
-        let config = LaunchConfig {
-            grid_dim: (u32_arg("rows", rows)?, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = one_block_per_row("rows", rows, 128)?;
         let mut launch = self.stream.launch_builder(self.function("rope"));
         launch.arg(q).arg(k).arg(positions).arg(inv_freq);
         launch.arg(&h).arg(&kvh).arg(&d);
@@ -378,11 +377,7 @@ impl GpuDevice {
         check_len("k cache", k_cache.len(), cache)?;
         check_len("v cache", v_cache.len(), cache)?;
         let kv_dim = i32_arg("kv_dim", kv_dim)?;
-        let config = LaunchConfig {
-            grid_dim: (u32_arg("rows", batch.num_rows)?, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = one_block_per_row("rows", batch.num_rows, 128)?;
         let function = self.function(&format!("kv_write_{}", T::SUFFIX));
         let mut launch = self.stream.launch_builder(function);
         launch
@@ -536,11 +531,7 @@ impl GpuDevice {
             return Ok(());
         }
         let vocab = i32_arg("vocab", vocab)?;
-        let config = LaunchConfig {
-            grid_dim: (u32_arg("rows", out.len())?, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = one_block_per_row("rows", out.len(), 1024)?;
         let mut launch = self.stream.launch_builder(self.function("argmax_rows"));
         launch.arg(logits).arg(out).arg(&vocab);
         // SAFETY: logits holds rows·vocab; blockDim is 1024 (32 warps, the kernel's maximum).
