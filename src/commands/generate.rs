@@ -13,6 +13,7 @@ use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
+use super::tensor_parallel::TensorParallelArgs;
 use super::speculative_args::{self, SpeculativeArgs};
 use super::{LoadedModel, ModelArgs};
 
@@ -74,6 +75,8 @@ pub struct Args {
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
+    pub tensor_parallel: TensorParallelArgs,
+    #[command(flatten)]
     pub attention: AttentionArgs,
     /// Speculative decoding (chapter 6); with one --prompt it runs on the engine too.
     #[command(flatten)]
@@ -91,6 +94,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(path) => Some(read_prompts(path)?),
         None => None,
     };
+    if args.tensor_parallel.tensor_parallel_size > 1 && (args.recompute || args.contiguous) {
+        anyhow::bail!("--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous");
+    }
     let loaded = args.model.load()?;
     let seed = args.seed.unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now()
@@ -116,7 +122,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     options.sampling.validate()?;
     match (&args.prompt, prompts) {
-        (Some(prompt), None) if args.speculative.method()?.is_some() => {
+        // Speculation and tensor parallelism run on the engine, even for one prompt.
+        (Some(prompt), None)
+            if args.speculative.method()?.is_some() || args.tensor_parallel.tensor_parallel_size > 1 =>
+        {
             run_many(&args, std::slice::from_ref(prompt), &loaded, &options)
         }
         (Some(prompt), None) => run_one(&args, prompt, &loaded, &options),
@@ -250,7 +259,7 @@ fn run_many(
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
     let attention = args.attention.kind();
-    let executor = ch07::cpu_executor(model, &cache, attention)?;
+    let executor = args.tensor_parallel.executor(&args.model, model, &cache, attention)?;
     let draft = args.speculative.load_draft(&args.model.dtype, model)?;
     let mut engine = Engine::boxed(executor, args.engine.config())?;
     if let Some(speculator) =

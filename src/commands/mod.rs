@@ -7,6 +7,7 @@ pub mod perplexity;
 pub mod quantize;
 pub mod serve;
 pub mod speculative_args;
+pub mod tensor_parallel;
 
 use std::path::PathBuf;
 
@@ -15,7 +16,7 @@ use ch01::linear::LinearLoader;
 use ch01::{Llama, Tokenizer};
 
 /// `--model DIR|FILE.gguf`, shared by every command that loads a model.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a GGUF
     /// file (llama.cpp's format: config, weights, tokenizer and chat template in one file).
@@ -55,16 +56,21 @@ impl ModelArgs {
     /// kernels, dense weights on chapter 2's (stored as `--dtype` says) or quantized on load
     /// (`--quantization`).
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
+        self.load_with(&*self.loader()?)
+    }
+
+    /// The kind of projection `--dtype` and `--quantization` ask for.
+    pub fn loader(&self) -> anyhow::Result<Box<dyn LinearLoader + Send + Sync>> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
-        match &self.quantization {
+        Ok(match &self.quantization {
             Some(name) => {
                 let ty = ch05::GgmlType::from_name(name)
                     .with_context(|| format!("unknown --quantization {name}"))?;
-                self.load_with(&ch05::QuantLoader::to(ty)?)
+                Box::new(ch05::QuantLoader::to(ty)?)
             }
-            None if self.is_gguf() => self.load_with(&ch05::QuantLoader::native().dense(dtype)),
-            None => self.load_with(&ch02::FastLoader { dtype }),
-        }
+            None if self.is_gguf() => Box::new(ch05::QuantLoader::native().dense(dtype)),
+            None => Box::new(ch02::FastLoader { dtype }),
+        })
     }
 
     /// Whether `--model` names a GGUF file rather than a directory.

@@ -42,4 +42,4 @@ pub mod routes;
 pub mod server;
 pub mod state;
 
-pub use server::{ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory};
+pub use server::{ExecutorFactory, ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory};
