@@ -163,6 +163,7 @@ impl TensorParallel {
     /// consecutive ranks: rank `r` holds head `r / (world / num_kv_heads)`, the one its query
     /// heads read (column `r · kv / world` of a world of `num_kv_heads`). Otherwise no rank's
     /// query heads would form whole groups over whole KV heads: an error.
+    // ANCHOR: kv_spec
     pub fn kv_spec(&self, num_kv_heads: usize) -> Result<ShardSpec, ShardError> {
         check_rank(self.rank, self.world)?;
         if num_kv_heads % self.world == 0 {
@@ -177,6 +178,7 @@ impl TensorParallel {
             })
         }
     }
+    // ANCHOR_END: kv_spec
 
     /// The token ids whose embedding rows and logits this rank holds: `vocab_size / world`
     /// consecutive ids (the vocabulary must divide by `world`; [`Self::check`] it first).

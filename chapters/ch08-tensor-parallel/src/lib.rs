@@ -12,10 +12,12 @@
 //! | [`load`]     | [`load_shards`]: one model shard per rank through chapter 1's shard specs     |
 //! | [`rank`]     | [`Rank`]: one rank's shard, KV pool and step, with the collectives in place   |
 //! | [`executor`] | [`TensorParallelExecutor`]: rank 0 schedules, every rank runs its shard        |
+//! | [`pipeline`] | a pipeline-parallel sketch: layers in stages on threads, micro-batches, the bubble |
 
 pub mod comm;
 pub mod executor;
 pub mod load;
+pub mod pipeline;
 pub mod rank;
 
 pub use comm::{CommError, Communicator, ThreadComm, thread_group};

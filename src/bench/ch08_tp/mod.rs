@@ -162,14 +162,60 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // 3. The cost model on real shapes.
     let (cost_md, cost_svg) = cost::figures(&facts);
 
+    // 4. The pipeline sketch's bubble.
+    let (bubble_md, bubble_svg) = pipeline_bubble(&args, &facts, reps.min(5))?;
+
     write_figures(
         &out,
         &[
             ("tp-allreduce", Some(&allreduce_md), &allreduce_svg),
             ("tp-speed", Some(&tp_md), &tp_svg),
             ("tp-cost-model", Some(&cost_md), &cost_svg),
+            ("pp-bubble", Some(&bubble_md), &bubble_svg),
         ],
     )
+}
+
+/// The measured bubble of the pipeline sketch on 2 stages against `(p − 1) / (m + p − 1)`.
+fn pipeline_bubble(args: &Args, facts: &RunFacts, reps: usize) -> anyhow::Result<(String, String)> {
+    use ch08tp::pipeline::{ideal_bubble, run_pipeline};
+    let stages = 2;
+    let model = ch01::Llama::load_with(&args.model.model, &ch01::linear::DenseLoader)?;
+    let counts: &[usize] = if args.output.quick { &[1, 4] } else { &[1, 2, 4, 8, 16] };
+    let prompt = bench_tokens(64, model.config.vocab_size, None);
+    let mut table = Table::new(["micro-batches m", "measured bubble", "(p − 1) / (m + p − 1)", "makespan ms"]);
+    let (mut measured, mut ideal) = (Vec::new(), Vec::new());
+    for &m in counts {
+        let batches = vec![prompt.clone(); m];
+        let runs: Vec<_> = (0..reps).map(|_| run_pipeline(&model, stages, &batches)).collect::<Result<_, _>>()?;
+        let bubble = median(runs.iter().map(|r| r.bubble_fraction()).collect());
+        let makespan = median(runs.iter().map(|r| r.makespan.as_secs_f64()).collect());
+        table.row([m.to_string(), format!("{bubble:.3}"), format!("{:.3}", ideal_bubble(stages, m)), format!("{:.1}", makespan * 1e3)]);
+        measured.push((m as f64, bubble));
+        ideal.push((m as f64, ideal_bubble(stages, m)));
+    }
+    let markdown = format!(
+        "{}\nThe pipeline sketch: {} split into {stages} stages (layers {:?} and {:?}; the last \
+         stage also runs the final norm and the head), one thread each, micro-batches of one \
+         64-token prompt each, chapter 1's forward. Bubble = 1 − Σ stage busy time / (stages × \
+         makespan), median of {reps} runs. {}, {} CPUs, {}. `{}`\n",
+        table.to_markdown(),
+        model_name(&args.model.model),
+        ch08tp::pipeline::stage_layers(0, stages, model.layers.len()),
+        ch08tp::pipeline::stage_layers(1, stages, model.layers.len()),
+        facts.cpu.as_deref().unwrap_or("unknown CPU"),
+        facts.nproc,
+        facts.date,
+        facts.command
+    );
+    let svg = LinePlot::new(format!("Pipeline bubble, {stages} stages"))
+        .x_label("micro-batches m")
+        .y_label("idle share")
+        .log_x()
+        .series("measured", &measured)
+        .reference("(p − 1) / (m + p − 1)", &ideal)
+        .to_svg();
+    Ok((markdown, svg))
 }
 
 /// Median seconds of one all-reduce of `floats` f32 among `world` thread ranks.
