@@ -13,8 +13,8 @@ use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
-use super::tensor_parallel::TensorParallelArgs;
 use super::speculative_args::{self, SpeculativeArgs};
+use super::tensor_parallel::TensorParallelArgs;
 use super::{LoadedModel, ModelArgs};
 
 #[derive(clap::Args, Debug)]
@@ -95,7 +95,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     if args.tensor_parallel.tensor_parallel_size > 1 && (args.recompute || args.contiguous) {
-        anyhow::bail!("--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous");
+        anyhow::bail!(
+            "--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous"
+        );
     }
     let loaded = args.model.load()?;
     let seed = args.seed.unwrap_or_else(|| {
@@ -124,7 +126,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match (&args.prompt, prompts) {
         // Speculation and tensor parallelism run on the engine, even for one prompt.
         (Some(prompt), None)
-            if args.speculative.method()?.is_some() || args.tensor_parallel.tensor_parallel_size > 1 =>
+            if args.speculative.method()?.is_some()
+                || args.tensor_parallel.tensor_parallel_size > 1 =>
         {
             run_many(&args, std::slice::from_ref(prompt), &loaded, &options)
         }
@@ -259,7 +262,9 @@ fn run_many(
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
     let attention = args.attention.kind();
-    let executor = args.tensor_parallel.executor(&args.model, model, &cache, attention)?;
+    let executor = args
+        .tensor_parallel
+        .executor(&args.model, model, &cache, attention)?;
     let draft = args.speculative.load_draft(&args.model.dtype, model)?;
     let mut engine = Engine::boxed(executor, args.engine.config())?;
     if let Some(speculator) =

@@ -51,7 +51,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ch07::AttentionKind::Naive,
         )?;
         let blocks = executor.kv_layout().num_blocks;
-        anyhow::ensure!(blocks * 16 >= args.ctx, "--ctx {} exceeds the KV memory", args.ctx);
+        anyhow::ensure!(
+            blocks * 16 >= args.ctx,
+            "--ctx {} exceeds the KV memory",
+            args.ctx
+        );
         let mut forward = |input: &[u32]| -> ch01::Result<ndarray::Array2<f32>> {
             let c = &loaded.model.config;
             ch01::model::check_tokens(input, c.vocab_size, c.max_position_embeddings)?;

@@ -12,8 +12,8 @@ use ch08::rate_limit::RateLimit;
 use ch08::{ExecutorFactory, ServedModel, Server, ServerConfig, SpeculatorFactory};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
-use super::tensor_parallel::TensorParallelArgs;
 use super::speculative_args::SpeculativeArgs;
+use super::tensor_parallel::TensorParallelArgs;
 use super::{ModelArgs, ModelFormat};
 
 #[derive(clap::Args, Debug)]

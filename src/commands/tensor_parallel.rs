@@ -36,7 +36,9 @@ impl TensorParallelArgs {
         if world == 1 {
             return Ok(ch07::cpu_executor(model, cache, attention)?);
         }
-        Ok(Box::new(self.tensor_parallel_executor(args, cache, attention)?))
+        Ok(Box::new(
+            self.tensor_parallel_executor(args, cache, attention)?,
+        ))
     }
 
     /// `--tensor-parallel-size` ranks over shards of `--model` (see [`Self::executor`]).
@@ -48,10 +50,14 @@ impl TensorParallelArgs {
     ) -> anyhow::Result<TensorParallelExecutor> {
         let world = self.tensor_parallel_size;
         if args.is_gguf() {
-            bail!("--tensor-parallel-size {world}: GGUF files load on one rank only (use a Hugging Face directory)");
+            bail!(
+                "--tensor-parallel-size {world}: GGUF files load on one rank only (use a Hugging Face directory)"
+            );
         }
         if attention == AttentionKind::Flash {
-            bail!("--tensor-parallel-size {world} runs chapter 4's attention: --attention-backend flash is one rank only");
+            bail!(
+                "--tensor-parallel-size {world} runs chapter 4's attention: --attention-backend flash is one rank only"
+            );
         }
         if cache.dtype != KvDtype::F32 {
             bail!("--tensor-parallel-size {world} stores K/V in f32: pass --kv-cache-dtype f32");

@@ -30,7 +30,13 @@ pub fn perplexity(
     bos: Option<u32>,
     max_chunks: Option<usize>,
 ) -> Result<Perplexity> {
-    perplexity_with(&mut |input| model.forward(input), tokens, ctx, bos, max_chunks)
+    perplexity_with(
+        &mut |input| model.forward(input),
+        tokens,
+        ctx,
+        bos,
+        max_chunks,
+    )
 }
 
 /// [`perplexity`] with the logits of each chunk from `forward`: tokens [ctx] → [ctx, vocab]

@@ -229,11 +229,10 @@ fn two_rank_model_has_local_heads_and_recombines_to_the_whole() {
     // outputs summed after each block. Same logits as the unsharded model.
     // The embedding is split by vocabulary: the ranks' partial embeddings sum to the whole.
     let tokens = [3u32, 17, 99, 250, 7, 1024, 2100, 4095, 5];
-    let mut h = ranks
-        .iter()
-        .fold(Array2::<f32>::zeros((tokens.len(), c.hidden_size)), |acc, m| {
-            acc + m.embed(&tokens)
-        }); // [T, hidden]
+    let mut h = ranks.iter().fold(
+        Array2::<f32>::zeros((tokens.len(), c.hidden_size)),
+        |acc, m| acc + m.embed(&tokens),
+    ); // [T, hidden]
     assert_eq!(h, whole.embed(&tokens));
     for l in 0..c.num_hidden_layers {
         let n = ranks[0].layers[l].input_layernorm.forward(h.view());

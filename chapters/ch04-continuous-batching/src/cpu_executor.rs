@@ -85,7 +85,6 @@ impl<'m, K: KvElement> CpuExecutor<'m, K> {
     pub fn pool(&self) -> &KvPool<K> {
         &self.pool
     }
-
 }
 
 /// The CPU memory that swapped-out K/V wait in, and the step's block operations on a pool

@@ -20,9 +20,9 @@ use ch01::Sampler;
 use ch03::{BlockCopy, BlockError, BlockId, BlockManager, PrefixStats};
 use ndarray::{ArrayView2, s};
 
+use crate::attention::QueryRow;
 use crate::engine::{Counters, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace};
 use crate::executor::{ExecutorError, KvLayout, ModelSpec};
-use crate::attention::QueryRow;
 use crate::logprobs::TokenLogprobs;
 use crate::request::{FinishReason, Request, RequestId, Sequence, Status};
 use crate::speculation::{Draft, DraftSeq, Speculator};

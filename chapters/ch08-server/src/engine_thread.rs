@@ -125,7 +125,9 @@ impl EngineThread {
         metrics: Arc<Metrics>,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, EngineError> {
-        Self::spawn_with(model, cache, config, attention, None, None, metrics, install)
+        Self::spawn_with(
+            model, cache, config, attention, None, None, metrics, install,
+        )
     }
 
     /// [`EngineThread::spawn`], with the speculator `speculator` builds (chapter 6) and the

@@ -42,4 +42,6 @@ pub mod routes;
 pub mod server;
 pub mod state;
 
-pub use server::{ExecutorFactory, ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory};
+pub use server::{
+    ExecutorFactory, ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory,
+};

@@ -53,7 +53,10 @@ impl std::fmt::Debug for SpeculatorFactory {
 #[allow(clippy::type_complexity)]
 pub struct ExecutorFactory(
     pub  Arc<
-        dyn for<'m> Fn(&'m Llama, &CacheConfig) -> Result<Box<dyn ch04::Executor + Send + 'm>, String>
+        dyn for<'m> Fn(
+                &'m Llama,
+                &CacheConfig,
+            ) -> Result<Box<dyn ch04::Executor + Send + 'm>, String>
             + Send
             + Sync,
     >,

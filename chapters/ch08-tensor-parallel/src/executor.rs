@@ -116,7 +116,11 @@ impl TensorParallelExecutor {
         };
         let mut comms = thread_group(world)?.into_iter();
         let mut shards = shards.into_iter();
-        let rank0 = Rank::new(shards.next().ok_or(BuildError::NoRanks)?, block_size, num_blocks)?;
+        let rank0 = Rank::new(
+            shards.next().ok_or(BuildError::NoRanks)?,
+            block_size,
+            num_blocks,
+        )?;
         let comm0 = comms.next().ok_or(BuildError::NoRanks)?;
         let (mut workers, mut handles) = (Vec::new(), Vec::new());
         for (i, (shard, mut comm)) in shards.zip(comms).enumerate() {
@@ -130,7 +134,10 @@ impl TensorParallelExecutor {
                     // Until rank 0 hangs up; an error here is rank 0's too (the same collective
                     // fails on every rank), so rank 0 reports it.
                     for step in rx {
-                        if pool.install(|| state.execute(&step, &mut comm).map(|_| ())).is_err() {
+                        if pool
+                            .install(|| state.execute(&step, &mut comm).map(|_| ()))
+                            .is_err()
+                        {
                             break;
                         }
                     }
@@ -178,9 +185,9 @@ impl Executor for TensorParallelExecutor {
         if !self.workers.is_empty() {
             let shared = Arc::new(step.clone());
             for (i, worker) in self.workers.iter().enumerate() {
-                worker
-                    .send(Arc::clone(&shared))
-                    .map_err(|_| ExecutorError(format!("tensor-parallel rank {} is gone", i + 1)))?;
+                worker.send(Arc::clone(&shared)).map_err(|_| {
+                    ExecutorError(format!("tensor-parallel rank {} is gone", i + 1))
+                })?;
             }
         }
         let (rank0, comm0) = (&mut self.rank0, &mut self.comm0);

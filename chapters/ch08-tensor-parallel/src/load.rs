@@ -30,5 +30,7 @@ pub fn load_shards(
 
 /// Checks that `world` ranks can split a model of `config`: the error `load_shards` returns.
 pub fn check_world(config: &LlamaConfig, world: usize) -> Result<(), ch01::ShardError> {
-    TensorParallel { rank: 0, world }.check_model(config).map(|_| ())
+    TensorParallel { rank: 0, world }
+        .check_model(config)
+        .map(|_| ())
 }

@@ -39,10 +39,10 @@ pub struct Rank<K: KvElement = f32> {
     backend: Box<dyn AttentionBackend<K>>,
     swapped: SwapSpace<K>,
     workspace: Workspace,
-    tokens: Vec<u32>,     // [n] the step's tokens, flattened
-    part: Vec<f32>,       // [S, vocab / world] this rank's logits
-    gathered: Vec<f32>,   // [world, S, vocab / world] every rank's
-    logits: Vec<f32>,     // [S, vocab]
+    tokens: Vec<u32>,   // [n] the step's tokens, flattened
+    part: Vec<f32>,     // [S, vocab / world] this rank's logits
+    gathered: Vec<f32>, // [world, S, vocab / world] every rank's
+    logits: Vec<f32>,   // [S, vocab]
 }
 
 /// The sizes one rank of `model` (a shard) works with: the whole model's, with its local
@@ -136,21 +136,35 @@ impl<K: KvElement> Rank<K> {
                 comm.all_reduce_sum(partial.as_slice_mut().expect("contiguous rows"))
             };
             let ws = &mut self.workspace;
-            decoder_layer_reduced(layer, &model.rope, &|r| rows[r].pos, n, ws, &mut attend, &mut reduce)?;
+            decoder_layer_reduced(
+                layer,
+                &model.rope,
+                &|r| rows[r].pos,
+                n,
+                ws,
+                &mut attend,
+                &mut reduce,
+            )?;
         }
 
         // Vocabulary-parallel head: my columns of the logits, then everyone's.
-        let picked = self.workspace.residual().select(Axis(0), &step.logit_row_indices()); // [S, hidden]
+        let picked = self
+            .workspace
+            .residual()
+            .select(Axis(0), &step.logit_row_indices()); // [S, hidden]
         let normed = model.norm.forward(picked.view());
         let s = normed.nrows();
         if s == 0 {
             // No sequence wants logits this step (prompt chunks only): the same on every rank.
-            return Ok(ArrayView2::from_shape((0, model.config.vocab_size), &[][..]).expect("[0, vocab]"));
+            return Ok(
+                ArrayView2::from_shape((0, model.config.vocab_size), &[][..]).expect("[0, vocab]"),
+            );
         }
         let (world, vocab) = (comm.world(), model.config.vocab_size);
         let local_vocab = model.lm_head.out_features(); // vocab / world
         resize(&mut self.part, s * local_vocab);
-        let part = ArrayViewMut2::from_shape((s, local_vocab), &mut self.part[..]).expect("[S, vocab / world]");
+        let part = ArrayViewMut2::from_shape((s, local_vocab), &mut self.part[..])
+            .expect("[S, vocab / world]");
         model.lm_head.forward_into(normed.view(), part);
         resize(&mut self.gathered, world * s * local_vocab);
         comm.all_gather(&self.part, &mut self.gathered)?; // [world, S, vocab / world]

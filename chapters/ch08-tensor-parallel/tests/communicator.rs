@@ -8,10 +8,7 @@ use ch08_tensor_parallel::{CommError, Communicator, ThreadComm, thread_group};
 use proptest::prelude::*;
 
 /// Runs `body` on every rank of `comms`, each on its own thread; the results in rank order.
-fn on_ranks<T: Send>(
-    comms: Vec<ThreadComm>,
-    body: impl Fn(&mut ThreadComm) -> T + Sync,
-) -> Vec<T> {
+fn on_ranks<T: Send>(comms: Vec<ThreadComm>, body: impl Fn(&mut ThreadComm) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -141,7 +138,10 @@ fn a_wrong_gather_output_and_a_bad_root_are_errors() {
                 part: 2
             })
         );
-        assert_eq!(bad_root, Err(CommError::RootOutOfRange { root: 2, world: 2 }));
+        assert_eq!(
+            bad_root,
+            Err(CommError::RootOutOfRange { root: 2, world: 2 })
+        );
     }
     assert!(thread_group(0).is_err());
 }

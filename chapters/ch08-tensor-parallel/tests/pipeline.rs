@@ -5,9 +5,7 @@
 
 use ch01::testing::seeded_config;
 use ch01::{Llama, fixtures_dir};
-use ch08_tensor_parallel::pipeline::{
-    PipelineError, ideal_bubble, run_pipeline, stage_layers,
-};
+use ch08_tensor_parallel::pipeline::{PipelineError, ideal_bubble, run_pipeline, stage_layers};
 use proptest::prelude::*;
 
 fn tiny() -> Llama {
@@ -52,7 +50,10 @@ fn bad_stage_counts_and_tokens_are_errors() {
     let model = tiny();
     assert!(matches!(
         run_pipeline(&model, 0, &[vec![1]]),
-        Err(PipelineError::Stages { stages: 0, layers: 4 })
+        Err(PipelineError::Stages {
+            stages: 0,
+            layers: 4
+        })
     ));
     assert!(run_pipeline(&model, 5, &[vec![1]]).is_err());
     assert!(matches!(

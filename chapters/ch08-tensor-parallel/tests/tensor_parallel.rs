@@ -98,7 +98,8 @@ fn each_rank_pool_holds_only_its_kv_heads() {
     let c = &whole.config;
     for (world, kv_heads, q_heads) in [(1, 2, 8), (2, 1, 4), (4, 1, 2), (8, 1, 1)] {
         let shards = load_shards(&dir, &DenseLoader, world).unwrap();
-        let tp = TensorParallelExecutor::new(shards, 16, KvBlocks::BudgetPerRank(1 << 20), 1).unwrap();
+        let tp =
+            TensorParallelExecutor::new(shards, 16, KvBlocks::BudgetPerRank(1 << 20), 1).unwrap();
         let layout = tp.kv_layout();
         assert_eq!(layout.num_kv_heads, kv_heads, "world {world}");
         assert_eq!(tp.rank0().pool().kv_dim(), kv_heads * c.head_dim);
@@ -117,7 +118,10 @@ fn a_world_that_does_not_split_the_model_is_a_clear_error() {
         matches!(&error, ch01::Error::Shard(ShardError::NotDivisible { what, size: 4, world: 3 }) if what == "num_attention_heads"),
         "{error}"
     );
-    assert!(error.to_string().contains("num_attention_heads = 4"), "{error}");
+    assert!(
+        error.to_string().contains("num_attention_heads = 4"),
+        "{error}"
+    );
     assert!(matches!(
         load_shards(&dir, &DenseLoader, 0),
         Err(ch01::Error::Shard(ShardError::EmptyWorld))

@@ -113,7 +113,8 @@ pub fn figures(facts: &RunFacts) -> (String, String) {
             let mut points = Vec::new();
             for n in [1.0, 2.0, 4.0, 8.0] {
                 let (t, comm) = shape.step(n, batch);
-                let need = (shape.params() * BYTES + batch * CONTEXT * shape.kv_bytes_per_token()) / n;
+                let need =
+                    (shape.params() * BYTES + batch * CONTEXT * shape.kv_bytes_per_token()) / n;
                 table.row([
                     shape.name.to_string(),
                     format!("{:.1}", shape.params() * BYTES / 1e9),

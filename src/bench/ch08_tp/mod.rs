@@ -25,7 +25,11 @@ pub struct Args {
     #[command(flatten)]
     pub output: Output,
     /// The tensor-parallel sizes to compare with TP = 1 (each must split the model).
-    #[arg(long = "tensor-parallel-size", value_delimiter = ',', default_value = "2")]
+    #[arg(
+        long = "tensor-parallel-size",
+        value_delimiter = ',',
+        default_value = "2"
+    )]
     pub tensor_parallel_sizes: Vec<usize>,
 }
 
@@ -47,7 +51,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?;
         latency.push(points);
     }
-    let mut table = Table::new(["message", "2 ranks: µs", "2 ranks: GB/s", "4 ranks: µs", "4 ranks: GB/s"]);
+    let mut table = Table::new([
+        "message",
+        "2 ranks: µs",
+        "2 ranks: GB/s",
+        "4 ranks: µs",
+        "4 ranks: GB/s",
+    ]);
     for (i, &n) in sizes.iter().enumerate() {
         let bytes = (n * 4) as f64;
         let cell = |w: usize| {
@@ -74,7 +84,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .log_x()
         .log_y();
     for (w, points) in worlds.iter().zip(&latency) {
-        let pts: Vec<(f64, f64)> = points.iter().map(|&(n, t)| ((n * 4) as f64, t * 1e6)).collect();
+        let pts: Vec<(f64, f64)> = points
+            .iter()
+            .map(|&(n, t)| ((n * 4) as f64, t * 1e6))
+            .collect();
         plot = plot.series(format!("{w} ranks"), &pts);
     }
     let allreduce_svg = plot.to_svg();
@@ -83,33 +96,66 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let name = model_name(&args.model.model);
     let loader = args.model.loader()?;
     let config = ch01::LlamaConfig::from_dir(&args.model.model)?;
-    let batches: &[usize] = if args.output.quick { &[1, 4] } else { &[1, 4, 16, 64] };
+    let batches: &[usize] = if args.output.quick {
+        &[1, 4]
+    } else {
+        &[1, 4, 16, 64]
+    };
     let context: usize = 64;
     let mut sizes_tp = vec![1];
-    sizes_tp.extend(args.tensor_parallel_sizes.iter().copied().filter(|&n| n > 1));
+    sizes_tp.extend(
+        args.tensor_parallel_sizes
+            .iter()
+            .copied()
+            .filter(|&n| n > 1),
+    );
     let mut steps = Vec::new(); // per size: (prefill s, decode s per batch)
     for &world in &sizes_tp {
         let shards = ch08tp::load_shards(&args.model.model, &*loader, world)?;
         let per_rank = (threads / world).max(1);
-        let blocks = KvBlocks::Count(batches.iter().max().unwrap_or(&1) * (context + 1).div_ceil(16));
+        let blocks =
+            KvBlocks::Count(batches.iter().max().unwrap_or(&1) * (context + 1).div_ceil(16));
         let mut executor = TensorParallelExecutor::new(shards, 16, blocks, per_rank)?;
         let prefill = step_seconds(&mut executor, &config, 4, context, false, reps)?;
         let decode: Vec<f64> = batches
             .iter()
             .map(|&b| step_seconds(&mut executor, &config, b, context, true, reps))
             .collect::<anyhow::Result<_>>()?;
-        eprintln!("  TP={world} ({per_rank} threads/rank): prefill {:.2} ms, decode {:?} ms", prefill * 1e3, decode.iter().map(|t| (t * 1e4).round() / 10.0).collect::<Vec<_>>());
+        eprintln!(
+            "  TP={world} ({per_rank} threads/rank): prefill {:.2} ms, decode {:?} ms",
+            prefill * 1e3,
+            decode
+                .iter()
+                .map(|t| (t * 1e4).round() / 10.0)
+                .collect::<Vec<_>>()
+        );
         steps.push((world, per_rank, prefill, decode));
     }
     let one = &steps[0];
     let mut table = Table::new(["step", "TP=1 ms"].into_iter().map(String::from).chain(
-        steps[1..].iter().flat_map(|(w, ..)| [format!("TP={w} ms"), format!("TP={w} speed-up"), format!("TP={w} predicted ms")]),
+        steps[1..].iter().flat_map(|(w, ..)| {
+            [
+                format!("TP={w} ms"),
+                format!("TP={w} speed-up"),
+                format!("TP={w} predicted ms"),
+            ]
+        }),
     ));
     let hidden = config.hidden_size;
     let ar_time = |world: usize, floats: usize| all_reduce_seconds(world, floats, reps);
-    let mut rows: Vec<(String, f64, Vec<f64>, usize)> = vec![(format!("prefill 4 × {context}"), one.2, steps[1..].iter().map(|s| s.2).collect(), 4 * context)];
+    let mut rows: Vec<(String, f64, Vec<f64>, usize)> = vec![(
+        format!("prefill 4 × {context}"),
+        one.2,
+        steps[1..].iter().map(|s| s.2).collect(),
+        4 * context,
+    )];
     for (i, &b) in batches.iter().enumerate() {
-        rows.push((format!("decode batch {b}"), one.3[i], steps[1..].iter().map(|s| s.3[i]).collect(), b));
+        rows.push((
+            format!("decode batch {b}"),
+            one.3[i],
+            steps[1..].iter().map(|s| s.3[i]).collect(),
+            b,
+        ));
     }
     let mut measured_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); steps.len()];
     let mut predicted_pts: Vec<Vec<(f64, f64)>> = vec![Vec::new(); steps.len() - 1];
@@ -121,7 +167,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // [tokens, hidden], the embedding one more (measured above for this exact size).
             let comm = (2 * config.num_hidden_layers + 1) as f64 * ar_time(world, tokens * hidden)?;
             let predicted = t1 / world as f64 + comm;
-            cells.extend([format!("{:.2}", t * 1e3), format!("{:.2}x", t1 / t), format!("{:.2}", predicted * 1e3)]);
+            cells.extend([
+                format!("{:.2}", t * 1e3),
+                format!("{:.2}x", t1 / t),
+                format!("{:.2}", predicted * 1e3),
+            ]);
             if label.starts_with("decode") {
                 predicted_pts[j].push((*tokens as f64, predicted * 1e3));
             }
@@ -181,16 +231,32 @@ fn pipeline_bubble(args: &Args, facts: &RunFacts, reps: usize) -> anyhow::Result
     use ch08tp::pipeline::{ideal_bubble, run_pipeline};
     let stages = 2;
     let model = ch01::Llama::load_with(&args.model.model, &ch01::linear::DenseLoader)?;
-    let counts: &[usize] = if args.output.quick { &[1, 4] } else { &[1, 2, 4, 8, 16] };
+    let counts: &[usize] = if args.output.quick {
+        &[1, 4]
+    } else {
+        &[1, 2, 4, 8, 16]
+    };
     let prompt = bench_tokens(64, model.config.vocab_size, None);
-    let mut table = Table::new(["micro-batches m", "measured bubble", "(p − 1) / (m + p − 1)", "makespan ms"]);
+    let mut table = Table::new([
+        "micro-batches m",
+        "measured bubble",
+        "(p − 1) / (m + p − 1)",
+        "makespan ms",
+    ]);
     let (mut measured, mut ideal) = (Vec::new(), Vec::new());
     for &m in counts {
         let batches = vec![prompt.clone(); m];
-        let runs: Vec<_> = (0..reps).map(|_| run_pipeline(&model, stages, &batches)).collect::<Result<_, _>>()?;
+        let runs: Vec<_> = (0..reps)
+            .map(|_| run_pipeline(&model, stages, &batches))
+            .collect::<Result<_, _>>()?;
         let bubble = median(runs.iter().map(|r| r.bubble_fraction()).collect());
         let makespan = median(runs.iter().map(|r| r.makespan.as_secs_f64()).collect());
-        table.row([m.to_string(), format!("{bubble:.3}"), format!("{:.3}", ideal_bubble(stages, m)), format!("{:.1}", makespan * 1e3)]);
+        table.row([
+            m.to_string(),
+            format!("{bubble:.3}"),
+            format!("{:.3}", ideal_bubble(stages, m)),
+            format!("{:.1}", makespan * 1e3),
+        ]);
         measured.push((m as f64, bubble));
         ideal.push((m as f64, ideal_bubble(stages, m)));
     }
@@ -270,13 +336,17 @@ fn step_seconds(
         logit_rows: 1,
     };
     let prefill = SchedulerOutput {
-        seqs: (0..batch).map(|i| seq(i, tokens[..context].to_vec(), 0)).collect(),
+        seqs: (0..batch)
+            .map(|i| seq(i, tokens[..context].to_vec(), 0))
+            .collect(),
         ..Default::default()
     };
     let step = if decode {
         executor.execute(&prefill).map_err(anyhow::Error::msg)?; // the context's K/V, untimed
         SchedulerOutput {
-            seqs: (0..batch).map(|i| seq(i, vec![tokens[context]], context)).collect(),
+            seqs: (0..batch)
+                .map(|i| seq(i, vec![tokens[context]], context))
+                .collect(),
             ..Default::default()
         }
     } else {

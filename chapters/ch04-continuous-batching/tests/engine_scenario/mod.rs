@@ -11,8 +11,8 @@ use ch01::{Llama, fixtures_dir};
 use ch02::{CachedSession, ContiguousKvCache};
 use ch03::KvPool;
 use ch04_continuous_batching::{
-    BlockOp, Engine, EngineConfig, Executor, ExecutorError, FinishReason, KvLayout,
-    ModelSpec, Preemption, Request, SchedulerOutput, Status,
+    BlockOp, Engine, EngineConfig, Executor, ExecutorError, FinishReason, KvLayout, ModelSpec,
+    Preemption, Request, SchedulerOutput, Status,
 };
 use ndarray::ArrayView2;
 use proptest::prelude::*;
