@@ -163,10 +163,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut cells = vec![label.clone(), format!("{:.2}", t1 * 1e3)];
         for (j, &t) in tn.iter().enumerate() {
             let world = steps[j + 1].0;
-            // The model: the compute splits N ways; each layer adds two all-reduces of the step's
-            // [tokens, hidden], the embedding one more (measured above for this exact size).
+            // The model on a fixed set of cores: the same arithmetic on the same threads takes
+            // the same time however it is split (the TP=1 time), and each layer adds two
+            // all-reduces of the step's [tokens, hidden], the embedding one more (measured
+            // above for this exact size).
             let comm = (2 * config.num_hidden_layers + 1) as f64 * ar_time(world, tokens * hidden)?;
-            let predicted = t1 / world as f64 + comm;
+            let predicted = t1 + comm;
             cells.extend([
                 format!("{:.2}", t * 1e3),
                 format!("{:.2}x", t1 / t),
@@ -186,9 +188,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let tp_md = format!(
         "{}\n{name}, {threads} threads in all (TP=N: N ranks × {} threads each), f32 weights and KV, \
-         context {context}: median of {reps} steps. Predicted = TP=1 time / N + (2 · layers + 1) \
-         all-reduces of [tokens, hidden] f32 at the latency measured for that size (the logits' \
-         all-gather left out). {}, {} CPUs, {}. `{}`\n",
+         context {context}: median of {reps} steps. Predicted = TP=1 time (the same threads do \
+         the same arithmetic) + (2 · layers + 1) all-reduces of [tokens, hidden] f32 at the \
+         latency measured for that size (the logits' all-gather left out). {}, {} CPUs, {}. `{}`\n",
         table.to_markdown(),
         steps.get(1).map_or(threads, |s| s.1),
         facts.cpu.as_deref().unwrap_or("unknown CPU"),
