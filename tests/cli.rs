@@ -481,3 +481,79 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
         "is a file",
     );
 }
+
+/// `--tensor-parallel-size` (chapter 8): greedy completions of the demo prompts on 2 and 4
+/// ranks print exactly what one rank prints; perplexity on 2 ranks matches PyTorch's golden
+/// value as one rank's does; a size that does not split the heads is a clear error.
+#[test]
+fn tensor_parallel_generate_and_perplexity_equal_one_rank() {
+    let prompts = fixtures_dir().join("prompts/demo.txt");
+    let completions = |tp: &str| {
+        let output = kiln(&[
+            "generate",
+            "--prompts-file",
+            prompts.to_str().unwrap(),
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--tensor-parallel-size",
+            tp,
+        ]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let one = completions("1");
+    assert!(one.contains("=== [5]"), "{one}");
+    assert_eq!(completions("2"), one);
+    assert_eq!(completions("4"), one); // 4 ranks on 2 KV heads: replicated
+
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("golden/perplexity.json")).unwrap(),
+    )
+    .unwrap();
+    let hamlet = fixtures_dir().join("corpus/hamlet.txt");
+    let args = [
+        "perplexity",
+        "--file",
+        hamlet.to_str().unwrap(),
+        "--chunks",
+        "4",
+    ];
+    let output = kiln(&[&args[..], &["--tensor-parallel-size", "2"]].concat());
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let ppl: f64 = stdout
+        .split("PPL = ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no PPL in {stdout}"));
+    let reference = expected["shakespeare-small"]["chunks_4"].as_f64().unwrap();
+    assert!(
+        (ppl - reference).abs() / reference < 1e-4,
+        "TP=2 {ppl} vs PyTorch {reference}"
+    );
+
+    assert_fails_with(
+        &[
+            "generate",
+            "--prompt",
+            "HAMLET.",
+            "--tensor-parallel-size",
+            "3",
+        ],
+        "num_attention_heads = 8 does not divide by the tensor-parallel world size 3",
+    );
+    assert_fails_with(
+        &[
+            "generate",
+            "--prompt",
+            "HAMLET.",
+            "--tensor-parallel-size",
+            "2",
+            "--recompute",
+        ],
+        "--tensor-parallel-size runs on the engine's paged cache",
+    );
+}
