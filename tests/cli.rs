@@ -380,6 +380,17 @@ fn prompts_file_errors_are_clear() {
 }
 
 /// `kiln perplexity` equals the PyTorch computation of the same llama.cpp-style score.
+/// The final perplexity `kiln perplexity` printed.
+fn ppl_of(output: &Output) -> f64 {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout
+        .split("PPL = ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no PPL in {stdout}"))
+}
+
 #[test]
 fn perplexity_matches_pytorch_on_held_out_hamlet() {
     let expected: serde_json::Value = serde_json::from_str(
@@ -399,13 +410,7 @@ fn perplexity_matches_pytorch_on_held_out_hamlet() {
             "4",
         ]);
         assert!(output.status.success(), "{}", stderr(&output));
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let ppl: f64 = stdout
-            .split("PPL = ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no PPL in {stdout}"));
+        let ppl = ppl_of(&output);
         let reference = expected[name]["chunks_4"].as_f64().unwrap();
         assert!(
             (ppl - reference).abs() / reference < 1e-4,
@@ -522,13 +527,7 @@ fn tensor_parallel_generate_and_perplexity_equal_one_rank() {
     ];
     let output = kiln(&[&args[..], &["--tensor-parallel-size", "2"]].concat());
     assert!(output.status.success(), "{}", stderr(&output));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let ppl: f64 = stdout
-        .split("PPL = ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no PPL in {stdout}"));
+    let ppl = ppl_of(&output);
     let reference = expected["shakespeare-small"]["chunks_4"].as_f64().unwrap();
     assert!(
         (ppl - reference).abs() / reference < 1e-4,
