@@ -13,8 +13,13 @@ chapter n:
     pkg=$(basename "$dir")
     echo "== chapter {{n}}: tests of $pkg"
     cargo test --release -p "$pkg"
-    # Chapter 8's server also has a test of the root package: `kiln serve` shut down gracefully.
-    if [ "{{n}}" = 8 ]; then cargo test --release --test serve_shutdown; fi
+    # Chapter 8's server also has a test of the root package: `kiln serve` shut down gracefully;
+    # its second part is its own crate, tensor parallelism.
+    if [ "{{n}}" = 8 ]; then
+      cargo test --release --test serve_shutdown
+      echo "== chapter 8, part 2: tests of ch08-tensor-parallel"
+      cargo test --release -p ch08-tensor-parallel
+    fi
     echo "== chapter {{n}}: demo"
     case "{{n}}" in
       1) cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --recompute ;;
@@ -55,7 +60,12 @@ chapter n:
          echo "-- the same with shakespeare-tiny drafting for shakespeare-small"
          cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 64 --temperature 0 \
            --speculative-model fixtures/shakespeare-tiny --num-speculative-tokens 4 ;;
-      8) cargo build --release -q
+      8) echo "-- part 2: six prompts greedy on 4 tensor-parallel ranks (the same text as on one rank)"
+         cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
+           --temperature 0 --tensor-parallel-size 4
+         echo "-- part 2: all-reduce latency, TP=2 vs TP=1, the cost model and the pipeline bubble (quick sizes)"
+         cargo run --release -q -- bench ch08-tp --quick 2>/dev/null
+         cargo build --release -q
          source fixtures/scripts/server_lib.sh
          kiln_server_start target/release/kiln serve
          echo "-- POST /v1/completions"

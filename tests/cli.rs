@@ -380,6 +380,17 @@ fn prompts_file_errors_are_clear() {
 }
 
 /// `kiln perplexity` equals the PyTorch computation of the same llama.cpp-style score.
+/// The final perplexity `kiln perplexity` printed.
+fn ppl_of(output: &Output) -> f64 {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout
+        .split("PPL = ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no PPL in {stdout}"))
+}
+
 #[test]
 fn perplexity_matches_pytorch_on_held_out_hamlet() {
     let expected: serde_json::Value = serde_json::from_str(
@@ -399,13 +410,7 @@ fn perplexity_matches_pytorch_on_held_out_hamlet() {
             "4",
         ]);
         assert!(output.status.success(), "{}", stderr(&output));
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let ppl: f64 = stdout
-            .split("PPL = ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no PPL in {stdout}"));
+        let ppl = ppl_of(&output);
         let reference = expected[name]["chunks_4"].as_f64().unwrap();
         assert!(
             (ppl - reference).abs() / reference < 1e-4,
@@ -506,4 +511,74 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
             "the CUDA driver library (libcuda.so) was not found",
         );
     }
+}
+
+/// `--tensor-parallel-size` (chapter 8): greedy completions of the demo prompts on 2 and 4
+/// ranks print exactly what one rank prints; perplexity on 2 ranks matches PyTorch's golden
+/// value as one rank's does; a size that does not split the heads is a clear error.
+#[test]
+fn tensor_parallel_generate_and_perplexity_equal_one_rank() {
+    let prompts = fixtures_dir().join("prompts/demo.txt");
+    let completions = |tp: &str| {
+        let output = kiln(&[
+            "generate",
+            "--prompts-file",
+            prompts.to_str().unwrap(),
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--tensor-parallel-size",
+            tp,
+        ]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let one = completions("1");
+    assert!(one.contains("=== [5]"), "{one}");
+    assert_eq!(completions("2"), one);
+    assert_eq!(completions("4"), one); // 4 ranks on 2 KV heads: replicated
+
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("golden/perplexity.json")).unwrap(),
+    )
+    .unwrap();
+    let hamlet = fixtures_dir().join("corpus/hamlet.txt");
+    let args = [
+        "perplexity",
+        "--file",
+        hamlet.to_str().unwrap(),
+        "--chunks",
+        "4",
+    ];
+    let output = kiln(&[&args[..], &["--tensor-parallel-size", "2"]].concat());
+    assert!(output.status.success(), "{}", stderr(&output));
+    let ppl = ppl_of(&output);
+    let reference = expected["shakespeare-small"]["chunks_4"].as_f64().unwrap();
+    assert!(
+        (ppl - reference).abs() / reference < 1e-4,
+        "TP=2 {ppl} vs PyTorch {reference}"
+    );
+
+    assert_fails_with(
+        &[
+            "generate",
+            "--prompt",
+            "HAMLET.",
+            "--tensor-parallel-size",
+            "3",
+        ],
+        "num_attention_heads = 8 does not divide by the tensor-parallel world size 3",
+    );
+    assert_fails_with(
+        &[
+            "generate",
+            "--prompt",
+            "HAMLET.",
+            "--tensor-parallel-size",
+            "2",
+            "--recompute",
+        ],
+        "--tensor-parallel-size runs on the engine's paged cache",
+    );
 }

@@ -12,6 +12,7 @@ pub mod ch04;
 pub mod ch05;
 pub mod ch06;
 pub mod ch07;
+pub mod ch08_tp;
 pub mod serve;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
@@ -48,6 +49,9 @@ enum Chapter {
     Ch07(ch07::Args),
     /// Chapter 6: speculative decoding: acceptance per drafter, tokens per step, speed-ups.
     Ch06(ch06::Args),
+    /// Chapter 8, part 2: tensor parallelism: all-reduce latency, TP=N vs TP=1, the cost model.
+    #[command(name = "ch08-tp")]
+    Ch08Tp(ch08_tp::Args),
     /// The server (chapter 8): a load generator against a running `kiln serve`, like `vllm bench serve`.
     Serve(serve::Args),
 }
@@ -61,6 +65,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch05(args) => ch05::run(args),
         Chapter::Ch07(args) => ch07::run(args),
         Chapter::Ch06(args) => ch06::run(args),
+        Chapter::Ch08Tp(args) => ch08_tp::run(args),
         Chapter::Serve(args) => serve::run(args),
     }
 }

@@ -14,6 +14,7 @@ use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
 use super::speculative_args::{self, SpeculativeArgs};
+use super::tensor_parallel::TensorParallelArgs;
 use super::{LoadedModel, ModelArgs};
 use ch07::cuda::DeviceSpec;
 
@@ -75,6 +76,8 @@ pub struct Args {
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
+    pub tensor_parallel: TensorParallelArgs,
+    #[command(flatten)]
     pub attention: AttentionArgs,
     /// Speculative decoding (chapter 6); with one --prompt it runs on the engine too.
     #[command(flatten)]
@@ -92,6 +95,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(path) => Some(read_prompts(path)?),
         None => None,
     };
+    if args.tensor_parallel.tensor_parallel_size > 1 && (args.recompute || args.contiguous) {
+        anyhow::bail!(
+            "--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous"
+        );
+    }
     let loaded = args.model.load_on_host()?;
     let seed = args.seed.unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now()
@@ -117,9 +125,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     options.sampling.validate()?;
     match (&args.prompt, prompts) {
-        // On a GPU, one prompt runs on the engine too (its executor is the GPU's).
+        // Speculation, tensor parallelism and a GPU run on the engine, even for one prompt.
         (Some(prompt), None)
-            if args.speculative.method()?.is_some() || args.model.device != DeviceSpec::Cpu =>
+            if args.speculative.method()?.is_some()
+                || args.tensor_parallel.tensor_parallel_size > 1
+                || args.model.device != DeviceSpec::Cpu =>
         {
             run_many(&args, std::slice::from_ref(prompt), &loaded, &options)
         }
@@ -255,9 +265,14 @@ fn run_many(
     let cache = args.kv.cache(&model.config, &args.model.dtype)?;
     let attention = args.attention.kind();
     let executor = match args.model.device {
-        DeviceSpec::Cpu => ch07::cpu_executor(model, &cache, attention)?,
-        DeviceSpec::Cuda(_) if args.speculative.method()?.is_some() => {
-            anyhow::bail!("speculative decoding does not run on the GPU yet")
+        DeviceSpec::Cpu => args
+            .tensor_parallel
+            .executor(&args.model, model, &cache, attention)?,
+        DeviceSpec::Cuda(_)
+            if args.speculative.method()?.is_some()
+                || args.tensor_parallel.tensor_parallel_size > 1 =>
+        {
+            anyhow::bail!("speculative decoding and tensor parallelism do not run on the GPU yet")
         }
         DeviceSpec::Cuda(_) => args.model.gpu_executor(&model.config, &cache)?,
     };

@@ -7,6 +7,7 @@ pub mod perplexity;
 pub mod quantize;
 pub mod serve;
 pub mod speculative_args;
+pub mod tensor_parallel;
 
 use std::path::PathBuf;
 
@@ -16,7 +17,7 @@ use ch01::{Llama, Tokenizer};
 use ch07::cuda::DeviceSpec;
 
 /// `--model DIR|FILE.gguf`, shared by every command that loads a model.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a GGUF
     /// file (llama.cpp's format: config, weights, tokenizer and chat template in one file).
@@ -92,16 +93,21 @@ impl ModelArgs {
     /// [`ModelArgs::load`] whatever `--device` says: the tokenizer, the configuration and the
     /// host copy of the weights.
     pub fn load_on_host(&self) -> anyhow::Result<LoadedModel> {
+        self.load_with(&*self.loader()?)
+    }
+
+    /// The kind of projection `--dtype` and `--quantization` ask for.
+    pub fn loader(&self) -> anyhow::Result<Box<dyn LinearLoader + Send + Sync>> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
-        match &self.quantization {
+        Ok(match &self.quantization {
             Some(name) => {
                 let ty = ch05::GgmlType::from_name(name)
                     .with_context(|| format!("unknown --quantization {name}"))?;
-                self.load_with(&ch05::QuantLoader::to(ty)?)
+                Box::new(ch05::QuantLoader::to(ty)?)
             }
-            None if self.is_gguf() => self.load_with(&ch05::QuantLoader::native().dense(dtype)),
-            None => self.load_with(&ch02::FastLoader { dtype }),
-        }
+            None if self.is_gguf() => Box::new(ch05::QuantLoader::native().dense(dtype)),
+            None => Box::new(ch02::FastLoader { dtype }),
+        })
     }
 
     /// The executor of `--device cuda:N`: the weights read again from `--model` straight to the

@@ -4,14 +4,18 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use ch01::perplexity::perplexity;
+use ch01::perplexity::{perplexity, perplexity_with};
+use ch04::Executor;
 
 use super::ModelArgs;
+use super::tensor_parallel::TensorParallelArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub tensor_parallel: TensorParallelArgs,
     /// Text file to score (tokenized without added special tokens).
     #[arg(long, value_name = "FILE")]
     pub file: PathBuf,
@@ -34,7 +38,46 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .then(|| loaded.tokenizer.bos_token_id())
         .flatten();
     let start = Instant::now();
-    let result = perplexity(&loaded.model, &tokens, args.ctx, bos, args.chunks)?;
+    let result = if args.tensor_parallel.tensor_parallel_size > 1 {
+        // Each chunk is one prefill step on the ranks, every row's logits wanted.
+        let cache = ch04::CacheConfig {
+            memory: 1 << 30,
+            block_size: 16,
+            dtype: ch03::KvDtype::F32,
+        };
+        let mut executor = args.tensor_parallel.tensor_parallel_executor(
+            &args.model,
+            &cache,
+            ch07::AttentionKind::Naive,
+        )?;
+        let blocks = executor.kv_layout().num_blocks;
+        anyhow::ensure!(
+            blocks * 16 >= args.ctx,
+            "--ctx {} exceeds the KV memory",
+            args.ctx
+        );
+        let mut forward = |input: &[u32]| -> ch01::Result<ndarray::Array2<f32>> {
+            let c = &loaded.model.config;
+            ch01::model::check_tokens(input, c.vocab_size, c.max_position_embeddings)?;
+            let step = ch04::SchedulerOutput {
+                seqs: vec![ch04::ScheduledSeq {
+                    id: 0,
+                    tokens: input.to_vec(),
+                    start_pos: 0,
+                    block_table: (0..input.len().div_ceil(16) as u32).collect(),
+                    logit_rows: input.len(),
+                }],
+                ..Default::default()
+            };
+            let logits = executor
+                .execute(&step)
+                .map_err(|e| ch01::Error::InvalidArgument(e.to_string()))?;
+            Ok(logits.to_owned())
+        };
+        perplexity_with(&mut forward, &tokens, args.ctx, bos, args.chunks)?
+    } else {
+        perplexity(&loaded.model, &tokens, args.ctx, bos, args.chunks)?
+    };
     let running: Vec<String> = result
         .per_chunk
         .iter()

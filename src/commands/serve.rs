@@ -10,10 +10,13 @@ use ch08::access_log::{AccessLog, AccessRecord};
 use ch08::auth::ApiKeys;
 use ch08::chat_template::ChatTemplate;
 use ch08::rate_limit::RateLimit;
-use ch08::{ConnectionLimits, ServedModel, Server, ServerConfig, SpeculatorFactory};
+use ch08::{
+    ConnectionLimits, ExecutorFactory, ServedModel, Server, ServerConfig, SpeculatorFactory,
+};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
 use super::speculative_args::SpeculativeArgs;
+use super::tensor_parallel::TensorParallelArgs;
 use super::{ModelArgs, ModelFormat};
 
 #[derive(clap::Args, Debug)]
@@ -34,6 +37,8 @@ pub struct Args {
     pub kv: KvArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub tensor_parallel: TensorParallelArgs,
     #[command(flatten)]
     pub attention: AttentionArgs,
     #[command(flatten)]
@@ -160,6 +165,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
             }))
         }),
         speculator: speculator_factory(&args, &loaded.model, cache.block_size)?,
+        executor: executor_factory(&args),
         ..ServerConfig::default()
     };
     let has_template = chat_template.is_some();
@@ -275,4 +281,20 @@ async fn shutdown_signal() {
         () = term => {}
     }
     eprintln!("kiln serve: shutting down: no new requests; in-flight ones get the grace period");
+}
+
+/// `--tensor-parallel-size N > 1`: the engine thread builds its executor over N ranks.
+fn executor_factory(args: &Args) -> Option<ExecutorFactory> {
+    let tp = args.tensor_parallel;
+    if tp.tensor_parallel_size == 1 {
+        return None;
+    }
+    let model = args.model.clone();
+    let attention = args.attention.kind();
+    Some(ExecutorFactory(Arc::new(move |_whole, cache| {
+        let executor = tp
+            .tensor_parallel_executor(&model, cache, attention)
+            .map_err(|e| format!("{e:#}"))?;
+        Ok(Box::new(executor) as Box<dyn ch04::Executor + Send>)
+    })))
 }

@@ -186,13 +186,14 @@ impl DecoderLayer {
 /// `config` is the checkpoint's, for the whole model. When `shard.world > 1` the layers hold one
 /// tensor-parallel rank's projections, so each layer's [`SelfAttention::shape`] has the local
 /// head counts, and the partial outputs of o_proj and down_proj must be summed across ranks
-/// (chapter 8) before this model's output means anything.
+/// (chapter 8) before this model's output means anything; the embedding table and lm_head hold
+/// the rank's part of the vocabulary ([`TensorParallel::vocab_range`]).
 pub struct Llama {
     pub config: LlamaConfig,
-    pub embed_tokens: Array2<f32>, // [vocab, hidden]
+    pub embed_tokens: Array2<f32>, // [vocab / world, hidden]: the ids of shard.vocab_range
     pub layers: Vec<DecoderLayer>,
     pub norm: RmsNorm,
-    pub lm_head: Box<dyn Linear>, // hidden → vocab
+    pub lm_head: Box<dyn Linear>, // hidden → vocab / world
     pub rope: Rope,
     /// Which rank of how many this model's projections belong to.
     pub shard: TensorParallel,
@@ -233,11 +234,12 @@ impl Llama {
     /// choosing each projection's kind.
     ///
     /// q/k/v, gate and up are split by column (each rank gets whole heads and whole
-    /// intermediate features), o_proj and down_proj by row; embeddings, norms and lm_head stay
-    /// whole (see [`TensorParallel`]). The head counts and intermediate size must divide by
-    /// `shard.world`: a KV head is never split or replicated, so `world` may not exceed
-    /// `num_key_value_heads`. Each layer's attention shape is read from the projections the
-    /// loader built, and checked.
+    /// intermediate features), o_proj and down_proj by row; the embedding table by its rows and
+    /// lm_head by its columns (the vocabulary); the norms stay whole (see [`TensorParallel`]).
+    /// The query heads, intermediate size and vocabulary must divide by `shard.world`; the KV
+    /// heads must divide by it or divide it (then they are replicated,
+    /// [`TensorParallel::kv_spec`]). Each layer's attention shape is read from the projections
+    /// the loader built, and checked.
     pub fn from_source(
         config: LlamaConfig,
         source: &dyn WeightSource,
@@ -245,11 +247,7 @@ impl Llama {
         shard: TensorParallel,
     ) -> Result<Self> {
         let c = &config;
-        shard.check(&[
-            ("num_attention_heads", c.num_attention_heads),
-            ("num_key_value_heads", c.num_key_value_heads),
-            ("intermediate_size", c.intermediate_size),
-        ])?;
+        let kv_spec = shard.check_model(c)?;
         let (hidden, q_dim, kv_dim) = (
             c.hidden_size,
             c.num_attention_heads * c.head_dim,
@@ -266,6 +264,17 @@ impl Llama {
         };
         // ANCHOR_END: load_projection
         let embed_tokens = source.matrix("model.embed_tokens.weight", c.vocab_size, hidden)?;
+        let vocab = shard.vocab_range(c.vocab_size);
+        let embed_tokens = if vocab.len() == c.vocab_size {
+            embed_tokens
+        } else {
+            embed_tokens.slice(ndarray::s![vocab, ..]).to_owned() // [vocab / world, hidden]
+        };
+        // k and v: split like q, or replicated when there are more ranks than KV heads.
+        let kv_proj = |name: &str| {
+            let spec = LinearSpec::whole(name, hidden, kv_dim, c.qkv_bias).with_shard(kv_spec);
+            loader.load(source, &spec)
+        };
 
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
@@ -279,20 +288,8 @@ impl Llama {
                 c.qkv_bias,
                 Split::Column,
             )?;
-            let k_proj = proj(
-                &format!("{attn}.k_proj"),
-                hidden,
-                kv_dim,
-                c.qkv_bias,
-                Split::Column,
-            )?;
-            let v_proj = proj(
-                &format!("{attn}.v_proj"),
-                hidden,
-                kv_dim,
-                c.qkv_bias,
-                Split::Column,
-            )?;
+            let k_proj = kv_proj(&format!("{attn}.k_proj"))?;
+            let v_proj = kv_proj(&format!("{attn}.v_proj"))?;
             let o_proj = proj(
                 &format!("{attn}.o_proj"),
                 q_dim,
@@ -347,7 +344,8 @@ impl Llama {
         } else {
             "lm_head"
         };
-        let lm_head = proj(head, hidden, c.vocab_size, false, Split::Whole)?;
+        // Split by vocabulary: each rank computes the logits of its ids (whole on one rank).
+        let lm_head = proj(head, hidden, c.vocab_size, false, Split::Column)?;
         // ANCHOR_END: lm_head
 
         Ok(Llama {
@@ -371,9 +369,29 @@ impl Llama {
     }
 
     /// Rows of the embedding table: tokens [T] → [T, hidden]. Ids must be checked first.
+    /// On a tensor-parallel shard, the rows of the ids outside the rank's vocabulary are zero:
+    /// the ranks' embeddings sum to the whole model's.
     pub fn embed(&self, tokens: &[u32]) -> Array2<f32> {
-        let ids: Vec<usize> = tokens.iter().map(|&t| t as usize).collect();
-        self.embed_tokens.select(Axis(0), &ids)
+        if self.shard.world == 1 {
+            let ids: Vec<usize> = tokens.iter().map(|&t| t as usize).collect();
+            return self.embed_tokens.select(Axis(0), &ids);
+        }
+        let mut x = Array2::zeros((tokens.len(), self.config.hidden_size)); // [T, hidden]
+        for (mut row, &id) in x.rows_mut().into_iter().zip(tokens) {
+            if let Some(own) = self.embedding_row(id) {
+                row.assign(&own);
+            }
+        }
+        x
+    }
+
+    /// Token `id`'s embedding row when this rank holds it (always on one rank). [hidden]
+    pub fn embedding_row(&self, id: u32) -> Option<ArrayView1<'_, f32>> {
+        let vocab = self.shard.vocab_range(self.config.vocab_size);
+        let id = id as usize;
+        vocab
+            .contains(&id)
+            .then(|| self.embed_tokens.row(id - vocab.start))
     }
 
     /// The logits of every position: tokens [T] (positions 0..T) → [T, vocab].

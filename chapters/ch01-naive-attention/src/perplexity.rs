@@ -9,6 +9,7 @@
 use crate::attention::log_sum_exp;
 use crate::error::{Error, Result};
 use crate::model::Llama;
+use ndarray::Array2;
 
 /// The result of scoring a text.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +25,24 @@ pub struct Perplexity {
 /// `bos` replaces each chunk's first token when given. At most `max_chunks` chunks when given.
 pub fn perplexity(
     model: &Llama,
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    max_chunks: Option<usize>,
+) -> Result<Perplexity> {
+    perplexity_with(
+        &mut |input| model.forward(input),
+        tokens,
+        ctx,
+        bos,
+        max_chunks,
+    )
+}
+
+/// [`perplexity`] with the logits of each chunk from `forward`: tokens [ctx] → [ctx, vocab]
+/// (chapter 8 runs it on tensor-parallel ranks).
+pub fn perplexity_with(
+    forward: &mut dyn FnMut(&[u32]) -> Result<Array2<f32>>,
     tokens: &[u32],
     ctx: usize,
     bos: Option<u32>,
@@ -52,7 +71,7 @@ pub fn perplexity(
         if let Some(bos) = bos {
             input[0] = bos;
         }
-        let logits = model.forward(&input)?; // [ctx, vocab]
+        let logits = forward(&input)?; // [ctx, vocab]
         for j in first..ctx - 1 {
             let row = logits.row(j);
             let row = row

@@ -227,8 +227,13 @@ fn two_rank_model_has_local_heads_and_recombines_to_the_whole() {
 
     // The whole forward, with the all-reduces done by hand: the ranks' attention and MLP
     // outputs summed after each block. Same logits as the unsharded model.
-    let tokens = [3u32, 17, 99, 250, 7, 1024, 5];
-    let mut h = whole.embed(&tokens); // [T, hidden]
+    // The embedding is split by vocabulary: the ranks' partial embeddings sum to the whole.
+    let tokens = [3u32, 17, 99, 250, 7, 1024, 2100, 4095, 5];
+    let mut h = ranks.iter().fold(
+        Array2::<f32>::zeros((tokens.len(), c.hidden_size)),
+        |acc, m| acc + m.embed(&tokens),
+    ); // [T, hidden]
+    assert_eq!(h, whole.embed(&tokens));
     for l in 0..c.num_hidden_layers {
         let n = ranks[0].layers[l].input_layernorm.forward(h.view());
         let attn = ranks.iter().fold(Array2::<f32>::zeros(h.dim()), |acc, m| {
@@ -243,9 +248,14 @@ fn two_rank_model_has_local_heads_and_recombines_to_the_whole() {
         });
         h = h + mlp;
     }
-    let logits = ranks[1]
-        .lm_head
-        .forward(ranks[1].norm.forward(h.view()).view()); // [T, vocab]
+    // The head is split by vocabulary too: the ranks' logits concatenate (an all-gather).
+    let normed = ranks[1].norm.forward(h.view());
+    let parts: Vec<Array2<f32>> = ranks
+        .iter()
+        .map(|m| m.lm_head.forward(normed.view()))
+        .collect(); // world × [T, vocab / world]
+    let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
+    let logits = concatenate(Axis(1), &views).unwrap(); // [T, vocab]
     let expected = whole.forward(&tokens).unwrap();
     assert_rel_close("two-rank logits", &flat(&logits), &flat(&expected), 1e-5);
 }
@@ -406,10 +416,8 @@ fn impossible_shard_specs_are_typed_errors() {
         matches!(&error, Error::Shard(ShardError::NotDivisible { what, size: 4, world: 3 }) if what == "num_attention_heads"),
         "{error}"
     );
-    assert!(matches!(
-        shard(0, 4),
-        Some(Error::Shard(ShardError::NotDivisible { ref what, size: 2, world: 4 })) if what == "num_key_value_heads"
-    ));
+    // 4 ranks on 2 KV heads: each KV head is replicated on two ranks.
+    assert!(shard(3, 4).is_none());
     assert!(matches!(
         shard(2, 2),
         Some(Error::Shard(ShardError::RankOutOfRange {

@@ -75,6 +75,13 @@ impl Workspace {
     pub fn residual(&self) -> ArrayView2<'_, f32> {
         self.x.view()
     }
+
+    /// The residual stream's first `n` rows, to be written (chapter 8 writes a rank's part of
+    /// the embeddings there, then sums the parts); grows the buffers first. [n, hidden]
+    pub fn residual_mut(&mut self, config: &LlamaConfig, n: usize) -> ArrayViewMut2<'_, f32> {
+        self.reserve(config, n);
+        self.x.slice_mut(s![..n, ..])
+    }
 }
 
 /// Runs `tokens`, the positions `store.len()..store.len() + n`, through the model, storing their
@@ -124,10 +131,14 @@ pub fn forward_hidden_cached(
 pub type Attend<'a, E> = dyn FnMut(ArrayView2<f32>, ArrayView2<f32>, ArrayView2<f32>, ArrayViewMut2<f32>) -> Result<(), E>
     + 'a;
 
+/// What happens to a block's output `[n, hidden]` before it joins the residual stream: nothing
+/// on one device; on a tensor-parallel rank (chapter 8) an all-reduce that sums the ranks'
+/// partial outputs of o_proj and down_proj.
+pub type Reduce<'a, E> = dyn FnMut(ArrayViewMut2<f32>) -> Result<(), E> + 'a;
+
 /// One decoder layer over the `n` tokens in the residual stream `ws.x[..n]`, in place: chapter
 /// 1's layer with the attention supplied by the caller (one sequence's [`KvStore`] here, a
 /// batch of sequences over paged blocks in chapter 4). Token `t` is at position `position(t)`.
-// ANCHOR: decoder_layer
 pub fn decoder_layer<E>(
     layer: &DecoderLayer,
     rope: &Rope,
@@ -135,6 +146,21 @@ pub fn decoder_layer<E>(
     n: usize,
     ws: &mut Workspace,
     attend: &mut Attend<'_, E>,
+) -> Result<(), E> {
+    decoder_layer_reduced(layer, rope, position, n, ws, attend, &mut |_| Ok(()))
+}
+
+/// [`decoder_layer`] with `reduce` applied to the attention block's and the MLP's outputs
+/// before each residual addition (chapter 8's all-reduces).
+// ANCHOR: decoder_layer
+pub fn decoder_layer_reduced<E>(
+    layer: &DecoderLayer,
+    rope: &Rope,
+    position: &dyn Fn(usize) -> usize,
+    n: usize,
+    ws: &mut Workspace,
+    attend: &mut Attend<'_, E>,
+    reduce: &mut Reduce<'_, E>,
 ) -> Result<(), E> {
     let rows = s![..n, ..];
     let attn = &layer.self_attn;
@@ -165,6 +191,7 @@ pub fn decoder_layer<E>(
     )?;
     attn.o_proj
         .forward_into(ws.attn.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    reduce(ws.h.slice_mut(rows))?;
     ws.x.slice_mut(rows)
         .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
 
@@ -183,6 +210,7 @@ pub fn decoder_layer<E>(
     ); // gate = silu(gate) · up
     mlp.down_proj
         .forward_into(ws.gate.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    reduce(ws.h.slice_mut(rows))?;
     ws.x.slice_mut(rows)
         .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
     Ok(())

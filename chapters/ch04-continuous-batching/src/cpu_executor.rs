@@ -21,7 +21,7 @@ use ch02::cached::{Workspace, decoder_layer};
 use ch03::{KvDtype, KvElement, KvPool, PoolError};
 use ndarray::{ArrayView2, ArrayViewMut2, Axis};
 
-use crate::attention::{AttentionBackend, BatchAttention, QueryRow};
+use crate::attention::{AttentionBackend, BatchAttention};
 use crate::executor::{Executor, ExecutorError, KvLayout, ModelSpec};
 use crate::request::RequestId;
 use crate::scheduler::{BlockOp, SchedulerOutput};
@@ -47,8 +47,7 @@ pub struct CpuExecutor<'m, K: KvElement = f32> {
     model: &'m Llama,
     pool: KvPool<K>,
     backend: Box<dyn AttentionBackend<K> + 'm>,
-    /// What swapping out kept: per request, one copy of each block (see `KvPool::read_block`).
-    swapped: HashMap<RequestId, Vec<Vec<K>>>,
+    swapped: SwapSpace<K>,
     workspace: Workspace,
     tokens: Vec<u32>, // [n] the step's tokens, flattened
     logits: Vec<f32>, // [rows, vocab] the last step's logit rows
@@ -76,7 +75,7 @@ impl<'m, K: KvElement> CpuExecutor<'m, K> {
             model,
             pool,
             backend,
-            swapped: HashMap::new(),
+            swapped: SwapSpace::default(),
             workspace: Workspace::new(&model.config, 1),
             tokens: Vec::new(),
             logits: Vec::new(),
@@ -86,19 +85,47 @@ impl<'m, K: KvElement> CpuExecutor<'m, K> {
     pub fn pool(&self) -> &KvPool<K> {
         &self.pool
     }
+}
 
-    fn apply(&mut self, op: &BlockOp) {
+/// The CPU memory that swapped-out K/V wait in, and the step's block operations on a pool
+/// (every executor that keeps K/V in a [`KvPool`] applies them the same way: chapter 8's
+/// ranks each on their own pool).
+pub struct SwapSpace<K: KvElement> {
+    /// What swapping out kept: per request, one copy of each block (see `KvPool::read_block`).
+    swapped: HashMap<RequestId, Vec<Vec<K>>>,
+}
+
+impl<K: KvElement> Default for SwapSpace<K> {
+    fn default() -> Self {
+        SwapSpace {
+            swapped: HashMap::new(),
+        }
+    }
+}
+
+impl<K: KvElement> SwapSpace<K> {
+    /// The block operations and the finished requests of `step`, in list order.
+    pub fn apply_step(&mut self, pool: &mut KvPool<K>, step: &SchedulerOutput) {
+        for op in &step.block_ops {
+            self.apply(pool, op);
+        }
+        for id in &step.finished {
+            self.swapped.remove(id);
+        }
+    }
+
+    fn apply(&mut self, pool: &mut KvPool<K>, op: &BlockOp) {
         match op {
-            BlockOp::Copy(copy) => self.pool.copy_block(*copy),
+            BlockOp::Copy(copy) => pool.copy_block(*copy),
             BlockOp::SwapOut { id, blocks } => {
-                let data = blocks.iter().map(|&b| self.pool.read_block(b)).collect();
+                let data = blocks.iter().map(|&b| pool.read_block(b)).collect();
                 self.swapped.insert(*id, data);
             }
             BlockOp::SwapIn { id, blocks } => {
                 let data = self.swapped.remove(id).unwrap_or_default();
                 for (block, data) in blocks.iter().zip(&data) {
                     if let Some(block) = block {
-                        self.pool.write_block(*block, data);
+                        pool.write_block(*block, data);
                     }
                 }
             }
@@ -146,12 +173,7 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
 
     // ANCHOR: execute
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
-        for op in &step.block_ops {
-            self.apply(op);
-        }
-        for id in &step.finished {
-            self.swapped.remove(id);
-        }
+        self.swapped.apply_step(&mut self.pool, step);
         let model = self.model;
         // Flatten: each row's token, and its sequence's table and position.
         self.tokens.clear();
@@ -160,16 +182,7 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
         }
         let n = self.tokens.len();
         self.workspace.embed(model, &self.tokens);
-        let rows: Vec<QueryRow> = step
-            .seqs
-            .iter()
-            .flat_map(|seq| {
-                (0..seq.tokens.len()).map(|t| QueryRow {
-                    blocks: &seq.block_table,
-                    pos: seq.start_pos + t,
-                })
-            })
-            .collect(); // [n]
+        let rows = step.query_rows(); // [n]
         let layers = model.layers.iter().take(self.pool.num_layers());
         for (i, layer) in layers.enumerate() {
             let shape = layer.self_attn.shape();
@@ -202,12 +215,7 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
         }
         // The rows that want logits (the last `logit_rows` of each sequence), normed, through
         // the head at once.
-        let mut picked_rows = Vec::with_capacity(step.num_logit_rows());
-        let mut end = 0;
-        for seq in &step.seqs {
-            end += seq.tokens.len();
-            picked_rows.extend(end - seq.logit_rows..end);
-        }
+        let picked_rows = step.logit_row_indices();
         let picked = self.workspace.residual().select(Axis(0), &picked_rows); // [S, hidden]
         let normed = model.norm.forward(picked.view());
         let vocab = model.config.vocab_size;

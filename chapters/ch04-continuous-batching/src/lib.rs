@@ -38,7 +38,7 @@ pub mod scheduler;
 pub mod speculation;
 
 pub use attention::{AttentionBackend, BatchAttention};
-pub use cpu_executor::{CacheConfig, CpuExecutor, cpu_executor};
+pub use cpu_executor::{CacheConfig, CpuExecutor, SwapSpace, cpu_executor};
 pub use driver::{EngineClient, drive};
 pub use engine::{
     Completion, Counters, Engine, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace,

@@ -20,6 +20,7 @@ use ch01::Sampler;
 use ch03::{BlockCopy, BlockError, BlockId, BlockManager, PrefixStats};
 use ndarray::{ArrayView2, s};
 
+use crate::attention::QueryRow;
 use crate::engine::{Counters, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace};
 use crate::executor::{ExecutorError, KvLayout, ModelSpec};
 use crate::logprobs::TokenLogprobs;
@@ -81,6 +82,32 @@ impl SchedulerOutput {
     /// Logit rows the executor returns: the sum of every sequence's `logit_rows`.
     pub fn num_logit_rows(&self) -> usize {
         self.seqs.iter().map(|s| s.logit_rows).sum()
+    }
+
+    /// The step's tokens flattened, in batch order: each one's sequence table and position.
+    /// [n]
+    pub fn query_rows(&self) -> Vec<QueryRow<'_>> {
+        self.seqs
+            .iter()
+            .flat_map(|seq| {
+                (0..seq.tokens.len()).map(|t| QueryRow {
+                    blocks: &seq.block_table,
+                    pos: seq.start_pos + t,
+                })
+            })
+            .collect()
+    }
+
+    /// Which of the flattened rows want logits: the last `logit_rows` of each sequence.
+    /// [num_logit_rows]
+    pub fn logit_row_indices(&self) -> Vec<usize> {
+        let mut picked = Vec::with_capacity(self.num_logit_rows());
+        let mut end = 0;
+        for seq in &self.seqs {
+            end += seq.tokens.len();
+            picked.extend(end - seq.logit_rows..end);
+        }
+        picked
     }
 }
 

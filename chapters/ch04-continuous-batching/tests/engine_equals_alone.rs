@@ -9,6 +9,6 @@ use ch04_continuous_batching::CpuExecutor;
 #[test]
 fn every_request_equals_generating_it_alone() {
     engine_scenario::every_request_equals_generating_it_alone_with(&|model, pool| {
-        CpuExecutor::new(model, pool)
+        Box::new(CpuExecutor::new(model, pool))
     });
 }

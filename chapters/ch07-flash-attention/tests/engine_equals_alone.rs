@@ -20,10 +20,10 @@ fn every_request_equals_generating_it_alone_with_flash_attention() {
             tiles: TileSizes::new(8, 16).unwrap(),
             partitions: Partitions::fixed(3).unwrap(),
         };
-        CpuExecutor::with_backend(
+        Box::new(CpuExecutor::with_backend(
             model,
             pool,
             Box::new(FlashAttention::with_params(Isa::detect(), params)),
-        )
+        ))
     });
 }

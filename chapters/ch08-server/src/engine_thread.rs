@@ -28,7 +28,7 @@ use ch07::AttentionKind;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::{EngineGauges, Metrics};
-use crate::server::SpeculatorFactory;
+use crate::server::{ExecutorFactory, SpeculatorFactory};
 
 // ANCHOR: event
 /// What the engine sends a request's handler.
@@ -151,16 +151,21 @@ impl EngineThread {
         metrics: Arc<Metrics>,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, EngineError> {
-        Self::spawn_with(model, cache, config, attention, None, metrics, install)
+        Self::spawn_with(
+            model, cache, config, attention, None, None, metrics, install,
+        )
     }
 
-    /// [`EngineThread::spawn`], with the speculator `speculator` builds (chapter 6).
+    /// [`EngineThread::spawn`], with the speculator `speculator` builds (chapter 6) and the
+    /// executor `executor` builds (chapter 8's ranks).
+    #[allow(clippy::too_many_arguments)]
     pub fn spawn_with(
         model: Arc<Llama>,
         cache: CacheConfig,
         config: EngineConfig,
         attention: AttentionKind,
         speculator: Option<SpeculatorFactory>,
+        executor: Option<ExecutorFactory>,
         metrics: Arc<Metrics>,
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, EngineError> {
@@ -173,7 +178,8 @@ impl EngineThread {
             .spawn(move || {
                 let _alive = guard;
                 install(Box::new(move || {
-                    match start_engine(&model, &cache, config, attention, speculator.as_ref()) {
+                    let factories = (speculator.as_ref(), executor.as_ref());
+                    match start_engine(&model, &cache, config, attention, factories) {
                         Ok(engine) => {
                             let _ = started.send(Ok(engine.scheduler().max_request_tokens()));
                             run(engine, receiver, &metrics);
@@ -233,9 +239,13 @@ fn start_engine<'m>(
     cache: &CacheConfig,
     config: EngineConfig,
     attention: AttentionKind,
-    speculator: Option<&SpeculatorFactory>,
+    (speculator, executor): (Option<&SpeculatorFactory>, Option<&ExecutorFactory>),
 ) -> Result<Engine<'m>, EngineError> {
-    let engine = Engine::boxed(ch07::cpu_executor(model, cache, attention)?, config)?;
+    let executor = match executor {
+        Some(factory) => (factory.0)(model, cache).map_err(EngineError::Config)?,
+        None => ch07::cpu_executor(model, cache, attention)?,
+    };
+    let engine = Engine::boxed(executor, config)?;
     Ok(match speculator {
         Some(factory) => engine.with_speculator((factory.0)(model).map_err(EngineError::Config)?),
         None => engine,

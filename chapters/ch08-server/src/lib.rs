@@ -47,4 +47,6 @@ pub mod server;
 pub mod state;
 
 pub use connections::ConnectionLimits;
-pub use server::{ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory};
+pub use server::{
+    ExecutorFactory, ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory,
+};

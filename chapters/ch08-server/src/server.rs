@@ -48,6 +48,27 @@ impl std::fmt::Debug for SpeculatorFactory {
     }
 }
 
+/// Builds the engine's executor in the engine thread, instead of the CPU executor over the
+/// served model (chapter 8's tensor-parallel ranks; the server knows no ranks).
+#[derive(Clone)]
+#[allow(clippy::type_complexity)]
+pub struct ExecutorFactory(
+    pub  Arc<
+        dyn for<'m> Fn(
+                &'m Llama,
+                &CacheConfig,
+            ) -> Result<Box<dyn ch04::Executor + Send + 'm>, String>
+            + Send
+            + Sync,
+    >,
+);
+
+impl std::fmt::Debug for ExecutorFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ExecutorFactory")
+    }
+}
+
 /// Everything `kiln serve`'s flags set, besides the model and its KV pool.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -81,6 +102,8 @@ pub struct ServerConfig {
     pub access_log: Option<AccessLog>,
     /// Speculative decoding (chapter 6): builds the engine's speculator over the served model.
     pub speculator: Option<SpeculatorFactory>,
+    /// The engine's executor; `None`: chapter 7's CPU executor with `attention`.
+    pub executor: Option<ExecutorFactory>,
 }
 
 impl Default for ServerConfig {
@@ -102,6 +125,7 @@ impl Default for ServerConfig {
             auth_failures_per_minute: 10,
             access_log: None,
             speculator: None,
+            executor: None,
         }
     }
 }
@@ -188,6 +212,7 @@ impl Server {
             config.engine,
             config.attention,
             config.speculator.clone(),
+            config.executor.clone(),
             Arc::clone(&metrics),
             install,
         )?;

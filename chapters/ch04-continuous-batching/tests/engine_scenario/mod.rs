@@ -11,8 +11,8 @@ use ch01::{Llama, fixtures_dir};
 use ch02::{CachedSession, ContiguousKvCache};
 use ch03::KvPool;
 use ch04_continuous_batching::{
-    BlockOp, CpuExecutor, Engine, EngineConfig, Executor, ExecutorError, FinishReason, KvLayout,
-    ModelSpec, Preemption, Request, SchedulerOutput, Status,
+    BlockOp, Engine, EngineConfig, Executor, ExecutorError, FinishReason, KvLayout, ModelSpec,
+    Preemption, Request, SchedulerOutput, Status,
 };
 use ndarray::ArrayView2;
 use proptest::prelude::*;
@@ -29,7 +29,7 @@ struct Checked<E> {
     swapped_out: BTreeSet<u64>,
 }
 
-impl<E: Executor> Checked<E> {
+impl<E: Executor + ?Sized> Checked<Box<E>> {
     fn check(&mut self, step: &SchedulerOutput) -> Result<(), String> {
         let (kv, model) = (self.inner.kv_layout(), self.inner.model_spec());
         for op in &step.block_ops {
@@ -87,7 +87,7 @@ impl<E: Executor> Checked<E> {
     }
 }
 
-impl<E: Executor> Executor for Checked<E> {
+impl<E: Executor + Send + ?Sized> Executor for Checked<Box<E>> {
     fn kv_layout(&self) -> KvLayout {
         self.inner.kv_layout()
     }
@@ -167,11 +167,13 @@ fn scenario(
     )
 }
 
-/// A CPU executor over `pool` for `model`: the executor under test.
-pub type MakeExecutor = dyn for<'m> Fn(&'m Llama, KvPool<f32>) -> CpuExecutor<'m, f32>;
+/// The executor under test, for `model`, over `pool` (or, for chapter 8's ranks, as many
+/// blocks of the same size as `pool` has).
+pub type MakeExecutor<'a> =
+    dyn for<'m> Fn(&'m Llama, KvPool<f32>) -> Box<dyn Executor + Send + 'm> + 'a;
 
 /// Runs the scenario with executors made by `make_executor`.
-pub fn every_request_equals_generating_it_alone_with(make_executor: &MakeExecutor) {
+pub fn every_request_equals_generating_it_alone_with(make_executor: &MakeExecutor<'_>) {
     // Chapter 2's fast layers, as the binary runs them (matmul for batches, matvec alone).
     let model = ch02::load_fast(
         &fixtures_dir().join("shakespeare-tiny"),

@@ -1,0 +1,208 @@
+//! [`TensorParallelExecutor`]: chapter 4's [`Executor`] over `world` ranks in one process.
+//!
+//! ```text
+//! engine thread = rank 0:  schedule ─▶ step ─┬─▶ rank 0 runs its shard ──┐
+//!                                            ├─▶ rank 1 (thread) ───────┤ all-reduces and the
+//!                                            └─▶ rank N−1 (thread) ─────┘ all-gather meet here
+//!                          update ◀── logits [S, vocab] (rank 0's copy)
+//! ```
+//! One scheduler, many ranks: the scheduler and the block manager live once, on rank 0 (the
+//! engine's thread), and every step is handed to the other ranks whole; each runs its shard
+//! on its own pool, whose block ids mean the same positions as everyone else's. Each rank's
+//! kernels run in its own thread pool of `threads_per_rank` threads.
+
+use std::sync::Arc;
+use std::sync::mpsc::{Sender, channel};
+use std::thread::JoinHandle;
+
+use ch01::Llama;
+use ch03::{KvDtype, KvPool, PoolError};
+use ch04::{Executor, ExecutorError, KvLayout, ModelSpec, SchedulerOutput};
+use ndarray::ArrayView2;
+
+use crate::comm::{CommError, Communicator, ThreadComm, thread_group};
+use crate::rank::{Rank, local_config};
+
+/// Why a tensor-parallel executor could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("no ranks: a tensor-parallel executor needs at least one model shard")]
+    NoRanks,
+    #[error("rank {rank} holds rank {holds} of a world of {world}: load shard r of N for rank r")]
+    WrongShard {
+        rank: usize,
+        holds: usize,
+        world: usize,
+    },
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error("starting rank {rank}'s thread: {message}")]
+    Thread { rank: usize, message: String },
+}
+
+/// Rank 0 on the caller's thread, ranks 1.. on threads of their own.
+pub struct TensorParallelExecutor {
+    rank0: Rank,
+    comm0: ThreadComm,
+    pool0: rayon::ThreadPool,
+    /// Ranks 1..world: where each one's steps go. Dropping them ends the threads.
+    workers: Vec<Sender<Arc<SchedulerOutput>>>,
+    handles: Vec<JoinHandle<()>>,
+    layout: KvLayout,
+    spec: ModelSpec,
+}
+
+/// Where the KV memory of each rank comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvBlocks {
+    /// Exactly this many blocks per rank.
+    Count(usize),
+    /// As many blocks as this many bytes hold on each rank (a GPU's memory is per rank too).
+    BudgetPerRank(u64),
+}
+
+impl TensorParallelExecutor {
+    /// An executor over `shards` (shard `r` of `shards.len()` for rank `r`, as
+    /// [`crate::load_shards`] loads them), f32 KV blocks of `block_size` positions, and
+    /// `threads_per_rank` kernel threads per rank.
+    pub fn new(
+        shards: Vec<Llama>,
+        block_size: usize,
+        blocks: KvBlocks,
+        threads_per_rank: usize,
+    ) -> Result<Self, BuildError> {
+        let world = shards.len();
+        let first = shards.first().ok_or(BuildError::NoRanks)?;
+        for (rank, shard) in shards.iter().enumerate() {
+            if shard.shard.rank != rank || shard.shard.world != world {
+                return Err(BuildError::WrongShard {
+                    rank,
+                    holds: shard.shard.rank,
+                    world,
+                });
+            }
+        }
+        let local = local_config(first);
+        let num_blocks = match blocks {
+            KvBlocks::Count(n) => n,
+            KvBlocks::BudgetPerRank(bytes) => {
+                let block_bytes = KvPool::<f32>::bytes_per_block(&local, block_size).max(1);
+                (bytes / block_bytes).max(1) as usize
+            }
+        };
+        let layout = KvLayout {
+            num_layers: local.num_hidden_layers,
+            num_kv_heads: local.num_key_value_heads,
+            head_dim: local.head_dim,
+            block_size,
+            num_blocks,
+            dtype: KvDtype::F32,
+        };
+        let spec = ModelSpec {
+            vocab_size: local.vocab_size,
+            max_model_len: local.max_position_embeddings,
+        };
+        let thread_pool = |rank: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads_per_rank.max(1))
+                .thread_name(move |i| format!("kiln-tp{rank}-{i}"))
+                .build()
+                .map_err(|e| BuildError::Thread {
+                    rank,
+                    message: e.to_string(),
+                })
+        };
+        let mut comms = thread_group(world)?.into_iter();
+        let mut shards = shards.into_iter();
+        let rank0 = Rank::new(
+            shards.next().ok_or(BuildError::NoRanks)?,
+            block_size,
+            num_blocks,
+        )?;
+        let comm0 = comms.next().ok_or(BuildError::NoRanks)?;
+        let (mut workers, mut handles) = (Vec::new(), Vec::new());
+        for (i, (shard, mut comm)) in shards.zip(comms).enumerate() {
+            let rank = i + 1;
+            let mut state: Rank = Rank::new(shard, block_size, num_blocks)?;
+            let pool = thread_pool(rank)?;
+            let (tx, rx) = channel::<Arc<SchedulerOutput>>();
+            let handle = std::thread::Builder::new()
+                .name(format!("kiln-tp-rank{rank}"))
+                .spawn(move || {
+                    // Until rank 0 hangs up; an error here is rank 0's too (the same collective
+                    // fails on every rank), so rank 0 reports it.
+                    for step in rx {
+                        if pool
+                            .install(|| state.execute(&step, &mut comm).map(|_| ()))
+                            .is_err()
+                        {
+                            break;
+                        }
+                    }
+                })
+                .map_err(|e| BuildError::Thread {
+                    rank,
+                    message: e.to_string(),
+                })?;
+            workers.push(tx);
+            handles.push(handle);
+        }
+        Ok(TensorParallelExecutor {
+            rank0,
+            comm0,
+            pool0: thread_pool(0)?,
+            workers,
+            handles,
+            layout,
+            spec,
+        })
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm0.world()
+    }
+
+    /// Rank 0's state (its shard and pool).
+    pub fn rank0(&self) -> &Rank {
+        &self.rank0
+    }
+}
+
+impl Executor for TensorParallelExecutor {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn model_spec(&self) -> ModelSpec {
+        self.spec
+    }
+
+    // ANCHOR: tp_execute
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        // "Broadcast" the step: in one process, hand each rank the same plan.
+        if !self.workers.is_empty() {
+            let shared = Arc::new(step.clone());
+            for (i, worker) in self.workers.iter().enumerate() {
+                worker.send(Arc::clone(&shared)).map_err(|_| {
+                    ExecutorError(format!("tensor-parallel rank {} is gone", i + 1))
+                })?;
+            }
+        }
+        let (rank0, comm0) = (&mut self.rank0, &mut self.comm0);
+        self.pool0
+            .install(|| rank0.execute(step, comm0))
+            .map_err(|e| ExecutorError(format!("tensor-parallel step: {e}")))
+    }
+    // ANCHOR_END: tp_execute
+}
+
+impl Drop for TensorParallelExecutor {
+    fn drop(&mut self) {
+        self.workers.clear(); // the ranks' loops end
+        for handle in self.handles.drain(..) {
+            let _ = handle.join(); // a rank that panicked has already lost the group
+        }
+    }
+}

@@ -1,0 +1,36 @@
+//! The engine over tensor-parallel ranks changes where tokens are computed, never which: chapter
+//! 4's scenario (random arrivals, budgets, chunked prefill, both kinds of preemption, prefix
+//! caching, aborts; every block back afterwards) with the executor replaced by 2 and by 4 ranks
+//! of shakespeare-tiny (4 query heads, 2 KV heads: at 4 ranks each KV head is replicated twice).
+
+extern crate ch04 as ch04_continuous_batching;
+
+#[path = "../../ch04-continuous-batching/tests/engine_scenario/mod.rs"]
+mod engine_scenario;
+
+use ch01::fixtures_dir;
+use ch02::{FastLoader, WeightDtype};
+use ch08_tensor_parallel::{KvBlocks, TensorParallelExecutor, load_shards};
+
+fn with_world(world: usize) {
+    let dir = fixtures_dir().join("shakespeare-tiny");
+    engine_scenario::every_request_equals_generating_it_alone_with(&|_model, pool| {
+        // The same fast f32 layers as the scenario's whole model, split across `world` ranks.
+        let loader = FastLoader {
+            dtype: WeightDtype::F32,
+        };
+        let shards = load_shards(&dir, &loader, world).unwrap();
+        let blocks = KvBlocks::Count(pool.num_blocks());
+        Box::new(TensorParallelExecutor::new(shards, pool.block_size(), blocks, 1).unwrap())
+    });
+}
+
+#[test]
+fn every_request_equals_generating_it_alone_on_two_ranks() {
+    with_world(2);
+}
+
+#[test]
+fn every_request_equals_generating_it_alone_on_four_ranks_with_replicated_kv_heads() {
+    with_world(4);
+}
