@@ -11,10 +11,14 @@
 //! | [`kernels`]      | integer `matvec` / `matmul` on [`QuantMatrix`] weights, activations quantized to 8 bits, AVX2 and portable |
 //! | [`quant_linear`] | [`QuantLinear`] (chapter 1's `Linear` seam on those kernels) and [`QuantLoader`] |
 //! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
+//! | [`group_quant`]  | part 2: [`GroupQuantized`], 4-bit codes with a grid per group; round-to-nearest |
+//! | [`gptq`]         | part 2: GPTQ, the Hessian, its Cholesky factors and the column-by-column update |
 
 pub mod blocks;
 pub mod format;
 pub mod gguf;
+pub mod gptq;
+pub mod group_quant;
 pub mod kernels;
 pub mod quant_linear;
 
@@ -24,5 +28,6 @@ pub use gguf::{
     GgufError, GgufFile, GgufModel, GgufSource, GgufTensorInfo, GgufValue, GgufValueType,
     GgufWriter, load_gguf,
 };
+pub use group_quant::{Grid, GroupQuantError, GroupQuantized};
 pub use kernels::{KernelError, QuantMatrix};
 pub use quant_linear::{QuantLinear, QuantLoader};
