@@ -12,6 +12,7 @@
 //! | [`quant_linear`] | [`QuantLinear`] (chapter 1's `Linear` seam on those kernels) and [`QuantLoader`] |
 //! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
 //! | [`group_quant`]  | part 2: [`GroupQuantized`], 4-bit codes with a grid per group; round-to-nearest |
+//! | [`hf_quant`]     | part 2: GPTQ's and AWQ's Hugging Face layouts, written and loaded; [`GroupLinear`] |
 //! | [`gptq`]         | part 2: GPTQ, the Hessian, its Cholesky factors and the column-by-column update |
 
 pub mod blocks;
@@ -19,6 +20,7 @@ pub mod format;
 pub mod gguf;
 pub mod gptq;
 pub mod group_quant;
+pub mod hf_quant;
 pub mod kernels;
 pub mod quant_linear;
 
@@ -29,5 +31,6 @@ pub use gguf::{
     GgufWriter, load_gguf,
 };
 pub use group_quant::{Grid, GroupQuantError, GroupQuantized};
+pub use hf_quant::{GroupLinear, HfQuantConfig, HfQuantError, HfQuantLoader, QuantMethod};
 pub use kernels::{KernelError, QuantMatrix};
 pub use quant_linear::{QuantLinear, QuantLoader};
