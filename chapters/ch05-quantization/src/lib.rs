@@ -13,8 +13,11 @@
 //! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
 //! | [`group_quant`]  | part 2: [`GroupQuantized`], 4-bit codes with a grid per group; round-to-nearest |
 //! | [`hf_quant`]     | part 2: GPTQ's and AWQ's Hugging Face layouts, written and loaded; [`GroupLinear`] |
+//! | [`awq`]          | part 2: AWQ's activation-aware scales and their grid search |
+//! | [`model_quant`]  | part 2: [`quantize_model`](model_quant::quantize_model), every projection in sequence, calibrated |
 //! | [`gptq`]         | part 2: GPTQ, the Hessian, its Cholesky factors and the column-by-column update |
 
+pub mod awq;
 pub mod blocks;
 pub mod format;
 pub mod gguf;
@@ -22,6 +25,7 @@ pub mod gptq;
 pub mod group_quant;
 pub mod hf_quant;
 pub mod kernels;
+pub mod model_quant;
 pub mod quant_linear;
 
 pub use blocks::BlockError;

@@ -21,7 +21,7 @@
 use std::cell::RefCell;
 
 use ch01::linear::{Linear, LinearLoader, LinearSpec};
-use ch01::{Split, TensorDtype, WeightSource};
+use ch01::{TensorDtype, WeightSource};
 use ch02::{FastLinear, WeightDtype};
 use half::f16;
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2, s};
@@ -299,7 +299,7 @@ impl LinearLoader for HfQuantLoader {
         if !source.contains(&format!("{}.qweight", spec.name)) {
             return self.dense.load(source, spec);
         }
-        if spec.shard.world != 1 || spec.shard.split != Split::Whole {
+        if spec.shard.world != 1 {
             return Err(ch01::Error::InvalidArgument(format!(
                 "`{}`: tensor-parallel shards of GPTQ/AWQ layers are not supported",
                 spec.name
