@@ -10,7 +10,8 @@
 //! g_idx  [in]          group of each input column, < groups
 //! ```
 //!
-//! Invariants (checked by [`GroupQuantized::new`]): the lengths above, codes and zeros below 16,
+//! Invariants (checked by [`GroupQuantized::new`]): the lengths above, `group_size ≤ in` (a
+//! larger one is stored as `in`), codes and zeros below 16,
 //! every `g_idx` below `groups`, every scale finite and representable in f16. The product
 //! `scale · (code − zero)` of an f16 and an integer of magnitude ≤ 15 is exact in f32, so
 //! [`GroupQuantized::dequantize`] has no rounding at all: it is *the* weight every reader of
@@ -178,7 +179,7 @@ impl GroupQuantized {
         Ok(GroupQuantized {
             rows,
             cols,
-            group_size,
+            group_size: group_size.min(cols.max(1)), // the one form of "whole rows"
             groups,
             codes,
             scales,

@@ -229,9 +229,10 @@ fn raw<'s>(
 ) -> ch01::Result<(std::borrow::Cow<'s, [u8]>, Vec<usize>)> {
     let t = source.tensor(name)?;
     if t.dtype() != dtype {
-        return Err(ch01::Error::UnsupportedDtype {
+        return Err(ch01::Error::Tensor {
             name: name.into(),
-            dtype: format!("{} (expected {dtype})", t.dtype()),
+            location: source.location().to_path_buf(),
+            message: format!("stored as {}, expected {dtype}", t.dtype()),
         });
     }
     Ok((t.bytes().to_vec().into(), t.shape().to_vec()))
