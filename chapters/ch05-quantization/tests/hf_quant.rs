@@ -423,3 +423,142 @@ fn layers_a_format_cannot_hold_are_typed_errors() {
     assert!(awq_format::pack(&zero).is_ok(), "AWQ stores zero 0");
     assert_eq!(MAXQ, 15);
 }
+
+/// The layers of the unpacker's golden files: (method, config, [(name, layer)]).
+fn golden_layers() -> Vec<(
+    &'static str,
+    HfQuantConfig,
+    Vec<(&'static str, GroupQuantized)>,
+)> {
+    let gptq = HfQuantConfig {
+        group_size: Some(32),
+        ..gptq_config()
+    };
+    let awq = HfQuantConfig {
+        method: QuantMethod::Awq,
+        group_size: Some(32),
+        desc_act: false,
+        sym: false,
+        damp_percent: 0.0,
+    };
+    vec![
+        (
+            "gptq",
+            gptq,
+            vec![
+                ("act_order", layer(24, 96, 32, true, true, 1)),
+                // 72 = 2 · 32 + 8: a short last group; asymmetric.
+                ("short_group", layer(16, 72, 32, false, false, 2)),
+            ],
+        ),
+        (
+            "awq",
+            awq,
+            vec![
+                ("a", layer(24, 128, 32, false, false, 3)),
+                ("b", layer(8, 64, 32, false, false, 4)),
+            ],
+        ),
+    ]
+}
+
+fn golden_dir(method: &str) -> std::path::PathBuf {
+    ch01::fixtures_dir().join("golden/hf_quant").join(method)
+}
+
+fn packed_tensors(
+    config: &HfQuantConfig,
+    layers: &[(&str, GroupQuantized)],
+) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+    let mut out = Vec::new();
+    for (name, q) in layers {
+        let p = match config.method {
+            QuantMethod::Gptq => gptq_format::pack(q),
+            QuantMethod::Awq => awq_format::pack(q),
+        }
+        .unwrap();
+        let b = Bytes::of(&p);
+        out.push((
+            format!("{name}.qweight"),
+            Dtype::I32,
+            b.qweight.1,
+            b.qweight.0,
+        ));
+        out.push((format!("{name}.qzeros"), Dtype::I32, b.qzeros.1, b.qzeros.0));
+        out.push((format!("{name}.scales"), Dtype::F16, b.scales.1, b.scales.0));
+        if let Some((g, shape)) = b.g_idx {
+            out.push((format!("{name}.g_idx"), Dtype::I32, shape, g));
+        }
+    }
+    out
+}
+
+/// Regenerates the unpacker's inputs: `cargo test -p ch05-quantization --test hf_quant -- --ignored`,
+/// then `fixtures/scripts/hf_quant_unpack.py DIR DIR/dequantized.safetensors` for each.
+#[test]
+#[ignore]
+fn write_unpacker_inputs() {
+    for (method, config, layers) in golden_layers() {
+        let dir = golden_dir(method);
+        std::fs::create_dir_all(&dir).unwrap();
+        let tensors = packed_tensors(&config, &layers);
+        let tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone()))
+            .collect();
+        write_safetensors(&dir.join("model.safetensors"), &tensors);
+        let json = serde_json::json!({ "quantization_config": config.to_json() });
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(&json).unwrap(),
+        )
+        .unwrap();
+    }
+}
+
+/// kiln's files (regenerated here and compared byte for byte with the committed ones) decode,
+/// in the independent numpy unpacker, to exactly the weights kiln computes with.
+#[test]
+fn the_numpy_unpacker_reads_kilns_files_as_kiln_does() {
+    for (method, config, layers) in golden_layers() {
+        let dir = golden_dir(method);
+        let committed = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let committed = safetensors::SafeTensors::deserialize(&committed).unwrap();
+        for (name, dtype, shape, bytes) in packed_tensors(&config, &layers) {
+            let t = committed.tensor(&name).unwrap();
+            assert_eq!(
+                (t.dtype(), t.shape()),
+                (dtype, &shape[..]),
+                "{method} {name}"
+            );
+            assert!(
+                t.data() == &bytes[..],
+                "{method} {name}: kiln's bytes changed"
+            );
+        }
+        let numpy = std::fs::read(dir.join("dequantized.safetensors")).unwrap();
+        let numpy = safetensors::SafeTensors::deserialize(&numpy).unwrap();
+        let weights = ch01::Weights::open(&dir).unwrap();
+        let loader = HfQuantLoader {
+            config,
+            dense: QuantLoader::native(),
+        };
+        for (name, q) in &layers {
+            let read = loader.read(&weights, name, q.rows(), q.cols()).unwrap();
+            assert_eq!(&read, q, "{method} {name}");
+            let t = numpy.tensor(&format!("{name}.weight")).unwrap();
+            assert_eq!(t.shape(), &[q.rows(), q.cols()]);
+            let theirs: Vec<f32> = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let ours = read.dequantize();
+            let differing = ours.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                differing, 0,
+                "{method} {name}: {differing} weights differ from numpy's"
+            );
+        }
+    }
+}
