@@ -184,7 +184,11 @@ pub fn quantize_dir(
         let tokenizer = ch01::Tokenizer::from_dir(model_dir)?;
         calibration_samples(&tokenizer, &text, args.samples, args.seq_len)?
     };
-    let result = quantize_model(&mut model, &weights, &samples, &method)?;
+    let start = Instant::now();
+    let mut progress = |l: usize| {
+        eprintln!("  layer {l} quantized ({:.1} s)", start.elapsed().as_secs_f64());
+    };
+    let result = quantize_model(&mut model, &weights, &samples, &method, &mut progress)?;
     write_quantized_dir(model_dir, out, &config, &result.layers, &result.dense)?;
     Ok(result)
 }

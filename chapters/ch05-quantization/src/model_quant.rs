@@ -93,12 +93,13 @@ fn dequantized(q: &GroupQuantized) -> Array2<f32> {
 // ANCHOR: quantize_model
 /// Quantizes the projections of `model` (loaded with dense f32 projections from `source`) with
 /// `method`, calibrating on `samples` (token sequences). `model`'s projections and norms are
-/// left as the quantized model computes them.
+/// left as the quantized model computes them. `on_layer(l)` is called after layer `l`.
 pub fn quantize_model(
     model: &mut Llama,
     source: &dyn WeightSource,
     samples: &[Vec<u32>],
     method: &Method,
+    on_layer: &mut dyn FnMut(usize),
 ) -> Result<QuantizedModel, ModelQuantError> {
     let config = model.config.clone();
     let mut result = QuantizedModel::default();
@@ -373,6 +374,7 @@ pub fn quantize_model(
             .zip(&d_in)
             .map(|(h, d)| h + &layer.mlp.down_proj.forward(d.view()))
             .collect();
+        on_layer(l);
     }
     Ok(result)
 }
