@@ -27,6 +27,10 @@ pub struct Args {
     /// An asymmetric grid with a zero point per group (gptq, rtn; awq always has one).
     #[arg(long)]
     pub asym: bool,
+    /// The layout to write [default: awq for awq, else gptq]. GPTQ's stores a zero point of 0
+    /// as −1 and cannot write one: an asymmetric rtn is better written as awq.
+    #[arg(long, value_parser = ["gptq", "awq"])]
+    pub format: Option<String>,
     /// Calibration text [default: fixtures/.cache/train.txt, the training plays; made by
     /// `python fixtures/scripts/corpus.py`].
     #[arg(long, value_name = "FILE")]
@@ -61,8 +65,18 @@ impl Args {
                     group_size,
                     symmetric: !self.asym,
                 },
-                gptq_config,
+                match self.format.as_deref() {
+                    Some("awq") if !self.asym => bail!("AWQ's layout is asymmetric: add --asym"),
+                    Some("awq") => HfQuantConfig {
+                        method: QuantMethod::Awq,
+                        ..gptq_config
+                    },
+                    _ => gptq_config,
+                },
             ),
+            "gptq" | "awq" if self.format.as_deref().is_some_and(|f| f != name) => {
+                bail!("--method {name} writes its own layout (--format {name})")
+            }
             "gptq" => (
                 Method::Gptq(GptqConfig {
                     group_size,
@@ -186,7 +200,10 @@ pub fn quantize_dir(
     };
     let start = Instant::now();
     let mut progress = |l: usize| {
-        eprintln!("  layer {l} quantized ({:.1} s)", start.elapsed().as_secs_f64());
+        eprintln!(
+            "  layer {l} quantized ({:.1} s)",
+            start.elapsed().as_secs_f64()
+        );
     };
     let result = quantize_model(&mut model, &weights, &samples, &method, &mut progress)?;
     write_quantized_dir(model_dir, out, &config, &result.layers, &result.dense)?;

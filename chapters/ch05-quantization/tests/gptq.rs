@@ -129,7 +129,7 @@ proptest! {
     fn gptq_reconstructs_a_layer_better_than_round_to_nearest(
         rows in 1usize..24,
         cols in 8usize..150,
-        group in prop::sample::select(vec![16usize, 32, 64]),
+        group in prop::sample::select(vec![16usize, 24, 32, 48, 64]),
         symmetric in any::<bool>(),
         act_order in any::<bool>(),
         seed in any::<u64>(),
@@ -160,15 +160,6 @@ fn bad_arguments_are_typed_errors() {
     assert!(matches!(
         gptq(&w[..15], 2, &h, &GptqConfig::default()),
         Err(GptqError::WeightShape { .. })
-    ));
-    let bad = GptqConfig {
-        group_size: 3,
-        block_size: 2,
-        ..GptqConfig::default()
-    };
-    assert!(matches!(
-        gptq(&w, 2, &h, &bad),
-        Err(GptqError::Nesting { .. })
     ));
     let bad = GptqConfig {
         percdamp: f64::NAN,

@@ -21,7 +21,8 @@
 //!   largest inputs first, while many columns are left to absorb their errors.
 //!
 //! Block size and group size must nest (one divides the other) so that a group is fitted on
-//! weights that have received every update before its first column; other pairs are an error.
+//! weights that have received every update before its first column: when they do not, the
+//! block is shortened to a multiple of the group (`gs · ⌊bs / gs⌋`), or lengthened to one group.
 //!
 //! Cost: `O(in³)` for the factorisations, `O(out · in²)` for the updates (the matrix products
 //! of the lazy batches); rows are independent inside a block and run on rayon's threads.
@@ -66,8 +67,6 @@ pub enum GptqError {
     WeightShape { expected: [usize; 2], actual: usize },
     #[error("the Hessian is {actual:?}, expected [{expected}, {expected}]")]
     HessianShape { expected: usize, actual: [usize; 2] },
-    #[error("block size {block} and group size {group} must nest (one a multiple of the other)")]
-    Nesting { block: usize, group: usize },
     #[error("damp_percent {0} must be finite and in [0, 1]")]
     Damp(f64),
     #[error("the dampened Hessian: {0}")]
@@ -101,12 +100,13 @@ pub fn gptq(
     if gs == 0 {
         return Err(GroupQuantError::GroupSize(0).into());
     }
-    if config.group_size < cols && gs % bs != 0 && bs % gs != 0 {
-        return Err(GptqError::Nesting {
-            block: bs,
-            group: gs,
-        });
-    }
+    let bs = if gs % bs == 0 || bs % gs == 0 {
+        bs
+    } else if gs < bs {
+        gs * (bs / gs)
+    } else {
+        gs
+    };
     if !(0.0..=1.0).contains(&config.percdamp) {
         return Err(GptqError::Damp(config.percdamp));
     }
