@@ -113,7 +113,9 @@ const VARIANTS: &[Variant] = &[
 struct Row {
     label: &'static str,
     command: String,
-    quantize_s: Option<f64>,
+    /// Seconds `kiln quantize` took, and the build that measured them (a reused directory
+    /// reports the time measured when it was written).
+    quantize_s: Option<String>,
     projection_bytes: usize,
     kinds: String,
     ppl: f64,
@@ -206,6 +208,7 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
                 let dir = cache.join(v.label.replace(' ', "-"));
                 command = format!("kiln quantize {}", options.join(" "));
                 let stamp = dir.join("kiln-quantize-options.txt");
+                let seconds = dir.join("kiln-quantize-seconds.txt");
                 let wanted = format!(
                     "{command} --samples {} --seq-len {}\n",
                     s.samples, s.seq_len
@@ -214,12 +217,15 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
                     let args = parse_options(options, &calibration, s)?;
                     let start = Instant::now();
                     quantize_hf::quantize_dir(&model_dir, &dir, &args)
-                        .with_context(|| format!("{command}"))?;
-                    quantize_s = Some(start.elapsed().as_secs_f64());
+                        .with_context(|| command.clone())?;
+                    let build = if cfg!(debug_assertions) { "dev" } else { "release" };
+                    let took = format!("{:.0} ({build})", start.elapsed().as_secs_f64());
+                    std::fs::write(&seconds, &took)?;
                     std::fs::write(&stamp, &wanted)?;
                 } else {
                     eprintln!("   reusing {}", dir.display());
                 }
+                quantize_s = std::fs::read_to_string(&seconds).ok();
                 let args = ModelArgs {
                     model: dir,
                     dtype: "f32".into(),
@@ -278,7 +284,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
     let mut t = Table::new([
         "variant",
         "made by",
-        "quantize s",
+        "quantize s (build)",
         "projections + head MiB",
         "layout in memory",
         "Hamlet PPL",
@@ -292,7 +298,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
         t.row([
             r.label.to_string(),
             format!("`{}`", r.command),
-            r.quantize_s.map_or("—".into(), |v| format!("{v:.0}")),
+            r.quantize_s.clone().unwrap_or("—".into()),
             format!("{:.1}", r.projection_bytes as f64 / (1024.0 * 1024.0)),
             r.kinds.clone(),
             format!("{:.4}", r.ppl),
