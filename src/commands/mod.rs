@@ -90,8 +90,8 @@ impl ModelArgs {
             .with_context(|| format!("reading {}", path.display()))?;
         let json: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        Ok(ch05::HfQuantConfig::from_config_json(&json)
-            .with_context(|| format!("in {}", path.display()))?)
+        ch05::HfQuantConfig::from_config_json(&json)
+            .with_context(|| format!("in {}", path.display()))
     }
 
     /// Whether `--model` names a GGUF file rather than a directory.

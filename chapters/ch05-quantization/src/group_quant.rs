@@ -139,7 +139,7 @@ impl GroupQuantized {
         };
         length("codes", rows.saturating_mul(cols), codes.len())?;
         length("g_idx", cols, g_idx.len())?;
-        let groups = if rows == 0 { 0 } else { scales.len() / rows };
+        let groups = scales.len().checked_div(rows).unwrap_or(0);
         length("scales", groups.saturating_mul(rows), scales.len())?;
         length("zeros", scales.len(), zeros.len())?;
         let range = |what, values: &mut dyn Iterator<Item = u64>, max: u64| {

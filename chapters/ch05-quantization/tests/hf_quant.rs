@@ -18,6 +18,17 @@ use ndarray::Array2;
 use proptest::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 
+/// A checkpoint's tensors: (name, dtype, shape, bytes).
+type Tensors = Vec<(&'static str, Dtype, Vec<usize>, Vec<u8>)>;
+/// A change to a checkpoint's tensors.
+type Edit = Box<dyn FnOnce(&mut Tensors)>;
+/// One golden directory: its layout, and its layers by name.
+type GoldenDir = (
+    &'static str,
+    HfQuantConfig,
+    Vec<(&'static str, GroupQuantized)>,
+);
+
 /// A random layer: codes, scales, zeros and (with `shuffle`) an act-order `g_idx`.
 fn layer(
     rows: usize,
@@ -249,9 +260,7 @@ fn gptq_config() -> HfQuantConfig {
 
 /// A checkpoint directory holding one GPTQ layer `l` [16, 64], with `edit` applied to its
 /// tensors first; the layer loaded through `HfQuantLoader` and `ch01::Weights`.
-fn load_edited(
-    edit: impl FnOnce(&mut Vec<(&'static str, Dtype, Vec<usize>, Vec<u8>)>),
-) -> Result<GroupQuantized, String> {
+fn load_edited(edit: impl FnOnce(&mut Tensors)) -> Result<GroupQuantized, String> {
     let q = layer(16, 64, 32, true, true, 7);
     let p = gptq_format::pack(&q).unwrap();
     let b = Bytes::of(&p);
@@ -298,10 +307,7 @@ fn load_edited(
 fn a_checkpoint_loads_and_malformed_ones_are_typed_errors() {
     let q = layer(16, 64, 32, true, true, 7);
     assert_eq!(load_edited(|_| {}).unwrap(), q);
-    let cases: Vec<(
-        &str,
-        Box<dyn FnOnce(&mut Vec<(&'static str, Dtype, Vec<usize>, Vec<u8>)>)>,
-    )> = vec![
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "expected shape [8, 16]",
             Box::new(|t| {
@@ -425,11 +431,7 @@ fn layers_a_format_cannot_hold_are_typed_errors() {
 }
 
 /// The layers of the unpacker's golden files: (method, config, [(name, layer)]).
-fn golden_layers() -> Vec<(
-    &'static str,
-    HfQuantConfig,
-    Vec<(&'static str, GroupQuantized)>,
-)> {
+fn golden_layers() -> Vec<GoldenDir> {
     let gptq = HfQuantConfig {
         group_size: Some(32),
         ..gptq_config()

@@ -218,7 +218,11 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
                     let start = Instant::now();
                     quantize_hf::quantize_dir(&model_dir, &dir, &args)
                         .with_context(|| command.clone())?;
-                    let build = if cfg!(debug_assertions) { "dev" } else { "release" };
+                    let build = if cfg!(debug_assertions) {
+                        "dev"
+                    } else {
+                        "release"
+                    };
                     let took = format!("{:.0} ({build})", start.elapsed().as_secs_f64());
                     std::fs::write(&seconds, &took)?;
                     std::fs::write(&stamp, &wanted)?;

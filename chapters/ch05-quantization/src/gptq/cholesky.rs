@@ -30,7 +30,7 @@ pub fn cholesky(a: &Array2<f64>) -> Result<Array2<f64>, NotPositiveDefinite> {
             - row_j
                 .slice(ndarray::s![..j])
                 .dot(&row_j.slice(ndarray::s![..j]));
-        if !(pivot > 0.0) || !pivot.is_finite() {
+        if pivot.is_nan() || pivot <= 0.0 || !pivot.is_finite() {
             return Err(NotPositiveDefinite { index: j, pivot });
         }
         let d = pivot.sqrt();
