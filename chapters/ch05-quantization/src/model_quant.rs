@@ -224,32 +224,20 @@ pub fn quantize_model(
             .collect();
         let st = stats(&a);
         let a = if let Stats::Awq(m, x) = &st {
-            let group = [&w["q_proj"], &w["k_proj"], &w["v_proj"]];
-            let Method::Awq { group_size, .. } = method else {
-                unreachable!()
-            };
-            let found =
-                awq::search(&group, x.view(), &m.mean(), *group_size).map_err(|source| {
-                    ModelQuantError::Codes {
-                        name: format!("{prefix}.self_attn"),
-                        source,
-                    }
-                })?;
-            result.awq.push((
-                format!("{prefix}.self_attn"),
-                found.alpha,
-                found.error,
-                found.rtn_error,
-            ));
+            let group_size = awq_group(method);
             let norm_name = format!("{prefix}.input_layernorm.weight");
-            let norm =
-                source.vector(&norm_name, config.hidden_size)? / &found.scales.mapv(|s| s as f32);
-            layer.input_layernorm = RmsNorm::new(norm.clone(), eps);
-            result.dense.insert(norm_name, norm.to_vec());
-            for short in ATTN {
-                let scaled = awq::scale_columns(&w[short], &found.scales);
-                w.insert(short, scaled);
-            }
+            let norm = source.vector(&norm_name, config.hidden_size)?;
+            let norm = awq_into_norm(AwqGroup {
+                label: format!("{prefix}.self_attn"),
+                shorts: &ATTN,
+                weights: &mut w,
+                x: x.view(),
+                mean: m.mean(),
+                group_size,
+                norm: (norm_name, norm),
+                result: &mut result,
+            })?;
+            layer.input_layernorm = RmsNorm::new(norm, eps);
             xs.iter()
                 .map(|x| layer.input_layernorm.forward(x.view()))
                 .collect()
@@ -296,34 +284,20 @@ pub fn quantize_model(
         };
         let st = stats(&m);
         if let Stats::Awq(mag, x) = &st {
-            let Method::Awq { group_size, .. } = method else {
-                unreachable!()
-            };
-            let found = awq::search(
-                &[&w["gate_proj"], &w["up_proj"]],
-                x.view(),
-                &mag.mean(),
-                *group_size,
-            )
-            .map_err(|source| ModelQuantError::Codes {
-                name: format!("{prefix}.mlp"),
-                source,
-            })?;
-            result.awq.push((
-                format!("{prefix}.mlp.gate_up"),
-                found.alpha,
-                found.error,
-                found.rtn_error,
-            ));
+            let group_size = &awq_group(method);
             let norm_name = format!("{prefix}.post_attention_layernorm.weight");
-            let norm =
-                source.vector(&norm_name, config.hidden_size)? / &found.scales.mapv(|s| s as f32);
-            layer.post_attention_layernorm = RmsNorm::new(norm.clone(), eps);
-            result.dense.insert(norm_name, norm.to_vec());
-            for short in MLP_IN {
-                let scaled = awq::scale_columns(&w[short], &found.scales);
-                w.insert(short, scaled);
-            }
+            let norm = source.vector(&norm_name, config.hidden_size)?;
+            let norm = awq_into_norm(AwqGroup {
+                label: format!("{prefix}.mlp.gate_up"),
+                shorts: &MLP_IN,
+                weights: &mut w,
+                x: x.view(),
+                mean: mag.mean(),
+                group_size: *group_size,
+                norm: (norm_name, norm),
+                result: &mut result,
+            })?;
+            layer.post_attention_layernorm = RmsNorm::new(norm, eps);
             m = h
                 .iter()
                 .map(|h| layer.post_attention_layernorm.forward(h.view()))
@@ -379,6 +353,51 @@ pub fn quantize_model(
     Ok(result)
 }
 // ANCHOR_END: quantize_model
+
+/// The group size of an AWQ method.
+fn awq_group(method: &Method) -> usize {
+    match method {
+        Method::Awq { group_size, .. } => *group_size,
+        _ => unreachable!("only AWQ gathers magnitudes"),
+    }
+}
+
+/// One AWQ search whose `1 / s` folds into an RMSNorm.
+struct AwqGroup<'a, 'w> {
+    label: String,
+    shorts: &'a [&'static str],
+    weights: &'a mut BTreeMap<&'w str, Array2<f32>>,
+    /// The search's tokens `[T, in]` and the channel magnitudes.
+    x: ndarray::ArrayView2<'a, f32>,
+    mean: ndarray::Array1<f64>,
+    group_size: usize,
+    /// The norm's tensor name and weights.
+    norm: (String, ndarray::Array1<f32>),
+    result: &'a mut QuantizedModel,
+}
+
+/// Searches the scales of `g.shorts`, scales their weights' columns by `s`, and returns the norm
+/// divided by `s` (also recorded in `g.result.dense`).
+fn awq_into_norm(g: AwqGroup<'_, '_>) -> Result<ndarray::Array1<f32>, ModelQuantError> {
+    let layers: Vec<&Array2<f32>> = g.shorts.iter().map(|s| &g.weights[s]).collect();
+    let found = awq::search(&layers, g.x, &g.mean, g.group_size).map_err(|source| {
+        ModelQuantError::Codes {
+            name: g.label.clone(),
+            source,
+        }
+    })?;
+    g.result
+        .awq
+        .push((g.label, found.alpha, found.error, found.rtn_error));
+    let (name, norm) = g.norm;
+    let norm = norm / &found.scales.mapv(|s| s as f32);
+    g.result.dense.insert(name, norm.to_vec());
+    for short in g.shorts {
+        let scaled = awq::scale_columns(&g.weights[short], &found.scales);
+        g.weights.insert(short, scaled);
+    }
+    Ok(norm)
+}
 
 /// A group's calibration statistics.
 enum Stats {

@@ -18,7 +18,7 @@
 use half::f16;
 
 use super::gptq_format::{Packed, expect_shape};
-use super::{HfQuantError, f16s, i32s};
+use super::{HfQuantError, finite_scales, i32s};
 use crate::group_quant::{GroupQuantized, sequential_g_idx};
 
 // ANCHOR: order
@@ -120,14 +120,7 @@ pub fn unpack(
             });
         }
     }
-    let scales = f16s(stored.scales.0);
-    if let Some(i) = scales.iter().position(|s| !s.is_finite()) {
-        return Err(HfQuantError::Tensor {
-            name: format!("{name}.scales"),
-            expected: "finite scales".into(),
-            found: format!("{} at {i}", scales[i]),
-        });
-    }
+    let scales = finite_scales(name, stored.scales.0)?;
     let g_idx = sequential_g_idx(cols, group);
     Ok(GroupQuantized::new(
         rows, cols, group, codes, scales, zeros, g_idx,

@@ -17,7 +17,7 @@
 
 use half::f16;
 
-use super::{HfQuantError, f16s, i32s};
+use super::{HfQuantError, finite_scales, i32s};
 use crate::group_quant::GroupQuantized;
 
 /// The tensors of one layer, each with its shape (the dtypes are fixed by the format).
@@ -168,14 +168,7 @@ pub fn unpack(
         }
         None => crate::group_quant::sequential_g_idx(cols, group_size),
     };
-    let scales = f16s(stored.scales.0);
-    if let Some(i) = scales.iter().position(|s| !s.is_finite()) {
-        return Err(HfQuantError::Tensor {
-            name: format!("{name}.scales"),
-            expected: "finite scales".into(),
-            found: format!("{} at {i}", scales[i]),
-        });
-    }
+    let scales = finite_scales(name, stored.scales.0)?;
     Ok(GroupQuantized::new(
         rows, cols, group_size, codes, scales, zeros, g_idx,
     )?)

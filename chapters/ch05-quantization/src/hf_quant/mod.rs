@@ -36,3 +36,16 @@ pub(crate) fn f16s(bytes: &[u8]) -> Vec<f32> {
         .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
         .collect()
 }
+
+/// Decodes a layer's f16 `scales`, refusing any that is not finite.
+pub(crate) fn finite_scales(name: &str, bytes: &[u8]) -> Result<Vec<f32>, HfQuantError> {
+    let scales = f16s(bytes);
+    match scales.iter().position(|s| !s.is_finite()) {
+        Some(i) => Err(HfQuantError::Tensor {
+            name: format!("{name}.scales"),
+            expected: "finite scales".into(),
+            found: format!("{} at {i}", scales[i]),
+        }),
+        None => Ok(scales),
+    }
+}
