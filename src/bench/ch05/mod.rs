@@ -47,7 +47,7 @@ pub struct Args {
     #[arg(long)]
     pub no_references: bool,
     /// Chapter 5 part 2 instead: RTN, GPTQ and AWQ directories written by `kiln quantize
-    /// --method`, loaded back (`part2.md`, `part2.svg`).
+    /// --method`, loaded back (`methods.md`, `methods.svg`).
     #[arg(long)]
     pub part2: bool,
     /// Part 2: calibration samples.

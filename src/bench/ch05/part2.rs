@@ -6,7 +6,7 @@
 //! the projections are quantized; "Q4_0 (part 1)" is part 1's round-to-nearest Q4_0 of the
 //! projections, on load. A directory already written with the same options under
 //! `fixtures/.cache/ch05-part2/` is reused (its quantization time is then not re-measured).
-//! Writes `part2.md` and `part2.svg`.
+//! Writes `methods.md` and `methods.svg`.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -268,7 +268,7 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
     }
     let table = table(&rows, s, &facts, &model_dir);
     let plot = plot(&rows, s);
-    write_figures(&s.out, &[("part2", Some(table.as_str()), plot.as_str())])
+    write_figures(&s.out, &[("methods", Some(table.as_str()), plot.as_str())])
 }
 
 /// What the projections of layer 0 compute on (Q4_0 / Q4_1 blocks, or dense), by weight bytes.
