@@ -56,6 +56,9 @@ pub struct Args {
     /// Part 2: tokens per calibration sample.
     #[arg(long, default_value_t = 512, value_name = "L")]
     pub seq_len: usize,
+    /// Part 2: only write (or reuse) the quantized directories, measure nothing.
+    #[arg(long)]
+    pub quantize_only: bool,
     /// Run only these parts [default: all].
     #[arg(long, value_delimiter = ',', value_name = "PART,..")]
     pub only: Vec<Part>,
@@ -170,6 +173,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             samples,
             seq_len,
             out,
+            quantize_only: args.quantize_only,
         });
     }
     let variants = if quick {

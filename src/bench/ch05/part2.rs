@@ -133,6 +133,8 @@ pub struct Settings {
     pub samples: usize,
     pub seq_len: usize,
     pub out: PathBuf,
+    /// Only write (or reuse) the quantized directories; measure nothing.
+    pub quantize_only: bool,
 }
 
 fn parse_options(
@@ -238,6 +240,9 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
                 args.load()?
             }
         };
+        if s.quantize_only {
+            continue;
+        }
         let model = &loaded.model;
         let tokens = bench_tokens(
             s.prompt + s.decode,
@@ -265,6 +270,10 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
             ppl,
             speed,
         });
+    }
+    if s.quantize_only {
+        eprintln!("quantized directories are in {}", cache.display());
+        return Ok(());
     }
     let table = table(&rows, s, &facts, &model_dir);
     let plot = plot(&rows, s);
