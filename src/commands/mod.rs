@@ -5,6 +5,7 @@ pub mod forward;
 pub mod generate;
 pub mod perplexity;
 pub mod quantize;
+pub mod quantize_hf;
 pub mod serve;
 pub mod speculative_args;
 pub mod tensor_parallel;
@@ -99,6 +100,18 @@ impl ModelArgs {
     /// The kind of projection `--dtype` and `--quantization` ask for.
     pub fn loader(&self) -> anyhow::Result<Box<dyn LinearLoader + Send + Sync>> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
+        if let Some(config) = self.hf_quant()? {
+            // A GPTQ / AWQ directory (chapter 5 part 2): its projections as stored; dense
+            // weights (the head) as `--quantization` / `--dtype` say.
+            let dense = match &self.quantization {
+                Some(name) => ch05::QuantLoader::to(
+                    ch05::GgmlType::from_name(name)
+                        .with_context(|| format!("unknown --quantization {name}"))?,
+                )?,
+                None => ch05::QuantLoader::native().dense(dtype),
+            };
+            return Ok(Box::new(ch05::HfQuantLoader { config, dense }));
+        }
         Ok(match &self.quantization {
             Some(name) => {
                 let ty = ch05::GgmlType::from_name(name)
@@ -156,6 +169,20 @@ impl ModelArgs {
             ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, cache),
             ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, cache),
         }
+    }
+
+    /// The `quantization_config` of a GPTQ or AWQ directory (`None`: not one).
+    pub fn hf_quant(&self) -> anyhow::Result<Option<ch05::HfQuantConfig>> {
+        let path = self.model.join("config.json");
+        if self.is_gguf() || !path.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        ch05::HfQuantConfig::from_config_json(&json)
+            .with_context(|| format!("in {}", path.display()))
     }
 
     /// Whether `--model` names a GGUF file rather than a directory.

@@ -1,5 +1,7 @@
 //! `kiln quantize`: a Hugging Face checkpoint → a GGUF file that kiln and llama.cpp both load
-//! (chapter 5's `gguf::convert`), with sizes and time on stdout.
+//! (chapter 5's `gguf::convert`, `--type`), or → a GPTQ / AWQ / round-to-nearest Hugging Face
+//! directory that kiln, vLLM and transformers load (chapter 5 part 2, `--method`), with sizes
+//! and time on stdout.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -16,16 +18,20 @@ pub struct Args {
     /// Type of the projection weights. K-quants fall back as llama.cpp does for layers whose
     /// input size is not a multiple of 256; the output matrix (or tied embedding) follows
     /// llama.cpp's rule (Q6_K, or Q8_0); norms stay f32.
-    #[arg(long = "type", value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])]
-    pub ty: String,
-    /// The GGUF file to write (replaced if it exists; written to a temporary name first).
-    #[arg(long, value_name = "FILE.gguf")]
+    #[arg(long = "type", value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"], required_unless_present = "method", conflicts_with = "method")]
+    pub ty: Option<String>,
+    /// The GGUF file (`--type`) or the model directory (`--method`) to write.
+    #[arg(long, value_name = "FILE.gguf|DIR")]
     pub out: PathBuf,
+    #[command(flatten)]
+    pub part2: super::quantize_hf::Args,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let ty =
-        GgmlType::from_name(&args.ty).with_context(|| format!("unknown --type {}", args.ty))?;
+    let Some(ty_name) = &args.ty else {
+        return super::quantize_hf::run(&args.model, &args.out, &args.part2);
+    };
+    let ty = GgmlType::from_name(ty_name).with_context(|| format!("unknown --type {ty_name}"))?;
     if args.model.is_file() {
         anyhow::bail!(
             "--model {} is a file: kiln quantize reads a Hugging Face directory (re-quantizing a \

@@ -11,11 +11,21 @@
 //! | [`kernels`]      | integer `matvec` / `matmul` on [`QuantMatrix`] weights, activations quantized to 8 bits, AVX2 and portable |
 //! | [`quant_linear`] | [`QuantLinear`] (chapter 1's `Linear` seam on those kernels) and [`QuantLoader`] |
 //! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
+//! | [`group_quant`]  | part 2: [`GroupQuantized`], 4-bit codes with a grid per group; round-to-nearest |
+//! | [`hf_quant`]     | part 2: GPTQ's and AWQ's Hugging Face layouts, written and loaded; [`GroupLinear`] |
+//! | [`awq`]          | part 2: AWQ's activation-aware scales and their grid search |
+//! | [`model_quant`]  | part 2: [`quantize_model`](model_quant::quantize_model), every projection in sequence, calibrated |
+//! | [`gptq`]         | part 2: GPTQ, the Hessian, its Cholesky factors and the column-by-column update |
 
+pub mod awq;
 pub mod blocks;
 pub mod format;
 pub mod gguf;
+pub mod gptq;
+pub mod group_quant;
+pub mod hf_quant;
 pub mod kernels;
+pub mod model_quant;
 pub mod quant_linear;
 
 pub use blocks::BlockError;
@@ -24,5 +34,7 @@ pub use gguf::{
     GgufError, GgufFile, GgufModel, GgufSource, GgufTensorInfo, GgufValue, GgufValueType,
     GgufWriter, load_gguf,
 };
+pub use group_quant::{Grid, GroupQuantError, GroupQuantized};
+pub use hf_quant::{GroupLinear, HfQuantConfig, HfQuantError, HfQuantLoader, QuantMethod};
 pub use kernels::{KernelError, QuantMatrix};
 pub use quant_linear::{QuantLinear, QuantLoader};

@@ -12,6 +12,7 @@
 //! on load instead, at small sizes, and llama.cpp is not run. Writes `formats`, `speed`,
 //! `perplexity` and `batching` (`.md` + `.svg`) into `book/src/ch05/` (or `--out`).
 
+mod part2;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -45,6 +46,19 @@ pub struct Args {
     /// Skip llama.cpp.
     #[arg(long)]
     pub no_references: bool,
+    /// Chapter 5 part 2 instead: RTN, GPTQ and AWQ directories written by `kiln quantize
+    /// --method`, loaded back (`methods.md`, `methods.svg`).
+    #[arg(long)]
+    pub part2: bool,
+    /// Part 2: calibration samples.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub samples: usize,
+    /// Part 2: tokens per calibration sample.
+    #[arg(long, default_value_t = 512, value_name = "L")]
+    pub seq_len: usize,
+    /// Part 2: only write (or reuse) the quantized directories, measure nothing.
+    #[arg(long)]
+    pub quantize_only: bool,
     /// Run only these parts [default: all].
     #[arg(long, value_delimiter = ',', value_name = "PART,..")]
     pub only: Vec<Part>,
@@ -141,6 +155,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     if prompt == 0 || decode == 0 || chunks == 0 {
         bail!("--prompt-tokens, --decode-tokens and --chunks must be at least 1");
+    }
+    if args.part2 {
+        let (samples, seq_len) = if quick {
+            (4, 128)
+        } else {
+            (args.samples, args.seq_len)
+        };
+        return part2::run(&part2::Settings {
+            quick,
+            reps,
+            prompt,
+            decode,
+            ctx,
+            chunks,
+            samples,
+            seq_len,
+            out,
+            quantize_only: args.quantize_only,
+        });
     }
     let variants = if quick {
         quick_variants()

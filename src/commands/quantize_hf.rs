@@ -1,0 +1,211 @@
+//! `kiln quantize --method gptq|awq|rtn --model DIR --out DIR2`: chapter 5 part 2's
+//! quantizers, calibrated on the Shakespeare training text (never Hamlet, the evaluation
+//! text), written in the Hugging Face GPTQ or AWQ layout.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use ch05::gptq::GptqConfig;
+use ch05::hf_quant::{HfQuantConfig, QuantMethod, write_quantized_dir};
+use ch05::model_quant::{Method, quantize_model};
+
+#[derive(clap::Args, Debug, Clone)]
+#[group(id = "part2")]
+pub struct Args {
+    /// Quantize with GPTQ, AWQ or round-to-nearest into a Hugging Face directory (instead of
+    /// `--type`). rtn and gptq write GPTQ's layout, awq AWQ's GEMM layout.
+    #[arg(long, value_parser = ["gptq", "awq", "rtn"])]
+    pub method: Option<String>,
+    /// Input columns per group [default: 128; awq: 64, since AWQ's layout needs it to divide
+    /// every input size and SmolLM2's 576 is not a multiple of 128].
+    #[arg(long, value_name = "G")]
+    pub group_size: Option<usize>,
+    /// GPTQ's act-order (`desc_act`): columns by decreasing Hessian diagonal.
+    #[arg(long)]
+    pub act_order: bool,
+    /// An asymmetric grid with a zero point per group (gptq, rtn; awq always has one).
+    #[arg(long)]
+    pub asym: bool,
+    /// The layout to write [default: awq for awq, else gptq]. GPTQ's stores a zero point of 0
+    /// as −1 and cannot write one: an asymmetric rtn is better written as awq.
+    #[arg(long, value_parser = ["gptq", "awq"])]
+    pub format: Option<String>,
+    /// Calibration text [default: fixtures/.cache/train.txt, the training plays; made by
+    /// `python fixtures/scripts/corpus.py`].
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
+    /// Calibration samples.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub samples: usize,
+    /// Tokens per calibration sample.
+    #[arg(long, default_value_t = 512, value_name = "L")]
+    pub seq_len: usize,
+}
+
+impl Args {
+    /// The quantizer and the `quantization_config` these options name.
+    pub fn method(&self) -> anyhow::Result<(Method, HfQuantConfig)> {
+        let name = self.method.as_deref().context("--method is required")?;
+        let default_group = if name == "awq" { 64 } else { 128 };
+        let group_size = self.group_size.unwrap_or(default_group);
+        if group_size == 0 {
+            bail!("--group-size must be at least 1");
+        }
+        let gptq_config = HfQuantConfig {
+            method: QuantMethod::Gptq,
+            group_size: Some(group_size),
+            desc_act: false,
+            sym: !self.asym,
+            damp_percent: 0.01,
+        };
+        Ok(match name {
+            "rtn" => (
+                Method::Rtn {
+                    group_size,
+                    symmetric: !self.asym,
+                },
+                match self.format.as_deref() {
+                    Some("awq") if !self.asym => bail!("AWQ's layout is asymmetric: add --asym"),
+                    Some("awq") => HfQuantConfig {
+                        method: QuantMethod::Awq,
+                        ..gptq_config
+                    },
+                    _ => gptq_config,
+                },
+            ),
+            "gptq" | "awq" if self.format.as_deref().is_some_and(|f| f != name) => {
+                bail!("--method {name} writes its own layout (--format {name})")
+            }
+            "gptq" => (
+                Method::Gptq(GptqConfig {
+                    group_size,
+                    symmetric: !self.asym,
+                    act_order: self.act_order,
+                    ..GptqConfig::default()
+                }),
+                HfQuantConfig {
+                    desc_act: self.act_order,
+                    ..gptq_config
+                },
+            ),
+            "awq" => (
+                Method::Awq {
+                    group_size,
+                    tokens: 512,
+                },
+                HfQuantConfig {
+                    method: QuantMethod::Awq,
+                    sym: false,
+                    ..gptq_config
+                },
+            ),
+            other => bail!("unknown --method {other}"),
+        })
+    }
+}
+
+/// `samples` windows of `seq_len` tokens from `text`, at evenly spaced places.
+pub fn calibration_samples(
+    tokenizer: &ch01::Tokenizer,
+    text: &str,
+    samples: usize,
+    seq_len: usize,
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    let window = seq_len * 8; // bytes: comfortably more than seq_len tokens of English
+    if text.len() < window {
+        bail!(
+            "the calibration text has {} bytes, fewer than {window}",
+            text.len()
+        );
+    }
+    let stride = (text.len() - window) / samples.max(1);
+    let mut out = Vec::with_capacity(samples);
+    for k in 0..samples {
+        let mut start = k * stride;
+        while !text.is_char_boundary(start) {
+            start += 1;
+        }
+        let mut end = start + window;
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        let tokens = tokenizer.encode(&text[start..end], false)?;
+        if tokens.len() < seq_len {
+            bail!(
+                "a calibration window of {window} bytes holds only {} tokens",
+                tokens.len()
+            );
+        }
+        out.push(tokens[..seq_len].to_vec());
+    }
+    Ok(out)
+}
+
+/// The default calibration text.
+pub fn default_calibration() -> PathBuf {
+    ch01::fixtures_dir().join(".cache/train.txt")
+}
+
+pub fn run(model_dir: &Path, out: &Path, args: &Args) -> anyhow::Result<()> {
+    if model_dir.is_file() {
+        bail!(
+            "--method reads a Hugging Face directory, not {}",
+            model_dir.display()
+        );
+    }
+    let start = Instant::now();
+    let report = quantize_dir(model_dir, out, args)?;
+    println!(
+        "wrote {} ({} projections, {}) in {:.1} s",
+        out.display(),
+        report.layers.len(),
+        args.method.as_deref().unwrap_or(""),
+        start.elapsed().as_secs_f64()
+    );
+    for (group, alpha, error, rtn) in &report.awq {
+        eprintln!(
+            "awq {group}: alpha {alpha:.2}, output error {error:.4e} (round-to-nearest {rtn:.4e})"
+        );
+    }
+    Ok(())
+}
+
+/// Quantizes `model_dir` into `out`; returns what was quantized.
+pub fn quantize_dir(
+    model_dir: &Path,
+    out: &Path,
+    args: &Args,
+) -> anyhow::Result<ch05::model_quant::QuantizedModel> {
+    let (method, config) = args.method()?;
+    let weights = ch01::Weights::open(model_dir)?;
+    let mut model = ch01::Llama::load_with(
+        model_dir,
+        &ch02::FastLoader {
+            dtype: ch02::WeightDtype::F32,
+        },
+    )?;
+    let samples = if matches!(method, Method::Rtn { .. }) {
+        Vec::new()
+    } else {
+        let path = args.calibration.clone().unwrap_or_else(default_calibration);
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!("reading the calibration text {} (make it with `python fixtures/scripts/corpus.py`)", path.display())
+        })?;
+        if path.ends_with("hamlet.txt") {
+            bail!("Hamlet is the held-out evaluation text: calibrate on the training text");
+        }
+        let tokenizer = ch01::Tokenizer::from_dir(model_dir)?;
+        calibration_samples(&tokenizer, &text, args.samples, args.seq_len)?
+    };
+    let start = Instant::now();
+    let mut progress = |l: usize| {
+        eprintln!(
+            "  layer {l} quantized ({:.1} s)",
+            start.elapsed().as_secs_f64()
+        );
+    };
+    let result = quantize_model(&mut model, &weights, &samples, &method, &mut progress)?;
+    write_quantized_dir(model_dir, out, &config, &result.layers, &result.dense)?;
+    Ok(result)
+}
