@@ -213,6 +213,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
         );
         let mut attn = zeros(n * heads.q_dim())?;
         let (mut gate, mut up) = (zeros(n * inter)?, zeros(n * inter)?);
+        let mut act = zeros(n * inter)?;
         dev.embedding(&self.weights.embed_tokens, hidden, &tokens, &mut residual)?;
 
         for (l, layer) in self.weights.layers.iter().enumerate() {
@@ -242,7 +243,6 @@ impl<K: DeviceKv> CudaExecutor<K> {
             dev.add_rmsnorm(&mut residual, Some(&delta), &layer.post_norm, eps, &mut h)?;
             dev.linear(&self.blas, &h, n, &layer.gate, &mut gate)?;
             dev.linear(&self.blas, &h, n, &layer.up, &mut up)?;
-            let mut act = zeros(n * inter)?;
             dev.silu_mul(&gate, &up, &mut act)?;
             dev.linear(&self.blas, &act, n, &layer.down, &mut delta)?;
         }

@@ -406,7 +406,6 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        heads.check()?;
         self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
         let config = LaunchConfig {
             grid_dim: (
@@ -452,7 +451,6 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        heads.check()?;
         self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
         if !batch.all_single_rows || partition_size == 0 {
             return Err(shape(
@@ -548,6 +546,7 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        heads.check()?;
         check_len("q", q.len(), batch.num_rows * heads.q_dim())?;
         check_len(
             "attention output",
