@@ -37,7 +37,7 @@ impl KvArgs {
         if self.block_size == 0 {
             bail!("--block-size must be at least 1");
         }
-        let token_bytes = ch02::workload::bytes_per_token(config, dtype.size());
+        let token_bytes = dtype.bytes_per_token(config);
         let blocks = self.kv_cache_memory / (token_bytes * self.block_size as u64);
         eprintln!(
             "kiln: KV cache {:.1} MiB of {dtype} = {blocks} blocks of {} tokens = {} tokens ({token_bytes} bytes per token)",

@@ -11,11 +11,15 @@
 //! | [`kernels`]      | integer `matvec` / `matmul` on [`QuantMatrix`] weights, activations quantized to 8 bits, AVX2 and portable |
 //! | [`quant_linear`] | [`QuantLinear`] (chapter 1's `Linear` seam on those kernels) and [`QuantLoader`] |
 //! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
+//! | [`fp8`]          | FP8 E4M3 and E5M2: conversion bit for bit as PyTorch's, exact decoding     |
+//! | [`kv_cache`]     | the 8-bit KV cache: chapter 3's pool storing FP8 or int8 codes with scales  |
 
 pub mod blocks;
 pub mod format;
+pub mod fp8;
 pub mod gguf;
 pub mod kernels;
+pub mod kv_cache;
 pub mod quant_linear;
 
 pub use blocks::BlockError;
