@@ -29,10 +29,22 @@ pub fn perplexity(
     bos: Option<u32>,
     max_chunks: Option<usize>,
 ) -> Result<Perplexity> {
+    perplexity_with(tokens, ctx, bos, max_chunks, |input| model.forward(input))
+}
+
+/// [`perplexity`] with any forward: `forward(chunk)` returns the chunk's logits
+/// `[chunk.len(), vocab]` (a later chapter's engine, a KV cache of another dtype).
+pub fn perplexity_with<E: From<Error>>(
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    max_chunks: Option<usize>,
+    mut forward: impl FnMut(&[u32]) -> std::result::Result<ndarray::Array2<f32>, E>,
+) -> std::result::Result<Perplexity, E> {
     if ctx < 4 {
-        return Err(Error::InvalidArgument(format!(
-            "--ctx {ctx} is too small (at least 4)"
-        )));
+        return Err(
+            Error::InvalidArgument(format!("--ctx {ctx} is too small (at least 4)")).into(),
+        );
     }
     let available = tokens.len() / ctx;
     let num_chunks = max_chunks.map_or(available, |m| m.min(available));
@@ -40,7 +52,8 @@ pub fn perplexity(
         return Err(Error::InvalidArgument(format!(
             "the text has {} tokens, fewer than one chunk of {ctx}",
             tokens.len()
-        )));
+        ))
+        .into());
     }
 
     let first = ctx / 2;
@@ -52,7 +65,7 @@ pub fn perplexity(
         if let Some(bos) = bos {
             input[0] = bos;
         }
-        let logits = model.forward(&input)?; // [ctx, vocab]
+        let logits = forward(&input)?; // [ctx, vocab]
         for j in first..ctx - 1 {
             let row = logits.row(j);
             let row = row

@@ -5,6 +5,7 @@
 //! speed       decode (b=1) and prefill tokens/s per format: kiln's integer kernels, llama-bench
 //! perplexity  Hamlet in chunks of 512 (llama.cpp's scheme) per format: kiln, llama-perplexity
 //! batching    chapter 4's 32 requests at once, Q8_0 against f32 weights
+//! kv-cache    part 2: the KV cache in f32, bf16, FP8 E4M3 and int8 (only with `--only kv-cache`)
 //! ```
 //! The files are SmolLM2-135M-Instruct as llama.cpp's users hold it: the F32 conversion and
 //! `llama-quantize`'s Q8_0, Q6_K, Q4_K_M and Q4_0 of it (`just build-llama-cpp` makes them), and
@@ -12,6 +13,7 @@
 //! on load instead, at small sizes, and llama.cpp is not run. Writes `formats`, `speed`,
 //! `perplexity` and `batching` (`.md` + `.svg`) into `book/src/ch05/` (or `--out`).
 
+mod kv_cache;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -56,6 +58,8 @@ pub enum Part {
     Speed,
     Perplexity,
     Batching,
+    /// Part 2's KV cache dtypes ([`kv_cache`]): run only when asked for, alone.
+    KvCache,
 }
 
 /// One model file (or, with `--quick`, one quantization on load) of the comparison.
@@ -135,6 +139,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let quick = args.output.quick;
     let reps = args.output.reps(3)?;
     let out = args.output.dir("ch05");
+    if args.only.contains(&Part::KvCache) {
+        anyhow::ensure!(args.only.len() == 1, "--only kv-cache runs alone");
+        return kv_cache::run(quick, reps, args.chunks, &out, &facts);
+    }
     let (prompt, decode, chunks, ctx) = if quick {
         (16, 8, 2, 64)
     } else {
