@@ -10,7 +10,7 @@ pub mod speculative_args;
 
 use std::path::PathBuf;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use ch01::linear::LinearLoader;
 use ch01::{Llama, Tokenizer};
 
@@ -56,6 +56,17 @@ impl ModelArgs {
     /// (`--quantization`).
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
+        // A Hugging Face FP8 checkpoint (`quant_method: "fp8"`): its projections as stored.
+        if !self.is_gguf() && self.model.join("config.json").exists() {
+            if let Some(fp8) = ch05::fp8_config(&self.model)? {
+                if self.quantization.is_some() {
+                    bail!("{} is an FP8 checkpoint: --quantization does not apply", self.model.display());
+                }
+                return self.load_with(&ch05::Fp8Loader {
+                    static_activations: fp8.static_activations,
+                });
+            }
+        }
         match &self.quantization {
             Some(name) => {
                 let ty = ch05::GgmlType::from_name(name)

@@ -12,11 +12,13 @@
 //! | [`quant_linear`] | [`QuantLinear`] (chapter 1's `Linear` seam on those kernels) and [`QuantLoader`] |
 //! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
 //! | [`fp8`]          | FP8 E4M3 and E5M2: conversion bit for bit as PyTorch's, exact decoding     |
+//! | [`fp8_linear`]   | [`Fp8Linear`]: E4M3 weights with per-tensor or per-channel scales; [`Fp8Loader`] for Hugging Face FP8 checkpoints |
 //! | [`kv_cache`]     | the 8-bit KV cache: chapter 3's pool storing FP8 or int8 codes with scales  |
 
 pub mod blocks;
 pub mod format;
 pub mod fp8;
+pub mod fp8_linear;
 pub mod gguf;
 pub mod kernels;
 pub mod kv_cache;
@@ -24,6 +26,7 @@ pub mod quant_linear;
 
 pub use blocks::BlockError;
 pub use format::GgmlType;
+pub use fp8_linear::{Fp8Linear, Fp8Loader, fp8_config};
 pub use gguf::{
     GgufError, GgufFile, GgufModel, GgufSource, GgufTensorInfo, GgufValue, GgufValueType,
     GgufWriter, load_gguf,
