@@ -60,7 +60,10 @@ impl ModelArgs {
         if !self.is_gguf() && self.model.join("config.json").exists() {
             if let Some(fp8) = ch05::fp8_config(&self.model)? {
                 if self.quantization.is_some() {
-                    bail!("{} is an FP8 checkpoint: --quantization does not apply", self.model.display());
+                    bail!(
+                        "{} is an FP8 checkpoint: --quantization does not apply",
+                        self.model.display()
+                    );
                 }
                 return self.load_with(&ch05::Fp8Loader {
                     static_activations: fp8.static_activations,

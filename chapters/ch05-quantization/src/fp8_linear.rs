@@ -19,7 +19,7 @@
 use ch01::linear::{Linear, LinearLoader, LinearSpec};
 use ch01::{TensorDtype, WeightSource};
 use ch02::kernels::Isa;
-use ch02::kernels::vector::dot;
+use ch02::kernels::vector::{ToF32, dot};
 use ch02::{FastLoader, WeightDtype};
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2, s};
 use rayon::prelude::*;
@@ -157,15 +157,15 @@ impl Fp8Linear {
     }
 }
 
-/// `Σ_i x[i] · w[i]`, the codes widened as they are read, compiled for AVX2 + FMA when `isa`
-/// has them.
-fn dot_codes(isa: Isa, x: &[f32], w: &[F8E4M3]) -> f32 {
+/// `Σ_i x[i] · w[i]`, `w` widened to f32 as it is read (E4M3 codes, or f32 already), compiled
+/// for AVX2 + FMA when `isa` has them.
+fn dot_codes<W: ToF32>(isa: Isa, x: &[f32], w: &[W]) -> f32 {
     match isa {
         Isa::Portable => dot(x, w),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma(_) => {
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2(x: &[f32], w: &[F8E4M3]) -> f32 {
+            unsafe fn avx2<W: ToF32>(x: &[f32], w: &[W]) -> f32 {
                 dot(x, w)
             }
             // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA
@@ -196,26 +196,41 @@ impl Linear for Fp8Linear {
 
     // ANCHOR: fp8_forward
     fn forward_into(&self, x: ArrayView2<f32>, mut y: ArrayViewMut2<f32>) {
-        let n = self.in_features;
+        let (t, n, out) = (x.nrows(), self.in_features, self.out_features());
         assert_eq!(x.ncols(), n, "x is [T, in_features]");
-        let mut rounded = vec![0.0f32; n]; // [in] one token's activations, rounded to E4M3
-        for (x_t, mut y_t) in x.rows().into_iter().zip(y.rows_mut()) {
+        assert_eq!(y.dim(), (t, out), "y is [T, out_features]");
+        let mut rounded = vec![0.0f32; t * n]; // [T, in] the activations, rounded to E4M3
+        for (x_t, r_t) in x.rows().into_iter().zip(rounded.chunks_exact_mut(n.max(1))) {
             match x_t.as_slice() {
-                Some(row) => self.round_activations(row, &mut rounded),
-                None => self.round_activations(&x_t.to_vec(), &mut rounded),
+                Some(row) => self.round_activations(row, r_t),
+                None => self.round_activations(&x_t.to_vec(), r_t),
             }
-            let y_t = y_t.as_slice_mut().expect("rows of y are contiguous");
-            // y[t, o] = scale[o] · (x'_t · w_o), 32 outputs per task
-            y_t.par_chunks_mut(32).enumerate().for_each(|(c, y_c)| {
-                for (j, y_o) in y_c.iter_mut().enumerate() {
-                    let o = c * 32 + j;
-                    let w_o = &self.codes[o * n..(o + 1) * n];
-                    *y_o = self.scale[o] * dot_codes(self.isa, &rounded, w_o);
-                }
-            });
-            if let Some(bias) = &self.bias {
-                y_t.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
-            }
+        }
+        // yᵀ[o, t] = scale[o] · (x'_t · w_o), 16 outputs per task. One token (decode) widens
+        // the codes inside the dot product; several widen each row once and reuse it.
+        let mut y_t = vec![0.0f32; out * t]; // [out, T]
+        const ROWS: usize = 16;
+        y_t.par_chunks_mut(ROWS * t.max(1))
+            .enumerate()
+            .for_each_init(
+                || vec![0.0f32; if t > 1 { n } else { 0 }],
+                |w_f32, (c, y_c)| {
+                    for (j, y_o) in y_c.chunks_exact_mut(t.max(1)).enumerate() {
+                        let o = c * ROWS + j;
+                        let w_o = &self.codes[o * n..(o + 1) * n];
+                        if t == 1 {
+                            y_o[0] = self.scale[o] * dot_codes(self.isa, &rounded, w_o);
+                            continue;
+                        }
+                        w_f32.iter_mut().zip(w_o).for_each(|(w, c)| *w = c.to_f32());
+                        for (y_ot, r_t) in y_o.iter_mut().zip(rounded.chunks_exact(n)) {
+                            *y_ot = self.scale[o] * dot_codes(self.isa, r_t, w_f32);
+                        }
+                    }
+                },
+            );
+        for ((o, r), v) in (0..out).flat_map(|o| (0..t).map(move |r| (o, r))).zip(&y_t) {
+            y[[r, o]] = v + self.bias.as_ref().map_or(0.0, |b| b[o]);
         }
     }
     // ANCHOR_END: fp8_forward
@@ -356,4 +371,23 @@ pub fn fp8_config(dir: &std::path::Path) -> ch01::Result<Option<Fp8Config>> {
         Some(other) => return Err(bad(format!("unknown FP8 activation_scheme {other:?}"))),
     };
     Ok(Some(Fp8Config { static_activations }))
+}
+
+/// Quantizes every projection of a dense checkpoint to E4M3 as it loads: per-channel scales,
+/// dynamic activation scales (how `kiln bench ch05` measures FP8 on SmolLM2, which ships no FP8
+/// checkpoint). The tied output head is quantized too.
+pub struct Fp8Quantizer;
+
+impl LinearLoader for Fp8Quantizer {
+    fn build(
+        &self,
+        weight: Array2<f32>,
+        bias: Option<Array1<f32>>,
+    ) -> ch01::Result<Box<dyn Linear>> {
+        let (out, n) = weight.dim();
+        let (codes, scales) = Fp8Linear::quantize_per_channel(weight.view());
+        let layer = Fp8Linear::new(codes, out, n, &scales, bias, ActivationScale::Dynamic)
+            .map_err(|e| ch01::Error::InvalidArgument(e.to_string()))?;
+        Ok(Box::new(layer))
+    }
 }
