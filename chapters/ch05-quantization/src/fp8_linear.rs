@@ -21,10 +21,11 @@ use ch01::{TensorDtype, WeightSource};
 use ch02::kernels::Isa;
 use ch02::kernels::vector::{ToF32, dot};
 use ch02::{FastLoader, WeightDtype};
-use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2, s};
+use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
 use crate::fp8::F8E4M3;
+use crate::quant_linear::shard_bias;
 
 /// How a layer's activations are rounded to E4M3 before the products.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -316,12 +317,7 @@ impl LinearLoader for Fp8Loader {
         } else {
             ActivationScale::Dynamic
         };
-        let bias = if spec.bias && spec.shard.holds_bias() {
-            let full = source.vector(&format!("{}.bias", spec.name), spec.out_features)?;
-            Some(full.slice(s![rows.clone()]).to_owned()) // [rows]
-        } else {
-            None
-        };
+        let bias = shard_bias(source, spec, rows.clone())?;
         let layer = Fp8Linear::new(codes, rows.len(), cols.len(), &scale, bias, activations)
             .map_err(|e| tensor_error(&name, e.to_string()))?;
         Ok(Box::new(layer))

@@ -8,14 +8,11 @@
 //! ```
 //! With `--quick` the default model, short sequences and two chunks of 64.
 
-use anyhow::Context;
-
-use super::super::ch02::references::fixtures;
 use super::super::ch02::speed;
 use super::super::{RunFacts, bench_tokens, write_figures};
+use super::part2;
 use crate::bench::bars::BarChart;
 use crate::bench::table::{Align, Table};
-use crate::commands::ModelArgs;
 
 pub fn run(
     quick: bool,
@@ -24,24 +21,8 @@ pub fn run(
     out: &std::path::Path,
     facts: &RunFacts,
 ) -> anyhow::Result<()> {
-    let dir = if quick {
-        ch01::default_model_dir()
-    } else {
-        fixtures().join(".cache/SmolLM2-135M-Instruct")
-    };
-    anyhow::ensure!(
-        dir.exists(),
-        "{} is missing (run `just fetch-smollm2`)",
-        dir.display()
-    );
-    let args = ModelArgs {
-        model: dir.clone(),
-        dtype: "f32".into(),
-        quantization: None,
-    };
+    let args = part2::model(quick)?;
     let ctx = if quick { 64 } else { 512 };
-    let text = std::fs::read_to_string(ch01::fixtures_dir().join("corpus/hamlet.txt"))
-        .context("reading fixtures/corpus/hamlet.txt")?;
     let mut rows = Vec::new();
     for (label, fp8) in [("f32", false), ("FP8 E4M3 (per channel)", true)] {
         eprintln!("== {label}");
@@ -57,12 +38,7 @@ pub fn run(
             loaded.tokenizer.bos_token_id(),
         );
         let speed = speed::measure(model, &tokens, prompt, decode, reps);
-        let corpus = loaded.tokenizer.encode(&text, false)?;
-        let bos = loaded
-            .tokenizer
-            .adds_bos()
-            .then(|| loaded.tokenizer.bos_token_id())
-            .flatten();
+        let (corpus, bos) = part2::hamlet(&loaded)?;
         let ppl = ch01::perplexity::perplexity(model, &corpus, ctx, bos, Some(chunks))?;
         anyhow::ensure!(ppl.num_chunks == chunks, "Hamlet holds fewer chunks");
         eprintln!(
@@ -92,26 +68,13 @@ pub fn run(
         bars.push((label.to_string(), speed.decode_tok_s));
     }
     chart = chart.group("decode", &bars);
-    let name = dir
-        .file_name()
-        .map_or("the model".into(), |n| n.to_string_lossy().into_owned());
     let markdown = format!(
         "{}\nDecode: {decode} tokens after a prompt of {prompt}, one sequence; perplexity: \
          Hamlet, {chunks} chunks of {ctx} tokens (llama.cpp's scheme). FP8 weights are \
          quantized on load from the f32 ones; the products are f32 (no FP8 arithmetic on a \
-         CPU), so FP8 saves bytes read, not operations.\n\n_{name}, {} threads on {} ({} CPUs), \
-         {}, {}. Command: `{}`._\n",
+         CPU), so FP8 saves bytes read, not operations.\n\n{}\n",
         table.to_markdown(),
-        rayon::current_num_threads(),
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
-        if reps == 1 {
-            "one run".to_string()
-        } else {
-            format!("medians of {reps} runs")
-        },
-        facts.command,
+        part2::caption(&part2::name(&args), facts, reps),
     );
     write_figures(out, &[("fp8", Some(&markdown), &chart.to_svg())])
 }

@@ -11,7 +11,6 @@
 
 use std::time::Duration;
 
-use anyhow::Context;
 use ch01::Llama;
 use ch02::workload::WorkloadRng;
 use ch03::{KvDtype, KvElement, KvPool};
@@ -21,14 +20,13 @@ use ch05::kv_cache::KvInt8;
 use ch07::AttentionKind;
 use half::bf16;
 
-use super::super::ch02::references::fixtures;
 use super::super::ch04::serve::{self, Summary};
 use super::super::ch04::static_batch::{Arrival, WallClock};
 use super::super::ch04::{measured, workload};
 use super::super::{RunFacts, write_figures};
+use super::part2;
 use crate::bench::bars::BarChart;
 use crate::bench::table::{Align, Table};
-use crate::commands::ModelArgs;
 use crate::commands::perplexity::perplexity_through_kv;
 
 const BLOCK_SIZE: usize = 16;
@@ -60,31 +58,10 @@ pub fn run(
     out: &std::path::Path,
     facts: &RunFacts,
 ) -> anyhow::Result<()> {
-    let model_dir = if quick {
-        ch01::default_model_dir()
-    } else {
-        fixtures().join(".cache/SmolLM2-135M-Instruct")
-    };
-    anyhow::ensure!(
-        model_dir.exists(),
-        "{} is missing (run `just fetch-smollm2`)",
-        model_dir.display()
-    );
-    let loaded = ModelArgs {
-        model: model_dir.clone(),
-        dtype: "f32".into(),
-        quantization: None,
-    }
-    .load()?;
+    let args = part2::model(quick)?;
+    let loaded = args.load()?;
     let model = &loaded.model;
-    let text = std::fs::read_to_string(ch01::fixtures_dir().join("corpus/hamlet.txt"))
-        .context("reading fixtures/corpus/hamlet.txt")?;
-    let corpus = loaded.tokenizer.encode(&text, false)?;
-    let bos = loaded
-        .tokenizer
-        .adds_bos()
-        .then(|| loaded.tokenizer.bos_token_id())
-        .flatten();
+    let (corpus, bos) = part2::hamlet(&loaded)?;
     let (ctx, chunks) = if quick { (64, 2) } else { (512, chunks) };
     let pressure = if quick {
         Pressure {
@@ -121,7 +98,7 @@ pub fn run(
     };
     eprintln!(
         "kiln bench ch05 --only kv-cache: {}, {} requests × ({} + {}), KV memory {} bytes",
-        model_dir.display(),
+        args.model.display(),
         pressure.requests,
         pressure.prompt,
         pressure.output,
@@ -161,22 +138,13 @@ pub fn run(
         });
     }
 
-    let name = model_dir
-        .file_name()
-        .map_or("the model".into(), |n| n.to_string_lossy().into_owned());
-    let caption = format!(
-        "_{name}, f32 weights, KV blocks of {BLOCK_SIZE}, attention `auto`, {} threads on {} \
-         ({} CPUs), {}, {}. Command: `{}`._",
-        rayon::current_num_threads(),
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
-        if reps == 1 {
-            "one run".to_string()
-        } else {
-            format!("medians of {reps} runs")
-        },
-        facts.command
+    let caption = part2::caption(
+        &format!(
+            "{}, f32 weights, KV blocks of {BLOCK_SIZE}, attention `auto`",
+            part2::name(&args)
+        ),
+        facts,
+        reps,
     );
     let (memory_md, memory_svg) = memory_figure(&rows, &caption);
     let (pressure_md, pressure_svg) =

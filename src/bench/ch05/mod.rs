@@ -16,6 +16,7 @@
 
 mod fp8;
 mod kv_cache;
+mod part2;
 mod report;
 
 use std::path::{Path, PathBuf};
