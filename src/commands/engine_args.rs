@@ -7,6 +7,9 @@ use ch03::KvDtype;
 use ch04::{CacheConfig, EngineConfig, Preemption};
 use ch07::AttentionKind;
 
+/// The names `--kv-cache-dtype` accepts.
+pub const KV_CACHE_DTYPES: [&str; 6] = ["auto", "f32", "bf16", "fp8", "fp8_e4m3", "int8"];
+
 /// Chapter 3's paged KV cache, sized as vLLM's `--kv-cache-memory`, `--block-size` and
 /// `--kv-cache-dtype`.
 #[derive(clap::Args, Debug)]
@@ -18,9 +21,11 @@ pub struct KvArgs {
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// Storage of the cached keys and values: auto (the --dtype of the weights on the engine;
-    /// f32 for one --prompt, which runs on chapter 3's f32 cache), f32, or bf16 (twice the
-    /// tokens in the same memory; attention still computes in f32).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "bf16"])]
+    /// f32 for one --prompt, which runs on chapter 3's f32 cache), f32, bf16 (twice the tokens
+    /// in the same memory), or chapter 5's 8-bit codes with one f32 scale per position and KV
+    /// head, fp8_e4m3 (alias fp8) or int8 (3.76× the tokens of f32 at head_dim 64). Attention
+    /// computes in f32 whatever the storage.
+    #[arg(long, default_value = "auto", value_parser = KV_CACHE_DTYPES)]
     pub kv_cache_dtype: String,
 }
 
@@ -37,7 +42,7 @@ impl KvArgs {
         if self.block_size == 0 {
             bail!("--block-size must be at least 1");
         }
-        let token_bytes = ch02::workload::bytes_per_token(config, dtype.size());
+        let token_bytes = dtype.bytes_per_token(config);
         let blocks = self.kv_cache_memory / (token_bytes * self.block_size as u64);
         eprintln!(
             "kiln: KV cache {:.1} MiB of {dtype} = {blocks} blocks of {} tokens = {} tokens ({token_bytes} bytes per token)",

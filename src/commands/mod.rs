@@ -12,7 +12,7 @@ pub mod tensor_parallel;
 
 use std::path::PathBuf;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use ch01::linear::LinearLoader;
 use ch01::{Llama, Tokenizer};
 use ch07::cuda::DeviceSpec;
@@ -112,6 +112,20 @@ impl ModelArgs {
             };
             return Ok(Box::new(ch05::HfQuantLoader { config, dense }));
         }
+        // A Hugging Face FP8 checkpoint (`quant_method: "fp8"`): its projections as stored.
+        if !self.is_gguf() && self.model.join("config.json").exists() {
+            if let Some(fp8) = ch05::fp8_config(&self.model)? {
+                if self.quantization.is_some() {
+                    bail!(
+                        "{} is an FP8 checkpoint: --quantization does not apply",
+                        self.model.display()
+                    );
+                }
+                return Ok(Box::new(ch05::Fp8Loader {
+                    static_activations: fp8.static_activations,
+                }));
+            }
+        }
         Ok(match &self.quantization {
             Some(name) => {
                 let ty = ch05::GgmlType::from_name(name)
@@ -168,6 +182,10 @@ impl ModelArgs {
         match cache.dtype {
             ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, cache),
             ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, cache),
+            dtype => anyhow::bail!(
+                "--device {}: a {dtype} KV cache does not run on the GPU yet",
+                self.device
+            ),
         }
     }
 

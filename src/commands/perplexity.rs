@@ -4,8 +4,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use ch01::perplexity::{perplexity, perplexity_with};
-use ch04::Executor;
+use ch01::Llama;
+use ch01::perplexity::{Perplexity, perplexity, perplexity_with};
+use ch03::KvDtype;
+use ch04::{CacheConfig, Executor, ScheduledSeq, SchedulerOutput};
+use ndarray::Array2;
 
 use super::ModelArgs;
 use super::tensor_parallel::TensorParallelArgs;
@@ -25,6 +28,11 @@ pub struct Args {
     /// Score at most this many chunks.
     #[arg(long)]
     pub chunks: Option<usize>,
+    /// Score through chapter 4's executor with a paged KV cache of this dtype (f32, bf16,
+    /// fp8_e4m3 or int8): each chunk is one prefill that writes its K/V in that dtype and reads
+    /// them back. Without it, chapter 1's forward scores the chunks (no cache).
+    #[arg(long, value_name = "DTYPE", value_parser = ["f32", "bf16", "fp8", "fp8_e4m3", "int8"])]
+    pub kv_cache_dtype: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -74,9 +82,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .map_err(|e| ch01::Error::InvalidArgument(e.to_string()))?;
             Ok(logits.to_owned())
         };
-        perplexity_with(&mut forward, &tokens, args.ctx, bos, args.chunks)?
+        perplexity_with(&tokens, args.ctx, bos, args.chunks, &mut forward)?
     } else {
-        perplexity(&loaded.model, &tokens, args.ctx, bos, args.chunks)?
+        match &args.kv_cache_dtype {
+            None => perplexity(&loaded.model, &tokens, args.ctx, bos, args.chunks)?,
+            Some(dtype) => {
+                let dtype: KvDtype = dtype.parse().map_err(anyhow::Error::msg)?;
+                eprintln!("kiln: scoring through the engine's executor, {dtype} KV cache");
+                perplexity_through_kv(&loaded.model, &tokens, args.ctx, bos, args.chunks, dtype)?
+            }
+        }
     };
     let running: Vec<String> = result
         .per_chunk
@@ -95,3 +110,42 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+// ANCHOR: perplexity_through_kv
+/// [`perplexity`] through chapter 7's CPU executor (flash or naive attention, whichever `auto`
+/// picks) with a paged KV cache of `dtype`: each chunk is one prefill step whose K/V are stored
+/// in `dtype` before every position attends to them, so the score includes the cache's
+/// rounding. The pool holds one chunk; each chunk overwrites the last.
+pub fn perplexity_through_kv(
+    model: &Llama,
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    max_chunks: Option<usize>,
+    dtype: KvDtype,
+) -> anyhow::Result<Perplexity> {
+    const BLOCK_SIZE: usize = 16;
+    let blocks = ctx.div_ceil(BLOCK_SIZE);
+    let cache = CacheConfig {
+        memory: dtype.bytes_per_token(&model.config) * (blocks * BLOCK_SIZE) as u64,
+        block_size: BLOCK_SIZE,
+        dtype,
+    };
+    let mut executor = ch07::cpu_executor(model, &cache, ch07::AttentionKind::Auto)?;
+    let block_table: Vec<u32> = (0..blocks as u32).collect();
+    perplexity_with(tokens, ctx, bos, max_chunks, |chunk| {
+        let step = SchedulerOutput {
+            seqs: vec![ScheduledSeq {
+                id: 0,
+                tokens: chunk.to_vec(),
+                start_pos: 0,
+                block_table: block_table.clone(),
+                logit_rows: chunk.len(),
+            }],
+            ..SchedulerOutput::default()
+        };
+        let logits: Array2<f32> = executor.execute(&step)?.to_owned(); // [ctx, vocab]
+        anyhow::Ok(logits)
+    })
+}
+// ANCHOR_END: perplexity_through_kv

@@ -9,7 +9,6 @@
 use crate::attention::log_sum_exp;
 use crate::error::{Error, Result};
 use crate::model::Llama;
-use ndarray::Array2;
 
 /// The result of scoring a text.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,28 +29,22 @@ pub fn perplexity(
     bos: Option<u32>,
     max_chunks: Option<usize>,
 ) -> Result<Perplexity> {
-    perplexity_with(
-        &mut |input| model.forward(input),
-        tokens,
-        ctx,
-        bos,
-        max_chunks,
-    )
+    perplexity_with(tokens, ctx, bos, max_chunks, |input| model.forward(input))
 }
 
-/// [`perplexity`] with the logits of each chunk from `forward`: tokens [ctx] → [ctx, vocab]
-/// (chapter 8 runs it on tensor-parallel ranks).
-pub fn perplexity_with(
-    forward: &mut dyn FnMut(&[u32]) -> Result<Array2<f32>>,
+/// [`perplexity`] with any forward: `forward(chunk)` returns the chunk's logits
+/// `[chunk.len(), vocab]` (a later chapter's engine, a KV cache of another dtype).
+pub fn perplexity_with<E: From<Error>>(
     tokens: &[u32],
     ctx: usize,
     bos: Option<u32>,
     max_chunks: Option<usize>,
-) -> Result<Perplexity> {
+    mut forward: impl FnMut(&[u32]) -> std::result::Result<ndarray::Array2<f32>, E>,
+) -> std::result::Result<Perplexity, E> {
     if ctx < 4 {
-        return Err(Error::InvalidArgument(format!(
-            "--ctx {ctx} is too small (at least 4)"
-        )));
+        return Err(
+            Error::InvalidArgument(format!("--ctx {ctx} is too small (at least 4)")).into(),
+        );
     }
     let available = tokens.len() / ctx;
     let num_chunks = max_chunks.map_or(available, |m| m.min(available));
@@ -59,7 +52,8 @@ pub fn perplexity_with(
         return Err(Error::InvalidArgument(format!(
             "the text has {} tokens, fewer than one chunk of {ctx}",
             tokens.len()
-        )));
+        ))
+        .into());
     }
 
     let first = ctx / 2;

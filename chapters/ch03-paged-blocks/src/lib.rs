@@ -14,7 +14,7 @@
 //! | [`block_table`]      | [`BlockTable`]: logical → physical blocks, the slot mapping          |
 //! | [`block_manager`]    | [`BlockManager`]: free list, reference counts, prefix cache, CoW     |
 //! | [`pool`]             | [`KvPool`]: the K/V memory, `[num_blocks, block_size, kv_heads, head_dim]` per layer |
-//! | [`kv_dtype`]         | [`KvElement`]: what the pool stores an element as (f32, bf16)         |
+//! | [`kv_dtype`]         | [`KvElement`]: what the pool stores an element as (f32, bf16; 8-bit with [`KvScales`]) |
 //! | [`utilisation`]      | the share of allocated KV memory holding tokens, on chapter 2's workload |
 //! | [`paged_store`]      | [`PagedSequence`]: chapter 2's `KvStore` seam over blocks; [`PagedKv`], generation |
 //!
@@ -29,6 +29,6 @@ pub mod utilisation;
 
 pub use block_manager::{BlockCopy, BlockError, BlockManager, PrefixStats};
 pub use block_table::{BlockId, BlockTable};
-pub use kv_dtype::{KvDtype, KvElement};
+pub use kv_dtype::{KvDtype, KvElement, KvScales};
 pub use paged_store::{PagedKv, PagedSequence, Sequence, generate_paged};
-pub use pool::{KvPool, PoolError};
+pub use pool::{BlockData, KvPool, PoolError};

@@ -3,11 +3,13 @@
 use ch01::LlamaConfig;
 use ch01::attention::AttentionShape;
 use ch02::attention::{ScoreScratch, cached_attention_mapped};
+use std::borrow::Cow;
+
 use ndarray::ArrayView1;
 
 use crate::block_manager::BlockCopy;
 use crate::block_table::{BlockId, BlockTable};
-use crate::kv_dtype::KvElement;
+use crate::kv_dtype::{KvElement, KvScales};
 
 /// Why a pool could not be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -20,6 +22,8 @@ pub enum PoolError {
     TooManyBlocks { num_blocks: usize, max: u64 },
     #[error("could not allocate the KV pool ({bytes} bytes)")]
     OutOfMemory { bytes: u128 },
+    #[error("a {dtype} KV pool is built from chapter 5's element types, not by this constructor")]
+    DtypeElsewhere { dtype: crate::KvDtype },
 }
 
 // ANCHOR: pool
@@ -28,22 +32,40 @@ pub enum PoolError {
 /// Slot `s = block · block_size + offset` holds one position's K (or V): row `s` of
 /// `[num_blocks · block_size, kv_dim]`.
 ///
+/// A scaled `K` (8-bit, chapter 5) also keeps, per layer, one f32 scale per slot and KV head
+/// for K and for V, `[num_blocks · block_size, num_kv_heads]` (see [`KvScales`]).
+///
 /// Invariant: `keys.len() == values.len() == num_layers`, each `num_blocks · block_size · kv_dim`
-/// long. The pool does not know who owns a block: the [`crate::BlockManager`] does.
+/// long; `key_scales`, `value_scales` are as many, each `num_blocks · block_size · num_kv_heads`
+/// long if `K::SCALED`, else empty. The pool does not know who owns a block: the
+/// [`crate::BlockManager`] does.
 pub struct KvPool<K: KvElement = f32> {
     keys: Vec<Vec<K>>,
     values: Vec<Vec<K>>,
+    key_scales: Vec<Vec<f32>>,
+    value_scales: Vec<Vec<f32>>,
     num_blocks: usize,
     block_size: usize,
-    kv_dim: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
     scores: ScoreScratch,
+}
+
+/// One block's K/V (and scales) in every layer, as [`KvPool::read_block`] copies it out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockData<K> {
+    /// Every layer's K block, then every layer's V block.
+    pub elements: Vec<K>,
+    /// Their scales in the same order (empty for an unscaled pool).
+    pub scales: Vec<f32>,
 }
 // ANCHOR_END: pool
 
 impl<K: KvElement> KvPool<K> {
-    /// Bytes one block takes: K and V, every layer, `block_size` positions, `K` each.
+    /// Bytes one block takes: K and V, every layer, `block_size` positions, `K` each (and the
+    /// scales of a scaled `K`).
     pub fn bytes_per_block(config: &LlamaConfig, block_size: usize) -> u64 {
-        ch02::workload::bytes_per_token(config, size_of::<K>()) * block_size as u64
+        K::DTYPE.bytes_per_token(config) * block_size as u64
     }
 
     pub fn new(
@@ -60,30 +82,30 @@ impl<K: KvElement> KvPool<K> {
                 max: BlockId::MAX.into(),
             });
         }
-        let kv_dim = config.num_key_value_heads * config.head_dim;
-        let bytes = 2
-            * config.num_hidden_layers as u128
-            * num_blocks as u128
-            * block_size as u128
-            * kv_dim as u128
-            * size_of::<K>() as u128;
-        let layer = || -> Result<Vec<K>, PoolError> {
-            let len = num_blocks
-                .checked_mul(block_size)
-                .and_then(|n| n.checked_mul(kv_dim))
-                .ok_or(PoolError::OutOfMemory { bytes })?;
-            zeroed(len).ok_or(PoolError::OutOfMemory { bytes })
-        };
+        let (num_kv_heads, head_dim) = (config.num_key_value_heads, config.head_dim);
+        let kv_dim = num_kv_heads * head_dim;
+        let bytes =
+            K::DTYPE.bytes_per_token(config) as u128 * num_blocks as u128 * block_size as u128;
+        let slots = num_blocks
+            .checked_mul(block_size)
+            .ok_or(PoolError::OutOfMemory { bytes })?;
+        fn layers<T: KvElement>(n: usize, len: Option<usize>, bytes: u128) -> PoolResult<T> {
+            let len = len.ok_or(PoolError::OutOfMemory { bytes })?;
+            (0..n)
+                .map(|_| zeroed(len).ok_or(PoolError::OutOfMemory { bytes }))
+                .collect()
+        }
+        let n = config.num_hidden_layers;
+        let scale_layers = if K::SCALED { n } else { 0 };
         Ok(KvPool {
-            keys: (0..config.num_hidden_layers)
-                .map(|_| layer())
-                .collect::<Result<_, _>>()?,
-            values: (0..config.num_hidden_layers)
-                .map(|_| layer())
-                .collect::<Result<_, _>>()?,
+            keys: layers(n, slots.checked_mul(kv_dim), bytes)?,
+            values: layers(n, slots.checked_mul(kv_dim), bytes)?,
+            key_scales: layers(scale_layers, slots.checked_mul(num_kv_heads), bytes)?,
+            value_scales: layers(scale_layers, slots.checked_mul(num_kv_heads), bytes)?,
             num_blocks,
             block_size,
-            kv_dim,
+            num_kv_heads,
+            head_dim,
             scores: ScoreScratch::for_decode(
                 config.num_attention_heads,
                 config.max_position_embeddings,
@@ -126,7 +148,11 @@ impl<K: KvElement> KvPool<K> {
 
     /// Values in one position's K (or V) row: `num_kv_heads · head_dim`.
     pub fn kv_dim(&self) -> usize {
-        self.kv_dim
+        self.num_kv_heads * self.head_dim
+    }
+
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
     }
 
     /// Positions the whole pool holds.
@@ -134,49 +160,79 @@ impl<K: KvElement> KvPool<K> {
         self.num_blocks * self.block_size
     }
 
-    /// Copies block `src`'s K/V into block `dst` in every layer (copy-on-write).
+    /// Copies block `src`'s K/V (and scales) into block `dst` in every layer (copy-on-write).
     pub fn copy_block(&mut self, copy: BlockCopy) {
-        let len = self.block_size * self.kv_dim;
-        let (src, dst) = (copy.src as usize * len, copy.dst as usize * len);
+        let (src, dst) = (copy.src as usize, copy.dst as usize);
+        let len = self.block_size * self.kv_dim();
         for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            buffer.copy_within(src..src + len, dst);
+            buffer.copy_within(src * len..(src + 1) * len, dst * len);
+        }
+        let len = self.block_size * self.num_kv_heads;
+        for buffer in self
+            .key_scales
+            .iter_mut()
+            .chain(self.value_scales.iter_mut())
+        {
+            buffer.copy_within(src * len..(src + 1) * len, dst * len);
         }
     }
 
-    /// Block `id`'s K and V in every layer, one after the other: what swapping copies out to
-    /// CPU memory (chapter 4).
-    pub fn read_block(&self, id: BlockId) -> Vec<K> {
-        let len = self.block_size * self.kv_dim;
-        let at = id as usize * len;
-        let mut data = Vec::with_capacity(2 * self.keys.len() * len);
-        for buffer in self.keys.iter().chain(&self.values) {
-            data.extend_from_slice(&buffer[at..at + len]);
+    /// Block `id`'s K and V (and scales) in every layer, one after the other: what swapping
+    /// copies out to CPU memory (chapter 4).
+    pub fn read_block(&self, id: BlockId) -> BlockData<K> {
+        let id = id as usize;
+        let len = self.block_size * self.kv_dim();
+        let elements = self.keys.iter().chain(&self.values);
+        let elements = elements.flat_map(|b| &b[id * len..(id + 1) * len]).copied();
+        let len = self.block_size * self.num_kv_heads;
+        let scales = self.key_scales.iter().chain(&self.value_scales);
+        let scales = scales.flat_map(|b| &b[id * len..(id + 1) * len]).copied();
+        BlockData {
+            elements: elements.collect(),
+            scales: scales.collect(),
         }
-        data
     }
 
     /// Writes back what [`KvPool::read_block`] read, into block `id`.
-    pub fn write_block(&mut self, id: BlockId, data: &[K]) {
-        let len = self.block_size * self.kv_dim;
-        let at = id as usize * len;
-        for (buffer, part) in self
-            .keys
+    pub fn write_block(&mut self, id: BlockId, data: &BlockData<K>) {
+        let id = id as usize;
+        let len = self.block_size * self.kv_dim();
+        let buffers = self.keys.iter_mut().chain(self.values.iter_mut());
+        for (buffer, part) in buffers.zip(data.elements.chunks_exact(len)) {
+            buffer[id * len..(id + 1) * len].copy_from_slice(part);
+        }
+        let len = self.block_size * self.num_kv_heads;
+        let buffers = self
+            .key_scales
             .iter_mut()
-            .chain(self.values.iter_mut())
-            .zip(data.chunks_exact(len))
-        {
-            buffer[at..at + len].copy_from_slice(part);
+            .chain(self.value_scales.iter_mut());
+        for (buffer, part) in buffers.zip(data.scales.chunks_exact(len)) {
+            buffer[id * len..(id + 1) * len].copy_from_slice(part);
         }
     }
 
     /// Layer `layer`'s keys and values, each `[num_blocks · block_size, kv_dim]` row-major:
-    /// row `s` is slot `s` (what a batched attention kernel reads, see chapter 4).
+    /// row `s` is slot `s` (what a batched attention kernel reads, see chapter 4). For a scaled
+    /// `K` these are codes: [`KvPool::layer_scales`] holds what to multiply them by.
     pub fn layer_kv(&self, layer: usize) -> (&[K], &[K]) {
         (&self.keys[layer], &self.values[layer])
     }
 
+    /// Layer `layer`'s scales ([`KvScales::NONE`]-like, all 1, for an unscaled `K`).
+    pub fn layer_scales(&self, layer: usize) -> KvScales<'_> {
+        if K::SCALED {
+            KvScales::new(
+                &self.key_scales[layer],
+                &self.value_scales[layer],
+                self.num_kv_heads,
+            )
+        } else {
+            KvScales::NONE
+        }
+    }
+
     /// Writes one position's K and V rows (`kv_dim` values each) of `layer` into `slot`,
-    /// rounded to `K`.
+    /// rounded to `K` (a scaled `K`: each head's row quantized with its own scale).
     pub fn write<'r>(
         &mut self,
         layer: usize,
@@ -184,14 +240,37 @@ impl<K: KvElement> KvPool<K> {
         k: ArrayView1<'r, f32>,
         v: ArrayView1<'r, f32>,
     ) {
-        let at = slot * self.kv_dim;
-        for (buffer, row) in [(&mut self.keys[layer], k), (&mut self.values[layer], v)] {
-            for (dst, &x) in buffer[at..at + self.kv_dim].iter_mut().zip(row.iter()) {
-                *dst = K::from_f32(x);
+        let (d, kv_dim) = (self.head_dim, self.kv_dim());
+        let at = slot * kv_dim;
+        let halves = [
+            (&mut self.keys[layer], self.key_scales.get_mut(layer), k),
+            (&mut self.values[layer], self.value_scales.get_mut(layer), v),
+        ];
+        for (buffer, scales, row) in halves {
+            let codes = &mut buffer[at..at + kv_dim];
+            match scales {
+                Some(scales) if K::SCALED => {
+                    // The executor's rows are contiguous; a strided view is copied first.
+                    let row = row
+                        .as_slice()
+                        .map_or_else(|| Cow::Owned(row.to_vec()), Cow::Borrowed);
+                    let scales = &mut scales[slot * self.num_kv_heads..][..self.num_kv_heads];
+                    let heads = codes.chunks_exact_mut(d).zip(row.chunks_exact(d));
+                    for ((codes_h, x_h), s) in heads.zip(scales) {
+                        *s = K::quantize_head(x_h, codes_h);
+                    }
+                }
+                _ => {
+                    for (dst, &x) in codes.iter_mut().zip(row.iter()) {
+                        *dst = K::from_f32(x);
+                    }
+                }
             }
         }
     }
 }
+
+type PoolResult<T> = Result<Vec<Vec<T>>, PoolError>;
 
 impl KvPool<f32> {
     /// Paged attention: chapter 2's attention, reading position `p`'s K/V from slot

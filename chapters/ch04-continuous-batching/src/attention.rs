@@ -20,7 +20,10 @@
 //!   score.
 //!
 //! K/V are stored as the pool's element type (f32 or bf16, see [`KvElement`]) and widened to
-//! f32 as they are read; the arithmetic is f32 throughout.
+//! f32 as they are read; the arithmetic is f32 throughout. An 8-bit pool (chapter 5) stores
+//! codes and one scale per position and KV head: the kernel multiplies a head's score
+//! `q_h · k_j` by K's scale and its softmax weight by V's, the same arithmetic as dequantizing
+//! each element first.
 //!
 //! This kernel is the CPU executor's first [`AttentionBackend`]; chapter 7's tiled flash
 //! attention is the second.
@@ -28,7 +31,7 @@
 use ch01::attention::AttentionShape;
 use ch02::kernels::Isa;
 use ch02::kernels::vector::{axpy, dot, exp_shifted_sum, max};
-use ch03::{BlockId, KvElement, KvPool};
+use ch03::{BlockId, KvElement, KvPool, KvScales};
 use ndarray::ArrayView2;
 use rayon::prelude::*;
 
@@ -112,6 +115,7 @@ impl<K: KvElement> AttentionBackend<K> for BatchAttention {
 struct LayerKv<'a, K> {
     keys: &'a [K],   // [slots, kv_dim]
     values: &'a [K], // [slots, kv_dim]
+    scales: KvScales<'a>,
     block_size: usize,
     shape: AttentionShape,
 }
@@ -145,6 +149,7 @@ pub fn batch_attention<K: KvElement>(
     let kv = LayerKv {
         keys,
         values,
+        scales: pool.layer_scales(layer),
         block_size: pool.block_size(),
         shape,
     };
@@ -180,11 +185,14 @@ fn attend_row<K: KvElement>(
     scores.clear();
     scores.resize(num_heads * len, 0.0);
 
-    // s[h][j] = q_h · k_j / √d, reading each position's K row once for every head.
+    // s[h][j] = q_h · k_j / √d, reading each position's K row once for every head; an 8-bit
+    // row is codes times the head's scale (1 for f32 and bf16, an exact product).
     for (j, slot) in slots(row.blocks, kv.block_size, len).enumerate() {
         let k_j = &kv.keys[slot * kv_dim..][..kv_dim];
         for (h, q_h) in q_r.chunks_exact(d).enumerate() {
-            scores[h * len + j] = dot(q_h, &k_j[h / group * d..][..d]) * scale;
+            let kv_head = h / group;
+            let k_scale = scale * kv.scales.key(slot, kv_head);
+            scores[h * len + j] = dot(q_h, &k_j[kv_head * d..][..d]) * k_scale;
         }
     }
     // p[h] = softmax(s[h])
@@ -198,7 +206,9 @@ fn attend_row<K: KvElement>(
     for (j, slot) in slots(row.blocks, kv.block_size, len).enumerate() {
         let v_j = &kv.values[slot * kv_dim..][..kv_dim];
         for (h, out_h) in out_r.chunks_exact_mut(d).enumerate() {
-            axpy(scores[h * len + j], &v_j[h / group * d..][..d], out_h);
+            let kv_head = h / group;
+            let p = scores[h * len + j] * kv.scales.value(slot, kv_head);
+            axpy(p, &v_j[kv_head * d..][..d], out_h);
         }
     }
 }

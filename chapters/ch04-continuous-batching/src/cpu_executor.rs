@@ -18,7 +18,7 @@ use std::convert::Infallible;
 
 use ch01::Llama;
 use ch02::cached::{Workspace, decoder_layer};
-use ch03::{KvDtype, KvElement, KvPool, PoolError};
+use ch03::{BlockData, KvDtype, KvElement, KvPool, PoolError};
 use ndarray::{ArrayView2, ArrayViewMut2, Axis};
 
 use crate::attention::{AttentionBackend, BatchAttention};
@@ -92,7 +92,7 @@ impl<'m, K: KvElement> CpuExecutor<'m, K> {
 /// ranks each on their own pool).
 pub struct SwapSpace<K: KvElement> {
     /// What swapping out kept: per request, one copy of each block (see `KvPool::read_block`).
-    swapped: HashMap<RequestId, Vec<Vec<K>>>,
+    swapped: HashMap<RequestId, Vec<BlockData<K>>>,
 }
 
 impl<K: KvElement> Default for SwapSpace<K> {
@@ -134,6 +134,8 @@ impl<K: KvElement> SwapSpace<K> {
 }
 
 /// A CPU executor with a pool of `cache.dtype` elements, as many blocks as `cache.memory` holds.
+/// This chapter builds f32 and bf16 pools; the 8-bit element types are chapter 5's (chapter 7's
+/// `cpu_executor` builds every dtype).
 pub fn cpu_executor<'m>(
     model: &'m Llama,
     cache: &CacheConfig,
@@ -148,6 +150,7 @@ pub fn cpu_executor<'m>(
     match cache.dtype {
         KvDtype::F32 => boxed::<f32>(model, cache),
         KvDtype::Bf16 => boxed::<half::bf16>(model, cache),
+        dtype @ (KvDtype::Fp8E4M3 | KvDtype::Int8) => Err(PoolError::DtypeElsewhere { dtype }),
     }
 }
 

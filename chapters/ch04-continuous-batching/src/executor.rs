@@ -31,10 +31,11 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// Bytes of one block: K and V, every layer, every position.
+    /// Bytes of one block: K and V, every layer, every position (with an 8-bit dtype's
+    /// scales, one f32 per position and KV head).
     pub fn bytes_per_block(&self) -> u64 {
-        2 * (self.num_layers * self.block_size * self.num_kv_heads * self.head_dim) as u64
-            * self.dtype.size() as u64
+        2 * (self.num_layers * self.block_size) as u64
+            * self.dtype.row_bytes(self.num_kv_heads, self.head_dim)
     }
 
     /// Positions the whole memory holds.

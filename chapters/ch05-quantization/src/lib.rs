@@ -16,20 +16,27 @@
 //! | [`awq`]          | part 2: AWQ's activation-aware scales and their grid search |
 //! | [`model_quant`]  | part 2: [`quantize_model`](model_quant::quantize_model), every projection in sequence, calibrated |
 //! | [`gptq`]         | part 2: GPTQ, the Hessian, its Cholesky factors and the column-by-column update |
+//! | [`fp8`]          | FP8 E4M3 and E5M2: conversion bit for bit as PyTorch's, exact decoding     |
+//! | [`fp8_linear`]   | [`Fp8Linear`]: E4M3 weights with per-tensor or per-channel scales; [`Fp8Loader`] for Hugging Face FP8 checkpoints |
+//! | [`kv_cache`]     | the 8-bit KV cache: chapter 3's pool storing FP8 or int8 codes with scales  |
 
 pub mod awq;
 pub mod blocks;
 pub mod format;
+pub mod fp8;
+pub mod fp8_linear;
 pub mod gguf;
 pub mod gptq;
 pub mod group_quant;
 pub mod hf_quant;
 pub mod kernels;
+pub mod kv_cache;
 pub mod model_quant;
 pub mod quant_linear;
 
 pub use blocks::BlockError;
 pub use format::GgmlType;
+pub use fp8_linear::{Fp8Linear, Fp8Loader, fp8_config};
 pub use gguf::{
     GgufError, GgufFile, GgufModel, GgufSource, GgufTensorInfo, GgufValue, GgufValueType,
     GgufWriter, load_gguf,

@@ -258,12 +258,7 @@ impl LinearLoader for QuantLoader {
         let (rows, cols) = spec
             .shard
             .ranges(spec.name, spec.in_features, spec.out_features)?;
-        let bias = if spec.bias && spec.shard.holds_bias() {
-            let full = source.vector(&format!("{}.bias", spec.name), spec.out_features)?;
-            Some(full.slice(s![rows.clone()]).to_owned()) // [rows]
-        } else {
-            None
-        };
+        let bias = shard_bias(source, spec, rows.clone())?;
         let raw = source.tensor(&name)?;
         if !matches!(raw.dtype(), TensorDtype::Blocks { .. }) {
             // Dense: decode this rank's block, then quantize it or keep it dense.
@@ -322,4 +317,18 @@ impl LinearLoader for QuantLoader {
             .map_err(|e| tensor_error(e.to_string()))?;
         self.build_named(&name, weight, bias)
     }
+}
+
+/// The bias entries of `rows` when the layer has a bias and this shard holds it (chapter 8's
+/// row split leaves it to one rank).
+pub(crate) fn shard_bias(
+    source: &dyn WeightSource,
+    spec: &LinearSpec<'_>,
+    rows: std::ops::Range<usize>,
+) -> ch01::Result<Option<Array1<f32>>> {
+    if !(spec.bias && spec.shard.holds_bias()) {
+        return Ok(None);
+    }
+    let full = source.vector(&format!("{}.bias", spec.name), spec.out_features)?;
+    Ok(Some(full.slice(s![rows]).to_owned())) // [rows]
 }

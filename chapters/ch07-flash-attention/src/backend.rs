@@ -19,7 +19,7 @@ use crate::tile::LayerKv;
 
 // ANCHOR: backend
 /// Flash attention inside chapter 4's CPU executor, for a pool of any [`KvElement`] (f32,
-/// bf16). Owns its scratch, so a decode step allocates nothing once the buffers have grown.
+/// bf16, or chapter 5's 8-bit codes with scales). Owns its scratch, so a decode step allocates nothing once the buffers have grown.
 pub struct FlashAttention {
     pub isa: Isa,
     pub params: FlashParams,
@@ -40,6 +40,7 @@ impl<K: KvElement> AttentionBackend<K> for FlashAttention {
         let kv = LayerKv {
             keys,
             values,
+            scales: pool.layer_scales(layer),
             block_size: pool.block_size(),
             shape,
         };
@@ -163,7 +164,8 @@ impl<K: KvElement> AttentionBackend<K> for AutoAttention {
 }
 
 /// Chapter 4's [`ch04::cpu_executor`] with the attention backend chosen: a CPU executor with a
-/// pool of `cache.dtype` elements, as many blocks as `cache.memory` holds.
+/// pool of `cache.dtype` elements, as many blocks as `cache.memory` holds. Every dtype: f32 and
+/// bf16 (chapter 3), FP8 E4M3 and int8 with scales (chapter 5's element types).
 pub fn cpu_executor<'m>(
     model: &'m Llama,
     cache: &CacheConfig,
@@ -184,5 +186,7 @@ pub fn cpu_executor<'m>(
     match cache.dtype {
         KvDtype::F32 => boxed::<f32>(model, cache, attention),
         KvDtype::Bf16 => boxed::<half::bf16>(model, cache, attention),
+        KvDtype::Fp8E4M3 => boxed::<ch05::fp8::F8E4M3>(model, cache, attention),
+        KvDtype::Int8 => boxed::<ch05::kv_cache::KvInt8>(model, cache, attention),
     }
 }

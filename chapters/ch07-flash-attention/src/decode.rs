@@ -73,7 +73,9 @@ pub fn decode_task<K: ToF32>(
             for i in 0..run {
                 let k_j = &kv.keys[(slot0 + i) * kv_dim..][..kv_dim];
                 for (h, q_h) in q_r.chunks_exact(d).enumerate() {
-                    scores[h * CHUNK + j0 + i] = dot(q_h, &k_j[h / group * d..][..d]) * scale;
+                    let kv_head = h / group;
+                    let k_scale = scale * kv.scales.key(slot0 + i, kv_head);
+                    scores[h * CHUNK + j0 + i] = dot(q_h, &k_j[kv_head * d..][..d]) * k_scale;
                 }
             }
         }
@@ -98,11 +100,9 @@ pub fn decode_task<K: ToF32>(
             for i in 0..run {
                 let v_j = &kv.values[(slot0 + i) * kv_dim..][..kv_dim];
                 for (h, state) in partial.chunks_exact_mut(d + 2).enumerate() {
-                    axpy(
-                        scores[h * CHUNK + j0 + i],
-                        &v_j[h / group * d..][..d],
-                        &mut state[2..],
-                    );
+                    let kv_head = h / group;
+                    let p = scores[h * CHUNK + j0 + i] * kv.scales.value(slot0 + i, kv_head);
+                    axpy(p, &v_j[kv_head * d..][..d], &mut state[2..]);
                 }
             }
         }

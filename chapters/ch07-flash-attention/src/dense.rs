@@ -11,6 +11,7 @@
 
 use ch01::attention::{AttentionShape, causal_attention};
 use ch02::kernels::Isa;
+use ch03::KvScales;
 use ch04::attention::QueryRow;
 use ndarray::{Array2, ArrayView2};
 
@@ -135,6 +136,7 @@ pub fn flash_attention_with(
     let kv = LayerKv {
         keys: k.as_slice().expect("standard layout"),
         values: v.as_slice().expect("standard layout"),
+        scales: KvScales::NONE,
         block_size: t_k, // one block holds every position: slot = position
         shape,
     };

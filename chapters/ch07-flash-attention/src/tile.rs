@@ -15,7 +15,7 @@
 
 use ch01::attention::AttentionShape;
 use ch02::kernels::vector::ToF32;
-use ch03::BlockId;
+use ch03::{BlockId, KvScales};
 
 /// Columns of one register block: two 8-lane vectors.
 pub const LANES: usize = 16;
@@ -37,11 +37,14 @@ pub fn round_up(n: usize, to: usize) -> usize {
 
 /// One layer's keys and values as the kernels read them: slot `s` is row `s` of
 /// `[slots, kv_dim]`, and a sequence's position `p` lives in slot
-/// `blocks[p / block_size] · block_size + p % block_size`.
+/// `blocks[p / block_size] · block_size + p % block_size`. An 8-bit pool's rows are codes:
+/// head `h` of slot `s` is `code · scales.key(s, h)` (or `.value`), and every scale is 1 in an
+/// f32 or bf16 pool ([`KvScales::NONE`]).
 #[derive(Debug, Clone, Copy)]
 pub struct LayerKv<'a, K> {
     pub keys: &'a [K],
     pub values: &'a [K],
+    pub scales: KvScales<'a>,
     pub block_size: usize,
     pub shape: AttentionShape,
 }
@@ -152,7 +155,7 @@ impl Tiles {
 }
 
 /// K and V of positions `start..start + len` of KV head `kv` into `kt` [dp, bcp] (transposed)
-/// and `v` [bcp, dp], widened to f32; columns (rows of `v`) from `len` on are zeroed.
+/// and `v` [bcp, dp], widened to f32 (and multiplied by their scales); columns (rows of `v`) from `len` on are zeroed.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn load_kv_tile<K: ToF32>(
@@ -169,12 +172,14 @@ pub fn load_kv_tile<K: ToF32>(
     let (bcp, dp) = (dims.bcp, dims.dp);
     for (j0, slot0, run) in slot_runs(blocks, kv.block_size, start, len) {
         for i in 0..run {
-            let (j, at) = (j0 + i, (slot0 + i) * kv_dim + kv_head * d);
+            let (j, slot) = (j0 + i, slot0 + i);
+            let at = slot * kv_dim + kv_head * d;
+            let (k_scale, v_scale) = (kv.scales.key(slot, kv_head), kv.scales.value(slot, kv_head));
             for (x, k) in kv.keys[at..at + d].iter().enumerate() {
-                kt[x * bcp + j] = k.to_f32();
+                kt[x * bcp + j] = k.to_f32() * k_scale;
             }
             for (dst, val) in v[j * dp..j * dp + d].iter_mut().zip(&kv.values[at..at + d]) {
-                *dst = val.to_f32();
+                *dst = val.to_f32() * v_scale;
             }
         }
     }

@@ -3,14 +3,13 @@
 //! 24, 64 and 128 beside small odd ones, GQA groups 1 to 4), random tile sizes and partition
 //! counts, random block tables, f32 and bf16 pools, in every instruction set this CPU runs.
 
-use std::path::Path;
+mod support;
 
-use ch01::LlamaConfig;
 use ch01::attention::{AttentionShape, causal_attention};
 use ch01::testing::{assert_rel_close, seeded_runner};
 use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
-use ch03::{BlockManager, KvPool};
+use ch03::{BlockManager, KvPool, KvScales};
 use ch04::attention::QueryRow;
 use ch07_flash_attention::{
     FlashParams, LayerKv, Partitions, Scratch, TileSizes, flash_attention_paged,
@@ -19,47 +18,10 @@ use ch07_flash_attention::{
 use half::bf16;
 use ndarray::{Array2, ArrayView2};
 use proptest::prelude::*;
+use support::{config, matrix, params, shape, values};
 
 /// Relative L2 error allowed against the oracle in f32 (as chapter 4's kernels are held to).
 const F32_REL: f64 = 1e-5;
-
-/// `len` values in (−scale, scale] from chapter 2's seeded generator.
-fn values(rng: &mut WorkloadRng, len: usize, scale: f32) -> Vec<f32> {
-    (0..len)
-        .map(|_| (rng.uniform_open0() as f32 * 2.0 - 1.0) * scale)
-        .collect()
-}
-
-fn matrix(rng: &mut WorkloadRng, rows: usize, cols: usize, scale: f32) -> Array2<f32> {
-    Array2::from_shape_vec((rows, cols), values(rng, rows * cols, scale)).unwrap()
-}
-
-/// Head dims 24, 64, 128 or a small one (odd ones too, unless `even`: a pool's model config
-/// needs an even head dim for RoPE).
-fn shape(even: bool) -> impl Strategy<Value = AttentionShape> {
-    let small = (1usize..=20).prop_map(move |d| if even { 2 * d.div_ceil(2) } else { d });
-    (
-        1usize..=3,
-        1usize..=4,
-        prop_oneof![Just(24usize), Just(64), Just(128), small],
-    )
-        .prop_map(|(num_kv_heads, group, head_dim)| AttentionShape {
-            num_heads: num_kv_heads * group,
-            num_kv_heads,
-            head_dim,
-        })
-}
-
-fn params() -> impl Strategy<Value = FlashParams> {
-    (1usize..=40, 1usize..=70, 0usize..=12).prop_map(|(q, kv, parts)| FlashParams {
-        tiles: TileSizes::new(q, kv).unwrap(),
-        partitions: if parts == 0 {
-            Partitions::Auto
-        } else {
-            Partitions::fixed(parts).unwrap()
-        },
-    })
-}
 
 #[test]
 fn dense_flash_equals_naive_attention() {
@@ -91,20 +53,6 @@ fn dense_flash_equals_naive_attention() {
             Ok(())
         })
         .unwrap();
-}
-
-fn config(shape: AttentionShape) -> LlamaConfig {
-    let json = format!(
-        r#"{{"model_type": "llama", "vocab_size": 8, "hidden_size": {hidden},
-            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": {heads},
-            "num_key_value_heads": {kv_heads}, "head_dim": {d}, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0}}"#,
-        hidden = shape.num_heads * shape.head_dim,
-        heads = shape.num_heads,
-        kv_heads = shape.num_kv_heads,
-        d = shape.head_dim,
-    );
-    LlamaConfig::from_json(&json, Path::new("test/config.json")).unwrap()
 }
 
 #[test]
@@ -185,6 +133,7 @@ fn paged_flash_equals_naive_attention_per_sequence() {
                 let layer = LayerKv {
                     keys,
                     values,
+                    scales: KvScales::NONE,
                     block_size,
                     shape,
                 };
@@ -196,6 +145,7 @@ fn paged_flash_equals_naive_attention_per_sequence() {
                 let layer = LayerKv {
                     keys,
                     values,
+                    scales: KvScales::NONE,
                     block_size,
                     shape,
                 };
@@ -242,6 +192,7 @@ fn split_k_decode_equals_naive_with_any_partition_count() {
             let layer = LayerKv {
                 keys: &keys,
                 values: &vals,
+                scales: KvScales::NONE,
                 block_size,
                 shape,
             };

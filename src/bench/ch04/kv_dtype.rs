@@ -108,7 +108,7 @@ pub fn run(
         rows.push((shape, f32, bf16));
     }
 
-    let token_bytes = |dtype: KvDtype| ch02::workload::bytes_per_token(&model.config, dtype.size());
+    let token_bytes = |dtype: KvDtype| dtype.bytes_per_token(&model.config);
     let mut memory =
         Table::new(["KV dtype", "bytes per token", "tokens in 512 MiB"]).align(0, Align::Left);
     for dtype in [KvDtype::F32, KvDtype::Bf16] {

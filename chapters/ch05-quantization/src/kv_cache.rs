@@ -1,0 +1,151 @@
+//! The 8-bit KV cache: chapter 3's pool storing FP8 E4M3 or int8 codes with one f32 scale per
+//! position and KV head (`--kv-cache-dtype fp8_e4m3|int8`).
+//!
+//! ```text
+//! write, one head's row x [head_dim]      scale = max|x| / MAX      code_i = round(x_i / scale)
+//! read, inside the attention kernels      q · k = scale_k · (q · code_k)       p · v = (p · scale_v) · code_v
+//! bytes per position and head              head_dim codes + 4 (the scale): 68 for head_dim 64, against 256 in f32
+//! ```
+//! **Granularity.** A scale per position and head is what a write can compute alone: the
+//! executor writes one position at a time, and a per-tensor scale (vLLM's FP8 KV cache) must be
+//! known before the first write, from calibration, or every block is requantized when a larger
+//! value arrives. Per position, a head's outlier only coarsens its own row. The cost is the
+//! scale: 4 bytes per `head_dim` codes, 1/16 more memory at head_dim 64 (3.76× the tokens of
+//! f32 in the same memory instead of 4×), and one multiply per head and position in attention.
+//!
+//! **Error.** int8 rounds each element to within `scale / 2 = max|x| / 254` of itself. E4M3
+//! rounds to within 2⁻⁴ of the element (3 mantissa bits), or `scale · 2⁻¹⁰` for values below
+//! its normal range (2⁻⁶ · scale): relatively finer for small elements, coarser for the largest.
+//! [`KvInt8::error_bound`] and [`F8E4M3`]'s [`e4m3_error_bound`] state these bounds; the
+//! attention tests derive theirs from them.
+
+use ch02::kernels::vector::ToF32;
+use ch03::{KvDtype, KvElement};
+
+use crate::fp8::F8E4M3;
+
+/// max |x| over a head's row, NaN-free (a NaN element is ignored for the scale, as it has no
+/// magnitude; it is stored as whatever the format makes of it).
+fn amax(x: &[f32]) -> f32 {
+    x.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// The scale that maps `amax` to `max`; 1 for an all-zero row (every code is then 0).
+fn scale_for(amax: f32, max: f32) -> f32 {
+    if amax > 0.0 { amax / max } else { 1.0 }
+}
+
+// ANCHOR: kv_int8
+/// A symmetric int8 KV code: the element is `code · scale`, `code` in −127..=127.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct KvInt8(pub i8);
+
+impl KvInt8 {
+    /// Largest |element − code · scale| for a row whose largest magnitude is `amax`.
+    pub fn error_bound(amax: f32) -> f32 {
+        scale_for(amax, 127.0) / 2.0
+    }
+}
+
+impl ToF32 for KvInt8 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self.0 as f32
+    }
+}
+
+// SAFETY: all-zero bits are the code 0.
+unsafe impl KvElement for KvInt8 {
+    const DTYPE: KvDtype = KvDtype::Int8;
+    const SCALED: bool = true;
+
+    /// The code of `x` at scale 1 (saturating): only [`KvElement::quantize_head`] is used by
+    /// the pool.
+    fn from_f32(x: f32) -> KvInt8 {
+        KvInt8(x.round().clamp(-127.0, 127.0) as i8)
+    }
+
+    fn quantize_head(x: &[f32], codes: &mut [KvInt8]) -> f32 {
+        let scale = scale_for(amax(x), 127.0);
+        let inv = 1.0 / scale;
+        for (c, &v) in codes.iter_mut().zip(x) {
+            *c = KvInt8::from_f32(v * inv);
+        }
+        scale
+    }
+}
+// ANCHOR_END: kv_int8
+
+// ANCHOR: kv_fp8
+// SAFETY: all-zero bits are +0.
+unsafe impl KvElement for F8E4M3 {
+    const DTYPE: KvDtype = KvDtype::Fp8E4M3;
+    const SCALED: bool = true;
+
+    /// Round to nearest even, saturating at ±448.
+    fn from_f32(x: f32) -> F8E4M3 {
+        F8E4M3::from_f32(x)
+    }
+
+    fn quantize_head(x: &[f32], codes: &mut [F8E4M3]) -> f32 {
+        let scale = scale_for(amax(x), F8E4M3::MAX);
+        let inv = 1.0 / scale;
+        for (c, &v) in codes.iter_mut().zip(x) {
+            *c = F8E4M3::from_f32(v * inv);
+        }
+        scale
+    }
+}
+// ANCHOR_END: kv_fp8
+
+/// Largest |element − code · scale| for an element `x` of a row whose largest magnitude is
+/// `amax`: half an ulp of 3 mantissa bits (2⁻⁴ |x|) in E4M3's normal range, half a subnormal step
+/// (2⁻¹⁰ · scale) below it. A small slack covers the f32 rounding of `x / scale`.
+pub fn e4m3_error_bound(x: f32, amax: f32) -> f32 {
+    let scale = scale_for(amax, F8E4M3::MAX);
+    (x.abs() * 2f32.powi(-4)).max(scale * 2f32.powi(-10)) * (1.0 + 2f32.powi(-20))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn round_trip<K: KvElement>(x: &[f32]) -> Vec<f32> {
+        let mut codes = vec![K::default(); x.len()];
+        let scale = K::quantize_head(x, &mut codes);
+        codes.iter().map(|c| c.to_f32() * scale).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(5), ..ProptestConfig::default() })]
+        #[test]
+        fn a_head_round_trips_within_its_bound(
+            x in proptest::collection::vec(-1e4f32..1e4, 1..=130),
+            shrink in -30i32..=4,
+        ) {
+            let x: Vec<f32> = x.iter().map(|v| v * 2f32.powi(shrink)).collect();
+            let a = amax(&x);
+            for (v, r) in x.iter().zip(round_trip::<KvInt8>(&x)) {
+                prop_assert!((v - r).abs() <= KvInt8::error_bound(a) * (1.0 + 1e-6), "int8 {v} → {r}");
+            }
+            for (v, r) in x.iter().zip(round_trip::<F8E4M3>(&x)) {
+                prop_assert!((v - r).abs() <= e4m3_error_bound(*v, a), "e4m3 {v} → {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_zero_row_is_zero_codes_and_the_extremes_hit_the_largest_code() {
+        assert_eq!(round_trip::<KvInt8>(&[0.0; 5]), vec![0.0; 5]);
+        assert_eq!(round_trip::<F8E4M3>(&[0.0; 5]), vec![0.0; 5]);
+        let mut codes = [KvInt8(0); 3];
+        KvInt8::quantize_head(&[-2.0, 1.0, 2.0], &mut codes);
+        assert_eq!(codes, [KvInt8(-127), KvInt8(64), KvInt8(127)]);
+        let mut codes = [F8E4M3::default(); 2];
+        let scale = F8E4M3::quantize_head(&[-3.0, 0.5], &mut codes);
+        assert_eq!(codes[0].to_bits(), 0xFE);
+        assert_eq!(codes[0].to_f32() * scale, -3.0);
+    }
+}
