@@ -34,6 +34,9 @@ pub enum ActivationScale {
     Static(f32),
     /// Each token's own: `max |x_t| / 448`.
     Dynamic,
+    /// Not rounded: FP8 weights with f32 activations (W8A16, what a CPU or an FP8-weight-only
+    /// GPU kernel computes).
+    None,
 }
 
 /// A projection with FP8 E4M3 weights.
@@ -95,7 +98,7 @@ impl Fp8Linear {
         };
         let input = match activations {
             ActivationScale::Static(s) => Some(s),
-            ActivationScale::Dynamic => None,
+            ActivationScale::Dynamic | ActivationScale::None => None,
         };
         if let Some(&bad) = scale
             .iter()
@@ -145,6 +148,7 @@ impl Fp8Linear {
     /// The activation row `x` [in] as the products see it: rounded through E4M3.
     fn round_activations(&self, x: &[f32], out: &mut [f32]) {
         let scale = match self.activations {
+            ActivationScale::None => return out.copy_from_slice(x),
             ActivationScale::Static(s) => s,
             ActivationScale::Dynamic => {
                 let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -369,10 +373,13 @@ pub fn fp8_config(dir: &std::path::Path) -> ch01::Result<Option<Fp8Config>> {
     Ok(Some(Fp8Config { static_activations }))
 }
 
-/// Quantizes every projection of a dense checkpoint to E4M3 as it loads: per-channel scales,
-/// dynamic activation scales (how `kiln bench ch05` measures FP8 on SmolLM2, which ships no FP8
-/// checkpoint). The tied output head is quantized too.
-pub struct Fp8Quantizer;
+/// Quantizes every projection of a dense checkpoint to E4M3 as it loads, with per-channel
+/// scales and the activations rounded as `activations` says (how `kiln bench ch05` measures FP8
+/// on SmolLM2, which ships no FP8 checkpoint; there is no calibration, so `Static` has no
+/// meaningful scale here). The tied output head is quantized too.
+pub struct Fp8Quantizer {
+    pub activations: ActivationScale,
+}
 
 impl LinearLoader for Fp8Quantizer {
     fn build(
@@ -382,7 +389,7 @@ impl LinearLoader for Fp8Quantizer {
     ) -> ch01::Result<Box<dyn Linear>> {
         let (out, n) = weight.dim();
         let (codes, scales) = Fp8Linear::quantize_per_channel(weight.view());
-        let layer = Fp8Linear::new(codes, out, n, &scales, bias, ActivationScale::Dynamic)
+        let layer = Fp8Linear::new(codes, out, n, &scales, bias, self.activations)
             .map_err(|e| ch01::Error::InvalidArgument(e.to_string()))?;
         Ok(Box::new(layer))
     }

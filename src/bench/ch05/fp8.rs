@@ -3,13 +3,15 @@
 //!
 //! ```text
 //! f32        chapter 2's FastLinear, f32 weights
-//! FP8 E4M3   every projection (the tied head too) quantized on load: per-channel scales,
-//!            activations rounded through E4M3 with a per-token scale (Fp8Quantizer)
+//! FP8 E4M3   every projection (the tied head too) quantized on load with per-channel scales
+//!            (Fp8Quantizer); activations f32, or rounded through E4M3 with a per-token scale
 //! ```
 //! With `--quick` the default model, short sequences and two chunks of 64.
 
 use super::super::ch02::speed;
 use super::super::{RunFacts, bench_tokens, write_figures};
+use ch05::fp8_linear::{ActivationScale, Fp8Quantizer};
+
 use super::part2_shared;
 use crate::bench::bars::BarChart;
 use crate::bench::table::{Align, Table};
@@ -24,12 +26,22 @@ pub fn run(
     let args = part2_shared::model(quick)?;
     let ctx = if quick { 64 } else { 512 };
     let mut rows = Vec::new();
-    for (label, fp8) in [("f32", false), ("FP8 E4M3 (per channel)", true)] {
+    let variants = [
+        ("f32", None),
+        (
+            "FP8 E4M3 weights, f32 activations",
+            Some(ActivationScale::None),
+        ),
+        (
+            "FP8 E4M3 weights and activations (per token)",
+            Some(ActivationScale::Dynamic),
+        ),
+    ];
+    for (label, fp8) in variants {
         eprintln!("== {label}");
-        let loaded = if fp8 {
-            args.load_with(&ch05::fp8_linear::Fp8Quantizer)?
-        } else {
-            args.load()?
+        let loaded = match fp8 {
+            Some(activations) => args.load_with(&Fp8Quantizer { activations })?,
+            None => args.load()?,
         };
         let model = &loaded.model;
         let tokens = bench_tokens(
@@ -71,8 +83,9 @@ pub fn run(
     let markdown = format!(
         "{}\nDecode: {decode} tokens after a prompt of {prompt}, one sequence; perplexity: \
          Hamlet, {chunks} chunks of {ctx} tokens (llama.cpp's scheme). FP8 weights are \
-         quantized on load from the f32 ones; the products are f32 (no FP8 arithmetic on a \
-         CPU), so FP8 saves bytes read, not operations.\n\n{}\n",
+         quantized on load from the f32 ones, one scale per output channel, the tied head too; \
+         the products are f32 (no FP8 arithmetic on a CPU), so FP8 saves bytes read, not \
+         operations.\n\n{}\n",
         table.to_markdown(),
         part2_shared::caption(&part2_shared::name(&args), facts, reps),
     );
