@@ -2,9 +2,10 @@
 //! (or, with `--quick`, shakespeare-small) quantized by `kiln quantize --method ...`, loaded
 //! back from the written directories, scored on Hamlet and timed at batch 1.
 //!
-//! Every 4-bit row keeps the (tied) output head in Q8_0, so that the rows differ only in how
-//! the projections are quantized; "Q4_0 (part 1)" is part 1's round-to-nearest Q4_0 of the
-//! projections, on load. A directory already written with the same options under
+//! The GPTQ, AWQ and RTN rows keep the (tied) output head in Q8_0 (`--quantization q8_0` for
+//! the dense weights of their directories); "Q4_0 (part 1)" is part 1's round-to-nearest Q4_0
+//! on load, and SmolLM2's tied head reaches its loader as a projection, so that row's head is
+//! Q4_0 too (its smaller "projections + head" column shows it). A directory already written with the same options under
 //! `fixtures/.cache/ch05-part2/` is reused (its quantization time is then not re-measured).
 //! Writes `methods.md` and `methods.svg`.
 
@@ -24,7 +25,8 @@ use crate::bench::table::{Align, Table};
 use crate::commands::quantize_hf;
 use crate::commands::{LoadedModel, ModelArgs};
 
-/// Part 1's Q4_0 of the projections, the head in Q8_0 (as every 4-bit row here holds it).
+/// Part 1's Q4_0 of the projections; a dense head built through `build` in Q8_0 (a tied head
+/// that the model loads as a projection, SmolLM2's, gets Q4_0 like the projections).
 struct Part1Q4 {
     projections: ch05::QuantLoader,
     head: ch05::QuantLoader,
@@ -316,7 +318,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
     format!(
         "{}\n_{}: perplexity of Hamlet in {} chunks of {} tokens (the second half of each \
          scored), decode of {} tokens after a {}-token prompt at batch 1 ({}); calibration: {} \
-         samples of {} tokens of the training plays. {} on {} ({} CPUs), {}. Command: `{}`._\n",
+         samples of {} tokens of the training plays. {} threads on {} ({} CPUs), {}. Command: `{}`._\n",
         t.to_markdown(),
         crate::bench::model_name(model_dir),
         s.chunks,
