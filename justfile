@@ -153,6 +153,10 @@ generate prompt="ROMEO." *args:
 gpu-check out="target/gpu-check":
     bash fixtures/scripts/gpu_check.sh {{out}}
 
+# Chapter 8 part 2 across processes: two ranks under mpirun print what two threads and one rank print.
+tp-mpi:
+    KILN_REQUIRE_MPI=1 cargo test --release --features mpi --test mpi -- --nocapture
+
 # Compile every kernels/*.cu through NVRTC (from its PyPI wheel), no GPU needed.
 kernels:
     LD_LIBRARY_PATH="$(bash fixtures/scripts/fetch_nvrtc.sh)" KILN_REQUIRE_NVRTC=1 cargo test -p ch07-flash-attention --features cuda --test nvrtc_compile -- --nocapture

@@ -53,6 +53,10 @@ enum Command {
     Bench(bench::Args),
     /// The learner's path: a copy with a chapter's task bodies as todo!, and their tests.
     Exercise(exercise::Args),
+    /// Rank 1.. of a tensor-parallel group of processes under mpirun (chapter 8; a kiln built
+    /// with --features mpi): `mpirun -n 1 kiln generate --tensor-parallel-size N
+    /// --tensor-parallel-backend mpi ... : -n N-1 kiln tp-worker --model DIR`.
+    TpWorker(commands::tensor_parallel::WorkerArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -75,5 +79,6 @@ fn main() -> anyhow::Result<()> {
         Command::Quantize(args) => commands::quantize::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Exercise(args) => exercise::run(args),
+        Command::TpWorker(args) => commands::tensor_parallel::run_worker(args),
     })
 }

@@ -582,3 +582,25 @@ fn tensor_parallel_generate_and_perplexity_equal_one_rank() {
         "--tensor-parallel-size runs on the engine's paged cache",
     );
 }
+
+/// Without `--features mpi`, the MPI backend and the worker say how to get them.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn the_mpi_backend_needs_a_kiln_built_with_it() {
+    assert_fails_with(
+        &[
+            "generate",
+            "--prompt",
+            "HAMLET.",
+            "--tensor-parallel-size",
+            "2",
+            "--tensor-parallel-backend",
+            "mpi",
+        ],
+        "this kiln was built without MPI (cargo build --release --features mpi)",
+    );
+    assert_fails_with(
+        &["tp-worker"],
+        "kiln tp-worker: this kiln was built without MPI",
+    );
+}

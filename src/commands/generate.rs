@@ -95,7 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(path) => Some(read_prompts(path)?),
         None => None,
     };
-    if args.tensor_parallel.tensor_parallel_size > 1 && (args.recompute || args.contiguous) {
+    if args.tensor_parallel.is_parallel() && (args.recompute || args.contiguous) {
         anyhow::bail!(
             "--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous"
         );
@@ -128,7 +128,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // Speculation, tensor parallelism and a GPU run on the engine, even for one prompt.
         (Some(prompt), None)
             if args.speculative.method()?.is_some()
-                || args.tensor_parallel.tensor_parallel_size > 1
+                || args.tensor_parallel.is_parallel()
                 || args.model.device != DeviceSpec::Cpu =>
         {
             run_many(&args, std::slice::from_ref(prompt), &loaded, &options)
@@ -269,8 +269,7 @@ fn run_many(
             .tensor_parallel
             .executor(&args.model, model, &cache, attention)?,
         DeviceSpec::Cuda(_)
-            if args.speculative.method()?.is_some()
-                || args.tensor_parallel.tensor_parallel_size > 1 =>
+            if args.speculative.method()?.is_some() || args.tensor_parallel.is_parallel() =>
         {
             anyhow::bail!("speculative decoding and tensor parallelism do not run on the GPU yet")
         }

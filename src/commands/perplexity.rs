@@ -7,7 +7,7 @@ use anyhow::Context;
 use ch01::Llama;
 use ch01::perplexity::{Perplexity, perplexity, perplexity_with};
 use ch03::KvDtype;
-use ch04::{CacheConfig, Executor, ScheduledSeq, SchedulerOutput};
+use ch04::{CacheConfig, ScheduledSeq, SchedulerOutput};
 use ndarray::Array2;
 
 use super::ModelArgs;
@@ -46,7 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .then(|| loaded.tokenizer.bos_token_id())
         .flatten();
     let start = Instant::now();
-    let result = if args.tensor_parallel.tensor_parallel_size > 1 {
+    let result = if args.tensor_parallel.is_parallel() {
         // Each chunk is one prefill step on the ranks, every row's logits wanted.
         let cache = ch04::CacheConfig {
             memory: 1 << 30,

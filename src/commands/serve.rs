@@ -286,15 +286,13 @@ async fn shutdown_signal() {
 /// `--tensor-parallel-size N > 1`: the engine thread builds its executor over N ranks.
 fn executor_factory(args: &Args) -> Option<ExecutorFactory> {
     let tp = args.tensor_parallel;
-    if tp.tensor_parallel_size == 1 {
+    if !tp.is_parallel() {
         return None;
     }
     let model = args.model.clone();
     let attention = args.attention.kind();
     Some(ExecutorFactory(Arc::new(move |_whole, cache| {
-        let executor = tp
-            .tensor_parallel_executor(&model, cache, attention)
-            .map_err(|e| format!("{e:#}"))?;
-        Ok(Box::new(executor) as Box<dyn ch04::Executor + Send>)
+        tp.tensor_parallel_executor(&model, cache, attention)
+            .map_err(|e| format!("{e:#}"))
     })))
 }

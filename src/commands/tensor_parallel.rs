@@ -1,5 +1,7 @@
 //! `--tensor-parallel-size N`: the engine's executor over N ranks (chapter 8), shared by every
-//! command that runs the engine. N = 1 is chapter 7's CPU executor.
+//! command that runs the engine. N = 1 is chapter 7's CPU executor. The ranks are threads of
+//! this process, or (`--tensor-parallel-backend mpi`) processes started by mpirun, whose ranks
+//! 1.. run `kiln tp-worker`.
 
 use anyhow::{Context, bail};
 use ch01::Llama;
@@ -10,18 +12,37 @@ use ch08tp::{KvBlocks, TensorParallelExecutor};
 
 use super::ModelArgs;
 
+/// Where the ranks run.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Threads of this process, meeting over shared memory.
+    Threads,
+    /// Processes under `mpirun`: this one is rank 0, ranks 1.. run `kiln tp-worker`
+    /// (`mpirun -n 1 kiln generate ... : -n N-1 kiln tp-worker --model DIR`).
+    Mpi,
+}
+
 /// `--tensor-parallel-size`, on the commands that run the engine (generate, perplexity, serve).
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct TensorParallelArgs {
-    /// Split the model across N ranks (chapter 8's tensor parallelism): threads of this
-    /// process, each holding 1/N of the projections, of the vocabulary and of the KV heads,
-    /// meeting in two all-reduces per layer. N must divide the query heads, the intermediate
-    /// size and the vocabulary, and divide or be a multiple of the KV heads.
+    /// Split the model across N ranks (chapter 8's tensor parallelism), each holding 1/N of
+    /// the projections, of the vocabulary and of the KV heads, meeting in two all-reduces per
+    /// layer. N must divide the query heads, the intermediate size and the vocabulary, and
+    /// divide or be a multiple of the KV heads.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub tensor_parallel_size: usize,
+    /// Where the ranks run: threads of this process, or MPI processes (a kiln built with
+    /// `--features mpi`, started by mpirun).
+    #[arg(long, value_enum, default_value = "threads")]
+    pub tensor_parallel_backend: Backend,
 }
 
 impl TensorParallelArgs {
+    /// Whether the model is split (more than one rank, or a group of processes of any size).
+    pub fn is_parallel(&self) -> bool {
+        self.tensor_parallel_size > 1 || self.tensor_parallel_backend == Backend::Mpi
+    }
+
     /// The engine's executor: over `model` on one rank, or over `--tensor-parallel-size` shards
     /// loaded from `--model`, each rank with `cache.memory` bytes of KV blocks (memory is per
     /// device, as a GPU's is) and an equal share of this thread pool's threads.
@@ -32,13 +53,10 @@ impl TensorParallelArgs {
         cache: &CacheConfig,
         attention: AttentionKind,
     ) -> anyhow::Result<Box<dyn Executor + Send + 'm>> {
-        let world = self.tensor_parallel_size;
-        if world == 1 {
+        if !self.is_parallel() {
             return Ok(ch07::cpu_executor(model, cache, attention)?);
         }
-        Ok(Box::new(
-            self.tensor_parallel_executor(args, cache, attention)?,
-        ))
+        self.tensor_parallel_executor(args, cache, attention)
     }
 
     /// `--tensor-parallel-size` ranks over shards of `--model` (see [`Self::executor`]).
@@ -47,7 +65,7 @@ impl TensorParallelArgs {
         args: &ModelArgs,
         cache: &CacheConfig,
         attention: AttentionKind,
-    ) -> anyhow::Result<TensorParallelExecutor> {
+    ) -> anyhow::Result<Box<dyn Executor + Send + 'static>> {
         let world = self.tensor_parallel_size;
         if args.is_gguf() {
             bail!(
@@ -62,21 +80,98 @@ impl TensorParallelArgs {
         if cache.dtype != KvDtype::F32 {
             bail!("--tensor-parallel-size {world} stores K/V in f32: pass --kv-cache-dtype f32");
         }
+        let blocks = KvBlocks::BudgetPerRank(cache.memory);
+        if self.tensor_parallel_backend == Backend::Mpi {
+            return mpi_rank0(args, world, cache.block_size, blocks);
+        }
         let loader = args.loader()?;
         let shards = ch08tp::load_shards(&args.model, &*loader, world)
             .with_context(|| format!("splitting {} across {world} ranks", args.model.display()))?;
         let threads = (rayon::current_num_threads() / world).max(1);
-        let executor = TensorParallelExecutor::new(
-            shards,
-            cache.block_size,
-            KvBlocks::BudgetPerRank(cache.memory),
-            threads,
-        )?;
+        let executor = TensorParallelExecutor::new(shards, cache.block_size, blocks, threads)?;
         let layout = executor.kv_layout();
         eprintln!(
             "kiln: tensor parallel: {world} ranks x {threads} threads, {} KV heads and {} blocks per rank",
             layout.num_kv_heads, layout.num_blocks
         );
-        Ok(executor)
+        Ok(Box::new(executor))
     }
+}
+
+/// Loads shard `rank` of `world` of `--model` (the rank's part only).
+#[cfg(feature = "mpi")]
+fn load_shard(args: &ModelArgs, rank: usize, world: usize) -> anyhow::Result<Llama> {
+    ch08tp::load_shard(&args.model, &*args.loader()?, rank, world).with_context(|| {
+        format!(
+            "loading shard {rank} of {world} of {}",
+            args.model.display()
+        )
+    })
+}
+
+/// Joins MPI's world as rank 0 and returns its executor.
+#[cfg(feature = "mpi")]
+fn mpi_rank0(
+    args: &ModelArgs,
+    world: usize,
+    block_size: usize,
+    blocks: KvBlocks,
+) -> anyhow::Result<Box<dyn Executor + Send + 'static>> {
+    let comm = ch08tp::comm::MpiComm::init()?;
+    use ch08tp::Communicator;
+    if comm.world() != world || comm.rank() != 0 {
+        bail!(
+            "--tensor-parallel-size {world} under MPI needs {world} processes with this one first \
+             (this is rank {} of {}): mpirun -n 1 kiln ... : -n {} kiln tp-worker --model DIR",
+            comm.rank(),
+            comm.world(),
+            world.saturating_sub(1)
+        );
+    }
+    let shard = load_shard(args, 0, world)?;
+    let executor = ch08tp::RankGroupExecutor::new(shard, comm, block_size, blocks)?;
+    let layout = executor.kv_layout();
+    eprintln!(
+        "kiln: tensor parallel over MPI: {world} processes, {} KV heads and {} blocks per rank",
+        layout.num_kv_heads, layout.num_blocks
+    );
+    Ok(Box::new(executor))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_rank0(
+    _: &ModelArgs,
+    _: usize,
+    _: usize,
+    _: KvBlocks,
+) -> anyhow::Result<Box<dyn Executor + Send + 'static>> {
+    bail!(
+        "--tensor-parallel-backend mpi: this kiln was built without MPI (cargo build --release --features mpi)"
+    )
+}
+
+/// `kiln tp-worker`: rank 1.. of a group started by mpirun.
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// The model rank 0 runs (the same directory and --dtype / --quantization).
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+/// Runs this process's rank until rank 0 closes the group.
+#[cfg(feature = "mpi")]
+pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
+    use ch08tp::Communicator;
+    let comm = ch08tp::comm::MpiComm::init()?;
+    let (rank, world) = (comm.rank(), comm.world());
+    if rank == 0 {
+        bail!("kiln tp-worker is rank 1.. of an MPI group: start rank 0 with a kiln command first");
+    }
+    let shard = load_shard(&args.model, rank, world)?;
+    ch08tp::run_worker(shard, comm).with_context(|| format!("tensor-parallel rank {rank}"))
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn run_worker(_: WorkerArgs) -> anyhow::Result<()> {
+    bail!("kiln tp-worker: this kiln was built without MPI (cargo build --release --features mpi)")
 }

@@ -63,6 +63,32 @@ pub enum KvBlocks {
     BudgetPerRank(u64),
 }
 
+/// What every rank of a group over shards like `shard` stores, and the model's limits: the
+/// shard's KV heads in `blocks` blocks of `block_size` positions (f32).
+pub fn group_layout(shard: &Llama, block_size: usize, blocks: KvBlocks) -> (KvLayout, ModelSpec) {
+    let local = local_config(shard);
+    let num_blocks = match blocks {
+        KvBlocks::Count(n) => n,
+        KvBlocks::BudgetPerRank(bytes) => {
+            let block_bytes = KvPool::<f32>::bytes_per_block(&local, block_size).max(1);
+            (bytes / block_bytes).max(1) as usize
+        }
+    };
+    let layout = KvLayout {
+        num_layers: local.num_hidden_layers,
+        num_kv_heads: local.num_key_value_heads,
+        head_dim: local.head_dim,
+        block_size,
+        num_blocks,
+        dtype: KvDtype::F32,
+    };
+    let spec = ModelSpec {
+        vocab_size: local.vocab_size,
+        max_model_len: local.max_position_embeddings,
+    };
+    (layout, spec)
+}
+
 impl TensorParallelExecutor {
     /// An executor over `shards` (shard `r` of `shards.len()` for rank `r`, as
     /// [`crate::load_shards`] loads them), f32 KV blocks of `block_size` positions, and
@@ -84,26 +110,8 @@ impl TensorParallelExecutor {
                 });
             }
         }
-        let local = local_config(first);
-        let num_blocks = match blocks {
-            KvBlocks::Count(n) => n,
-            KvBlocks::BudgetPerRank(bytes) => {
-                let block_bytes = KvPool::<f32>::bytes_per_block(&local, block_size).max(1);
-                (bytes / block_bytes).max(1) as usize
-            }
-        };
-        let layout = KvLayout {
-            num_layers: local.num_hidden_layers,
-            num_kv_heads: local.num_key_value_heads,
-            head_dim: local.head_dim,
-            block_size,
-            num_blocks,
-            dtype: KvDtype::F32,
-        };
-        let spec = ModelSpec {
-            vocab_size: local.vocab_size,
-            max_model_len: local.max_position_embeddings,
-        };
+        let (layout, spec) = group_layout(first, block_size, blocks);
+        let num_blocks = layout.num_blocks;
         let thread_pool = |rank: usize| {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads_per_rank.max(1))

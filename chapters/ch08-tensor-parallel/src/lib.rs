@@ -8,19 +8,24 @@
 //!
 //! | module       | what it does                                                                 |
 //! |--------------|------------------------------------------------------------------------------|
-//! | [`comm`]     | the [`Communicator`] seam (all-reduce, all-gather, broadcast); [`ThreadComm`] |
+//! | [`comm`]     | the [`Communicator`] seam (all-reduce, all-gather, broadcast); [`ThreadComm`], `MpiComm` |
 //! | [`load`]     | [`load_shards`]: one model shard per rank through chapter 1's shard specs     |
 //! | [`rank`]     | [`Rank`]: one rank's shard, KV pool and step, with the collectives in place   |
 //! | [`executor`] | [`TensorParallelExecutor`]: rank 0 schedules, every rank runs its shard        |
+//! | [`group`]    | [`RankGroupExecutor`], [`run_worker`]: the same when ranks are processes (MPI)  |
+//! | [`step_codec`] | a step as bytes, for ranks that share no memory                              |
 //! | [`pipeline`] | a pipeline-parallel sketch: layers in stages on threads, micro-batches, the bubble |
 
 pub mod comm;
 pub mod executor;
+pub mod group;
 pub mod load;
 pub mod pipeline;
 pub mod rank;
+pub mod step_codec;
 
 pub use comm::{CommError, Communicator, ThreadComm, thread_group};
-pub use executor::{BuildError, KvBlocks, TensorParallelExecutor};
-pub use load::load_shards;
+pub use executor::{BuildError, KvBlocks, TensorParallelExecutor, group_layout};
+pub use group::{RankGroupExecutor, WorkerError, run_worker};
+pub use load::{load_shard, load_shards};
 pub use rank::{Rank, local_config};

@@ -1,4 +1,5 @@
-//! [`load_shards`]: one model shard per rank, through chapter 1's loader and shard specs.
+//! [`load_shards`]: one model shard per rank, through chapter 1's loader and shard specs;
+//! [`load_shard`]: one rank's alone (a process of a group loads only its own).
 
 use std::path::Path;
 
@@ -26,6 +27,23 @@ pub fn load_shards(
             Llama::from_source(config.clone(), &weights, loader, shard)
         })
         .collect()
+}
+
+/// Rank `rank`'s part of the model in `dir` (of `world`), as [`load_shards`] loads it; the
+/// same errors, and one for a rank outside the world.
+pub fn load_shard(
+    dir: &Path,
+    loader: &dyn LinearLoader,
+    rank: usize,
+    world: usize,
+) -> Result<Llama, ch01::Error> {
+    let config = LlamaConfig::from_dir(dir)?;
+    check_world(&config, world)?;
+    if rank >= world {
+        return Err(ch01::ShardError::RankOutOfRange { rank, world }.into());
+    }
+    let weights = Weights::open(dir)?;
+    Llama::from_source(config, &weights, loader, TensorParallel { rank, world })
 }
 
 /// Checks that `world` ranks can split a model of `config`: the error `load_shards` returns.

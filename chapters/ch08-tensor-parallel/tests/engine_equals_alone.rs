@@ -1,7 +1,8 @@
 //! The engine over tensor-parallel ranks changes where tokens are computed, never which: chapter
 //! 4's scenario (random arrivals, budgets, chunked prefill, both kinds of preemption, prefix
 //! caching, aborts; every block back afterwards) with the executor replaced by 2 and by 4 ranks
-//! of shakespeare-tiny (4 query heads, 2 KV heads: at 4 ranks each KV head is replicated twice).
+//! of shakespeare-tiny (4 query heads, 2 KV heads: at 4 ranks each KV head is replicated twice),
+//! and by ranks that share only a communicator (the step sent as bytes, as between processes).
 
 extern crate ch04 as ch04_continuous_batching;
 
@@ -10,7 +11,9 @@ mod engine_scenario;
 
 use ch01::fixtures_dir;
 use ch02::{FastLoader, WeightDtype};
-use ch08_tensor_parallel::{KvBlocks, TensorParallelExecutor, load_shards};
+use ch08_tensor_parallel::{
+    KvBlocks, RankGroupExecutor, TensorParallelExecutor, load_shards, run_worker, thread_group,
+};
 
 fn with_world(world: usize) {
     let dir = fixtures_dir().join("shakespeare-tiny");
@@ -33,4 +36,25 @@ fn every_request_equals_generating_it_alone_on_two_ranks() {
 #[test]
 fn every_request_equals_generating_it_alone_on_four_ranks_with_replicated_kv_heads() {
     with_world(4);
+}
+
+#[test]
+fn every_request_equals_generating_it_alone_on_ranks_that_share_only_messages() {
+    // 2 ranks, the second a thread standing in for a process: nothing shared but the
+    // communicator, every step sent as bytes.
+    let dir = fixtures_dir().join("shakespeare-tiny");
+    engine_scenario::every_request_equals_generating_it_alone_with(&|_model, pool| {
+        let loader = FastLoader {
+            dtype: WeightDtype::F32,
+        };
+        let mut shards = load_shards(&dir, &loader, 2).unwrap().into_iter();
+        let mut comms = thread_group(2).unwrap().into_iter();
+        let (shard0, comm0) = (shards.next().unwrap(), comms.next().unwrap());
+        for (shard, comm) in shards.zip(comms) {
+            // Ends when the executor below is dropped (its empty message closes the group).
+            std::thread::spawn(move || run_worker(shard, comm).unwrap());
+        }
+        let blocks = KvBlocks::Count(pool.num_blocks());
+        Box::new(RankGroupExecutor::new(shard0, comm0, pool.block_size(), blocks).unwrap())
+    });
 }

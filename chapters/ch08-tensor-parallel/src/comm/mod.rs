@@ -9,8 +9,12 @@
 //! length (a collective is a meeting: a rank that skips one leaves the others waiting). A
 //! length that differs between ranks is an error on every rank, never a silent truncation.
 
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod thread;
 
+#[cfg(feature = "mpi")]
+pub use mpi::MpiComm;
 pub use thread::{ThreadComm, thread_group};
 
 /// Why a collective failed.

@@ -1,0 +1,141 @@
+//! [`RankGroupExecutor`] and [`run_worker`]: tensor parallelism when the ranks share nothing
+//! but a [`Communicator`] (processes under MPI, or machines), so the step itself must travel.
+//!
+//! ```text
+//! rank 0 (the engine's process)                 rank r ≥ 1 (run_worker)
+//!   new:     broadcast plan (block size, blocks) ─▶ build my pool
+//!   execute: broadcast encode(step) ───────────────▶ decode, run my shard
+//!            run my shard ◀──── all-reduces, all-gather ────▶
+//!   drop:    broadcast an empty message ──────────▶ return
+//! ```
+//! [`TensorParallelExecutor`](crate::TensorParallelExecutor) hands its threads the step in
+//! memory; here it is one broadcast of [`step_codec`](crate::step_codec) bytes per step, the
+//! only message the ranks exchange besides the forward's collectives. Every rank must load
+//! shard `r` of the same model, and the group runs as long as rank 0's executor lives.
+
+use ch01::Llama;
+use ch04::{Executor, ExecutorError, KvLayout, ModelSpec, SchedulerOutput};
+use ndarray::ArrayView2;
+
+use crate::comm::{CommError, Communicator};
+use crate::executor::{BuildError, KvBlocks, group_layout};
+use crate::rank::Rank;
+use crate::step_codec::{self, StepCodecError};
+
+/// Why a worker rank stopped before rank 0 closed the group.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Codec(#[from] StepCodecError),
+    #[error("the group plan from rank 0 is {0} bytes, not 16")]
+    Plan(usize),
+}
+
+/// Rank 0 of a group whose other ranks run [`run_worker`].
+pub struct RankGroupExecutor<C: Communicator> {
+    rank0: Rank,
+    comm: C,
+    message: Vec<u8>, // the step in flight, encoded
+    layout: KvLayout,
+    spec: ModelSpec,
+}
+
+/// Checks that `shard` is shard `rank` of a world of `comm.world()`.
+fn check_shard(shard: &Llama, comm: &dyn Communicator) -> Result<(), BuildError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    if shard.shard.rank != rank || shard.shard.world != world {
+        return Err(BuildError::WrongShard {
+            rank,
+            holds: shard.shard.rank,
+            world,
+        });
+    }
+    Ok(())
+}
+
+impl<C: Communicator> RankGroupExecutor<C> {
+    /// Rank 0 over `shard` (shard 0 of `comm.world()`), with KV blocks of `block_size` as
+    /// `blocks` says; tells the workers the same plan, so every pool has the same block ids.
+    pub fn new(
+        shard: Llama,
+        mut comm: C,
+        block_size: usize,
+        blocks: KvBlocks,
+    ) -> Result<Self, BuildError> {
+        check_shard(&shard, &comm)?;
+        let (layout, spec) = group_layout(&shard, block_size, blocks);
+        let mut plan = Vec::with_capacity(16);
+        plan.extend_from_slice(&(block_size as u64).to_le_bytes());
+        plan.extend_from_slice(&(layout.num_blocks as u64).to_le_bytes());
+        comm.broadcast(&mut plan, 0)?;
+        Ok(RankGroupExecutor {
+            rank0: Rank::new(shard, block_size, layout.num_blocks)?,
+            comm,
+            message: Vec::new(),
+            layout,
+            spec,
+        })
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm.world()
+    }
+}
+
+impl<C: Communicator> Executor for RankGroupExecutor<C> {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn model_spec(&self) -> ModelSpec {
+        self.spec
+    }
+
+    // ANCHOR: group_execute
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        let failed = |e: CommError| ExecutorError(format!("tensor-parallel step: {e}"));
+        step_codec::encode(step, &mut self.message);
+        self.comm.broadcast(&mut self.message, 0).map_err(failed)?;
+        self.rank0.execute(step, &mut self.comm).map_err(failed)
+    }
+    // ANCHOR_END: group_execute
+}
+
+impl<C: Communicator> Drop for RankGroupExecutor<C> {
+    /// An empty message closes the group: every worker's [`run_worker`] returns.
+    fn drop(&mut self) {
+        self.message.clear();
+        let _ = self.comm.broadcast(&mut self.message, 0);
+    }
+}
+
+// ANCHOR: run_worker
+/// Rank `comm.rank() ≥ 1` of a group: builds its pool from rank 0's plan, then runs every step
+/// rank 0 broadcasts on `shard`, until rank 0's executor is dropped.
+pub fn run_worker<C: Communicator>(shard: Llama, mut comm: C) -> Result<(), WorkerError> {
+    check_shard(&shard, &comm)?;
+    let mut message = Vec::new();
+    comm.broadcast(&mut message, 0)?;
+    let plan: [u8; 16] = message
+        .as_slice()
+        .try_into()
+        .map_err(|_| WorkerError::Plan(message.len()))?;
+    let [block_size, num_blocks] = [&plan[..8], &plan[8..]].map(|b| {
+        let v = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+        usize::try_from(v).unwrap_or(usize::MAX)
+    });
+    let mut rank: Rank = Rank::new(shard, block_size, num_blocks).map_err(BuildError::from)?;
+    loop {
+        comm.broadcast(&mut message, 0)?;
+        if message.is_empty() {
+            return Ok(());
+        }
+        let step = step_codec::decode(&message)?;
+        rank.execute(&step, &mut comm)?;
+    }
+}
+// ANCHOR_END: run_worker

@@ -1,0 +1,138 @@
+//! Tensor parallelism across processes (a kiln built with `--features mpi`, run by `cargo test
+//! --features mpi --test mpi`): rank 0 is `kiln generate` / `kiln perplexity`, rank 1 is
+//! `kiln tp-worker`, two processes under mpirun on this machine. They print exactly what two
+//! threads print (the sums are taken in the same order), and what one rank prints.
+//!
+//! Skips when mpirun is not installed, unless `KILN_REQUIRE_MPI=1` (CI sets it).
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ch01::fixtures_dir;
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .expect("run kiln")
+}
+
+/// Whether mpirun is here; panics when it must be and is not.
+fn have_mpirun() -> bool {
+    let found = Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found && std::env::var("KILN_REQUIRE_MPI").as_deref() == Ok("1") {
+        panic!("KILN_REQUIRE_MPI=1 but mpirun is not installed (Debian: openmpi-bin)");
+    }
+    if !found {
+        eprintln!("skipped: no mpirun");
+    }
+    found
+}
+
+/// `mpirun -n 1 kiln <rank0> : -n world-1 kiln tp-worker`, killed after two minutes.
+fn group(world: usize, rank0: &[&str]) -> Output {
+    let kiln = env!("CARGO_BIN_EXE_kiln");
+    let workers = (world - 1).to_string();
+    let mut child = Command::new("mpirun")
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .args(["--oversubscribe", "-n", "1", kiln])
+        .args(rank0)
+        .args([":", "-n", &workers, kiln, "tp-worker"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start mpirun");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().expect("wait for mpirun").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("mpirun {rank0:?} did not finish in 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("mpirun's output")
+}
+
+fn stdout(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 fixture path")
+}
+
+#[test]
+fn two_processes_print_what_two_threads_and_one_rank_print() {
+    if !have_mpirun() {
+        return;
+    }
+    let prompts = fixtures_dir().join("prompts/demo.txt");
+    let generate = [
+        "generate",
+        "--prompts-file",
+        path(&prompts),
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ];
+    let mpi = [
+        "--tensor-parallel-size",
+        "2",
+        "--tensor-parallel-backend",
+        "mpi",
+    ];
+    let one = stdout(&kiln(&generate));
+    assert!(one.contains("=== [5]"), "{one}");
+    assert_eq!(stdout(&group(2, &[&generate[..], &mpi].concat())), one);
+
+    let hamlet = fixtures_dir().join("corpus/hamlet.txt");
+    let ppl = ["perplexity", "--file", path(&hamlet), "--chunks", "2"];
+    let threads = stdout(&kiln(&[&ppl[..], &mpi[..2]].concat()));
+    let processes = stdout(&group(2, &[&ppl[..], &mpi].concat()));
+    // "Final estimate: PPL = 74.8009 (2 chunks of 512 tokens, 510 tokens scored, 4.2 s)":
+    // everything but the time.
+    let line = |text: &str| {
+        let line = text.lines().find(|l| l.contains("PPL = "))?;
+        Some(line.split(" tokens scored").next()?.to_owned())
+    };
+    assert!(line(&threads).is_some(), "{threads}");
+    assert_eq!(line(&processes), line(&threads));
+}
+
+#[test]
+fn a_group_of_the_wrong_size_is_a_clear_error() {
+    if !have_mpirun() {
+        return;
+    }
+    // One process (no mpirun: MPI's singleton world) asked for two ranks.
+    let output = kiln(&[
+        "generate",
+        "--prompt",
+        "HAMLET.",
+        "--tensor-parallel-size",
+        "2",
+        "--tensor-parallel-backend",
+        "mpi",
+    ]);
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("needs 2 processes"), "{err}");
+    // A worker without a rank 0.
+    let output = kiln(&["tp-worker"]);
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("rank 1.. of an MPI group"), "{err}");
+}
