@@ -107,10 +107,9 @@ book action="build":
 fixtures:
     bash fixtures/scripts/make_all.sh
 
-# ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch05 its GGUF files beside llama.cpp
-# (`just build-llama-cpp` makes them); ch02 beside transformers (`just fixtures`)
-# ch02, ch03, ch04 and ch06 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
-# and llama.cpp (`just build-llama-cpp`) when those are present. `serve` starts `kiln serve` on
+# ch02, ch03, ch04 and ch06 measure SmolLM2-135M (fetched first); ch05 its GGUF files beside
+# llama.cpp (`just build-llama-cpp` makes them); ch02 beside transformers (`just fixtures`)
+# and llama.cpp when those are present. `serve` starts `kiln serve` on
 # SmolLM2 and loads it with `kiln bench serve` at rates 1, 2, 4, 8 and inf (args go to the latter;
 # --num-prompts and --request-rate replace the defaults; --ignore-eos is always on).
 # Run a benchmark and write its tables and plots into the book (`just bench ch01`, `just bench serve`).
@@ -120,7 +119,6 @@ bench which="ch01" *args:
     case "{{which}}" in
       ch05) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench ch05 {{args}} ;;
-      ch02|ch03|ch04) bash fixtures/scripts/fetch_smollm2.sh
       ch02|ch03|ch04|ch06) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
       serve) bash fixtures/scripts/fetch_smollm2.sh
