@@ -102,6 +102,10 @@ exercise n *args:
 check n k="":
     cargo run -q -- exercise check {{n}} {{k}}
 
+# Redraw the book's figures of what the engine did (chapter 4's trace as a Gantt chart); CI checks them.
+diagrams *args:
+    cargo run -q -- diagrams {{args}}
+
 # Every test of the workspace (the README's test command).
 test:
     cargo test --workspace
