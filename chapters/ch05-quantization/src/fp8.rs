@@ -37,6 +37,7 @@ impl F8E4M3 {
 
     /// Rounds to nearest even; saturates to ±448 (±∞ too); NaN becomes `s 1111 111`.
     pub fn from_f32(x: f32) -> Self {
+        // ANCHOR: task_5_4
         let bits = x.to_bits();
         let sign = (bits >> 24) as u8 & 0x80;
         let mag = bits & 0x7FFF_FFFF; // |x|, as bits: ordered like the values
@@ -56,6 +57,7 @@ impl F8E4M3 {
             ((mag - (120 << 23) + 0x7_FFFF + odd) >> 20) as u8
         };
         F8E4M3(sign | code)
+        // ANCHOR_END: task_5_4
     }
 
     /// Exact: every E4M3 value is an f32.

@@ -39,6 +39,7 @@ impl NgramDrafter {
 /// Up to `k` tokens that followed the last earlier occurrence of the longest suffix of
 /// `tokens` of `min_n..=max_n` tokens; empty when none occurred before.
 pub fn ngram_lookup(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &[u32] {
+    // ANCHOR: task_6_2
     let len = tokens.len();
     for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
         let suffix = &tokens[len - n..];
@@ -49,6 +50,7 @@ pub fn ngram_lookup(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &[u
         }
     }
     &[]
+    // ANCHOR_END: task_6_2
 }
 // ANCHOR_END: lookup
 

@@ -43,10 +43,12 @@ pub trait Target {
 /// Probability of keeping a draft token with target probability `p` and draft probability `q`:
 /// `min(1, p / q)`. A token the drafter could not have proposed (`q = 0`) is kept iff `p > 0`.
 pub fn accept_probability(p: f64, q: f64) -> f64 {
+    // ANCHOR: task_6_3
     if q <= 0.0 {
         return if p > 0.0 { 1.0 } else { 0.0 };
     }
     (p / q).min(1.0)
+    // ANCHOR_END: task_6_3
 }
 // ANCHOR_END: accept_probability
 
@@ -64,6 +66,7 @@ pub fn speculative_step(
     residual: &mut Vec<f64>,
     accepted: &mut Vec<u32>,
 ) -> Result<(), SamplingError> {
+    // ANCHOR: task_6_3
     for (i, &draft) in drafts.iter().enumerate() {
         target.distribution(i, &drafts[..i], p)?;
         let p_d = p.get(draft as usize).copied().unwrap_or(0.0);
@@ -90,6 +93,7 @@ pub fn speculative_step(
     target.distribution(drafts.len(), drafts, p)?;
     accepted.push(target.pick(p) as u32);
     Ok(())
+    // ANCHOR_END: task_6_3
 }
 // ANCHOR_END: speculative_step
 
@@ -174,6 +178,7 @@ pub fn verify(
         output: extended,
     } = scratch;
     if sampler.params().is_greedy() {
+        // ANCHOR: task_6_1
         extended.clear();
         extended.extend_from_slice(output);
         for i in 0..=draft.tokens.len() {
@@ -187,6 +192,7 @@ pub fn verify(
             }
         }
         return Ok(());
+        // ANCHOR_END: task_6_1
     }
     let vocab = rows.ncols();
     let q = |i: usize, t: u32| -> f64 {

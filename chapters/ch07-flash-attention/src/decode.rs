@@ -58,6 +58,7 @@ pub fn decode_task<K: ToF32>(
     scores: &mut [f32],
     partial: &mut [f32],
 ) {
+    // ANCHOR: task_7_2
     let d = kv.shape.head_dim;
     let group = kv.shape.num_heads / kv.shape.num_kv_heads;
     let kv_dim = kv.kv_dim();
@@ -113,6 +114,7 @@ pub fn decode_task<K: ToF32>(
             state[0] = f32::NEG_INFINITY; // the empty state: (−∞, 0, 0)
         }
     }
+    // ANCHOR_END: task_7_2
 }
 // ANCHOR_END: decode_task
 

@@ -66,12 +66,14 @@ fn rescale_factor(from: f32, to: f32) -> f32 {
 /// the row's output `o` before adding `Σ_j s[j] · v_j`.
 #[inline(always)]
 pub fn online_step(stats: &mut RowStats, s: &mut [f32]) -> f32 {
+    // ANCHOR: task_7_1
     let m_new = stats.max.max(max(s)); // m' = max(m, max s)
     let alpha = rescale_factor(stats.max, m_new); // α = e^(m − m')
     let tile_sum = exp_shifted_sum(s, m_new); // s ← e^(s − m'), Σ
     stats.sum = alpha * stats.sum + tile_sum; // l ← α·l + Σ e^(s − m')
     stats.max = m_new;
     alpha
+    // ANCHOR_END: task_7_1
 }
 // ANCHOR_END: online_step
 
@@ -80,6 +82,7 @@ pub fn online_step(stats: &mut RowStats, s: &mut [f32]) -> f32 {
 /// `o_a`, `o_b`: the rows' unnormalised outputs [d].
 #[inline(always)]
 pub fn merge_into(a: &mut RowStats, o_a: &mut [f32], b: RowStats, o_b: &[f32]) {
+    // ANCHOR: task_7_1
     if b.is_empty() {
         return;
     }
@@ -95,6 +98,7 @@ pub fn merge_into(a: &mut RowStats, o_a: &mut [f32], b: RowStats, o_b: &[f32]) {
     for (x, &y) in o_a.iter_mut().zip(o_b) {
         *x = *x * wa + y * wb; // o = o_a·e^(m_a − m) + o_b·e^(m_b − m)
     }
+    // ANCHOR_END: task_7_1
 }
 // ANCHOR_END: merge
 

@@ -70,6 +70,7 @@ pub fn prefill_task<K: ToF32, const FMA: bool>(
     stats.fill(RowStats::EMPTY);
     o.fill(0.0);
 
+    // ANCHOR: task_7_3
     // Causal: K/V tiles that start after the last query position are skipped whole.
     for k0 in (0..=last_pos).step_by(kv_tile) {
         let len = kv_tile.min(last_pos + 1 - k0);
@@ -104,6 +105,7 @@ pub fn prefill_task<K: ToF32, const FMA: bool>(
         }
         accumulate_pv::<FMA>(&tiles.s, &tiles.v, o, dp, bcp, len); // O ← O + P V
     }
+    // ANCHOR_END: task_7_3
     for (r, o_r) in o.chunks_exact_mut(dp).enumerate() {
         finish(stats[r], o_r); // O / l
     }

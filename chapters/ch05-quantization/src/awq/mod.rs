@@ -96,6 +96,7 @@ pub fn search(
     mean: &Array1<f64>,
     group_size: usize,
 ) -> Result<Search, GroupQuantError> {
+    // ANCHOR: task_5_5
     let x = x.mapv(f64::from); // [T, in]
     let mut best: Option<Search> = None;
     let mut rtn_error = f64::NAN;
@@ -128,6 +129,7 @@ pub fn search(
     let mut best = best.expect("GRID > 0");
     best.rtn_error = rtn_error;
     Ok(best)
+    // ANCHOR_END: task_5_5
 }
 // ANCHOR_END: search
 
@@ -136,4 +138,77 @@ pub fn subsample(x: ArrayView2<f32>, n: usize) -> Array2<f32> {
     let step = x.nrows().div_ceil(n.max(1)).max(1);
     let rows: Vec<usize> = (0..x.nrows()).step_by(step).collect();
     x.select(Axis(0), &rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The output error of `w` quantized with the scales of `alpha`, computed here apart.
+    fn error_at(w: &Array2<f32>, x: &Array2<f64>, mean: &Array1<f64>, alpha: f64) -> f64 {
+        let s = scales(mean, alpha);
+        let deq = quantize(&scale_columns(w, &s), 64).unwrap().dequantize();
+        let cols = w.ncols();
+        let diff = Array2::from_shape_fn(w.dim(), |(o, i)| {
+            f64::from(w[[o, i]]) - f64::from(deq[o * cols + i]) / s[i]
+        });
+        x.dot(&diff.t()).iter().map(|v| v * v).sum()
+    }
+
+    /// A layer whose every 16th input channel carries inputs 30 times larger than the rest:
+    /// the search keeps the best exponent of its grid, reports round-to-nearest's error at
+    /// `α = 0`, and beats it with an `α > 0`.
+    #[test]
+    fn the_search_keeps_the_grids_best_exponent_and_beats_round_to_nearest() {
+        let (out, cols, tokens) = (16, 128, 64);
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        };
+        let w = Array2::from_shape_fn((out, cols), |_| next() as f32);
+        let x = Array2::from_shape_fn((tokens, cols), |(_, c)| {
+            let salient = if c % 16 == 0 { 30.0 } else { 1.0 };
+            (next() * salient) as f32
+        });
+        let mut magnitude = ChannelMagnitude::new(cols);
+        magnitude.add(x.view());
+        let mean = magnitude.mean();
+        let found = search(&[&w], x.view(), &mean, 64).unwrap();
+
+        let xf = x.mapv(f64::from);
+        let errors: Vec<f64> = (0..GRID)
+            .map(|step| error_at(&w, &xf, &mean, step as f64 / GRID as f64))
+            .collect();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
+        let best = errors.iter().copied().fold(f64::INFINITY, f64::min);
+        assert!(
+            close(found.rtn_error, errors[0]),
+            "rtn_error {} is not the error at α = 0, {}",
+            found.rtn_error,
+            errors[0]
+        );
+        assert!(
+            close(found.error, best),
+            "error {} at α = {}, but the grid's best is {best} (errors by step: {errors:?})",
+            found.error,
+            found.alpha
+        );
+        let step = (found.alpha * GRID as f64).round() as usize;
+        assert!(
+            step < GRID && close(errors[step], best),
+            "α = {} is not the exponent of the smallest error (errors by step: {errors:?})",
+            found.alpha
+        );
+        assert_eq!(found.scales, scales(&mean, found.alpha), "the scales of α");
+        assert!(
+            found.alpha > 0.0 && found.error < found.rtn_error,
+            "salient channels, yet α = {} and error {} against round-to-nearest's {}",
+            found.alpha,
+            found.error,
+            found.rtn_error
+        );
+    }
 }

@@ -21,6 +21,7 @@ pub const BLOCK_ELEMS: usize = 32;
 
 /// `bytes`: whole blocks; `out`: `BLOCK_ELEMS` values per block (the caller checked the lengths).
 pub fn dequantize(bytes: &[u8], out: &mut [f32]) {
+    // ANCHOR: task_5_1
     for (block, out) in bytes
         .chunks_exact(BLOCK_BYTES)
         .zip(out.chunks_exact_mut(BLOCK_ELEMS))
@@ -32,10 +33,12 @@ pub fn dequantize(bytes: &[u8], out: &mut [f32]) {
             *hi = d * f32::from((b >> 4) as i8 - 8);
         }
     }
+    // ANCHOR_END: task_5_1
 }
 
 /// `values`: `BLOCK_ELEMS` per block; `out`: whole blocks (the caller checked the lengths).
 pub fn quantize(values: &[f32], out: &mut [u8]) {
+    // ANCHOR: task_5_1
     for (x, block) in values
         .chunks_exact(BLOCK_ELEMS)
         .zip(out.chunks_exact_mut(BLOCK_BYTES))
@@ -52,4 +55,5 @@ pub fn quantize(values: &[f32], out: &mut [u8]) {
             block[2 + j] = q(x[j]) | (q(x[j + 16]) << 4);
         }
     }
+    // ANCHOR_END: task_5_1
 }

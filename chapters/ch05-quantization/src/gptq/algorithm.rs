@@ -167,6 +167,7 @@ pub fn gptq(
             .zip(row_grids.par_iter_mut())
             .enumerate()
             .for_each(|(o, (((wr, er), qr), gr))| {
+                // ANCHOR: task_5_3
                 for i in 0..width {
                     let col = i1 + i;
                     if col % gs == 0 {
@@ -186,6 +187,7 @@ pub fn gptq(
                         wr[j] -= e * u_block[[i, j]];
                     }
                 }
+                // ANCHOR_END: task_5_3
             });
         for o in 0..out {
             codes

@@ -32,27 +32,32 @@ fn nibble(qs: &[u8], l: usize) -> i32 {
 
 /// One Q8_0 row (whole blocks) with one token's activation blocks.
 pub fn dot_q8_0(row: &[u8], acts: &[Act32]) -> f32 {
+    // ANCHOR: task_5_2
     let mut acc = [0.0f32; LANES];
     for (b, a) in row.chunks_exact(34).zip(acts) {
         let s = lanes32(|l| i32::from(b[2 + l] as i8), &a.q);
         acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
     }
     sum_lanes(&acc)
+    // ANCHOR_END: task_5_2
 }
 
 /// One Q4_0 row with one token's activation blocks: `Σ (q − 8)·x`.
 pub fn dot_q4_0(row: &[u8], acts: &[Act32]) -> f32 {
+    // ANCHOR: task_5_2
     let mut acc = [0.0f32; LANES];
     for (b, a) in row.chunks_exact(18).zip(acts) {
         let s = lanes32(|l| nibble(&b[2..18], l) - 8, &a.q);
         acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
     }
     sum_lanes(&acc)
+    // ANCHOR_END: task_5_2
 }
 
 /// One Q4_1 row with one token's activation blocks: `Σ (d·q + m)·x = d·Σ q·x + m·Σ x`, the
 /// offsets in their own accumulator.
 pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
+    // ANCHOR: task_5_2
     let mut acc = [0.0f32; LANES];
     let mut acc_m = 0.0f32;
     for (b, a) in row.chunks_exact(20).zip(acts) {
@@ -61,6 +66,7 @@ pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
         acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
     }
     sum_lanes(&acc) + acc_m
+    // ANCHOR_END: task_5_2
 }
 
 /// The little-endian u32 at `b[at..at + 4]` (a Q5 block's high bits).
