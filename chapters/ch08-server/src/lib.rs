@@ -30,11 +30,13 @@
 //! | [`routes`]        | the endpoints; streaming (SSE) or whole responses                   |
 //! | [`state`]         | what handlers share; admission (keys, rate limits, queue limit)      |
 //! | [`server`]        | start-up checks, the router, graceful shutdown                       |
+//! | [`dashboard`]     | `/dashboard`: the engine's queues, block tables and steps, live      |
 
 pub mod access_log;
 pub mod auth;
 pub mod chat_template;
 pub mod connections;
+pub mod dashboard;
 pub mod driver;
 pub mod engine_thread;
 pub mod error;
