@@ -281,6 +281,10 @@ impl History {
                 PREEMPTIONS_KEPT,
             );
         }
+        // A preempted request's blocks went back to the pool: so did its copies.
+        for id in &trace.preempted {
+            self.copies.remove(id);
+        }
         for &(id, copy) in &trace.copied {
             let copies = self.copies.entry(id).or_default();
             if copies.len() < MAX_LISTED_BLOCKS {

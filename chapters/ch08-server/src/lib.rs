@@ -3,7 +3,7 @@
 //! Chapter 4's engine serves many requests at once, but only to a caller in the same process.
 //! This crate puts it behind the HTTP API that OpenAI clients, and vLLM's users, expect:
 //! `/v1/completions`, `/v1/chat/completions` (streamed with server-sent events or not),
-//! `/v1/models`, `/health` and Prometheus `/metrics`.
+//! `/v1/models`, `/health`, Prometheus `/metrics`, and `/dashboard`, the engine drawn live.
 //!
 //! ```text
 //! HTTP handlers (tokio tasks)                      engine thread (one, owns the Engine)
