@@ -672,6 +672,93 @@ mod tests {
         engine.scheduler().check_invariants().unwrap();
     }
 
+    /// Drafts the sequence's last token twice; verifies greedily (accepts a draft while it is
+    /// the target's argmax, then adds the target's next token).
+    struct RepeatLast;
+
+    fn argmax(row: &[f32]) -> u32 {
+        let best = row
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i);
+        best as u32
+    }
+
+    impl ch04::Speculator for RepeatLast {
+        fn num_speculative_tokens(&self) -> usize {
+            2
+        }
+        fn disable_by_batch_size(&self) -> Option<usize> {
+            None
+        }
+        fn propose(
+            &mut self,
+            seqs: &[ch04::DraftSeq],
+            drafts: &mut [ch04::Draft],
+        ) -> Result<(), ch04::ExecutorError> {
+            for (seq, draft) in seqs.iter().zip(drafts) {
+                let last = *seq.tokens.last().unwrap_or(&0);
+                draft.tokens = vec![last; seq.max_drafts.min(2)];
+            }
+            Ok(())
+        }
+        fn verify(
+            &mut self,
+            _sampler: &mut ch01::Sampler,
+            rows: ndarray::ArrayView2<f32>,
+            _prompt: &[u32],
+            _output: &[u32],
+            draft: &ch04::Draft,
+            accepted: &mut Vec<u32>,
+        ) -> Result<(), ch01::sampler::SamplingError> {
+            for (i, row) in rows.rows().into_iter().enumerate() {
+                let best = argmax(row.as_slice().unwrap());
+                accepted.push(best);
+                if draft.tokens.get(i) != Some(&best) {
+                    break;
+                }
+            }
+            Ok(())
+        }
+        fn release(&mut self, _id: RequestId) {}
+    }
+
+    /// With a speculator, the snapshot reports its acceptance from the engine's counters, and
+    /// each decode's drafts count in its step's decode tokens.
+    #[test]
+    fn snapshot_reports_speculative_acceptance() {
+        let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+        let mut engine =
+            engine(&model, 32, EngineConfig::default()).with_speculator(Box::new(RepeatLast));
+        let mut history = History::default();
+        let snap = history.snapshot(&engine);
+        let none_yet = snap.speculative.expect("a speculator is on");
+        assert_eq!((none_yet.draft_tokens, none_yet.acceptance_rate), (0, None));
+        engine
+            .add_request(Request::greedy(vec![5, 6, 7], 12))
+            .unwrap();
+        while engine.has_unfinished() {
+            steps(&mut engine, &mut history, 1);
+        }
+        let counters = engine.scheduler().counters();
+        let snap = history.snapshot(&engine);
+        let spec = snap.speculative.unwrap();
+        assert!(spec.draft_tokens > 0);
+        assert_eq!(spec.drafts, counters.spec_decode_num_drafts);
+        assert_eq!(spec.draft_tokens, counters.spec_decode_num_draft_tokens);
+        assert_eq!(
+            spec.accepted_tokens,
+            counters.spec_decode_num_accepted_tokens
+        );
+        let rate = spec.accepted_tokens as f64 / spec.draft_tokens as f64;
+        assert_eq!(spec.acceptance_rate, Some(rate));
+        // Every step after the prefill decodes one token and verifies its drafts.
+        let run: usize = snap.steps.iter().map(|s| s.decode_tokens).sum();
+        let decodes: usize = snap.steps.iter().map(|s| s.decodes).sum();
+        assert_eq!(run as u64, decodes as u64 + spec.draft_tokens);
+    }
+
     #[test]
     fn lists_are_capped_and_say_what_they_left_out() {
         let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
