@@ -5,6 +5,7 @@
 //! poll:     idle?  block until a command comes        busy?  take the commands already queued
 //!           Add    → engine.add_request, remember where its tokens go
 //!           Abort  → engine.abort (its blocks are free before the next step)
+//!           Snapshot → the dashboard's view of the engine, between two steps
 //!           every request whose receiver is gone (client disconnected) → abort
 //! on_step:  each request's new tokens to its channel; finished ones forgotten
 //!           publish the gauges to the metrics
