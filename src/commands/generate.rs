@@ -444,6 +444,7 @@ fn trace_line(engine: &Engine, sampled: &[RequestId], recomputing: &BTreeSet<Req
         preempted,
         admitted,
         speculated,
+        ..
     } = scheduler.last_step();
     let ids = |ids: &[RequestId]| {
         ids.iter()

@@ -128,6 +128,8 @@ pub struct StepTrace {
     pub admitted: Vec<RequestId>,
     /// Speculative decodes verified this step: (request, drafts run, drafts accepted).
     pub speculated: Vec<(RequestId, usize, usize)>,
+    /// Copies-on-write this step: (request, the shared block copied, its private copy).
+    pub copied: Vec<(RequestId, ch03::BlockCopy)>,
 }
 
 /// Counters for the server's metrics (chapter 8).

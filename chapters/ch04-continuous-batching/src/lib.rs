@@ -46,5 +46,5 @@ pub use engine::{
 pub use executor::{Executor, ExecutorError, KvLayout, ModelSpec};
 pub use logprobs::TokenLogprobs;
 pub use request::{FinishReason, Request, RequestId, Status};
-pub use scheduler::{BlockOp, ScheduledSeq, Scheduler, SchedulerOutput};
+pub use scheduler::{BlockOp, ScheduledSeq, Scheduler, SchedulerOutput, SeqView};
 pub use speculation::{Draft, DraftSeq, Speculator};

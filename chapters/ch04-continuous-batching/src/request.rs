@@ -83,6 +83,8 @@ pub(crate) struct Sequence {
     pub streamed: usize,
     /// Draft tokens for the next step (chapter 6's speculation); empty unless a decode.
     pub draft: Draft,
+    /// Positions whose K/V the prefix cache supplied when it was last admitted.
+    pub num_cached_tokens: usize,
 }
 
 impl Sequence {

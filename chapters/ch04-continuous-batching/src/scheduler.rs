@@ -111,6 +111,25 @@ impl SchedulerOutput {
     }
 }
 
+/// A read-only view of one sequence in the scheduler, for observers that draw the engine
+/// (chapter 8's dashboard); nothing in it can change the schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqView<'a> {
+    pub id: RequestId,
+    pub status: Status,
+    pub priority: i32,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    /// Prompt and output tokens so far.
+    pub num_tokens: usize,
+    /// Positions that hold K/V (while running; kept while swapped; 0 while waiting).
+    pub num_computed: usize,
+    /// Positions the prefix cache supplied when it was last admitted.
+    pub num_cached_tokens: usize,
+    /// Its block table while running; empty otherwise.
+    pub blocks: &'a [BlockId],
+}
+
 /// The scheduler over one executor's KV memory.
 ///
 /// Invariants: the block manager was sized from the executor's [`KvLayout`]; a running
@@ -211,6 +230,7 @@ impl Scheduler {
                 table: None,
                 streamed: 0,
                 draft: Draft::default(),
+                num_cached_tokens: 0,
             },
         );
         Ok(id)
@@ -255,6 +275,26 @@ impl Scheduler {
 
     pub fn prefix_stats(&self) -> PrefixStats {
         self.manager.stats()
+    }
+
+    /// The block manager, to read (reference counts, the prefix cache, free blocks).
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.manager
+    }
+
+    /// Every request the scheduler holds, finished ones not yet taken included, by id.
+    pub fn sequences(&self) -> impl Iterator<Item = SeqView<'_>> {
+        self.seqs.values().map(|s| SeqView {
+            id: s.id,
+            status: s.status,
+            priority: s.request.priority,
+            prompt_len: s.request.prompt.len(),
+            max_tokens: s.request.max_tokens,
+            num_tokens: s.tokens.len(),
+            num_computed: s.num_computed,
+            num_cached_tokens: s.num_cached_tokens,
+            blocks: s.table.as_ref().map_or(&[], |t| t.blocks()),
+        })
     }
 
     /// (waiting, running, swapped) requests.
@@ -525,6 +565,7 @@ impl Scheduler {
         let table = seq.table.as_mut().expect("running");
         if let Some(copy) = self.manager.reserve(table, n)? {
             self.block_ops.push(BlockOp::Copy(copy));
+            self.trace.copied.push((id, copy));
         }
         Ok(())
     }
@@ -598,6 +639,7 @@ impl Scheduler {
         let Ok(mut table) = self.manager.allocate_prompt(&seq.tokens[..known.max(1)]) else {
             return false;
         };
+        seq.num_cached_tokens = table.num_tokens();
         if seq.status == Status::Swapped {
             // Cached blocks already hold these tokens' K/V; the executor copies the rest back.
             let written = seq.num_computed.div_ceil(table.block_size());

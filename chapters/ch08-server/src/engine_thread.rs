@@ -5,6 +5,7 @@
 //! poll:     idle?  block until a command comes        busy?  take the commands already queued
 //!           Add    → engine.add_request, remember where its tokens go
 //!           Abort  → engine.abort (its blocks are free before the next step)
+//!           Snapshot → the dashboard's view of the engine, between two steps
 //!           every request whose receiver is gone (client disconnected) → abort
 //! on_step:  each request's new tokens to its channel; finished ones forgotten
 //!           publish the gauges to the metrics
@@ -27,6 +28,7 @@ use ch04::{
 use ch07::AttentionKind;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::dashboard::{EngineSnapshot, History};
 use crate::metrics::{EngineGauges, Metrics};
 use crate::server::{ExecutorFactory, SpeculatorFactory};
 
@@ -56,6 +58,8 @@ enum Command {
     Abort(RequestId),
     AbortAll,
     Stop,
+    /// The dashboard's view of the engine, taken between two steps.
+    Snapshot(oneshot::Sender<EngineSnapshot>),
 }
 
 /// The handlers' side: cheap to clone, one per handler.
@@ -127,6 +131,16 @@ impl EngineHandle {
     /// Aborts every request in flight (the end of a shutdown's grace period).
     pub fn abort_all(&self) {
         let _ = self.commands.send(Command::AbortAll);
+    }
+
+    /// The engine as the dashboard shows it, taken by the engine thread before its next step
+    /// (at once when it is idle).
+    pub async fn snapshot(&self) -> Result<EngineSnapshot, SubmitError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Snapshot(reply))
+            .map_err(|_| SubmitError::Stopped)?;
+        answer.await.map_err(|_| SubmitError::Stopped)
     }
 }
 
@@ -258,6 +272,8 @@ struct Client<'a> {
     commands: std_mpsc::Receiver<Command>,
     routes: HashMap<RequestId, Route>,
     metrics: &'a Metrics,
+    /// The last steps, for the dashboard's snapshots.
+    history: History,
 }
 
 // ANCHOR: run
@@ -266,6 +282,7 @@ fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &
         commands,
         routes: HashMap::new(),
         metrics,
+        history: History::default(),
     };
     while let Err(error) = drive(&mut engine, &mut client) {
         // Fail everything in flight rather than spin: the engine is not trusted after an
@@ -333,6 +350,7 @@ impl EngineClient for Client<'_> {
             }
         };
         let queued = std::iter::from_fn(|| self.commands.try_recv().ok());
+        let mut snapshots = Vec::new();
         for command in first.into_iter().chain(queued).collect::<Vec<_>>() {
             match command {
                 Command::Add {
@@ -347,6 +365,7 @@ impl EngineClient for Client<'_> {
                     publish(engine, self.metrics);
                     return ControlFlow::Break(());
                 }
+                Command::Snapshot(reply) => snapshots.push(reply),
             }
         }
         // Clients that went away: free their blocks now, not when they would have finished.
@@ -360,10 +379,19 @@ impl EngineClient for Client<'_> {
             end(engine, &mut self.routes, id, None);
         }
         publish(engine, self.metrics);
+        // One snapshot answers every dashboard that asked since the last step; sending on a
+        // oneshot never waits for its receiver.
+        if !snapshots.is_empty() {
+            let snapshot = self.history.snapshot(engine);
+            for reply in snapshots {
+                let _ = reply.send(snapshot.clone());
+            }
+        }
         ControlFlow::Continue(())
     }
 
     fn on_step(&mut self, engine: &mut Engine<'_>, outputs: Vec<RequestOutput>) {
+        self.history.record(engine);
         for out in outputs {
             if let Some(route) = self.routes.get(&out.id) {
                 let _ = route.events.send(Event::Tokens {

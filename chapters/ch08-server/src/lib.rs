@@ -3,7 +3,7 @@
 //! Chapter 4's engine serves many requests at once, but only to a caller in the same process.
 //! This crate puts it behind the HTTP API that OpenAI clients, and vLLM's users, expect:
 //! `/v1/completions`, `/v1/chat/completions` (streamed with server-sent events or not),
-//! `/v1/models`, `/health` and Prometheus `/metrics`.
+//! `/v1/models`, `/health`, Prometheus `/metrics`, and `/dashboard`, the engine drawn live.
 //!
 //! ```text
 //! HTTP handlers (tokio tasks)                      engine thread (one, owns the Engine)
@@ -30,11 +30,13 @@
 //! | [`routes`]        | the endpoints; streaming (SSE) or whole responses                   |
 //! | [`state`]         | what handlers share; admission (keys, rate limits, queue limit)      |
 //! | [`server`]        | start-up checks, the router, graceful shutdown                       |
+//! | [`dashboard`]     | `/dashboard`: the engine's queues, block tables and steps, live      |
 
 pub mod access_log;
 pub mod auth;
 pub mod chat_template;
 pub mod connections;
+pub mod dashboard;
 pub mod driver;
 pub mod engine_thread;
 pub mod error;

@@ -109,6 +109,54 @@ impl Histogram {
     }
 }
 
+// ANCHOR: histogram_snapshot
+/// One histogram as `/metrics` renders it, for JSON readers (chapter 8's dashboard): the same
+/// numbers, taken under the same lock.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HistogramSnapshot {
+    /// Ascending upper bounds (inclusive), without +Inf.
+    pub bounds: Vec<f64>,
+    /// Cumulative counts, one per bound and one more for +Inf: `_bucket{le=...}`.
+    pub cumulative: Vec<u64>,
+    /// `_sum`, in seconds.
+    pub sum: f64,
+    /// `_count` (equal to the +Inf bucket).
+    pub count: u64,
+}
+// ANCHOR_END: histogram_snapshot
+
+/// The handlers' series, all at one instant.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LatencySnapshot {
+    /// `kiln:time_to_first_token_seconds`.
+    pub ttft: HistogramSnapshot,
+    /// `kiln:inter_token_latency_seconds` (time per output token).
+    pub inter_token: HistogramSnapshot,
+    /// `kiln:e2e_request_latency_seconds`.
+    pub e2e: HistogramSnapshot,
+    /// `kiln:request_success_total`, by `finished_reason`.
+    pub finished: BTreeMap<String, u64>,
+}
+
+impl Histogram {
+    fn snapshot(&self) -> HistogramSnapshot {
+        let cumulative: Vec<u64> = self
+            .counts
+            .iter()
+            .scan(0, |total, &c| {
+                *total += c;
+                Some(*total)
+            })
+            .collect();
+        HistogramSnapshot {
+            bounds: self.bounds.to_vec(),
+            count: cumulative.last().copied().unwrap_or(0),
+            cumulative,
+            sum: self.sum,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct State {
     ttft: Histogram,
@@ -184,6 +232,17 @@ impl Metrics {
     /// The last values given to [`Metrics::set_engine`].
     pub fn engine(&self) -> EngineGauges {
         self.state().engine
+    }
+
+    /// The latency histograms and finish counts, as [`Metrics::render`] would write them now.
+    pub fn latency(&self) -> LatencySnapshot {
+        let state = self.state();
+        LatencySnapshot {
+            ttft: state.ttft.snapshot(),
+            inter_token: state.inter_token.snapshot(),
+            e2e: state.e2e.snapshot(),
+            finished: state.finished.clone(),
+        }
     }
 
     /// All series in the Prometheus text exposition format (see [`CONTENT_TYPE`]).
@@ -605,6 +664,32 @@ mod tests {
         );
         assert_eq!(e2e_counts[3], 0.0); // le="1.0"
         assert_eq!(e2e_counts[4], 1.0); // le="1.5"
+    }
+
+    #[test]
+    fn latency_snapshot_has_the_rendered_numbers() {
+        let m = Metrics::new("m");
+        for v in [0.0005, 0.003, 0.2, 5000.0] {
+            m.observe_ttft(v);
+        }
+        m.observe_inter_token(0.02);
+        m.request_finished("length");
+        let snapshot = m.latency();
+        let (samples, _) = parse(&m.render());
+        let rendered = check_histogram(
+            &samples,
+            "kiln:time_to_first_token_seconds",
+            TTFT_BUCKETS,
+            snapshot.ttft.sum,
+        );
+        let cumulative: Vec<f64> = snapshot.ttft.cumulative.iter().map(|&c| c as f64).collect();
+        assert_eq!(cumulative, rendered);
+        assert_eq!(snapshot.ttft.bounds, TTFT_BUCKETS);
+        assert_eq!(snapshot.ttft.count, 4);
+        assert_eq!(snapshot.inter_token.count, 1);
+        assert_eq!(snapshot.e2e.count, 0);
+        assert_eq!(snapshot.finished["length"], 1);
+        assert_eq!(snapshot.finished["stop"], 0);
     }
 
     #[test]

@@ -281,6 +281,8 @@ impl Server {
             .route("/v1/models", get(routes::info::models))
             .route("/health", get(routes::info::health))
             .route("/metrics", get(routes::info::metrics))
+            .route("/dashboard", get(crate::dashboard::page))
+            .route("/dashboard/state", get(crate::dashboard::state))
             .fallback(routes::info::not_found)
             .method_not_allowed_fallback(routes::info::method_not_allowed)
             .with_state(Arc::clone(&self.state));
