@@ -104,7 +104,7 @@ fn closed_within(what: &str, closed: Option<Duration>, at_least: Duration) -> Du
 // ─────────────────────────────────── 1. tokenization ───────────────────────────────────
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn health_answers_within_100_ms_while_three_8_mb_prompts_are_rejected() {
+async fn health_answers_at_once_while_three_8_mb_prompts_are_rejected() {
     let server = Arc::new(start(Setup::default()).await);
     let prompt = "a".repeat(8_000_000);
     let body = Arc::new(
@@ -170,8 +170,10 @@ async fn health_answers_within_100_ms_while_three_8_mb_prompts_are_rejected() {
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let slowest = probe.join().unwrap();
+    // 1 s: room for a busy machine's scheduling delays (up to ~200 ms seen on 2 loaded cores),
+    // far below what tokenizing an 8 MB prompt on the HTTP threads would hold them for.
     assert!(
-        slowest < Duration::from_millis(100),
+        slowest < Duration::from_secs(1),
         "/health took {slowest:?} while the prompts were refused"
     );
     // Nothing reached the engine.
