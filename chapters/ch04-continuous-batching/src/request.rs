@@ -3,6 +3,7 @@
 use ch01::{Sampler, SamplingParams};
 use ch03::{BlockManager, BlockTable};
 
+use crate::processor::LogitsProcessor;
 use crate::speculation::Draft;
 
 /// Engine-wide request id, in arrival order.
@@ -83,6 +84,8 @@ pub(crate) struct Sequence {
     pub streamed: usize,
     /// Draft tokens for the next step (chapter 6's speculation); empty unless a decode.
     pub draft: Draft,
+    /// Rewrites the logits before each token is sampled (chapter 8's grammars and biases).
+    pub processor: Option<Box<dyn LogitsProcessor>>,
 }
 
 impl Sequence {

@@ -45,6 +45,8 @@ pub mod rate_limit;
 pub mod routes;
 pub mod server;
 pub mod state;
+pub mod structured;
+pub mod tools;
 
 pub use connections::ConnectionLimits;
 pub use server::{

@@ -253,6 +253,7 @@ impl Server {
             next_request: AtomicU64::new(0),
             created: unix_now(),
             shutting_down: AtomicBool::new(false),
+            grammars: std::sync::OnceLock::new(),
         };
         Ok(Server {
             state: Arc::new(state),

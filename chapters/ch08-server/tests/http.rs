@@ -643,7 +643,8 @@ async fn invalid_requests_get_openai_errors_naming_the_parameter() {
         ("logprobs", json!(21)),
         ("max_tokens", json!(0)),
         ("stop", json!(["a", "b", "c", "d", "e"])),
-        ("logit_bias", json!({"5": 1})),
+        ("logit_bias", json!({"5": 101})),
+        ("suffix", json!("x")),
         ("stream_options", json!({"include_usage": true})),
         ("stop_token_ids", json!([4096])),
     ] {
