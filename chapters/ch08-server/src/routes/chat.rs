@@ -137,7 +137,7 @@ async fn render_and_tokenize(
         (false, given) => given.unwrap_or(true),
     };
     let last = messages.last().map(|m| (m.role.clone(), m.content.clone()));
-    if continue_final && !last.as_ref().is_some_and(|(role, _)| role == "assistant") {
+    if continue_final && last.as_ref().is_none_or(|(role, _)| role != "assistant") {
         return Err(ApiError::bad_param(
             "continue_final_message",
             "continue_final_message needs the last message to be the assistant's",
