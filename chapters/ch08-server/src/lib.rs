@@ -35,6 +35,7 @@ pub mod access_log;
 pub mod auth;
 pub mod chat_template;
 pub mod connections;
+pub mod cors;
 pub mod driver;
 pub mod engine_thread;
 pub mod error;
