@@ -14,6 +14,7 @@ pub mod ch06;
 pub mod ch07;
 pub mod ch08_tp;
 pub mod serve;
+pub mod structured;
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
 pub mod bars;
@@ -52,6 +53,8 @@ enum Chapter {
     /// Chapter 8, part 2: tensor parallelism: all-reduce latency, TP=N vs TP=1, the cost model.
     #[command(name = "ch08-tp")]
     Ch08Tp(ch08_tp::Args),
+    /// Chapter 8: the cost of a structured output's token mask, per token.
+    Structured(structured::Args),
     /// The server (chapter 8): a load generator against a running `kiln serve`, like `vllm bench serve`.
     Serve(serve::Args),
 }
@@ -66,6 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch07(args) => ch07::run(args),
         Chapter::Ch06(args) => ch06::run(args),
         Chapter::Ch08Tp(args) => ch08_tp::run(args),
+        Chapter::Structured(args) => structured::run(args),
         Chapter::Serve(args) => serve::run(args),
     }
 }

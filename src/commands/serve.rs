@@ -98,6 +98,10 @@ pub struct Args {
     /// status, tokens, latency; never the key).
     #[arg(long)]
     pub disable_access_log: bool,
+    /// Origins a browser page may call the API from (CORS), comma-separated, or `*` for any.
+    /// Off by default.
+    #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
+    pub allowed_origins: Vec<String>,
 }
 
 /// A flag's seconds, checked.
@@ -166,6 +170,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         }),
         speculator: speculator_factory(&args, &loaded.model, cache.block_size)?,
         executor: executor_factory(&args),
+        allowed_origins: args.allowed_origins.clone(),
         ..ServerConfig::default()
     };
     let has_template = chat_template.is_some();

@@ -202,6 +202,15 @@ impl<'e> Engine<'e> {
         self.scheduler.add_request(request)
     }
 
+    /// [`Engine::add_request`], with a [`LogitsProcessor`] over its logits (chapter 8).
+    pub fn add_request_with(
+        &mut self,
+        request: Request,
+        processor: Box<dyn crate::processor::LogitsProcessor>,
+    ) -> Result<RequestId, EngineError> {
+        self.scheduler.add_request_with(request, processor)
+    }
+
     /// Ends a request now and frees its blocks. False if it is unknown or already finished.
     pub fn abort(&mut self, id: RequestId) -> bool {
         let aborted = self.scheduler.abort(id);

@@ -25,6 +25,7 @@
 //! | [`engine`]       | [`Engine`]: a scheduler, an executor, and the step between them         |
 //! | [`driver`]       | [`drive`]: the one loop that feeds an engine and hands out its outputs  |
 //! | [`logprobs`]     | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
+//! | [`processor`]    | the [`LogitsProcessor`] seam: a per-sequence mask or bias on the logits before sampling (chapter 8) |
 //! | [`speculation`]  | the [`Speculator`] seam: drafts proposed, lookahead slots, verification (chapter 6) |
 
 pub mod attention;
@@ -33,6 +34,7 @@ pub mod driver;
 pub mod engine;
 pub mod executor;
 pub mod logprobs;
+pub mod processor;
 pub mod request;
 pub mod scheduler;
 pub mod speculation;
@@ -45,6 +47,7 @@ pub use engine::{
 };
 pub use executor::{Executor, ExecutorError, KvLayout, ModelSpec};
 pub use logprobs::TokenLogprobs;
+pub use processor::LogitsProcessor;
 pub use request::{FinishReason, Request, RequestId, Status};
 pub use scheduler::{BlockOp, ScheduledSeq, Scheduler, SchedulerOutput, SeqView};
 pub use speculation::{Draft, DraftSeq, Speculator};

@@ -3,6 +3,7 @@
 use ch01::{Sampler, SamplingParams};
 use ch03::{BlockManager, BlockTable};
 
+use crate::processor::LogitsProcessor;
 use crate::speculation::Draft;
 
 /// Engine-wide request id, in arrival order.
@@ -85,6 +86,8 @@ pub(crate) struct Sequence {
     pub draft: Draft,
     /// Positions whose K/V the prefix cache supplied when it was last admitted.
     pub num_cached_tokens: usize,
+    /// Rewrites the logits before each token is sampled (chapter 8's grammars and biases).
+    pub processor: Option<Box<dyn LogitsProcessor>>,
 }
 
 impl Sequence {

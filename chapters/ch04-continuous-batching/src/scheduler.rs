@@ -24,6 +24,7 @@ use crate::attention::QueryRow;
 use crate::engine::{Counters, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace};
 use crate::executor::{ExecutorError, KvLayout, ModelSpec};
 use crate::logprobs::TokenLogprobs;
+use crate::processor::LogitsProcessor;
 use crate::request::{FinishReason, Request, RequestId, Sequence, Status};
 use crate::speculation::{Draft, DraftSeq, Speculator};
 
@@ -150,6 +151,8 @@ pub struct Scheduler {
     speculative: bool,
     ended: Vec<RequestId>,
     accepted: Vec<u32>,
+    /// A logits row rewritten by a sequence's [`LogitsProcessor`] (a scratch buffer).
+    processed: Vec<f32>,
 }
 
 impl Scheduler {
@@ -182,6 +185,7 @@ impl Scheduler {
             speculative: false,
             ended: Vec::new(),
             accepted: Vec::new(),
+            processed: Vec::new(),
         })
     }
 
@@ -231,8 +235,23 @@ impl Scheduler {
                 streamed: 0,
                 draft: Draft::default(),
                 num_cached_tokens: 0,
+                processor: None,
             },
         );
+        Ok(id)
+    }
+
+    /// [`Scheduler::add_request`], with a [`LogitsProcessor`] that rewrites the logits before
+    /// each of its tokens is sampled.
+    pub fn add_request_with(
+        &mut self,
+        request: Request,
+        processor: Box<dyn LogitsProcessor>,
+    ) -> Result<RequestId, EngineError> {
+        let id = self.add_request(request)?;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.processor = Some(processor);
+        }
         Ok(id)
     }
 
@@ -391,7 +410,7 @@ impl Scheduler {
         for id in running {
             let seq = self.seqs.get_mut(&id).expect("running");
             seq.draft.clear();
-            if paused || k == 0 || seq.pending() != 1 {
+            if paused || k == 0 || seq.pending() != 1 || seq.processor.is_some() {
                 continue;
             }
             // The step yields up to drafts + 1 tokens: stay within max_tokens and the context.
@@ -670,6 +689,29 @@ impl Scheduler {
         self.update_with(step, logits, None)
     }
 
+    /// Runs [`LogitsProcessor::prepare`] for every sequence of `step` that samples and has a
+    /// processor, in parallel: the grammar masks of a batch cost one mask's time per core.
+    fn prepare_processors(&mut self, step: &SchedulerOutput) {
+        use rayon::prelude::*;
+        let sampling: std::collections::HashSet<RequestId> = step
+            .seqs
+            .iter()
+            .filter(|s| s.logit_rows > 0)
+            .map(|s| s.id)
+            .collect();
+        let mut processors: Vec<&mut Box<dyn LogitsProcessor>> = self
+            .seqs
+            .iter_mut()
+            .filter(|(id, _)| sampling.contains(id))
+            .filter_map(|(_, seq)| seq.processor.as_mut())
+            .collect();
+        match processors.len() {
+            0 => {}
+            1 => processors[0].prepare(),
+            _ => processors.par_iter_mut().for_each(|p| p.prepare()),
+        }
+    }
+
     /// [`update`](Self::update), verifying the drafts of speculative decodes with
     /// `speculator`: each accepted token goes through the stop checks in order, and the K/V
     /// of rejected drafts is rolled back.
@@ -687,6 +729,7 @@ impl Scheduler {
             ))));
         }
         let max_len = self.model.max_model_len;
+        self.prepare_processors(step);
         let mut outputs = Vec::new();
         let mut first_row = 0;
         for scheduled in &step.seqs {
@@ -707,13 +750,26 @@ impl Scheduler {
             let prompt = &seq.request.prompt;
             let accepted = &mut self.accepted;
             accepted.clear();
+            let mut processor_stop = false;
             if drafts == 0 {
                 let row = rows.row(0);
                 let row = row.as_slice().expect("contiguous rows");
-                accepted.push(
-                    seq.sampler
-                        .sample(row, prompt, &seq.tokens[prompt.len()..])?,
-                );
+                let output = &seq.tokens[prompt.len()..];
+                let token = match seq.processor.as_deref_mut() {
+                    None => seq.sampler.sample(row, prompt, output)?,
+                    Some(processor) => {
+                        // ANCHOR: process
+                        let scratch = &mut self.processed;
+                        scratch.clear();
+                        scratch.extend_from_slice(row);
+                        processor.process(output, scratch);
+                        let token = seq.sampler.sample(scratch, prompt, output)?;
+                        processor_stop = processor.accept(token);
+                        // ANCHOR_END: process
+                        token
+                    }
+                };
+                accepted.push(token);
             } else {
                 let speculator = speculator.as_deref_mut().ok_or_else(|| {
                     EngineError::Config("a step with draft tokens needs a speculator".into())
@@ -748,7 +804,9 @@ impl Scheduler {
                 pushed += 1;
                 self.counters.generation_tokens += 1;
                 let generated = seq.tokens.len() - seq.request.prompt.len();
-                finish = if !seq.request.ignore_eos && seq.request.stop_token_ids.contains(&token) {
+                finish = if processor_stop
+                    || !seq.request.ignore_eos && seq.request.stop_token_ids.contains(&token)
+                {
                     Some(FinishReason::Stop)
                 } else if generated >= seq.request.max_tokens || seq.tokens.len() >= max_len {
                     Some(FinishReason::Length)

@@ -33,6 +33,16 @@ const TEMPLATE_NAME: &str = "chat_template";
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// A participant's name, for templates that write it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An assistant message's calls: `[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`, as OpenAI sends them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Json>>,
+    /// A `tool` message: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -40,6 +50,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.to_string(),
             content: content.to_string(),
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -166,10 +179,24 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
-        let mut ctx = vec![
-            ("messages", Value::from_serialize(messages)),
-            ("add_generation_prompt", Value::from(add_generation_prompt)),
-        ];
+        self.render_with(messages, add_generation_prompt, &[])
+    }
+
+    /// [`ChatTemplate::render`] with more variables: `tools` (as transformers passes them) and
+    /// a request's `chat_template_kwargs`. They cannot override `messages`,
+    /// `add_generation_prompt` or the special tokens.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &[(String, Json)],
+    ) -> Result<String, TemplateError> {
+        let mut ctx: Vec<(&str, Value)> = extra
+            .iter()
+            .map(|(name, value)| (name.as_str(), Value::from_serialize(value)))
+            .collect();
+        ctx.push(("messages", Value::from_serialize(messages)));
+        ctx.push(("add_generation_prompt", Value::from(add_generation_prompt)));
         for (name, token) in [
             ("bos_token", &self.bos_token),
             ("eos_token", &self.eos_token),

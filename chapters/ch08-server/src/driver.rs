@@ -122,12 +122,13 @@ pub async fn generate(
 ) -> Result<Usage, ApiError> {
     let Planned {
         requests,
+        processors,
         prompt_tokens,
     } = planned;
     let (events, mut received) = mpsc::unbounded_channel();
     let ids = state
         .engine
-        .submit(requests, events)
+        .submit(requests, processors, events)
         .await
         .map_err(|e| match e {
             SubmitError::Stopped => ApiError::unavailable("the engine has stopped"),

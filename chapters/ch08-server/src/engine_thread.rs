@@ -22,8 +22,8 @@ use std::thread::JoinHandle;
 
 use ch01::Llama;
 use ch04::{
-    CacheConfig, Engine, EngineClient, EngineConfig, EngineError, FinishReason, Request, RequestId,
-    RequestOutput, TokenLogprobs, drive,
+    CacheConfig, Engine, EngineClient, EngineConfig, EngineError, FinishReason, LogitsProcessor,
+    Request, RequestId, RequestOutput, TokenLogprobs, drive,
 };
 use ch07::AttentionKind;
 use tokio::sync::{mpsc, oneshot};
@@ -52,6 +52,7 @@ enum Command {
     /// Every choice of one HTTP request, added in one poll (choice `i` is `requests[i]`).
     Add {
         requests: Vec<Request>,
+        processors: Vec<Option<Box<dyn LogitsProcessor>>>,
         events: mpsc::UnboundedSender<Event>,
         reply: oneshot::Sender<Result<Vec<RequestId>, EngineError>>,
     },
@@ -90,19 +91,22 @@ pub enum SubmitError {
 
 impl EngineHandle {
     // ANCHOR: submit
-    /// Queues `requests` as choices `0..requests.len()`, all in the same engine poll (so all
+    /// Queues `requests` as choices `0..requests.len()` (`processors[i]`, if any, rewrites
+    /// request `i`'s logits), all in the same engine poll (so all
     /// run from the same step, and a client that disconnects stops all of them at once); their
     /// tokens arrive on `events`. If one is refused none is queued. Every one is aborted
     /// as soon as `events`' receiver is dropped.
     pub async fn submit(
         &self,
         requests: Vec<Request>,
+        processors: Vec<Option<Box<dyn LogitsProcessor>>>,
         events: mpsc::UnboundedSender<Event>,
     ) -> Result<Vec<RequestId>, SubmitError> {
         let (reply, answer) = oneshot::channel();
         self.commands
             .send(Command::Add {
                 requests,
+                processors,
                 events,
                 reply,
             })
@@ -306,12 +310,18 @@ impl Client<'_> {
         &mut self,
         engine: &mut Engine<'_>,
         requests: Vec<Request>,
+        processors: Vec<Option<Box<dyn LogitsProcessor>>>,
         events: mpsc::UnboundedSender<Event>,
         reply: oneshot::Sender<Result<Vec<RequestId>, EngineError>>,
     ) {
         let mut ids = Vec::with_capacity(requests.len());
+        let mut processors = processors.into_iter();
         for request in requests {
-            match engine.add_request(request) {
+            let added = match processors.next().flatten() {
+                Some(processor) => engine.add_request_with(request, processor),
+                None => engine.add_request(request),
+            };
+            match added {
                 Ok(id) => ids.push(id),
                 Err(error) => {
                     for id in ids {
@@ -355,9 +365,10 @@ impl EngineClient for Client<'_> {
             match command {
                 Command::Add {
                     requests,
+                    processors,
                     events,
                     reply,
-                } => self.add(engine, requests, events, reply),
+                } => self.add(engine, requests, processors, events, reply),
                 Command::Abort(id) => end(engine, &mut self.routes, id, None),
                 Command::AbortAll => abort_all(engine, &mut self.routes),
                 Command::Stop => {

@@ -36,6 +36,7 @@ pub mod access_log;
 pub mod auth;
 pub mod chat_template;
 pub mod connections;
+pub mod cors;
 pub mod dashboard;
 pub mod driver;
 pub mod engine_thread;
@@ -47,6 +48,8 @@ pub mod rate_limit;
 pub mod routes;
 pub mod server;
 pub mod state;
+pub mod structured;
+pub mod tools;
 
 pub use connections::ConnectionLimits;
 pub use server::{

@@ -1,11 +1,14 @@
 //! From an OpenAI request to the engine's [`Request`]s: every accepted parameter is checked
 //! and mapped, or the request is refused with the parameter's name.
 
+use std::sync::Arc;
+
 use ch01::SamplingParams;
-use ch04::Request;
+use ch04::{LogitsProcessor, Request};
 
 use crate::error::ApiError;
 use crate::protocol::Sampling;
+use crate::structured::{Compiled, Constraint, RequestProcessor, TokenRules};
 
 /// The most alternatives `logprobs` / `top_logprobs` may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
@@ -31,7 +34,22 @@ pub struct Generation {
     pub logprobs: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// What the output must match, and the request field that asked (see [`constraint`]).
+    pub constraint: Option<(Constraint, &'static str)>,
+    /// The constraint compiled (by the route, off the runtime), one matcher per choice.
+    pub grammar: Option<Arc<Compiled>>,
+    /// logit_bias, allowed_token_ids, min_tokens; bad_words once the route tokenized them.
+    pub rules: TokenRules,
+    /// `bad_words` as sent, for the route to tokenize.
+    pub bad_words: Vec<String>,
+    /// Lower runs first.
+    pub priority: i32,
+    /// Keep only the prompt's last this many tokens.
+    pub truncate_prompt_tokens: Option<usize>,
 }
+
+/// The most entries `logit_bias`, `allowed_token_ids` or `bad_words` may have.
+pub const MAX_TOKEN_RULES: usize = 1024;
 
 /// Server-wide values a request is checked against.
 #[derive(Debug, Clone)]
@@ -94,8 +112,8 @@ pub fn fits_by_bytes(
 // ANCHOR_END: fits_by_bytes
 
 // ANCHOR: reject_unsupported
-/// Rejects every OpenAI field kiln parses but does not implement, unless it asks for the
-/// default behaviour.
+/// Rejects every OpenAI or vLLM field kiln parses but does not implement, unless it asks for
+/// the default behaviour.
 fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
     // ANCHOR: task_8_1
     let unsupported = |param: &str, what: &str| {
@@ -104,25 +122,35 @@ fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
             format!("{param} is not supported by kiln ({what})"),
         ))
     };
-    if s.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return unsupported("logit_bias", "send no logit_bias");
-    }
     if s.best_of.is_some_and(|b| Some(b) != s.n && b != 1) {
         return unsupported("best_of", "use n");
     }
     if s.suffix.as_ref().is_some_and(|x| !x.is_empty()) {
         return unsupported("suffix", "no fill-in-the-middle");
     }
-    if let Some(format) = &s.response_format
-        && format.get("type").and_then(|t| t.as_str()) != Some("text")
-    {
-        return unsupported("response_format", "only {\"type\": \"text\"}");
+    if s.prompt_logprobs.is_some() {
+        return unsupported(
+            "prompt_logprobs",
+            "the engine computes logits for the last prompt position only",
+        );
     }
-    if s.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return unsupported("tools", "no tool calling");
+    if s.skip_special_tokens == Some(false) {
+        return unsupported(
+            "skip_special_tokens",
+            "special tokens are never written into the text",
+        );
     }
-    if s.tool_choice.as_ref().is_some_and(|c| c != "none") {
-        return unsupported("tool_choice", "no tool calling");
+    if s.spaces_between_special_tokens == Some(false) {
+        return unsupported(
+            "spaces_between_special_tokens",
+            "special tokens are never written into the text",
+        );
+    }
+    if s.include_stop_str_in_output && s.stop.is_some() {
+        return unsupported(
+            "include_stop_str_in_output",
+            "the stop string is always cut from the text",
+        );
     }
     Ok(())
     // ANCHOR_END: task_8_1
@@ -226,6 +254,24 @@ pub fn generation(
             "stream_options is only allowed with stream: true",
         ));
     }
+    let rules = token_rules(s, limits, &stop_token_ids)?;
+    let bad_words = s.bad_words.clone().unwrap_or_default();
+    if bad_words.len() > MAX_TOKEN_RULES {
+        return Err(ApiError::bad_param(
+            "bad_words",
+            format!("at most {MAX_TOKEN_RULES} bad_words"),
+        ));
+    }
+    let truncate_prompt_tokens = match s.truncate_prompt_tokens {
+        None | Some(-1) => None,
+        Some(k) if k >= 1 => Some(k as usize),
+        Some(k) => {
+            return Err(ApiError::bad_param(
+                "truncate_prompt_tokens",
+                format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+            ));
+        }
+    };
     Ok(Generation {
         params,
         n: n as usize,
@@ -236,6 +282,169 @@ pub fn generation(
         logprobs: logprobs.map(|k| k as usize),
         stream: s.stream,
         include_usage: s.stream_options.is_some_and(|o| o.include_usage),
+        constraint: constraint(s)?,
+        grammar: None,
+        rules,
+        bad_words,
+        priority: s.priority.unwrap_or(0),
+        truncate_prompt_tokens,
+    })
+}
+
+// ANCHOR: constraint
+/// What the output must match: at most one of `response_format` (`json_object`,
+/// `json_schema`), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+/// `guided_grammar`, or its `structured_outputs` object. With it, the field that asked.
+pub fn constraint(s: &Sampling) -> Result<Option<(Constraint, &'static str)>, ApiError> {
+    let mut found: Vec<(Constraint, &'static str)> = Vec::new();
+    if let Some(format) = &s.response_format {
+        let kind = format.get("type").and_then(|t| t.as_str());
+        match kind {
+            Some("text") => {}
+            Some("json_object") => found.push((Constraint::JsonObject, "response_format")),
+            Some("json_schema") => {
+                let schema = format
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| {
+                        ApiError::bad_param(
+                            "response_format",
+                            "a json_schema response_format needs json_schema.schema",
+                        )
+                    })?;
+                found.push((Constraint::JsonSchema(schema.clone()), "response_format"));
+            }
+            _ => {
+                return Err(ApiError::bad_param(
+                    "response_format",
+                    "response_format.type must be text, json_object or json_schema",
+                ));
+            }
+        }
+    }
+    let json = |value: &serde_json::Value, param: &'static str| match value {
+        // A schema may come as its JSON text.
+        serde_json::Value::String(text) => serde_json::from_str(text)
+            .map(Constraint::JsonSchema)
+            .map_err(|e| ApiError::bad_param(param, format!("{param} is not JSON: {e}"))),
+        schema => Ok(Constraint::JsonSchema(schema.clone())),
+    };
+    if let Some(schema) = &s.guided_json {
+        found.push((json(schema, "guided_json")?, "guided_json"));
+    }
+    if let Some(regex) = &s.guided_regex {
+        found.push((Constraint::Regex(regex.clone()), "guided_regex"));
+    }
+    if let Some(choice) = &s.guided_choice {
+        found.push((Constraint::Choice(choice.clone()), "guided_choice"));
+    }
+    if let Some(grammar) = &s.guided_grammar {
+        found.push((Constraint::Lark(grammar.clone()), "guided_grammar"));
+    }
+    if let Some(so) = &s.structured_outputs {
+        let param = "structured_outputs";
+        if let Some(schema) = &so.json {
+            found.push((json(schema, param)?, param));
+        }
+        if let Some(regex) = &so.regex {
+            found.push((Constraint::Regex(regex.clone()), param));
+        }
+        if let Some(choice) = &so.choice {
+            found.push((Constraint::Choice(choice.clone()), param));
+        }
+        if let Some(grammar) = &so.grammar {
+            found.push((Constraint::Lark(grammar.clone()), param));
+        }
+        if so.json_object {
+            found.push((Constraint::JsonObject, param));
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(_, p)| *p).collect();
+        return Err(ApiError::bad_param(
+            found[1].1,
+            format!(
+                "give at most one structured output constraint, got {}",
+                names.join(", ")
+            ),
+        ));
+    }
+    Ok(found.pop())
+}
+// ANCHOR_END: constraint
+
+/// `logit_bias`, `allowed_token_ids` and `min_tokens`, checked against the vocabulary.
+fn token_rules(
+    s: &Sampling,
+    limits: &Limits,
+    stop_token_ids: &[u32],
+) -> Result<TokenRules, ApiError> {
+    let in_vocab = |param: &str, id: u32| {
+        if (id as usize) < limits.vocab_size {
+            Ok(id)
+        } else {
+            Err(ApiError::bad_param(
+                param,
+                format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    limits.vocab_size
+                ),
+            ))
+        }
+    };
+    let mut logit_bias = Vec::new();
+    if let Some(bias) = &s.logit_bias {
+        if bias.len() > MAX_TOKEN_RULES {
+            return Err(ApiError::bad_param(
+                "logit_bias",
+                format!("at most {MAX_TOKEN_RULES} logit_bias entries"),
+            ));
+        }
+        for (key, value) in bias {
+            let id = key.parse::<u32>().map_err(|_| {
+                ApiError::bad_param(
+                    "logit_bias",
+                    format!("logit_bias keys are token ids, got {key:?}"),
+                )
+            })?;
+            let bias = value
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| {
+                    ApiError::bad_param(
+                        "logit_bias",
+                        format!("logit_bias values are numbers in [-100, 100], got {value}"),
+                    )
+                })?;
+            logit_bias.push((in_vocab("logit_bias", id)?, bias as f32));
+        }
+    }
+    let allowed_token_ids = match &s.allowed_token_ids {
+        None => None,
+        Some(ids) if ids.is_empty() || ids.len() > limits.vocab_size => {
+            return Err(ApiError::bad_param(
+                "allowed_token_ids",
+                "allowed_token_ids must list at least one token, and none twice",
+            ));
+        }
+        Some(ids) => {
+            let mut ids = ids
+                .iter()
+                .map(|&id| in_vocab("allowed_token_ids", id))
+                .collect::<Result<Vec<_>, _>>()?;
+            ids.sort_unstable();
+            ids.dedup();
+            Some(ids)
+        }
+    };
+    let mut stops = limits.eos_token_ids.clone();
+    stops.extend(stop_token_ids);
+    Ok(TokenRules {
+        logit_bias,
+        allowed_token_ids,
+        bad_words: Vec::new(),
+        min_tokens: s.min_tokens.unwrap_or(0) as usize,
+        stop_token_ids: stops,
     })
 }
 
@@ -257,12 +466,22 @@ pub fn check_prompt_count(prompts: usize, limits: &Limits) -> Result<(), ApiErro
 }
 
 /// Every engine request of one HTTP request, built and checked once, before admission.
-#[derive(Debug, Clone)]
 pub struct Planned {
     /// Choice `p × n + i` is prompt `p`'s `i`-th.
     pub requests: Vec<Request>,
+    /// Each request's logits processor (its grammar and token rules), if it has any.
+    pub processors: Vec<Option<Box<dyn LogitsProcessor>>>,
     /// The prompts' tokens, each prompt counted once (however many choices share it).
     pub prompt_tokens: usize,
+}
+
+impl std::fmt::Debug for Planned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Planned")
+            .field("requests", &self.requests)
+            .field("prompt_tokens", &self.prompt_tokens)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Planned {
@@ -285,7 +504,8 @@ impl Generation {
         limits: &Limits,
     ) -> Result<Planned, ApiError> {
         check_prompt_count(prompts.len(), limits)?;
-        let prompt_tokens = prompts.iter().map(Vec::len).sum();
+        let kept = self.truncate_prompt_tokens.unwrap_or(usize::MAX);
+        let prompt_tokens = prompts.iter().map(|p| p.len().min(kept)).sum();
         let mut requests = Vec::with_capacity(prompts.len() * self.n);
         for prompt in prompts {
             requests.extend(self.requests(prompt, prompt_param, limits)?);
@@ -307,10 +527,25 @@ impl Generation {
                 ),
             ));
         }
+        let processors = requests.iter().map(|_| self.processor()).collect();
         Ok(Planned {
             requests,
+            processors,
             prompt_tokens,
         })
+    }
+
+    /// One choice's logits processor: its grammar from the start, and the token rules.
+    /// `None` when the request has neither.
+    pub fn processor(&self) -> Option<Box<dyn LogitsProcessor>> {
+        if self.grammar.is_none() && self.rules.is_empty() {
+            return None;
+        }
+        Some(Box::new(RequestProcessor::new(
+            Arc::new(self.rules.clone()),
+            self.grammar.as_ref().map(|g| g.start()),
+            self.rules.stop_token_ids.clone(),
+        )))
     }
 
     /// The engine requests for one prompt: `n` of them, choice `i` seeded `seed + i` so that
@@ -322,6 +557,12 @@ impl Generation {
         prompt_param: &str,
         limits: &Limits,
     ) -> Result<Vec<Request>, ApiError> {
+        let mut prompt = prompt;
+        if let Some(keep) = self.truncate_prompt_tokens
+            && prompt.len() > keep
+        {
+            prompt.drain(..prompt.len() - keep);
+        }
         let len = prompt.len();
         if len == 0 {
             return Err(ApiError::bad_param(prompt_param, "the prompt is empty"));
@@ -379,7 +620,7 @@ impl Generation {
                 max_tokens,
                 stop_token_ids: stop_token_ids.clone(),
                 ignore_eos: self.ignore_eos,
-                priority: 0,
+                priority: self.priority,
                 logprobs: self.logprobs,
             })
             .collect())
@@ -434,10 +675,42 @@ mod tests {
         assert_eq!(param("{}", Some(0), None), "max_tokens");
         assert_eq!(param("{}", None, Some(21)), "logprobs");
         assert_eq!(
-            param(r#"{"logit_bias": {"3": 1}}"#, None, None),
+            param(r#"{"logit_bias": {"3": 101}}"#, None, None),
             "logit_bias"
         );
-        assert_eq!(param(r#"{"tools": [{}]}"#, None, None), "tools");
+        assert_eq!(
+            param(r#"{"logit_bias": {"100": 1}}"#, None, None),
+            "logit_bias"
+        );
+        assert_eq!(param(r#"{"best_of": 3}"#, None, None), "best_of");
+        assert_eq!(
+            param(r#"{"prompt_logprobs": 1}"#, None, None),
+            "prompt_logprobs"
+        );
+        assert_eq!(
+            param(r#"{"skip_special_tokens": false}"#, None, None),
+            "skip_special_tokens"
+        );
+        assert_eq!(
+            param(r#"{"response_format": {"type": "xml"}}"#, None, None),
+            "response_format"
+        );
+        assert_eq!(
+            param(
+                r#"{"guided_regex": "a", "guided_choice": ["b"]}"#,
+                None,
+                None
+            ),
+            "guided_choice"
+        );
+        assert_eq!(
+            param(r#"{"allowed_token_ids": []}"#, None, None),
+            "allowed_token_ids"
+        );
+        assert_eq!(
+            param(r#"{"truncate_prompt_tokens": 0}"#, None, None),
+            "truncate_prompt_tokens"
+        );
         assert_eq!(
             param(r#"{"stop": ["a","b","c","d","e"]}"#, None, None),
             "stop"

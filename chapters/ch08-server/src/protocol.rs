@@ -67,14 +67,58 @@ pub struct Sampling {
     pub stream_options: Option<StreamOptions>,
     /// An end-user id; it names the caller and never changes generation.
     pub user: Option<String>,
-    // Defined by OpenAI, not implemented by kiln: rejected unless they ask for the default.
+    /// `{"token id": bias}`, each bias in -100..=100, added to the logit.
     pub logit_bias: Option<serde_json::Map<String, Value>>,
-    pub best_of: Option<u32>,
-    pub suffix: Option<String>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`.
     pub response_format: Option<Value>,
+    /// Chat only (rejected by completions): the functions the model may call.
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// Accepted as vLLM does: a `required` call may list several functions.
     pub parallel_tool_calls: Option<bool>,
+    // vLLM's extensions.
+    /// Output matches this JSON schema (an object, or its JSON text).
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    /// A Lark grammar.
+    pub guided_grammar: Option<String>,
+    /// vLLM's newer form of the four above.
+    pub structured_outputs: Option<StructuredOutputs>,
+    /// Only these tokens may be sampled.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Words (each tokenized with and without a leading space) that are never generated.
+    pub bad_words: Option<Vec<String>>,
+    /// EOS and stop_token_ids are masked until this many tokens are out.
+    pub min_tokens: Option<u32>,
+    /// Keep the stop string that ended a choice at the end of its text.
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
+    /// Only `true` (the default): kiln never writes special tokens into the text.
+    pub skip_special_tokens: Option<bool>,
+    /// Only `true` (the default), for the same reason.
+    pub spaces_between_special_tokens: Option<bool>,
+    /// Scheduling priority: lower runs first (vLLM's); 0 by default.
+    pub priority: Option<i32>,
+    /// Keep only the prompt's last this many tokens (`-1`: the model's context).
+    pub truncate_prompt_tokens: Option<i64>,
+    // Defined by OpenAI or vLLM, not implemented by kiln: rejected unless they ask for the
+    // default.
+    pub best_of: Option<u32>,
+    pub suffix: Option<String>,
+    pub prompt_logprobs: Option<u32>,
+}
+
+/// vLLM's `structured_outputs`: one of its fields.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    pub json: Option<Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    pub grammar: Option<String>,
+    #[serde(default)]
+    pub json_object: bool,
 }
 
 /// `POST /v1/completions`.
@@ -89,6 +133,8 @@ pub struct CompletionRequest {
     pub logprobs: Option<u32>,
     #[serde(default)]
     pub echo: bool,
+    /// Add the tokenizer's special tokens (BOS) to a text prompt; default true.
+    pub add_special_tokens: Option<bool>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -112,10 +158,14 @@ pub struct ContentPart {
 #[serde(deny_unknown_fields)]
 pub struct RequestMessage {
     pub role: String,
-    /// May be null for an assistant message that only called tools (rejected: no tools here).
+    /// May be null for an assistant message that only called tools.
     pub content: Option<MessageContent>,
-    /// A participant's name: chat templates have no place for it, so it is rejected.
+    /// A participant's name, passed to the chat template (which may or may not write it).
     pub name: Option<String>,
+    /// An assistant message's tool calls, as a response carried them.
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message: the id of the call it answers.
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -132,6 +182,15 @@ pub struct ChatRequest {
     pub top_logprobs: Option<u32>,
     /// transformers' `add_generation_prompt` (vLLM's extension), default true.
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's: the last (assistant) message is left open for the model to continue; needs
+    /// `add_generation_prompt: false`.
+    #[serde(default)]
+    pub continue_final_message: bool,
+    /// vLLM's: more variables for the chat template.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// vLLM's: add the tokenizer's special tokens to the rendered prompt (default false: the
+    /// template writes them).
+    pub add_special_tokens: Option<bool>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -139,10 +198,8 @@ pub struct ChatRequest {
 impl RequestMessage {
     /// The message as the chat template sees it: the text parts joined by newlines.
     pub fn to_template(&self) -> Result<ChatMessage, String> {
-        if self.name.is_some() {
-            return Err("a message's name is not supported (chat templates do not use it)".into());
-        }
         let content = match &self.content {
+            None if self.role == "assistant" && self.tool_calls.is_some() => String::new(),
             None => return Err(format!("a {} message needs content", self.role)),
             Some(MessageContent::Text(text)) => text.clone(),
             Some(MessageContent::Parts(parts)) => {
@@ -160,11 +217,43 @@ impl RequestMessage {
                 texts.join("\n")
             }
         };
+        if self.tool_calls.is_some() && self.role != "assistant" {
+            return Err(format!("a {} message cannot carry tool_calls", self.role));
+        }
+        if self.role == "tool" && self.tool_call_id.is_none() {
+            return Err("a tool message needs tool_call_id".into());
+        }
+        let tool_calls = match &self.tool_calls {
+            None => None,
+            Some(calls) => Some(calls.iter().map(template_call).collect::<Result<_, _>>()?),
+        };
         Ok(ChatMessage {
             role: self.role.clone(),
             content,
+            name: self.name.clone(),
+            tool_calls,
+            tool_call_id: self.tool_call_id.clone(),
         })
     }
+}
+
+/// A tool call as templates read it: `function.arguments` as an object (transformers'
+/// convention), parsed from the JSON text OpenAI sends.
+fn template_call(call: &Value) -> Result<Value, String> {
+    let mut call = call.clone();
+    let function = call
+        .get_mut("function")
+        .and_then(Value::as_object_mut)
+        .ok_or("a tool call needs a function object")?;
+    if !function.get("name").is_some_and(Value::is_string) {
+        return Err("a tool call's function needs a name".into());
+    }
+    if let Some(Value::String(text)) = function.get("arguments") {
+        let parsed: Value = serde_json::from_str(text)
+            .map_err(|e| format!("a tool call's arguments are not JSON: {e}"))?;
+        function.insert("arguments".into(), parsed);
+    }
+    Ok(call)
 }
 
 // ───────────────────────────────────────── responses ─────────────────────────────────────────
@@ -306,6 +395,31 @@ pub struct ResponseMessage {
     pub role: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// A tool call in a response, or a piece of one in a stream chunk (OpenAI's shape: the first
+/// piece has `id`, `type` and the name; later ones more `arguments` text).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ToolCall {
+    /// Stream chunks only: which call of the message this piece belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct FunctionCall {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The arguments as JSON text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -430,5 +544,25 @@ mod tests {
         assert_eq!(r.sampling.stop, Some(StringOrList::One("x".into())));
         assert!(r.sampling.stream && r.sampling.stream_options.unwrap().include_usage);
         assert_eq!(r.messages[0].to_template().unwrap().content, "a\nb");
+    }
+
+    #[test]
+    fn tool_messages_and_calls_reach_the_template_with_parsed_arguments() {
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"model": "m", "messages": [
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                 "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42", "name": "f"}]}"#,
+        )
+        .unwrap();
+        let call = r.messages[0].to_template().unwrap();
+        assert_eq!(call.content, "");
+        assert_eq!(call.tool_calls.unwrap()[0]["function"]["arguments"]["x"], 1);
+        let answer = r.messages[1].to_template().unwrap();
+        assert_eq!(answer.tool_call_id.as_deref(), Some("c1"));
+        assert_eq!(answer.name.as_deref(), Some("f"));
+        let no_id: RequestMessage =
+            serde_json::from_str(r#"{"role": "tool", "content": "42"}"#).unwrap();
+        assert!(no_id.to_template().is_err());
     }
 }

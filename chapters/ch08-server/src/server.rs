@@ -104,6 +104,8 @@ pub struct ServerConfig {
     pub speculator: Option<SpeculatorFactory>,
     /// The engine's executor; `None`: chapter 7's CPU executor with `attention`.
     pub executor: Option<ExecutorFactory>,
+    /// Origins browsers may call the API from (`*`: any); empty: no CORS.
+    pub allowed_origins: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -126,6 +128,7 @@ impl Default for ServerConfig {
             access_log: None,
             speculator: None,
             executor: None,
+            allowed_origins: Vec::new(),
         }
     }
 }
@@ -166,6 +169,7 @@ pub struct Server {
     grace: Duration,
     connections: ConnectionLimits,
     access_log: Option<AccessLog>,
+    allowed_origins: crate::cors::AllowedOrigins,
 }
 
 impl Server {
@@ -253,6 +257,7 @@ impl Server {
             next_request: AtomicU64::new(0),
             created: unix_now(),
             shutting_down: AtomicBool::new(false),
+            grammars: std::sync::OnceLock::new(),
         };
         Ok(Server {
             state: Arc::new(state),
@@ -260,6 +265,7 @@ impl Server {
             grace: config.shutdown_grace,
             connections: config.connections,
             access_log: config.access_log,
+            allowed_origins: crate::cors::AllowedOrigins(Arc::new(config.allowed_origins)),
         })
     }
 
@@ -286,6 +292,14 @@ impl Server {
             .fallback(routes::info::not_found)
             .method_not_allowed_fallback(routes::info::method_not_allowed)
             .with_state(Arc::clone(&self.state));
+        let router = if self.allowed_origins.0.is_empty() {
+            router
+        } else {
+            router.layer(axum::middleware::from_fn_with_state(
+                self.allowed_origins.clone(),
+                crate::cors::cors,
+            ))
+        };
         match &self.access_log {
             Some(log) => router.layer(axum::middleware::from_fn_with_state(
                 log.clone(),

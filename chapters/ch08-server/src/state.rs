@@ -50,6 +50,8 @@ pub struct AppState {
     /// Unix time the server started (`created` of the model card).
     pub created: u64,
     pub shutting_down: AtomicBool,
+    /// The grammar engine for structured outputs, built on the first request that needs it.
+    pub grammars: std::sync::OnceLock<Result<crate::structured::Grammars, String>>,
 }
 
 /// A request admitted into the server; dropping it gives its sequences' places back.

@@ -643,7 +643,8 @@ async fn invalid_requests_get_openai_errors_naming_the_parameter() {
         ("logprobs", json!(21)),
         ("max_tokens", json!(0)),
         ("stop", json!(["a", "b", "c", "d", "e"])),
-        ("logit_bias", json!({"5": 1})),
+        ("logit_bias", json!({"5": 101})),
+        ("suffix", json!("x")),
         ("stream_options", json!({"include_usage": true})),
         ("stop_token_ids", json!([4096])),
     ] {
@@ -1267,4 +1268,77 @@ async fn shutdown_refuses_new_work_and_aborts_streams_after_the_grace() {
         0,
         "the engine was stopped with nothing running"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_is_off_by_default_and_answers_allowed_origins_only() {
+    let origin = "http://localhost:3000";
+    let off = start(Setup::default()).await;
+    let response = off
+        .get("/v1/models")
+        .header("Origin", origin)
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        response
+            .headers()
+            .get("access-control-allow-origin")
+            .is_none()
+    );
+    off.stop().await;
+
+    let mut setup = Setup {
+        keys: vec!["k".into()],
+        ..Setup::default()
+    };
+    setup.config.allowed_origins = vec![origin.into()];
+    let server = start(setup).await;
+    // A preflight needs no key, and names what the browser may send.
+    let preflight = server.post("/v1/chat/completions").build().unwrap();
+    let url = preflight.url().clone();
+    let response = reqwest::Client::new()
+        .request(reqwest::Method::OPTIONS, url)
+        .header("Origin", origin)
+        .header("Access-Control-Request-Method", "POST")
+        .header(
+            "Access-Control-Request-Headers",
+            "authorization, content-type",
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    let headers = response.headers();
+    assert_eq!(headers["access-control-allow-origin"], origin);
+    assert!(
+        headers["access-control-allow-headers"]
+            .to_str()
+            .unwrap()
+            .contains("authorization")
+    );
+    // An answer to the allowed origin is marked; one to another origin is not.
+    let response = server
+        .get("/v1/models")
+        .header("Origin", origin)
+        .bearer_auth("k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["access-control-allow-origin"], origin);
+    let response = server
+        .get("/v1/models")
+        .header("Origin", "http://evil.example")
+        .bearer_auth("k")
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        response
+            .headers()
+            .get("access-control-allow-origin")
+            .is_none()
+    );
+    server.stop().await;
 }

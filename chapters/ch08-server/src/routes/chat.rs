@@ -1,7 +1,9 @@
 //! `POST /v1/chat/completions`: messages rendered by the model's chat template, then generated
 //! as a completion and answered as an assistant message.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value as Json;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
@@ -14,9 +16,11 @@ use crate::driver::{Delta, TokenInfo};
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
 use crate::protocol::{
-    ChatChoice, ChatLogprobs, ChatRequest, ChatResponse, ChatTokenLogprob, ResponseMessage, Usage,
+    ChatChoice, ChatLogprobs, ChatRequest, ChatResponse, ChatTokenLogprob, FunctionCall,
+    ResponseMessage, ToolCall, Usage,
 };
 use crate::state::AppState;
+use crate::tools::{self, ToolMode};
 
 pub async fn handler(State(state): State<Arc<AppState>>, request: Request) -> Response {
     respond(handle(state, request).await)
@@ -69,18 +73,34 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
         (true, k) => Some(k.unwrap_or(0)),
         (false, None) => None,
     };
-    let prompt = render_and_tokenize(&state, messages, &request, max_tokens).await?;
+    let tools = tools::parse_tools(request.sampling.tools.as_deref().unwrap_or_default())?;
+    let mode = tools::tool_mode(request.sampling.tool_choice.as_ref(), &tools)?;
+    let prompt = render_and_tokenize(&state, messages, &request, max_tokens, &mode).await?;
     let (number, seed) = state.number_request();
-    let generation =
+    let mut generation =
         params::generation(&request.sampling, max_tokens, logprobs, seed, &state.limits)?;
+    let parallel = request.sampling.parallel_tool_calls.unwrap_or(true);
+    if let Some(constraint) = tools::constraint(&mode, &tools, parallel) {
+        if let Some((_, param)) = &generation.constraint {
+            return Err(ApiError::bad_param(
+                param,
+                format!("{param} cannot be combined with a required or named tool_choice"),
+            ));
+        }
+        generation.constraint = Some((constraint, "tool_choice"));
+    }
+    super::compile_rules(&state, &mut generation).await?;
     let planned = generation.plan(vec![prompt], "messages", &state.limits)?;
+    let id = format!("chatcmpl-{number}");
     serve_generation(Job {
         shape: ChatShape {
-            id: format!("chatcmpl-{number}"),
+            buffered: Mutex::new(vec![String::new(); planned.requests.len()]),
+            id,
             created: unix_now(),
             model: state.served_model_name.clone(),
             logprobs: logprobs.is_some(),
             include_usage: generation.include_usage,
+            tools: mode,
         },
         state,
         started,
@@ -101,22 +121,67 @@ async fn render_and_tokenize(
     messages: Vec<ChatMessage>,
     request: &ChatRequest,
     max_tokens: Option<u32>,
+    mode: &ToolMode,
 ) -> Result<Vec<u32>, ApiError> {
     let bytes = messages.iter().map(|m| m.content.len()).sum();
     params::fits_by_bytes(bytes, max_tokens, "messages", &state.limits)?;
-    let add_generation_prompt = request.add_generation_prompt.unwrap_or(true);
+    let continue_final = request.continue_final_message;
+    let add_generation_prompt = match (continue_final, request.add_generation_prompt) {
+        (true, Some(true)) => {
+            return Err(ApiError::bad_param(
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt: false",
+            ));
+        }
+        (true, _) => false,
+        (false, given) => given.unwrap_or(true),
+    };
+    let last = messages.last().map(|m| (m.role.clone(), m.content.clone()));
+    if continue_final && last.as_ref().is_none_or(|(role, _)| role != "assistant") {
+        return Err(ApiError::bad_param(
+            "continue_final_message",
+            "continue_final_message needs the last message to be the assistant's",
+        ));
+    }
+    // The template's variables: the request's chat_template_kwargs, then the tools (as
+    // transformers passes them) unless tool_choice is none.
+    let mut extra: Vec<(String, Json)> = request
+        .chat_template_kwargs
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    if *mode != ToolMode::None
+        && let Some(tools) = &request.sampling.tools
+    {
+        extra.push(("tools".into(), Json::Array(tools.clone())));
+    }
+    let add_special_tokens = request.add_special_tokens.unwrap_or(false);
     let shared = Arc::clone(state);
     state
         .off_runtime(move || {
             let template = shared.chat_template.as_ref().expect("checked before");
-            let text = template
-                .render(&messages, add_generation_prompt)
+            let mut text = template
+                .render_with(&messages, add_generation_prompt, &extra)
                 .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
+            if let Some((_, content)) = last.filter(|_| continue_final) {
+                // End the prompt where the last message's text ends: the model continues it.
+                let end = text
+                    .rfind(&content)
+                    .map(|at| at + content.len())
+                    .ok_or_else(|| {
+                        ApiError::bad_param(
+                            "continue_final_message",
+                            "the chat template does not write the last message's text as is",
+                        )
+                    })?;
+                text.truncate(end);
+            }
             params::fits_by_bytes(text.len(), max_tokens, "messages", &shared.limits)?;
-            // The template writes the special tokens (BOS) itself.
+            // The template writes the special tokens (BOS) itself, unless asked.
             shared
                 .tokenizer
-                .encode(&text, false)
+                .encode(&text, add_special_tokens)
                 .map_err(|e| ApiError::bad_param("messages", format!("cannot tokenize: {e}")))
         })
         .await?
@@ -128,6 +193,10 @@ struct ChatShape {
     model: String,
     logprobs: bool,
     include_usage: bool,
+    tools: ToolMode,
+    /// Streamed `required` / `auto` choices: their text so far, held back until it can be
+    /// told apart into content and calls (at the choice's end).
+    buffered: Mutex<Vec<String>>,
 }
 
 fn token_logprob(info: &TokenInfo) -> ChatTokenLogprob {
@@ -176,44 +245,155 @@ impl ChatShape {
     }
 }
 
+impl ChatShape {
+    /// The message of a whole choice's text: content, or calls (`finish` becomes
+    /// `tool_calls` for `required` and `auto` calls, as OpenAI answers).
+    fn message(
+        &self,
+        choice: usize,
+        text: String,
+        finish: Option<&str>,
+    ) -> (ResponseMessage, Option<String>) {
+        let parsed = tools::parse(&self.tools, &text);
+        let finish = finish.map(str::to_string);
+        if parsed.calls.is_empty() {
+            let message = ResponseMessage {
+                role: Some("assistant".into()),
+                content: Some(text),
+                tool_calls: None,
+            };
+            return (message, finish);
+        }
+        let calls = parsed
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(i, (name, arguments))| {
+                tools::call(self.call_id(choice, i), name, arguments.clone())
+            })
+            .collect();
+        let finish = match (&self.tools, finish.as_deref()) {
+            (ToolMode::Required | ToolMode::Auto, Some("stop")) => Some("tool_calls".into()),
+            _ => finish,
+        };
+        let message = ResponseMessage {
+            role: Some("assistant".into()),
+            content: parsed.content,
+            tool_calls: Some(calls),
+        };
+        (message, finish)
+    }
+
+    fn call_id(&self, choice: usize, call: usize) -> String {
+        format!("call-{}-{choice}-{call}", self.id)
+    }
+
+    fn chunk_of(
+        &self,
+        index: usize,
+        delta: ResponseMessage,
+        delta_logprobs: Option<ChatLogprobs>,
+        finish: Option<String>,
+    ) -> String {
+        self.envelope(
+            "chat.completion.chunk",
+            vec![ChatChoice {
+                index,
+                message: None,
+                delta: Some(delta),
+                logprobs: delta_logprobs,
+                finish_reason: finish,
+            }],
+            chunk_usage(self.include_usage),
+        )
+    }
+}
+
+// ANCHOR: stream_calls
 impl Shape for ChatShape {
     fn opening_chunks(&self, choices: usize) -> Vec<String> {
         (0..choices)
             .map(|index| {
-                self.envelope(
-                    "chat.completion.chunk",
-                    vec![ChatChoice {
-                        index,
-                        message: None,
-                        delta: Some(ResponseMessage {
-                            role: Some("assistant".into()),
-                            content: Some(String::new()),
-                        }),
-                        logprobs: None,
-                        finish_reason: None,
-                    }],
-                    chunk_usage(self.include_usage),
+                // A named call's name is known before its first token: it opens the call.
+                let tool_calls = match &self.tools {
+                    ToolMode::Named(name) => Some(vec![ToolCall {
+                        index: Some(0),
+                        ..tools::call(self.call_id(index, 0), name, String::new())
+                    }]),
+                    _ => None,
+                };
+                let content = tool_calls.is_none().then(String::new);
+                self.chunk_of(
+                    index,
+                    ResponseMessage {
+                        role: Some("assistant".into()),
+                        content,
+                        tool_calls,
+                    },
+                    None,
+                    None,
                 )
             })
             .collect()
     }
 
     fn chunk(&self, delta: &Delta) -> String {
-        self.envelope(
-            "chat.completion.chunk",
-            vec![ChatChoice {
-                index: delta.choice,
-                message: None,
-                delta: Some(ResponseMessage {
+        let finish = delta.finish_reason.map(str::to_string);
+        let logprobs = self.logprobs(&[delta]);
+        match &self.tools {
+            ToolMode::None => self.chunk_of(
+                delta.choice,
+                ResponseMessage {
                     role: None,
                     content: (!delta.text.is_empty()).then(|| delta.text.clone()),
-                }),
-                logprobs: self.logprobs(&[delta]),
-                finish_reason: delta.finish_reason.map(str::to_string),
-            }],
-            chunk_usage(self.include_usage),
-        )
+                    tool_calls: None,
+                },
+                logprobs,
+                finish,
+            ),
+            // A named call streams its arguments as they come.
+            ToolMode::Named(_) => self.chunk_of(
+                delta.choice,
+                ResponseMessage {
+                    tool_calls: (!delta.text.is_empty()).then(|| {
+                        vec![ToolCall {
+                            index: Some(0),
+                            function: FunctionCall {
+                                name: None,
+                                arguments: Some(delta.text.clone()),
+                            },
+                            ..ToolCall::default()
+                        }]
+                    }),
+                    ..ResponseMessage::default()
+                },
+                logprobs,
+                finish,
+            ),
+            // Content or calls? Known at the end: hold the text until then.
+            ToolMode::Required | ToolMode::Auto => {
+                let mut buffered = self.buffered.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(text) = buffered.get_mut(delta.choice) else {
+                    return String::new();
+                };
+                text.push_str(&delta.text);
+                if delta.finish_reason.is_none() {
+                    return self.chunk_of(delta.choice, ResponseMessage::default(), logprobs, None);
+                }
+                let text = std::mem::take(text);
+                drop(buffered);
+                let (mut message, finish) = self.message(delta.choice, text, delta.finish_reason);
+                message.role = None;
+                if let Some(calls) = &mut message.tool_calls {
+                    for (i, call) in calls.iter_mut().enumerate() {
+                        call.index = Some(i);
+                    }
+                }
+                self.chunk_of(delta.choice, message, logprobs, finish)
+            }
+        }
     }
+    // ANCHOR_END: stream_calls
 
     fn usage_chunk(&self, usage: Usage) -> String {
         self.envelope("chat.completion.chunk", Vec::new(), Some(Some(usage)))
@@ -225,19 +405,15 @@ impl Shape for ChatShape {
             .enumerate()
             .map(|(index, deltas)| {
                 let deltas: Vec<&Delta> = deltas.iter().collect();
+                let text: String = deltas.iter().map(|d| d.text.as_str()).collect();
+                let finish = deltas.iter().rev().find_map(|d| d.finish_reason);
+                let (message, finish_reason) = self.message(index, text, finish);
                 ChatChoice {
                     index,
-                    message: Some(ResponseMessage {
-                        role: Some("assistant".into()),
-                        content: Some(deltas.iter().map(|d| d.text.as_str()).collect()),
-                    }),
+                    message: Some(message),
                     delta: None,
                     logprobs: self.logprobs(&deltas),
-                    finish_reason: deltas
-                        .iter()
-                        .rev()
-                        .find_map(|d| d.finish_reason)
-                        .map(str::to_string),
+                    finish_reason,
                 }
             })
             .collect();

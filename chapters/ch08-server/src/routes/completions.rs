@@ -37,10 +37,22 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
             "echo with logprobs is not supported (kiln does not score prompt tokens)",
         ));
     }
+    for (param, given) in [
+        ("tools", request.sampling.tools.is_some()),
+        ("tool_choice", request.sampling.tool_choice.is_some()),
+    ] {
+        if given {
+            return Err(ApiError::bad_param(
+                param,
+                format!("{param} is for /v1/chat/completions only"),
+            ));
+        }
+    }
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let special = request.add_special_tokens.unwrap_or(true);
     let (prompts, texts) = match request.prompt {
-        Prompt::Text(text) => tokenize(&state, vec![text], max_tokens).await?,
-        Prompt::Texts(texts) => tokenize(&state, texts, max_tokens).await?,
+        Prompt::Text(text) => tokenize(&state, vec![text], max_tokens, special).await?,
+        Prompt::Texts(texts) => tokenize(&state, texts, max_tokens, special).await?,
         Prompt::Tokens(tokens) => (vec![tokens], None),
         Prompt::TokenLists(lists) => {
             params::check_prompt_count(lists.len(), &state.limits)?;
@@ -48,13 +60,14 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
         }
     };
     let (number, seed) = state.number_request();
-    let generation = params::generation(
+    let mut generation = params::generation(
         &request.sampling,
         Some(request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)),
         request.logprobs,
         seed,
         &state.limits,
     )?;
+    super::compile_rules(&state, &mut generation).await?;
     let echo = if request.echo {
         Some(match texts {
             Some(texts) => texts,
@@ -97,6 +110,7 @@ async fn tokenize(
     state: &Arc<AppState>,
     texts: Vec<String>,
     max_tokens: u32,
+    add_special_tokens: bool,
 ) -> Result<(Vec<Vec<u32>>, Option<Vec<String>>), ApiError> {
     params::check_prompt_count(texts.len(), &state.limits)?;
     for text in &texts {
@@ -107,7 +121,7 @@ async fn tokenize(
         .off_runtime(move || {
             let prompts = texts
                 .iter()
-                .map(|text| shared.tokenizer.encode(text, true))
+                .map(|text| shared.tokenizer.encode(text, add_special_tokens))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| ApiError::bad_param("prompt", format!("cannot tokenize: {e}")))?;
             Ok((prompts, Some(texts)))

@@ -214,6 +214,56 @@ pub struct Job<S: Shape> {
 }
 
 /// Admits the job and answers it: a stream of server-sent events, or one JSON response.
+// ANCHOR: compile_rules
+/// Compiles the request's output constraint and tokenizes its `bad_words`, off the async
+/// runtime (a schema compiles in a few milliseconds, the first one also builds the grammar
+/// engine's token trie).
+pub async fn compile_rules(
+    state: &Arc<AppState>,
+    generation: &mut Generation,
+) -> Result<(), ApiError> {
+    let constraint = generation.constraint.take();
+    let bad_words = std::mem::take(&mut generation.bad_words);
+    if constraint.is_none() && bad_words.is_empty() {
+        return Ok(());
+    }
+    let shared = Arc::clone(state);
+    let (grammar, words) = state
+        .off_runtime(move || -> Result<_, ApiError> {
+            let grammar = match constraint {
+                Some((constraint, param)) => {
+                    let limits = &shared.limits;
+                    let grammars = crate::structured::grammars(
+                        &shared.grammars,
+                        &shared.tokenizer,
+                        limits.vocab_size,
+                        &limits.eos_token_ids,
+                    )?;
+                    Some(Arc::new(grammars.compile(&constraint, param)?))
+                }
+                None => None,
+            };
+            let mut words = Vec::new();
+            for word in &bad_words {
+                // As vLLM: the word alone, and after a space (as it appears mid-text).
+                for text in [word.clone(), format!(" {word}")] {
+                    let ids = shared.tokenizer.encode(&text, false).map_err(|e| {
+                        ApiError::bad_param("bad_words", format!("cannot tokenize: {e}"))
+                    })?;
+                    if !ids.is_empty() && !words.contains(&ids) {
+                        words.push(ids);
+                    }
+                }
+            }
+            Ok((grammar, words))
+        })
+        .await??;
+    generation.grammar = grammar;
+    generation.rules.bad_words = words;
+    Ok(())
+}
+// ANCHOR_END: compile_rules
+
 pub async fn serve_generation<S: Shape>(job: Job<S>) -> Result<Response, ApiError> {
     // Check the admission rules before spawning anything.
     let sequences = job.planned.requests.len();

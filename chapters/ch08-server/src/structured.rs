@@ -1,0 +1,508 @@
+//! Structured outputs: a grammar turned into a token mask, one per sequence.
+//!
+//! A request may ask that its output match a JSON schema, any JSON object, a regular
+//! expression, one of a few strings, or a Lark grammar. The grammar engine (`llguidance`)
+//! compiles it once per request; each choice gets its own [`Matcher`] (its parse so far), which
+//! chapter 4's [`LogitsProcessor`] seam runs before every token:
+//!
+//! ```text
+//! prepare()   mask = matcher.compute_mask()      which tokens can extend a valid prefix
+//! process()   logits[t] = -inf  for every t not in mask
+//! accept(t)   matcher.consume_token(t)           the parse moves on; stopped → end "stop"
+//! ```
+//!
+//! The engine knows tokens; the grammar knows bytes. [`Grammars`] bridges them once per server:
+//! a trie of every token's bytes ([`TokTrie`]), built from the Hugging Face tokenizer kiln
+//! already loads. Special tokens get a marker byte so no grammar can spell one by accident.
+//!
+//! Bounded work per request: the grammar's text is capped at [`MAX_GRAMMAR_BYTES`], the
+//! engine's own [`ParserLimits`] cap compile time and each mask's work, and a grammar that
+//! does not compile is a 400, never a panic.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ch04::LogitsProcessor;
+use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{Value, json};
+use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+use crate::error::ApiError;
+
+/// The most bytes a schema, regex, grammar or choice list may have, as JSON text.
+pub const MAX_GRAMMAR_BYTES: usize = 64 << 10;
+/// The most strings `guided_choice` may list.
+pub const MAX_CHOICES: usize = 256;
+
+/// What a request constrains its output to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// Output matches this JSON schema.
+    JsonSchema(Value),
+    /// Output is any JSON object.
+    JsonObject,
+    /// Output matches this regular expression, whole.
+    Regex(String),
+    /// Output is exactly one of these strings.
+    Choice(Vec<String>),
+    /// Output matches this Lark grammar.
+    Lark(String),
+}
+
+impl Constraint {
+    /// The grammar engine's form of it. Refuses what is over [`MAX_GRAMMAR_BYTES`] or
+    /// [`MAX_CHOICES`]; `param` names the request field in errors.
+    pub fn grammar(&self, param: &str) -> Result<TopLevelGrammar, ApiError> {
+        let too_big = |bytes: usize| {
+            ApiError::bad_param(
+                param,
+                format!(
+                    "{param} is {bytes} bytes: at most {MAX_GRAMMAR_BYTES} bytes of schema, \
+                     regex or grammar are accepted"
+                ),
+            )
+        };
+        let check = |bytes: usize| {
+            if bytes > MAX_GRAMMAR_BYTES {
+                Err(too_big(bytes))
+            } else {
+                Ok(())
+            }
+        };
+        Ok(match self {
+            Constraint::JsonSchema(schema) => {
+                check(schema.to_string().len())?;
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(ApiError::bad_param(
+                        param,
+                        "a JSON schema must be an object (or true / false)",
+                    ));
+                }
+                TopLevelGrammar::from_json_schema(compact(schema.clone()))
+            }
+            Constraint::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact(json!({"type": "object"})))
+            }
+            Constraint::Regex(regex) => {
+                check(regex.len())?;
+                TopLevelGrammar::from_regex(regex)
+            }
+            Constraint::Choice(choices) => {
+                if choices.is_empty() || choices.len() > MAX_CHOICES {
+                    return Err(ApiError::bad_param(
+                        param,
+                        format!("{param} must list 1 to {MAX_CHOICES} strings"),
+                    ));
+                }
+                check(choices.iter().map(|c| c.len() + 4).sum())?;
+                // Each choice a Lark string literal (JSON's escapes), one alternative each.
+                let alternatives: Vec<String> = choices
+                    .iter()
+                    .map(|c| serde_json::to_string(c).unwrap_or_default())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+            }
+            Constraint::Lark(grammar) => {
+                check(grammar.len())?;
+                TopLevelGrammar::from_lark(grammar.clone())
+            }
+        })
+    }
+}
+
+/// JSON without free whitespace (`{"a":1}`, as OpenAI writes it), unless the schema sets
+/// the engine's own `x-guidance` options: a small model left free to write whitespace may
+/// write nothing else.
+fn compact(mut schema: Value) -> Value {
+    if let Some(object) = schema.as_object_mut() {
+        object
+            .entry("x-guidance")
+            .or_insert_with(|| json!({"whitespace_flexible": false}));
+    }
+    schema
+}
+
+// ANCHOR: token_bytes
+/// Every token's bytes, as the grammar engine needs them: what the token adds to the text.
+/// Byte-level BPE (GPT-2, Llama 3, SmolLM) writes each byte as one printable character;
+/// SentencePiece writes a space as `▁` and an odd byte as `<0xNN>`. A special token is its
+/// text after the marker byte 0xFF, which no text contains.
+fn token_bytes(tokenizer: &tokenizers::Tokenizer, vocab_size: usize) -> Vec<Vec<u8>> {
+    let byte_level = matches!(
+        tokenizer.get_decoder(),
+        Some(tokenizers::DecoderWrapper::ByteLevel(_))
+    );
+    let unicode_to_byte = byte_level_alphabet();
+    let specials: std::collections::HashSet<u32> = tokenizer
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special)
+        .map(|(id, _)| id)
+        .collect();
+    (0..vocab_size as u32)
+        .map(|id| {
+            let Some(token) = tokenizer.id_to_token(id) else {
+                return Vec::new(); // a row of the model past the tokenizer's vocabulary
+            };
+            if specials.contains(&id) {
+                let mut bytes = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                bytes.extend_from_slice(token.as_bytes());
+                return bytes;
+            }
+            if byte_level {
+                let bytes: Option<Vec<u8>> = token
+                    .chars()
+                    .map(|c| unicode_to_byte.get(&c).copied())
+                    .collect();
+                // An added (non-special) token is written as plain text.
+                return bytes.unwrap_or_else(|| token.into_bytes());
+            }
+            if token.len() == 6 && token.starts_with("<0x") && token.ends_with('>') {
+                if let Ok(byte) = u8::from_str_radix(&token[3..5], 16) {
+                    return vec![byte];
+                }
+            }
+            token.replace('\u{2581}', " ").into_bytes()
+        })
+        .collect()
+}
+
+/// Byte-level BPE's alphabet, character → byte: the printable bytes stand for themselves,
+/// the other 68 are shifted to U+0100 onwards, in order.
+fn byte_level_alphabet() -> std::collections::HashMap<char, u8> {
+    let mut map = std::collections::HashMap::new();
+    let mut shifted = 0u32;
+    for byte in 0..=255u8 {
+        let printable = matches!(byte, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let c = if printable {
+            char::from(byte)
+        } else {
+            shifted += 1;
+            char::from_u32(255 + shifted).unwrap_or('\u{FFFD}')
+        };
+        map.insert(c, byte);
+    }
+    map
+}
+// ANCHOR_END: token_bytes
+
+/// The tokenizer as the grammar engine sees it: the trie, and the tokenizer for the few strings
+/// a grammar forces.
+struct KilnTokEnv {
+    trie: TokTrie,
+    tokenizer: Arc<ch01::Tokenizer>,
+}
+
+impl TokenizerEnv for KilnTokEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        match self.tokenizer.encode(&String::from_utf8_lossy(s), false) {
+            Ok(ids) => ids,
+            // Fall back on the trie's greedy tokenization (valid, if not canonical).
+            Err(_) => self.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+/// The grammar engine over one model's tokenizer: built once (on the first constrained
+/// request), shared by every request.
+pub struct Grammars {
+    factory: ParserFactory,
+    /// The stop tokens a finished grammar allows.
+    eos: Vec<u32>,
+}
+
+impl Grammars {
+    /// Over `tokenizer`, for a model of `vocab_size` logits whose stop tokens are `eos`.
+    pub fn new(
+        tokenizer: Arc<ch01::Tokenizer>,
+        vocab_size: usize,
+        eos: &[u32],
+    ) -> Result<Self, String> {
+        let &first = eos
+            .first()
+            .ok_or("the model has no end-of-sequence token: a grammar could never end")?;
+        let words = token_bytes(tokenizer.inner(), vocab_size);
+        let info = TokRxInfo::new(vocab_size as u32, first);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
+        let env: TokEnv = Arc::new(KilnTokEnv { trie, tokenizer });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        // Quiet: errors reach the client as 400s, not stderr.
+        factory.set_stderr_log_level(0);
+        *factory.limits_mut() = ParserLimits {
+            // Compile-time work: a tenth of the engine's default (~2 ms of lexer building).
+            initial_lexer_fuel: 100_000,
+            max_grammar_size: 100_000,
+            ..ParserLimits::default()
+        };
+        Ok(Grammars {
+            factory,
+            eos: eos.to_vec(),
+        })
+    }
+
+    /// Compiles `constraint`; a grammar that does not compile (or is over the limits) is a 400
+    /// naming `param`.
+    pub fn compile(&self, constraint: &Constraint, param: &str) -> Result<Compiled, ApiError> {
+        let grammar = constraint.grammar(param)?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| ApiError::bad_param(param, format!("{param} does not compile: {e}")))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(error) = matcher.get_error() {
+            return Err(ApiError::bad_param(
+                param,
+                format!("{param} does not compile: {error}"),
+            ));
+        }
+        Ok(Compiled {
+            matcher: Mutex::new(matcher),
+            eos: self.eos.clone(),
+        })
+    }
+}
+
+/// The server's grammar engine, built on first use (most servers never need one).
+pub fn grammars<'s>(
+    cell: &'s OnceLock<Result<Grammars, String>>,
+    tokenizer: &Arc<ch01::Tokenizer>,
+    vocab_size: usize,
+    eos: &[u32],
+) -> Result<&'s Grammars, ApiError> {
+    cell.get_or_init(|| Grammars::new(Arc::clone(tokenizer), vocab_size, eos))
+        .as_ref()
+        .map_err(|e| ApiError::bad_request(format!("structured outputs are unavailable: {e}")))
+}
+
+/// A compiled grammar, ready to start a matcher per choice.
+pub struct Compiled {
+    /// The start state; each choice gets a copy. (A mutex only to be `Sync`: it is read once
+    /// per choice.)
+    matcher: Mutex<Matcher>,
+    eos: Vec<u32>,
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Compiled grammar")
+    }
+}
+
+impl Compiled {
+    /// A fresh matcher at the grammar's start, for one choice.
+    pub fn start(&self) -> GrammarState {
+        let matcher = match self.matcher.lock() {
+            Ok(m) => m.deep_clone(),
+            Err(poisoned) => poisoned.into_inner().deep_clone(),
+        };
+        GrammarState {
+            matcher,
+            mask: None,
+            eos: self.eos.clone(),
+        }
+    }
+}
+
+// ANCHOR: grammar_state
+/// One choice's grammar: where its parse is, and the mask for its next token.
+pub struct GrammarState {
+    matcher: Matcher,
+    /// Computed by [`GrammarState::prepare`]; `None`: the grammar cannot go on (only stop).
+    mask: Option<SimpleVob>,
+    eos: Vec<u32>,
+}
+
+impl GrammarState {
+    /// The mask of tokens that keep the output a prefix of the grammar's language (only the
+    /// stop tokens once it is complete). The costly part: a walk of the token trie.
+    pub fn prepare(&mut self) {
+        self.mask = self.matcher.compute_mask_or_eos().ok();
+    }
+
+    /// Every token the mask forbids to `-inf`. With no mask (an error), only stop is allowed.
+    pub fn apply(&self, logits: &mut [f32]) {
+        match &self.mask {
+            Some(mask) => {
+                for (token, logit) in logits.iter_mut().enumerate() {
+                    if !mask.is_allowed(token as TokenId) {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            None => allow_only(logits, &self.eos),
+        }
+    }
+
+    /// Moves the parse on by `token`; true when the output is complete (or cannot go on).
+    pub fn accept(&mut self, token: u32) -> bool {
+        if self.matcher.is_stopped() || self.eos.contains(&token) {
+            return true;
+        }
+        self.matcher.consume_token(token).is_err() || self.matcher.is_stopped()
+    }
+}
+// ANCHOR_END: grammar_state
+
+/// Every logit but those of `keep` to `-inf` (those keep their value, or 0 if it was `-inf`).
+fn allow_only(logits: &mut [f32], keep: &[u32]) {
+    for (token, logit) in logits.iter_mut().enumerate() {
+        if keep.contains(&(token as u32)) {
+            if !logit.is_finite() {
+                *logit = 0.0;
+            }
+        } else {
+            *logit = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// The cheap token rules of a request, besides its grammar (vLLM's names).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenRules {
+    /// Added to the token's logit (`logit_bias`, -100..=100).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens may be sampled (`allowed_token_ids`), sorted.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Token sequences that must never be completed (`bad_words`, tokenized).
+    pub bad_words: Vec<Vec<u32>>,
+    /// Stop tokens are masked until this many tokens are out (`min_tokens`).
+    pub min_tokens: usize,
+    /// The tokens `min_tokens` holds back: the model's stop tokens and `stop_token_ids`.
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl TokenRules {
+    pub fn is_empty(&self) -> bool {
+        self.logit_bias.is_empty()
+            && self.allowed_token_ids.is_none()
+            && self.bad_words.is_empty()
+            && self.min_tokens == 0
+    }
+}
+
+// ANCHOR: processor
+/// One choice's [`LogitsProcessor`]: its token rules, then its grammar.
+pub struct RequestProcessor {
+    rules: Arc<TokenRules>,
+    grammar: Option<GrammarState>,
+    /// The stop tokens, allowed when the rules and the grammar together left nothing.
+    fallback: Vec<u32>,
+}
+
+impl RequestProcessor {
+    pub fn new(rules: Arc<TokenRules>, grammar: Option<GrammarState>, fallback: Vec<u32>) -> Self {
+        RequestProcessor {
+            rules,
+            grammar,
+            fallback,
+        }
+    }
+}
+
+impl LogitsProcessor for RequestProcessor {
+    fn prepare(&mut self) {
+        if let Some(grammar) = &mut self.grammar {
+            grammar.prepare();
+        }
+    }
+
+    fn process(&mut self, output: &[u32], logits: &mut [f32]) {
+        let rules = &self.rules;
+        for &(token, bias) in &rules.logit_bias {
+            if let Some(logit) = logits.get_mut(token as usize) {
+                *logit += bias;
+            }
+        }
+        if let Some(allowed) = &rules.allowed_token_ids {
+            for (token, logit) in logits.iter_mut().enumerate() {
+                if allowed.binary_search(&(token as u32)).is_err() {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for word in &rules.bad_words {
+            if let Some((&last, prefix)) = word.split_last()
+                && output.ends_with(prefix)
+                && let Some(logit) = logits.get_mut(last as usize)
+            {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        if output.len() < rules.min_tokens {
+            for &token in &rules.stop_token_ids {
+                if let Some(logit) = logits.get_mut(token as usize) {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
+        if let Some(grammar) = &self.grammar {
+            grammar.apply(logits);
+        }
+        // Rules that contradict each other (min_tokens against a complete grammar) must not
+        // leave nothing to sample: then the sequence stops.
+        if !logits.iter().any(|l| *l > f32::NEG_INFINITY) {
+            allow_only(logits, &self.fallback);
+        }
+    }
+
+    fn accept(&mut self, token: u32) -> bool {
+        match &mut self.grammar {
+            Some(grammar) => grammar.accept(token),
+            None => false,
+        }
+    }
+}
+// ANCHOR_END: processor
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_byte_level_alphabet_is_a_bijection_over_bytes() {
+        let map = byte_level_alphabet();
+        assert_eq!(map.len(), 256);
+        assert_eq!(map[&'Ġ'], b' ');
+        assert_eq!(map[&'Ċ'], b'\n');
+        assert_eq!(map[&'a'], b'a');
+    }
+
+    #[test]
+    fn oversized_or_malformed_constraints_are_refused_by_name() {
+        let big = Constraint::Regex("a".repeat(MAX_GRAMMAR_BYTES + 1));
+        let err = big.grammar("guided_regex").unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("guided_regex"));
+        let err = Constraint::Choice(Vec::new())
+            .grammar("guided_choice")
+            .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("guided_choice"));
+        let err = Constraint::JsonSchema(json!(3))
+            .grammar("response_format")
+            .unwrap_err();
+        assert!(err.message.contains("object"), "{}", err.message);
+    }
+
+    #[test]
+    fn min_tokens_against_a_stop_only_mask_still_leaves_a_token() {
+        let rules = Arc::new(TokenRules {
+            min_tokens: 5,
+            stop_token_ids: vec![1],
+            allowed_token_ids: Some(vec![1]),
+            ..TokenRules::default()
+        });
+        let mut p = RequestProcessor::new(rules, None, vec![1]);
+        let mut logits = vec![0.5; 4];
+        p.process(&[], &mut logits);
+        assert!(logits[1].is_finite(), "the stop token is left");
+        assert!(
+            logits
+                .iter()
+                .enumerate()
+                .all(|(i, l)| i == 1 || *l == f32::NEG_INFINITY)
+        );
+    }
+}

@@ -1,0 +1,305 @@
+//! Tool calls: `tools` and `tool_choice` in, `tool_calls` out.
+//!
+//! | tool_choice        | what the model may write                      | how it is read back        |
+//! |--------------------|-----------------------------------------------|----------------------------|
+//! | `none`             | text; the template is not shown the tools     | content                    |
+//! | `auto` (default)   | text, with calls as `<tool_call>{"name", "arguments"}</tool_call>` (the Hermes format many templates teach) | calls parsed out, the rest is content |
+//! | `required`         | constrained: `[{"name": ..., "parameters": {...}}, ...]` | every item is a call |
+//! | `{"type": "function", "function": {"name": f}}` | constrained: `f`'s parameters object | one call of `f` |
+//!
+//! `required` and a named function go through the grammar engine ([`crate::structured`]), so
+//! their output always parses: the JSON schema of the calls is the constraint.
+
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::protocol::{FunctionCall, ToolCall};
+use crate::structured::Constraint;
+
+/// A function the model may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    pub name: String,
+    /// Its parameters' JSON schema (`{"type": "object"}` when the tool gives none).
+    pub parameters: Value,
+}
+
+/// What `tool_choice` asks.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolMode {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+/// The request's tools, checked: each `{"type": "function", "function": {"name", ...}}`.
+pub fn parse_tools(tools: &[Value]) -> Result<Vec<Tool>, ApiError> {
+    let bad = |message: String| ApiError::bad_param("tools", message);
+    tools
+        .iter()
+        .enumerate()
+        .map(|(i, tool)| {
+            if tool.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(bad(format!("tools[{i}].type must be \"function\"")));
+            }
+            let function = tool
+                .get("function")
+                .ok_or_else(|| bad(format!("tools[{i}] needs a function")))?;
+            let name = function
+                .get("name")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| bad(format!("tools[{i}].function needs a name")))?;
+            let parameters = function
+                .get("parameters")
+                .cloned()
+                .unwrap_or_else(|| json!({"type": "object"}));
+            if !parameters.is_object() {
+                return Err(bad(format!(
+                    "tools[{i}].function.parameters must be a JSON schema object"
+                )));
+            }
+            Ok(Tool {
+                name: name.to_string(),
+                parameters,
+            })
+        })
+        .collect()
+}
+
+/// `tool_choice`, given the tools: `auto` when there are tools and no choice, `none` without
+/// tools. Naming a function that is not among the tools, or requiring a call with no tools,
+/// is a 400.
+pub fn tool_mode(choice: Option<&Value>, tools: &[Tool]) -> Result<ToolMode, ApiError> {
+    let bad = |message: &str| ApiError::bad_param("tool_choice", message);
+    let mode = match choice {
+        None if tools.is_empty() => ToolMode::None,
+        None => ToolMode::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolMode::None,
+            "auto" => ToolMode::Auto,
+            "required" => ToolMode::Required,
+            _ => {
+                return Err(bad(
+                    "tool_choice must be none, auto, required or a function",
+                ));
+            }
+        },
+        Some(named) => {
+            let name = named
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| named.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    bad("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+                })?;
+            ToolMode::Named(name.to_string())
+        }
+    };
+    match &mode {
+        ToolMode::Required | ToolMode::Auto if tools.is_empty() => {
+            Err(bad("tool_choice needs tools"))
+        }
+        ToolMode::Named(name) if !tools.iter().any(|t| &t.name == name) => Err(bad(&format!(
+            "tool_choice names {name:?}, which is not among the tools"
+        ))),
+        _ => Ok(mode),
+    }
+}
+
+// ANCHOR: tool_constraint
+/// The constraint that makes a `required` or named call parse. `parallel`: `required` may
+/// list more than one call.
+pub fn constraint(mode: &ToolMode, tools: &[Tool], parallel: bool) -> Option<Constraint> {
+    match mode {
+        ToolMode::None | ToolMode::Auto => None,
+        ToolMode::Named(name) => tools
+            .iter()
+            .find(|t| &t.name == name)
+            .map(|t| Constraint::JsonSchema(t.parameters.clone())),
+        ToolMode::Required => {
+            let calls: Vec<Value> = tools
+                .iter()
+                .map(|t| {
+                    json!({
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string", "enum": [t.name]},
+                            "parameters": t.parameters,
+                        },
+                        "required": ["name", "parameters"],
+                        "additionalProperties": false,
+                    })
+                })
+                .collect();
+            let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+            if !parallel {
+                schema["maxItems"] = json!(1);
+            }
+            Some(Constraint::JsonSchema(schema))
+        }
+    }
+}
+// ANCHOR_END: tool_constraint
+
+/// A call as a response carries it; `id` from the response's id and the call's place.
+pub fn call(id: String, name: &str, arguments: String) -> ToolCall {
+    ToolCall {
+        index: None,
+        id: Some(id),
+        kind: Some("function".into()),
+        function: FunctionCall {
+            name: Some(name.to_string()),
+            arguments: Some(arguments),
+        },
+    }
+}
+
+/// What a choice's text says: its content (if any text is left) and its calls.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    pub content: Option<String>,
+    /// (name, arguments as JSON text).
+    pub calls: Vec<(String, String)>,
+}
+
+// ANCHOR: parse_calls
+/// Reads the calls back from a choice's whole text. `required`: a JSON array of
+/// `{"name", "parameters"}`; named: the text is the arguments; `auto`: every
+/// `<tool_call>{"name", "arguments"}</tool_call>` block is a call, the rest is content. Text
+/// that does not parse (a `length` cut) stays content.
+pub fn parse(mode: &ToolMode, text: &str) -> Parsed {
+    let content = |text: &str| Parsed {
+        content: Some(text.to_string()),
+        calls: Vec::new(),
+    };
+    match mode {
+        ToolMode::None => content(text),
+        ToolMode::Named(name) => match serde_json::from_str::<Value>(text) {
+            Ok(arguments) => Parsed {
+                content: None,
+                calls: vec![(name.clone(), arguments.to_string())],
+            },
+            Err(_) => content(text),
+        },
+        ToolMode::Required => {
+            let calls: Option<Vec<(String, String)>> = serde_json::from_str::<Vec<Value>>(text)
+                .ok()
+                .and_then(|items| {
+                    items
+                        .iter()
+                        .map(|item| {
+                            let name = item.get("name")?.as_str()?.to_string();
+                            Some((name, item.get("parameters")?.to_string()))
+                        })
+                        .collect()
+                });
+            match calls {
+                Some(calls) if !calls.is_empty() => Parsed {
+                    content: None,
+                    calls,
+                },
+                _ => content(text),
+            }
+        }
+        ToolMode::Auto => {
+            const OPEN: &str = "<tool_call>";
+            const CLOSE: &str = "</tool_call>";
+            let mut rest = text;
+            let mut outside = String::new();
+            let mut calls = Vec::new();
+            while let Some(start) = rest.find(OPEN) {
+                let after = &rest[start + OPEN.len()..];
+                let Some(end) = after.find(CLOSE) else {
+                    break;
+                };
+                let call = serde_json::from_str::<Value>(after[..end].trim())
+                    .ok()
+                    .and_then(|v| {
+                        let name = v.get("name")?.as_str()?.to_string();
+                        let arguments = v.get("arguments").or_else(|| v.get("parameters"))?;
+                        Some((name, arguments.to_string()))
+                    });
+                match call {
+                    Some(call) => {
+                        outside.push_str(&rest[..start]);
+                        calls.push(call);
+                    }
+                    None => outside.push_str(&rest[..start + OPEN.len() + end + CLOSE.len()]),
+                }
+                rest = &after[end + CLOSE.len()..];
+            }
+            outside.push_str(rest);
+            if calls.is_empty() {
+                return content(text);
+            }
+            let outside = outside.trim();
+            Parsed {
+                content: (!outside.is_empty()).then(|| outside.to_string()),
+                calls,
+            }
+        }
+    }
+}
+// ANCHOR_END: parse_calls
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools() -> Vec<Tool> {
+        parse_tools(&[
+            json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn tool_choice_is_checked_against_the_tools() {
+        let t = tools();
+        assert_eq!(tool_mode(None, &t).unwrap(), ToolMode::Auto);
+        assert_eq!(tool_mode(None, &[]).unwrap(), ToolMode::None);
+        assert_eq!(
+            tool_mode(Some(&json!("required")), &t).unwrap(),
+            ToolMode::Required
+        );
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        assert_eq!(
+            tool_mode(Some(&named), &t).unwrap(),
+            ToolMode::Named("get_weather".into())
+        );
+        let other = json!({"type": "function", "function": {"name": "nope"}});
+        assert!(tool_mode(Some(&other), &t).is_err());
+        assert!(tool_mode(Some(&json!("required")), &[]).is_err());
+        assert!(tool_mode(Some(&json!("sometimes")), &t).is_err());
+        assert!(parse_tools(&[json!({"type": "function"})]).is_err());
+    }
+
+    #[test]
+    fn calls_are_read_back_in_each_mode() {
+        let required = parse(
+            &ToolMode::Required,
+            r#"[{"name": "get_weather", "parameters": {"city": "Paris"}}]"#,
+        );
+        assert_eq!(required.content, None);
+        assert_eq!(
+            required.calls,
+            vec![("get_weather".into(), r#"{"city":"Paris"}"#.into())]
+        );
+        let named = parse(&ToolMode::Named("f".into()), r#"{"a": 1}"#);
+        assert_eq!(named.calls, vec![("f".into(), r#"{"a":1}"#.into())]);
+        let auto = parse(
+            &ToolMode::Auto,
+            "Let me look.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 2}}\n</tool_call>",
+        );
+        assert_eq!(auto.content.as_deref(), Some("Let me look."));
+        assert_eq!(auto.calls, vec![("f".into(), r#"{"x":2}"#.into())]);
+        let cut = parse(&ToolMode::Required, r#"[{"name": "get_wea"#);
+        assert_eq!(cut.calls, Vec::new());
+        assert_eq!(cut.content.as_deref(), Some(r#"[{"name": "get_wea"#));
+    }
+}
