@@ -31,6 +31,8 @@
 //! | [`state`]         | what handlers share; admission (keys, rate limits, queue limit)      |
 //! | [`server`]        | start-up checks, the router, graceful shutdown                       |
 //! | [`dashboard`]     | `/dashboard`: the engine's queues, block tables and steps, live      |
+//! | [`structured`]    | constrained decoding (llguidance token masks), tool calls, biases   |
+//! | [`cors`]          | `--allowed-origins`: CORS headers for browser clients (off by default) |
 
 pub mod access_log;
 pub mod auth;
