@@ -19,6 +19,7 @@
 //! | [`fp8`]          | FP8 E4M3 and E5M2: conversion bit for bit as PyTorch's, exact decoding     |
 //! | [`fp8_linear`]   | [`Fp8Linear`]: E4M3 weights with per-tensor or per-channel scales; [`Fp8Loader`] for Hugging Face FP8 checkpoints |
 //! | [`kv_cache`]     | the 8-bit KV cache: chapter 3's pool storing FP8 or int8 codes with scales  |
+//! | [`smoothquant`]  | [`W8A8Linear`]: int8 weights × int8 activations in i32; SmoothQuant's outlier migration |
 
 pub mod awq;
 pub mod blocks;
@@ -33,6 +34,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod model_quant;
 pub mod quant_linear;
+pub mod smoothquant;
 
 pub use blocks::BlockError;
 pub use format::GgmlType;
@@ -45,3 +47,4 @@ pub use group_quant::{Grid, GroupQuantError, GroupQuantized};
 pub use hf_quant::{GroupLinear, HfQuantConfig, HfQuantError, HfQuantLoader, QuantMethod};
 pub use kernels::{KernelError, QuantMatrix};
 pub use quant_linear::{QuantLinear, QuantLoader};
+pub use smoothquant::{W8A8Linear, W8A8Quantizer};

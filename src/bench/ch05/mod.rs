@@ -7,6 +7,7 @@
 //! batching    chapter 4's 32 requests at once, Q8_0 against f32 weights
 //! kv-cache    part 2: the KV cache in f32, bf16, FP8 E4M3 and int8 (only with `--only kv-cache`)
 //! fp8         part 2: FP8 E4M3 weights against f32 (only with `--only fp8`)
+//! w8a8        part 2: int8 weights x int8 activations, naive and SmoothQuant (only with `--only w8a8`)
 //! ```
 //! The files are SmolLM2-135M-Instruct as llama.cpp's users hold it: the F32 conversion and
 //! `llama-quantize`'s Q8_0, Q6_K, Q4_K_M and Q4_0 of it (`just build-llama-cpp` makes them), and
@@ -19,6 +20,7 @@ mod kv_cache;
 mod part2;
 mod part2_shared;
 mod report;
+mod w8a8;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -80,6 +82,8 @@ pub enum Part {
     KvCache,
     /// Part 2's FP8 weights ([`fp8`]): run only when asked for, alone.
     Fp8,
+    /// Part 2's W8A8 and SmoothQuant ([`w8a8`]): run only when asked for, alone.
+    W8a8,
 }
 
 /// One model file (or, with `--quick`, one quantization on load) of the comparison.
@@ -158,11 +162,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let quick = args.output.quick;
     let reps = args.output.reps(3)?;
     let out = args.output.dir("ch05");
-    if args.only.contains(&Part::KvCache) || args.only.contains(&Part::Fp8) {
+    if [Part::KvCache, Part::Fp8, Part::W8a8]
+        .iter()
+        .any(|p| args.only.contains(p))
+    {
         anyhow::ensure!(
             args.only.len() == 1,
-            "--only kv-cache and --only fp8 run alone"
+            "--only kv-cache, --only fp8 and --only w8a8 run alone"
         );
+        if args.only[0] == Part::W8a8 {
+            let settings = if quick {
+                w8a8::Settings {
+                    quick,
+                    reps,
+                    prompt: 16,
+                    decode: 8,
+                    chunks: 2,
+                    samples: 4,
+                    seq_len: 128,
+                }
+            } else {
+                w8a8::Settings {
+                    quick,
+                    reps,
+                    prompt: args.prompt_tokens,
+                    decode: args.decode_tokens,
+                    chunks: args.chunks,
+                    samples: args.samples,
+                    seq_len: args.seq_len,
+                }
+            };
+            return w8a8::run(&settings, &out, &facts);
+        }
         if args.only[0] == Part::Fp8 {
             let sizes = if quick {
                 (16, 8, 2)

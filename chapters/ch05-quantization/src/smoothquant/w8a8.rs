@@ -1,0 +1,341 @@
+//! [`W8A8Linear`]: int8 weights with one scale per output channel, times int8 activations with
+//! one scale per token, multiplied in integers.
+//!
+//! ```text
+//! weights      q_w[o, i] = round(w[o, i] / s_w[o])   s_w[o] = max_i |w[o, i]| / 127   (once)
+//! activations  q_x[t, i] = round(x[t, i] / s_x[t])   s_x[t] = max_i |x[t, i]| / 127   (per call)
+//! product      acc[t, o] = Σ_i q_x[t, i] · q_w[o, i]                                  exact, in i32
+//!              y[t, o]   = s_x[t] · s_w[o] · acc[t, o] + bias[o]                      f32
+//! ```
+//! Both grids are symmetric (codes in `-127..=127`, zero is code 0), so the sum needs no zero
+//! point corrections. The products are at most `127² = 16129`, so an i32 holds the sum exactly
+//! for up to [`MAX_IN_FEATURES`] inputs; a wider layer is refused. Everything up to the
+//! rescaling is exact: the layer's only errors are the two roundings to the grids, and the
+//! f32 rounding of the final product. With [`Int8Activations::None`] the activations stay f32
+//! (W8A16: what "RTN int8" means in the benchmark's table), and the dot product widens the
+//! codes instead.
+
+use ch01::linear::{DenseLinear, Linear, LinearLoader, LinearSpec};
+use ch02::{FastLoader, WeightDtype};
+use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
+use rayon::prelude::*;
+
+/// The largest code of the symmetric int8 grid.
+pub const QMAX: f32 = 127.0;
+
+/// The widest layer whose i32 sums cannot overflow: `⌊(2³¹ − 1) / 127²⌋`.
+pub const MAX_IN_FEATURES: usize = (i32::MAX as usize) / (127 * 127);
+
+/// What the activations go through before the products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Activations {
+    /// Quantized to int8 per token, `max |x_t| / 127`, on the fly (W8A8).
+    PerToken,
+    /// Kept f32: int8 weights only (W8A16).
+    None,
+}
+
+/// Why int8 weights could not be made into a layer.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum W8A8Error {
+    #[error("{codes} weight codes are not [{out}, {in_features}]")]
+    Codes {
+        codes: usize,
+        out: usize,
+        in_features: usize,
+    },
+    #[error("{scales} weight scales for {out} output channels")]
+    Scales { scales: usize, out: usize },
+    #[error("a bias of {len} for {out} outputs")]
+    Bias { len: usize, out: usize },
+    #[error("scale {0} is not a positive finite number")]
+    BadScale(f32),
+    #[error("weight code -128 at {0}: the grid is symmetric, -127..=127")]
+    Code(usize),
+    #[error("{0} input features: an i32 sum holds at most {MAX_IN_FEATURES}")]
+    TooWide(usize),
+    #[error("weight value {0} is not finite")]
+    NotFinite(f32),
+}
+
+/// A projection with int8 weights, per-channel scales, and int8 (or f32) activations.
+///
+/// Invariant: `codes.len() == out · in`, every code in `-127..=127`, `scale.len() == out`,
+/// every scale positive and finite, `in ≤ MAX_IN_FEATURES`, `bias` is `[out]` when present.
+pub struct W8A8Linear {
+    codes: Vec<i8>,            // [out, in]
+    scale: Vec<f32>,           // [out]
+    bias: Option<Array1<f32>>, // [out]
+    activations: Int8Activations,
+    in_features: usize,
+}
+
+/// The symmetric int8 grid of `values`: its scale `max |v| / 127` (1 for all zeros).
+pub fn grid_scale(values: &[f32]) -> f32 {
+    let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if amax > 0.0 { amax / QMAX } else { 1.0 }
+}
+
+/// `round(v / scale)`, halves away from zero, clamped to `-127..=127`.
+fn code(v: f32, inv_scale: f32) -> i8 {
+    (v * inv_scale).round().clamp(-QMAX, QMAX) as i8
+}
+
+// ANCHOR: quantize_token
+/// One token's activations `x` `[in]` as int8 codes in `out` `[in]`; returns their scale.
+pub fn quantize_token(x: &[f32], out: &mut [i8]) -> f32 {
+    let scale = grid_scale(x);
+    let inv = 1.0 / scale;
+    for (q, &v) in out.iter_mut().zip(x) {
+        *q = code(v, inv);
+    }
+    scale
+}
+// ANCHOR_END: quantize_token
+
+// ANCHOR: dot_i8
+/// `Σ_i a[i] · b[i]` of int8 codes, exact in i32 (for `len ≤ MAX_IN_FEATURES`). Written as
+/// 32-wide chunks of i16 products summed into i32 lanes, which the compiler turns into
+/// multiply-add instructions (`pmaddwd`); no `unsafe`, no intrinsics.
+pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
+    const LANES: usize = 32;
+    let mut acc = [0i32; LANES];
+    let (a_main, a_tail) = a.split_at(a.len() - a.len() % LANES);
+    let (b_main, b_tail) = b.split_at(a_main.len().min(b.len()));
+    for (ca, cb) in a_main.chunks_exact(LANES).zip(b_main.chunks_exact(LANES)) {
+        for k in 0..LANES {
+            acc[k] += i32::from(i16::from(ca[k]) * i16::from(cb[k]));
+        }
+    }
+    let tail: i32 = a_tail
+        .iter()
+        .zip(b_tail)
+        .map(|(&x, &y)| i32::from(x) * i32::from(y))
+        .sum();
+    acc.iter().sum::<i32>() + tail
+}
+// ANCHOR_END: dot_i8
+
+/// `Σ_i x[i] · q[i]` with the codes widened to f32 (the W8A16 path).
+fn dot_f32_i8(x: &[f32], q: &[i8]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0f32; LANES];
+    let main = x.len() - x.len() % LANES;
+    for (cx, cq) in x[..main]
+        .chunks_exact(LANES)
+        .zip(q[..main].chunks_exact(LANES))
+    {
+        for k in 0..LANES {
+            acc[k] += cx[k] * f32::from(cq[k]);
+        }
+    }
+    let tail: f32 = x[main..]
+        .iter()
+        .zip(&q[main..])
+        .map(|(&v, &c)| v * f32::from(c))
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+impl W8A8Linear {
+    /// `codes` [out, in] in `-127..=127`; `scale` [out]; `bias` [out].
+    pub fn new(
+        codes: Vec<i8>,
+        out_features: usize,
+        in_features: usize,
+        scale: Vec<f32>,
+        bias: Option<Array1<f32>>,
+        activations: Int8Activations,
+    ) -> Result<Self, W8A8Error> {
+        if in_features > MAX_IN_FEATURES {
+            return Err(W8A8Error::TooWide(in_features));
+        }
+        if Some(codes.len()) != out_features.checked_mul(in_features) {
+            return Err(W8A8Error::Codes {
+                codes: codes.len(),
+                out: out_features,
+                in_features,
+            });
+        }
+        if scale.len() != out_features {
+            return Err(W8A8Error::Scales {
+                scales: scale.len(),
+                out: out_features,
+            });
+        }
+        if let Some(&bad) = scale.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            return Err(W8A8Error::BadScale(bad));
+        }
+        if let Some(at) = codes.iter().position(|&c| c == i8::MIN) {
+            return Err(W8A8Error::Code(at));
+        }
+        if let Some(b) = &bias
+            && b.len() != out_features
+        {
+            return Err(W8A8Error::Bias {
+                len: b.len(),
+                out: out_features,
+            });
+        }
+        Ok(W8A8Linear {
+            codes,
+            scale,
+            bias,
+            activations,
+            in_features,
+        })
+    }
+
+    /// Round-to-nearest of dense `weight` [out, in] to int8, one scale per output channel.
+    pub fn quantize(
+        weight: ArrayView2<f32>,
+        bias: Option<Array1<f32>>,
+        activations: Int8Activations,
+    ) -> Result<Self, W8A8Error> {
+        let (out, n) = weight.dim();
+        if let Some(&bad) = weight.iter().find(|v| !v.is_finite()) {
+            return Err(W8A8Error::NotFinite(bad));
+        }
+        let mut codes = Vec::with_capacity(out * n);
+        let mut scales = Vec::with_capacity(out);
+        for row in weight.rows() {
+            let row = row.to_vec();
+            let scale = grid_scale(&row);
+            let inv = 1.0 / scale;
+            codes.extend(row.iter().map(|&v| code(v, inv)));
+            scales.push(scale);
+        }
+        W8A8Linear::new(codes, out, n, scales, bias, activations)
+    }
+
+    /// The weight codes `[out, in]`, row-major.
+    pub fn codes(&self) -> &[i8] {
+        &self.codes
+    }
+
+    /// The per-output-channel scales `[out]`.
+    pub fn scales(&self) -> &[f32] {
+        &self.scale
+    }
+
+    /// The weights the layer computes with, `s_w[o] · q_w[o, i]` `[out, in]`.
+    pub fn dequantized(&self) -> Array2<f32> {
+        let n = self.in_features;
+        Array2::from_shape_fn((self.scale.len(), n), |(o, i)| {
+            self.scale[o] * f32::from(self.codes[o * n + i])
+        })
+    }
+}
+
+impl Linear for W8A8Linear {
+    fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    fn out_features(&self) -> usize {
+        self.scale.len()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.codes.len() + 4 * self.scale.len() + self.bias.as_ref().map_or(0, |b| 4 * b.len())
+    }
+
+    fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
+        let mut y = Array2::zeros((x.nrows(), self.out_features()));
+        self.forward_into(x, y.view_mut());
+        y
+    }
+
+    // ANCHOR: w8a8_forward
+    fn forward_into(&self, x: ArrayView2<f32>, mut y: ArrayViewMut2<f32>) {
+        let (t, n, out) = (x.nrows(), self.in_features, self.out_features());
+        assert_eq!(x.ncols(), n, "x is [T, in_features]");
+        assert_eq!(y.dim(), (t, out), "y is [T, out_features]");
+        let int8 = self.activations == Int8Activations::PerToken;
+        // The activations, once per call: int8 codes and a scale per token, or f32 as they are.
+        let mut q_x = vec![0i8; if int8 { t * n } else { 0 }]; // [T, in]
+        let mut s_x = vec![1.0f32; t]; // [T]
+        let mut x_f = vec![0.0f32; if int8 { 0 } else { t * n }]; // [T, in]
+        for (r, x_t) in x.rows().into_iter().enumerate() {
+            let row = x_t.to_vec();
+            if int8 {
+                s_x[r] = quantize_token(&row, &mut q_x[r * n..(r + 1) * n]);
+            } else {
+                x_f[r * n..(r + 1) * n].copy_from_slice(&row);
+            }
+        }
+        // yᵀ[o, t] = s_w[o] · s_x[t] · (q_x[t] · q_w[o]), 16 output channels per task.
+        let mut y_t = vec![0.0f32; out * t]; // [out, T]
+        const ROWS: usize = 16;
+        y_t.par_chunks_mut(ROWS * t.max(1))
+            .enumerate()
+            .for_each(|(c, y_c)| {
+                for (j, y_o) in y_c.chunks_exact_mut(t.max(1)).enumerate() {
+                    let o = c * ROWS + j;
+                    let w_o = &self.codes[o * n..(o + 1) * n];
+                    for (r, y_ot) in y_o.iter_mut().enumerate() {
+                        *y_ot = if int8 {
+                            let acc = dot_i8(&q_x[r * n..(r + 1) * n], w_o);
+                            self.scale[o] * s_x[r] * acc as f32
+                        } else {
+                            self.scale[o] * dot_f32_i8(&x_f[r * n..(r + 1) * n], w_o)
+                        };
+                    }
+                }
+            });
+        for o in 0..out {
+            let b = self.bias.as_ref().map_or(0.0, |b| b[o]);
+            for r in 0..t {
+                y[[r, o]] = y_t[o * t + r] + b;
+            }
+        }
+    }
+    // ANCHOR_END: w8a8_forward
+}
+
+/// Whether a projection is the output head (its own `lm_head`, or the tied embedding loaded a
+/// second time as a projection).
+pub fn is_head(name: &str) -> bool {
+    name == "lm_head" || name == "model.embed_tokens"
+}
+
+/// What the head becomes: chapter 2's f32 `FastLinear`.
+const DENSE: FastLoader = FastLoader {
+    dtype: WeightDtype::F32,
+};
+
+/// Quantizes every projection of a dense checkpoint to int8 as it loads (round to nearest, one
+/// scale per output channel), the activations as `activations` says. The output head (tied to
+/// the embedding in SmolLM2) stays dense f32, as SmoothQuant leaves it: it is read once per
+/// token like the others, but its 49,152 logits are what perplexity is scored on.
+pub struct W8A8Quantizer {
+    pub activations: Int8Activations,
+}
+
+impl LinearLoader for W8A8Quantizer {
+    fn build(
+        &self,
+        weight: Array2<f32>,
+        bias: Option<Array1<f32>>,
+    ) -> ch01::Result<Box<dyn Linear>> {
+        let layer = W8A8Linear::quantize(weight.view(), bias, self.activations)
+            .map_err(|e| ch01::Error::InvalidArgument(e.to_string()))?;
+        Ok(Box::new(layer))
+    }
+
+    fn load(
+        &self,
+        source: &dyn ch01::WeightSource,
+        spec: &LinearSpec<'_>,
+    ) -> ch01::Result<Box<dyn Linear>> {
+        if is_head(spec.name) {
+            return DENSE.load(source, spec);
+        }
+        let dense = DenseLinear::load(source, spec)?;
+        let bias = dense.bias().cloned();
+        let weight = dense.weight().view();
+        let layer = W8A8Linear::quantize(weight, bias, self.activations)
+            .map_err(|e| ch01::Error::InvalidArgument(format!("`{}`: {e}", spec.name)))?;
+        Ok(Box::new(layer))
+    }
+}
