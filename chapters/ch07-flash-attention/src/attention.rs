@@ -91,8 +91,8 @@ impl Partitions {
         Ok(Partitions::Fixed(n))
     }
 
-    /// Partitions of a decode row with `len` keys in a step of `tasks_per_partition` (decode
-    /// rows × KV heads) such rows.
+    /// Partitions of a decode row with `len` keys in a step whose every partition index makes
+    /// `tasks_per_partition` tasks (one per decode row: a task covers all of a row's KV heads).
     pub fn count(&self, len: usize, tasks_per_partition: usize) -> usize {
         match *self {
             Partitions::Fixed(n) => n.max(1),
