@@ -198,6 +198,7 @@ impl GpuDevice {
             .max(1);
         let (mut row_start, mut start_pos, mut tables) = (vec![0u32], vec![], vec![]);
         let (mut slots, mut rows, mut context_lens) = (vec![], vec![], vec![]);
+        let mut rows_before = 0usize; // rows of the sequences before this one
         for (i, seq) in seqs.iter().enumerate() {
             let end = seq.start_pos + seq.rows;
             if seq.rows == 0 || seq.block_table.len() * block_size < end {
@@ -211,17 +212,14 @@ impl GpuDevice {
             if let Some(&bad) = seq.block_table.iter().find(|&&b| b as usize >= num_blocks) {
                 return Err(shape(format!("sequence {i}: block {bad} of {num_blocks}")));
             }
-            rows.push(u32_arg(
-                "row",
-                *row_start.last().unwrap() as usize + seq.rows - 1,
-            )?);
+            rows.push(u32_arg("row", rows_before + seq.rows - 1)?);
             context_lens.push(u32_arg("context", end)?);
             for pos in seq.start_pos..end {
                 let block = seq.block_table[pos / block_size] as usize;
                 slots.push(u32_arg("slot", block * block_size + pos % block_size)?);
             }
-            let next = *row_start.last().unwrap() as usize + seq.rows;
-            row_start.push(u32_arg("rows", next)?);
+            rows_before += seq.rows;
+            row_start.push(u32_arg("rows", rows_before)?);
             start_pos.push(u32_arg("start_pos", seq.start_pos)?);
             tables.extend_from_slice(&seq.block_table);
             tables.resize((i + 1) * max_blocks, 0);
