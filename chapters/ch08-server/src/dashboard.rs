@@ -532,6 +532,15 @@ mod tests {
         Engine::new(CpuExecutor::new(model, pool), config).unwrap()
     }
 
+    /// Prefix caching on, no free-block watermark: every block can be shared or handed out.
+    fn prefix_caching() -> EngineConfig {
+        EngineConfig {
+            enable_prefix_caching: true,
+            watermark: 0.0,
+            ..EngineConfig::default()
+        }
+    }
+
     fn steps(engine: &mut Engine<'_>, history: &mut History, n: usize) {
         for _ in 0..n {
             engine.step_or_stall().unwrap();
@@ -544,12 +553,7 @@ mod tests {
     #[test]
     fn snapshot_shows_shared_prefix_blocks_and_the_pool() {
         let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
-        let config = EngineConfig {
-            enable_prefix_caching: true,
-            watermark: 0.0,
-            ..EngineConfig::default()
-        };
-        let mut engine = engine(&model, 16, config);
+        let mut engine = engine(&model, 16, prefix_caching());
         let mut history = History::default();
         let prompt: Vec<u32> = (1..=10).collect();
         let first = engine
@@ -617,12 +621,7 @@ mod tests {
     #[test]
     fn snapshot_shows_copy_on_write_preemptions_and_caps() {
         let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
-        let config = EngineConfig {
-            enable_prefix_caching: true,
-            watermark: 0.0,
-            ..EngineConfig::default()
-        };
-        let mut engine = engine(&model, 16, config);
+        let mut engine = engine(&model, 16, prefix_caching());
         let mut history = History::default();
         // 8 tokens: two full blocks, both cached after the first prefill.
         let prompt: Vec<u32> = (1..=8).collect();
