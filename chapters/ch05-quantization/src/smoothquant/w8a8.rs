@@ -19,6 +19,7 @@ use ch01::linear::{DenseLinear, Linear, LinearLoader, LinearSpec};
 use ch02::{FastLoader, WeightDtype};
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 /// The largest code of the symmetric int8 grid.
 pub const QMAX: f32 = 127.0;
@@ -252,45 +253,79 @@ impl Linear for W8A8Linear {
         assert_eq!(x.ncols(), n, "x is [T, in_features]");
         assert_eq!(y.dim(), (t, out), "y is [T, out_features]");
         let int8 = self.activations == Int8Activations::PerToken;
-        // The activations, once per call: int8 codes and a scale per token, or f32 as they are.
-        let mut q_x = vec![0i8; if int8 { t * n } else { 0 }]; // [T, in]
-        let mut s_x = vec![1.0f32; t]; // [T]
-        let mut x_f = vec![0.0f32; if int8 { 0 } else { t * n }]; // [T, in]
-        for (r, x_t) in x.rows().into_iter().enumerate() {
-            let row = x_t.to_vec();
-            if int8 {
-                s_x[r] = quantize_token(&row, &mut q_x[r * n..(r + 1) * n]);
-            } else {
-                x_f[r * n..(r + 1) * n].copy_from_slice(&row);
-            }
-        }
-        // yᵀ[o, t] = s_w[o] · s_x[t] · (q_x[t] · q_w[o]), 16 output channels per task.
-        let mut y_t = vec![0.0f32; out * t]; // [out, T]
-        const ROWS: usize = 16;
-        y_t.par_chunks_mut(ROWS * t.max(1))
-            .enumerate()
-            .for_each(|(c, y_c)| {
-                for (j, y_o) in y_c.chunks_exact_mut(t.max(1)).enumerate() {
-                    let o = c * ROWS + j;
-                    let w_o = &self.codes[o * n..(o + 1) * n];
-                    for (r, y_ot) in y_o.iter_mut().enumerate() {
-                        *y_ot = if int8 {
-                            let acc = dot_i8(&q_x[r * n..(r + 1) * n], w_o);
-                            self.scale[o] * s_x[r] * acc as f32
-                        } else {
-                            self.scale[o] * dot_f32_i8(&x_f[r * n..(r + 1) * n], w_o)
-                        };
+        with_scratch(|scratch| {
+            let W8A8Scratch { q_x, s_x, x_f, y_t } = scratch;
+            // The activations, once per call: int8 codes and a scale per token, or f32 as
+            // they are. The buffers grow once to the largest call.
+            q_x.resize(if int8 { t * n } else { 0 }, 0); // [T, in]
+            s_x.clear();
+            s_x.resize(t, 1.0); // [T]
+            x_f.resize(if int8 { 0 } else { t * n }, 0.0); // [T, in]
+            for (r, x_t) in x.rows().into_iter().enumerate() {
+                let dst = r * n..(r + 1) * n;
+                if int8 {
+                    s_x[r] = match x_t.as_slice() {
+                        Some(row) => quantize_token(row, &mut q_x[dst]),
+                        None => quantize_token(&x_t.to_vec(), &mut q_x[dst]),
+                    };
+                } else {
+                    for (d, v) in x_f[dst].iter_mut().zip(x_t) {
+                        *d = *v;
                     }
                 }
-            });
-        for o in 0..out {
-            let b = self.bias.as_ref().map_or(0.0, |b| b[o]);
-            for r in 0..t {
-                y[[r, o]] = y_t[o * t + r] + b;
             }
-        }
+            // yᵀ[o, t] = s_w[o] · s_x[t] · (q_x[t] · q_w[o]), 16 output channels per task.
+            y_t.resize(out * t, 0.0); // [out, T]
+            const ROWS: usize = 16;
+            let (q_x, s_x, x_f) = (&*q_x, &*s_x, &*x_f);
+            y_t.par_chunks_mut(ROWS * t.max(1))
+                .enumerate()
+                .for_each(|(c, y_c)| {
+                    for (j, y_o) in y_c.chunks_exact_mut(t.max(1)).enumerate() {
+                        let o = c * ROWS + j;
+                        let w_o = &self.codes[o * n..(o + 1) * n];
+                        for (r, y_ot) in y_o.iter_mut().enumerate() {
+                            *y_ot = if int8 {
+                                let acc = dot_i8(&q_x[r * n..(r + 1) * n], w_o);
+                                self.scale[o] * s_x[r] * acc as f32
+                            } else {
+                                self.scale[o] * dot_f32_i8(&x_f[r * n..(r + 1) * n], w_o)
+                            };
+                        }
+                    }
+                });
+            for o in 0..out {
+                let b = self.bias.as_ref().map_or(0.0, |b| b[o]);
+                for r in 0..t {
+                    y[[r, o]] = y_t[o * t + r] + b;
+                }
+            }
+        });
     }
     // ANCHOR_END: w8a8_forward
+}
+
+/// One thread's buffers for [`W8A8Linear::forward_into`]: nothing is allocated per token
+/// once they have grown to the largest call.
+#[derive(Default)]
+struct W8A8Scratch {
+    q_x: Vec<i8>,  // [T, in] activation codes
+    s_x: Vec<f32>, // [T] activation scales
+    x_f: Vec<f32>, // [T, in] activations as they are (int8 weights, f32 activations)
+    y_t: Vec<f32>, // [out, T] the outputs, transposed
+}
+
+thread_local! {
+    static SCRATCH: RefCell<W8A8Scratch> = RefCell::new(W8A8Scratch::default());
+}
+
+/// Runs `f` with this thread's scratch; a re-entrant call on the same thread (a rayon worker
+/// that picked up another layer's forward while waiting) gets a fresh one instead.
+fn with_scratch<R>(f: impl FnOnce(&mut W8A8Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => f(&mut scratch),
+        Err(_) => f(&mut W8A8Scratch::default()),
+    })
 }
 
 /// Whether a projection is the output head (its own `lm_head`, or the tied embedding loaded a
