@@ -180,6 +180,21 @@ fn dot_codes<W: ToF32>(isa: Isa, x: &[f32], w: &[W]) -> f32 {
     }
 }
 
+/// One thread's buffers for [`Fp8Linear::forward_into`], grown once to the largest call.
+#[derive(Default)]
+struct Fp8Scratch {
+    rounded: Vec<f32>, // [T, in] the activations, rounded to E4M3
+    y_t: Vec<f32>,     // [out, T] the outputs, transposed
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Fp8Scratch> = std::cell::RefCell::new(Fp8Scratch::default());
+}
+
+fn with_scratch<R>(f: impl FnOnce(&mut Fp8Scratch) -> R) -> R {
+    crate::scratch::with_local(&SCRATCH, f)
+}
+
 impl Linear for Fp8Linear {
     fn in_features(&self) -> usize {
         self.in_features
@@ -204,39 +219,45 @@ impl Linear for Fp8Linear {
         let (t, n, out) = (x.nrows(), self.in_features, self.out_features());
         assert_eq!(x.ncols(), n, "x is [T, in_features]");
         assert_eq!(y.dim(), (t, out), "y is [T, out_features]");
-        let mut rounded = vec![0.0f32; t * n]; // [T, in] the activations, rounded to E4M3
-        for (x_t, r_t) in x.rows().into_iter().zip(rounded.chunks_exact_mut(n.max(1))) {
-            match x_t.as_slice() {
-                Some(row) => self.round_activations(row, r_t),
-                None => self.round_activations(&x_t.to_vec(), r_t),
+        with_scratch(|Fp8Scratch { rounded, y_t }| {
+            rounded.resize(t * n, 0.0); // [T, in] the activations, rounded to E4M3
+            for (x_t, r_t) in x.rows().into_iter().zip(rounded.chunks_exact_mut(n.max(1))) {
+                match x_t.as_slice() {
+                    Some(row) => self.round_activations(row, r_t),
+                    None => self.round_activations(&x_t.to_vec(), r_t),
+                }
             }
-        }
-        // yᵀ[o, t] = scale[o] · (x'_t · w_o), 16 outputs per task. One token (decode) widens
-        // the codes inside the dot product; several widen each row once and reuse it.
-        let mut y_t = vec![0.0f32; out * t]; // [out, T]
-        const ROWS: usize = 16;
-        y_t.par_chunks_mut(ROWS * t.max(1))
-            .enumerate()
-            .for_each_init(
-                || vec![0.0f32; if t > 1 { n } else { 0 }],
-                |w_f32, (c, y_c)| {
-                    for (j, y_o) in y_c.chunks_exact_mut(t.max(1)).enumerate() {
-                        let o = c * ROWS + j;
-                        let w_o = &self.codes[o * n..(o + 1) * n];
-                        if t == 1 {
-                            y_o[0] = self.scale[o] * dot_codes(self.isa, &rounded, w_o);
-                            continue;
+            // yᵀ[o, t] = scale[o] · (x'_t · w_o), 16 outputs per task. One token (decode) widens
+            // the codes inside the dot product; several widen each row once and reuse it.
+            y_t.resize(out * t, 0.0); // [out, T]
+            let rounded = &*rounded;
+            const ROWS: usize = 16;
+            y_t.par_chunks_mut(ROWS * t.max(1))
+                .enumerate()
+                .for_each_init(
+                    || vec![0.0f32; if t > 1 { n } else { 0 }],
+                    |w_f32, (c, y_c)| {
+                        for (j, y_o) in y_c.chunks_exact_mut(t.max(1)).enumerate() {
+                            let o = c * ROWS + j;
+                            let w_o = &self.codes[o * n..(o + 1) * n];
+                            if t == 1 {
+                                y_o[0] = self.scale[o] * dot_codes(self.isa, rounded, w_o);
+                                continue;
+                            }
+                            w_f32.iter_mut().zip(w_o).for_each(|(w, c)| *w = c.to_f32());
+                            for (y_ot, r_t) in y_o.iter_mut().zip(rounded.chunks_exact(n)) {
+                                *y_ot = self.scale[o] * dot_codes(self.isa, r_t, w_f32);
+                            }
                         }
-                        w_f32.iter_mut().zip(w_o).for_each(|(w, c)| *w = c.to_f32());
-                        for (y_ot, r_t) in y_o.iter_mut().zip(rounded.chunks_exact(n)) {
-                            *y_ot = self.scale[o] * dot_codes(self.isa, r_t, w_f32);
-                        }
-                    }
-                },
-            );
-        for ((o, r), v) in (0..out).flat_map(|o| (0..t).map(move |r| (o, r))).zip(&y_t) {
-            y[[r, o]] = v + self.bias.as_ref().map_or(0.0, |b| b[o]);
-        }
+                    },
+                );
+            for ((o, r), v) in (0..out)
+                .flat_map(|o| (0..t).map(move |r| (o, r)))
+                .zip(y_t.iter())
+            {
+                y[[r, o]] = v + self.bias.as_ref().map_or(0.0, |b| b[o]);
+            }
+        });
     }
     // ANCHOR_END: fp8_forward
 }

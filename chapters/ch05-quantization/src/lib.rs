@@ -34,6 +34,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod model_quant;
 pub mod quant_linear;
+mod scratch;
 pub mod smoothquant;
 
 pub use blocks::BlockError;

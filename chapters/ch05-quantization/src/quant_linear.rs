@@ -37,13 +37,8 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Runs `f` with this thread's scratch; a re-entrant call on the same thread (a rayon worker
-/// that picked up another layer's forward while waiting) gets a fresh one instead.
 fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut scratch) => f(&mut scratch),
-        Err(_) => f(&mut Scratch::default()),
-    })
+    crate::scratch::with_local(&SCRATCH, f)
 }
 
 /// A projection with block-quantized weights, computed by [`crate::kernels::linear`] on the

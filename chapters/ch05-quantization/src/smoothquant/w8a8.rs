@@ -319,13 +319,8 @@ thread_local! {
     static SCRATCH: RefCell<W8A8Scratch> = RefCell::new(W8A8Scratch::default());
 }
 
-/// Runs `f` with this thread's scratch; a re-entrant call on the same thread (a rayon worker
-/// that picked up another layer's forward while waiting) gets a fresh one instead.
 fn with_scratch<R>(f: impl FnOnce(&mut W8A8Scratch) -> R) -> R {
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut scratch) => f(&mut scratch),
-        Err(_) => f(&mut W8A8Scratch::default()),
-    })
+    crate::scratch::with_local(&SCRATCH, f)
 }
 
 /// Whether a projection is the output head (its own `lm_head`, or the tied embedding loaded a
