@@ -10,6 +10,7 @@
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
 //! kiln exercise new 1 | check 1 [k]        the learner's copy with chapter 1's tasks as todo!; its tests
 //! kiln diagrams [--check]                  the book's figures of what the engine did (chapter 4's trace)
+//! kiln figures                             check that every figure in the book names the command that wrote it
 //! ```
 //! `--model` defaults to the embedded shakespeare-small fixture.
 
@@ -17,6 +18,7 @@ mod bench;
 mod commands;
 mod diagrams;
 mod exercise;
+mod figures;
 
 use clap::{Parser, Subcommand};
 
@@ -61,6 +63,9 @@ enum Command {
     TpWorker(commands::tensor_parallel::WorkerArgs),
     /// Draw the book's figures of what the engine did (chapter 4's trace as a Gantt chart).
     Diagrams(diagrams::Args),
+    /// Check that every figure the book shows names the command of this repository that wrote
+    /// it, and that the command (still) writes it.
+    Figures(figures::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -85,5 +90,6 @@ fn main() -> anyhow::Result<()> {
         Command::Exercise(args) => exercise::run(args),
         Command::TpWorker(args) => commands::tensor_parallel::run_worker(args),
         Command::Diagrams(args) => diagrams::run(args),
+        Command::Figures(args) => figures::run(args),
     })
 }
