@@ -42,7 +42,7 @@ pub fn run(args: Args) -> Result<()> {
     let steps: Vec<Step> = lines.iter().map(|l| parse_step(l)).collect::<Result<_>>()?;
     let svg = gantt(&steps);
     let figure = root.join("book/src/ch04/trace.svg");
-    let page = root.join("book/src/ch04/index.md");
+    let page = root.join("book/src/ch04/scheduler.md");
     let printed = printed_steps(&std::fs::read_to_string(&page)?);
     if args.check {
         let mut stale = Vec::new();
@@ -104,7 +104,7 @@ fn demo_trace(root: &Path) -> Result<Vec<String>> {
 
 /// The step lines of the page's worked trace.
 fn printed_steps(page: &str) -> Vec<String> {
-    let Some(at) = page.find("### A worked trace") else {
+    let Some(at) = page.find("## A worked trace") else {
         return Vec::new();
     };
     page[at..]

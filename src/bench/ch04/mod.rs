@@ -482,8 +482,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let llama_cpp_text = if cite_llama_cpp {
         format!(
             " and {:.2}× the {LLAMA_CPP_BATCHED_TOK_S:.0} tok/s of llama.cpp's batched decode \
-             (F32, batch 8, on this machine type, as cited in the issue, not measured here; that \
-             figure is decode alone, while ours includes every prefill and the queueing)",
+             (F32, batch 8, on this machine type, as the chapter's target cites it, not \
+             measured here; that figure is decode alone, while ours includes every prefill and \
+             the queueing)",
             continuous.throughput / LLAMA_CPP_BATCHED_TOK_S
         )
     } else {
