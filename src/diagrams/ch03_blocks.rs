@@ -76,10 +76,9 @@ fn replay() -> Result<Vec<Stage>> {
     let others: Vec<BlockTable> = (0..NUM_BLOCKS as u32)
         .map(|i| m.allocate_prompt(&[1000 + i; BLOCK_SIZE]))
         .collect::<Result<_, _>>()?;
-    let (first, last): (Vec<_>, Vec<_>) = others
+    let (first, mut last): (Vec<_>, Vec<_>) = others
         .into_iter()
         .partition(|t| !HANDED_OUT.contains(&t.blocks()[0]));
-    let mut last = last;
     last.sort_by_key(|t| {
         let at = HANDED_OUT.iter().position(|&b| b == t.blocks()[0]);
         std::cmp::Reverse(at)
