@@ -102,7 +102,7 @@ exercise n *args:
 check n k="":
     cargo run --release -q -- exercise check {{n}} {{k}}
 
-# Redraw the book's figures of what the engine did (chapter 4's trace as a Gantt chart); CI checks them.
+# Redraw the book's figures of what the engine did (chapter 3's blocks, chapter 4's trace); CI checks them.
 diagrams *args:
     cargo run --release -q -- diagrams {{args}}
 
