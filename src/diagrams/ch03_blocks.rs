@@ -234,7 +234,7 @@ fn snapshot(
 /// replay); returns what is out of date.
 pub fn run(root: &Path, check: bool) -> Result<Vec<String>> {
     let stages = replay()?;
-    let svg = figure(&stages);
+    let svg = crate::bench::describe_svg(&figure(&stages), super::COMMAND);
     let path = root.join("book/src/ch03/blocks.svg");
     let page = root.join("book/src/ch03/index.md");
     let text =

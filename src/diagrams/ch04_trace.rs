@@ -32,7 +32,7 @@ const DEMO: &[&str] = &[
 pub fn run(root: &Path, check: bool) -> Result<Vec<String>> {
     let lines = demo_trace(root)?;
     let steps: Vec<Step> = lines.iter().map(|l| parse_step(l)).collect::<Result<_>>()?;
-    let svg = gantt(&steps);
+    let svg = crate::bench::describe_svg(&gantt(&steps), super::COMMAND);
     let figure = root.join("book/src/ch04/trace.svg");
     let page = root.join("book/src/ch04/scheduler.md");
     let printed = printed_steps(&std::fs::read_to_string(&page)?);

@@ -18,6 +18,9 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 
+/// What the figures' descriptions name as the command that drew them (`kiln figures` checks it).
+const COMMAND: &str = "kiln diagrams";
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Fail if a committed figure (or what the book prints beside it) is out of date.
