@@ -209,3 +209,73 @@ fn bf16_storage_tolerances() {
         2e-2,
     );
 }
+
+/// Every prefill micro-kernel this CPU has ([`Gemm::available`]: portable, AVX2, AVX-512)
+/// against the naive product, on token counts that leave partial tiles of every height (up to
+/// 30 tokens: two full 12-token AVX-512 tiles and a partial one), f32 and bf16 weights; and
+/// the AVX-512 kernel equal to the AVX2 one bit for bit (each output is the same chain of fused
+/// multiply-adds over `k`).
+#[test]
+fn every_prefill_micro_kernel_equals_the_naive_product_and_avx512_equals_avx2() {
+    use ch02_kv_cache::kernels::{Gemm, PackedWeight, matmul_with};
+    let shapes = (1usize..70, 1usize..40, 2usize..31);
+    let inputs = shapes.prop_flat_map(|(out_f, in_f, tokens)| {
+        (
+            proptest::collection::vec(-1.0f32..1.0, out_f * in_f)
+                .prop_map(move |w| Array2::from_shape_vec((out_f, in_f), w).unwrap()),
+            proptest::collection::vec(-2.0f32..2.0, tokens * in_f)
+                .prop_map(move |x| Array2::from_shape_vec((tokens, in_f), x).unwrap()),
+        )
+    });
+    runner(200)
+        .run(&inputs, |(w, x)| {
+            let (tokens, (out_f, in_f)) = (x.nrows(), w.dim());
+            let flat = w.as_slice().unwrap();
+            for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
+                let expected = naive(&w, &None, &x, dtype);
+                let mut outputs = Vec::new();
+                for gemm in Gemm::available() {
+                    let mut y = vec![0.0f32; tokens * out_f];
+                    match dtype {
+                        WeightDtype::F32 => {
+                            let packed = PackedWeight::<f32>::pack(flat, out_f, in_f);
+                            matmul_with(gemm, &packed, x.as_slice().unwrap(), &mut y, tokens);
+                        }
+                        WeightDtype::Bf16 => {
+                            let packed = PackedWeight::<u16>::pack(flat, out_f, in_f);
+                            matmul_with(gemm, &packed, x.as_slice().unwrap(), &mut y, tokens);
+                        }
+                    }
+                    assert_close_shaped(
+                        &format!("{gemm:?} {dtype:?}: W {:?}, x {:?}", w.dim(), x.dim()),
+                        &y,
+                        &expected,
+                        &[tokens, out_f],
+                        Tolerance::F32,
+                    );
+                    outputs.push((gemm, y));
+                }
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let of = |want: fn(&Gemm) -> bool| {
+                        outputs.iter().find(|(g, _)| want(g)).map(|(_, y)| y)
+                    };
+                    if let (Some(avx2), Some(avx512)) = (
+                        of(|g| matches!(g, Gemm::Avx2Fma(_))),
+                        of(|g| matches!(g, Gemm::Avx512(_))),
+                    ) {
+                        prop_assert!(
+                            avx2.iter()
+                                .zip(avx512)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "AVX-512 differs from AVX2 ({dtype:?}, W {:?}, x {:?})",
+                            w.dim(),
+                            x.dim()
+                        );
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}

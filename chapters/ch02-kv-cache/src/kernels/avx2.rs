@@ -101,7 +101,7 @@ pub fn tile_matmul<W: WeightElement, const M: usize>(
     c: &mut [f32; MR * NR],
 ) {
     const { assert!(M <= MR, "a tile holds at most MR tokens") };
-    assert!(b.len() % NR == 0, "b is [in][NR]");
+    assert!(b.len().is_multiple_of(NR), "b is [in][NR]");
     assert_eq!(x.len(), M * (b.len() / NR), "x is [M, in]");
     // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
     unsafe { tile_matmul_avx2::<W, M>(x, b, c) }

@@ -18,20 +18,32 @@
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
 //! and [`Isa::Portable`], plain Rust that any target compiles. Tests compare both with a naive
-//! product.
+//! product. On a CPU with AVX-512F the prefill micro-kernel has a third form ([`Gemm`]): a
+//! register holds 16 lanes, so a tile is 12 tokens tall and each weight loaded serves twice as
+//! many tokens; it computes the same bits as the AVX2 one.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod packed;
 mod portable;
 pub mod vector;
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+pub use avx512::{Avx512, MR_512};
 pub use packed::{NR, PackedWeight, WeightElement};
 
-/// Token rows of the prefill micro-kernel's output tile.
+/// Token rows of the prefill micro-kernel's output tile (portable and AVX2).
 pub const MR: usize = 6;
+
+/// The most token rows of any micro-kernel's tile: the size of [`matmul`]'s tile buffer.
+#[cfg(target_arch = "x86_64")]
+const MAX_MR: usize = MR_512;
+#[cfg(not(target_arch = "x86_64"))]
+const MAX_MR: usize = MR;
 
 /// Which implementation of the inner loops runs.
 ///
@@ -82,6 +94,60 @@ impl Isa {
     }
 }
 
+/// Which prefill micro-kernel [`matmul_with`] runs: one per instruction set, each proof-carrying
+/// like [`Isa`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gemm {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma(Avx2Fma),
+    /// 12 × 16 tiles in 16-lane registers.
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Avx512),
+}
+
+impl Gemm {
+    /// The fastest micro-kernel for `isa`: AVX-512's where the CPU has it and `isa` is AVX2's
+    /// (so a caller that asked for the portable code gets it).
+    pub fn fastest(isa: Isa) -> Gemm {
+        match isa {
+            Isa::Portable => Gemm::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma(cpu) => {
+                static AVX512: std::sync::OnceLock<Option<Avx512>> = std::sync::OnceLock::new();
+                match *AVX512.get_or_init(Avx512::detect) {
+                    Some(wide) => Gemm::Avx512(wide),
+                    None => Gemm::Avx2Fma(cpu),
+                }
+            }
+        }
+    }
+
+    /// Every micro-kernel this CPU can run (what the tests compare).
+    pub fn available() -> Vec<Gemm> {
+        let mut kernels = vec![Gemm::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(Isa::Avx2Fma(cpu)) = Isa::avx2_fma() {
+                kernels.push(Gemm::Avx2Fma(cpu));
+            }
+            if let Some(wide) = Avx512::detect() {
+                kernels.push(Gemm::Avx512(wide));
+            }
+        }
+        kernels
+    }
+
+    /// Token rows of its tile.
+    pub fn tile_rows(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Gemm::Avx512(_) => MR_512,
+            _ => MR,
+        }
+    }
+}
+
 /// Panels one task handles: enough work to amortise the task, few enough to balance the cores.
 fn panels_per_task(panels: usize) -> usize {
     panels
@@ -114,11 +180,23 @@ pub fn matvec<W: WeightElement>(isa: Isa, w: &PackedWeight<W>, x: &[f32], y: &mu
 }
 // ANCHOR_END: matvec
 
-/// Many tokens: `y[t, o] = Σ_k x[t, k] · W[o, k]`, i.e. `y = x Wᵀ`.
+/// Many tokens: `y[t, o] = Σ_k x[t, k] · W[o, k]`, i.e. `y = x Wᵀ`, on the fastest
+/// micro-kernel for `isa` ([`Gemm::fastest`]).
 /// `x`: [tokens, in], `y`: [tokens, out], both row-major.
-// ANCHOR: matmul
 pub fn matmul<W: WeightElement>(
     isa: Isa,
+    w: &PackedWeight<W>,
+    x: &[f32],
+    y: &mut [f32],
+    tokens: usize,
+) {
+    matmul_with(Gemm::fastest(isa), w, x, y, tokens);
+}
+
+/// [`matmul`] on the micro-kernel `gemm`.
+// ANCHOR: matmul
+pub fn matmul_with<W: WeightElement>(
+    gemm: Gemm,
     w: &PackedWeight<W>,
     x: &[f32],
     y: &mut [f32],
@@ -130,21 +208,22 @@ pub fn matmul<W: WeightElement>(
     if tokens == 0 {
         return; // nothing to compute (an engine step whose sequences all want no logits)
     }
-    let tiles = tokens.div_ceil(MR);
+    let mr = gemm.tile_rows();
+    let tiles = tokens.div_ceil(mr);
     let out = SharedOut::new(y);
     let per_task = panels_per_task(w.num_panels());
     let tasks = w.num_panels().div_ceil(per_task);
     (0..tasks).into_par_iter().for_each(|task| {
         let panels = task * per_task..((task + 1) * per_task).min(w.num_panels());
-        let mut c = [0.0f32; MR * NR]; // [MR][NR] one tile's outputs
+        let mut c = [0.0f32; MAX_MR * NR]; // [mr][NR] one tile's outputs
         // One weight panel at a time, so it stays in cache while every token tile uses it.
         for p in panels {
             let b = w.panel(p); // [k][NR]
             let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
             for tile in 0..tiles {
-                let rows = tile * MR..((tile + 1) * MR).min(tokens); // so may the last tile
+                let rows = tile * mr..((tile + 1) * mr).min(tokens); // so may the last tile
                 let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
-                tile_matmul(isa, rows.len(), x_tile, b, &mut c);
+                tile_matmul(gemm, rows.len(), x_tile, b, &mut c);
                 for (r, c_row) in rows.zip(c.chunks_exact(NR)) {
                     // SAFETY: elements `r * n + cols` are in row r and the columns of panel
                     // p; the tasks' panel ranges are disjoint and each (p, r) comes up once,
@@ -197,33 +276,39 @@ impl<'a> SharedOut<'a> {
     }
 }
 
-/// The micro-kernel for an `m`-token tile (`1 <= m <= MR`): `x_tile` [m, k], `b` [k][NR] →
-/// rows `0..m` of `c` [MR][NR]. One compiled kernel per tile height, so that the accumulators
-/// stay in registers and a partial last tile does no work for missing tokens.
+/// The micro-kernel for an `m`-token tile (`1 <= m <= gemm.tile_rows()`): `x_tile` [m, k],
+/// `b` [k][NR] → rows `0..m` of `c` [MAX_MR][NR]. One compiled kernel per tile height, so that
+/// the accumulators stay in registers and a partial last tile does no work for missing tokens.
 fn tile_matmul<W: WeightElement>(
-    isa: Isa,
+    gemm: Gemm,
     m: usize,
     x_tile: &[f32],
     b: &[W],
-    c: &mut [f32; MR * NR],
+    c: &mut [f32; MAX_MR * NR],
 ) {
     macro_rules! with_height {
-        ($($kernel:ident)::+ ($($first:expr)?)) => {
+        ($c:expr, $module:ident: $($h:literal)+) => {
             match m {
-                1 => $($kernel)::+::<W, 1>($($first,)? x_tile, b, c),
-                2 => $($kernel)::+::<W, 2>($($first,)? x_tile, b, c),
-                3 => $($kernel)::+::<W, 3>($($first,)? x_tile, b, c),
-                4 => $($kernel)::+::<W, 4>($($first,)? x_tile, b, c),
-                5 => $($kernel)::+::<W, 5>($($first,)? x_tile, b, c),
-                6 => $($kernel)::+::<W, 6>($($first,)? x_tile, b, c),
-                _ => unreachable!("tiles hold 1 to MR = 6 tokens"),
+                $($h => $module::tile_matmul::<W, $h>(x_tile, b, $c),)+
+                _ => unreachable!("a tile height the kernel has no variant for"),
+            }
+        };
+        ($c:expr, $module:ident($cpu:ident): $($h:literal)+) => {
+            match m {
+                $($h => $module::tile_matmul::<W, $h>($cpu, x_tile, b, $c),)+
+                _ => unreachable!("a tile height the kernel has no variant for"),
             }
         };
     }
-    match isa {
-        Isa::Portable => with_height!(portable::tile_matmul()),
+    let short: &mut [f32; MR * NR] = (&mut c[..MR * NR]).try_into().expect("MR <= MAX_MR");
+    match gemm {
+        Gemm::Portable => with_height!(short, portable: 1 2 3 4 5 6),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma(cpu) => with_height!(avx2::tile_matmul(cpu)),
+        Gemm::Avx2Fma(cpu) => with_height!(short, avx2(cpu): 1 2 3 4 5 6),
+        #[cfg(target_arch = "x86_64")]
+        Gemm::Avx512(cpu) => {
+            with_height!(c, avx512(cpu): 1 2 3 4 5 6 7 8 9 10 11 12)
+        }
     }
 }
 

@@ -22,10 +22,17 @@ pub trait WeightElement: Copy + Default + Send + Sync + 'static {
     /// `p` must point to 16 readable elements; the CPU must support AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> (Avx2, Avx2);
+
+    /// Loads 16 consecutive elements as one 16-lane f32 vector, lane `i` = element `i`.
+    ///
+    /// # Safety
+    /// `p` must point to 16 readable elements; the CPU must support AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16_512(p: *const Self) -> Avx512;
 }
 
 #[cfg(target_arch = "x86_64")]
-use std::arch::x86_64::__m256 as Avx2;
+use std::arch::x86_64::{__m256 as Avx2, __m512 as Avx512};
 
 impl WeightElement for f32 {
     #[inline(always)]
@@ -39,6 +46,11 @@ impl WeightElement for f32 {
     #[inline(always)]
     unsafe fn load16(p: *const f32) -> (Avx2, Avx2) {
         unsafe { super::avx2::load16_f32(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16_512(p: *const f32) -> Avx512 {
+        unsafe { super::avx512::load16_f32(p) }
     }
 }
 
@@ -66,6 +78,11 @@ impl WeightElement for u16 {
     #[inline(always)]
     unsafe fn load16(p: *const u16) -> (Avx2, Avx2) {
         unsafe { super::avx2::load16_bf16(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16_512(p: *const u16) -> Avx512 {
+        unsafe { super::avx512::load16_bf16(p) }
     }
 }
 

@@ -1,0 +1,114 @@
+//! The prefill micro-kernel with AVX-512F: 16 f32 lanes per register, so one register holds the
+//! 16 outputs of a panel row and a tile can be [`MR_512`] = 12 tokens tall (12 accumulators of
+//! the 32 registers) where AVX2 needs two registers per row and stops at 6.
+//!
+//! Per input feature `k` it loads the panel's 16 weights once (widening bf16 with one
+//! zero-extension and one shift) and does one fused multiply-add per token of the tile: each
+//! output is the same chain `acc = fma(x[t][k], w[k][o], acc)` over `k` in order as in the
+//! AVX2 kernel, so the two compute **the same bits** (tested with `==`).
+
+use std::arch::x86_64::*;
+
+use super::{NR, WeightElement};
+
+/// Token rows of the AVX-512 micro-kernel's output tile.
+pub const MR_512: usize = 12;
+
+/// Proof that the CPU running this process has AVX-512F (and AVX2 and FMA, which the other
+/// kernels of a step use). Its field is private: only [`Avx512::detect`] makes one, after
+/// run-time detection said so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512(());
+
+impl Avx512 {
+    /// A proof if this CPU has AVX-512F, AVX2 and FMA (checked now), else `None`.
+    pub fn detect() -> Option<Avx512> {
+        (is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma"))
+        .then_some(Avx512(()))
+    }
+}
+
+/// 16 f32 weights as one 16-lane vector.
+///
+/// # Safety
+/// `p` must point to 16 readable f32; the CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub unsafe fn load16_f32(p: *const f32) -> __m512 {
+    // SAFETY: the caller guarantees AVX-512F and 16 readable f32 (one unaligned load) at `p`.
+    unsafe { _mm512_loadu_ps(p) }
+}
+
+/// 16 bf16 weights (their bits) widened to one 16-lane f32 vector: zero-extend each to 32 bits,
+/// shift it into the top half. Lane `i` is stored element `i` (no permutation, unlike AVX2's).
+///
+/// # Safety
+/// `p` must point to 16 readable u16; the CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub unsafe fn load16_bf16(p: *const u16) -> __m512 {
+    // SAFETY: the caller guarantees AVX-512F and 16 readable u16 (32 bytes, one unaligned load).
+    unsafe {
+        let bits = _mm256_loadu_si256(p as *const __m256i); // 16 × u16
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))
+    }
+}
+
+// ANCHOR: micro_kernel_512
+/// `c[r][j] = Σ_k x[r][k] · b[k][j]` for an M × 16 tile (M ≤ 12), one register per row.
+/// `x`: [M, in] row-major (the tokens), `b`: [in][NR] (a weight panel), `c`: [MR_512][NR], of
+/// which rows `0..M` are written.
+///
+/// Panics unless `b.len()` is a multiple of `NR` and `x.len() == M * b.len() / NR`; `M <= MR_512`
+/// is checked at compile time.
+pub fn tile_matmul<W: WeightElement, const M: usize>(
+    _cpu: Avx512,
+    x: &[f32],
+    b: &[W],
+    c: &mut [f32; MR_512 * NR],
+) {
+    const { assert!(M <= MR_512, "a tile holds at most MR_512 tokens") };
+    assert!(b.len().is_multiple_of(NR), "b is [in][NR]");
+    assert_eq!(x.len(), M * (b.len() / NR), "x is [M, in]");
+    // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
+    unsafe { tile_matmul_avx512::<W, M>(x, b, c) }
+}
+
+/// [`tile_matmul`]'s body.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `x.len() == M * b.len() / NR`, `M <= MR_512`.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_matmul_avx512<W: WeightElement, const M: usize>(
+    x: &[f32],
+    b: &[W],
+    c: &mut [f32; MR_512 * NR],
+) {
+    let k = b.len() / NR;
+    let (x, b) = (x.as_ptr(), b.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); M];
+    // SAFETY: the caller guarantees AVX-512F. For kk < k, `b[kk * NR..][..NR]` is inside `b` (`k * NR <= b.len()`); for r < M,
+    // `x[r * k + kk]` is inside `x` (`M * k` elements).
+    unsafe {
+        for kk in 0..k {
+            let w = W::load16_512(b.add(kk * NR));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let x_rk = _mm512_set1_ps(*x.add(r * k + kk));
+                *acc_r = _mm512_fmadd_ps(x_rk, w, *acc_r);
+            }
+        }
+    }
+    // Lane i holds stored element i, which is output j where `slot(j) = i` (bf16's packing
+    // permutes the outputs for the AVX2 load): put each back in its place.
+    for (r, acc_r) in acc.iter().enumerate() {
+        let mut lanes = [0.0f32; NR];
+        // SAFETY: `lanes` holds 16 f32, one unaligned 16-wide store.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc_r) };
+        for (j, c) in c[r * NR..][..NR].iter_mut().enumerate() {
+            *c = lanes[W::slot(j)];
+        }
+    }
+}
+// ANCHOR_END: micro_kernel_512
