@@ -113,18 +113,19 @@ impl ModelArgs {
             return Ok(Box::new(ch05::HfQuantLoader { config, dense }));
         }
         // A Hugging Face FP8 checkpoint (`quant_method: "fp8"`): its projections as stored.
-        if !self.is_gguf() && self.model.join("config.json").exists() {
-            if let Some(fp8) = ch05::fp8_config(&self.model)? {
-                if self.quantization.is_some() {
-                    bail!(
-                        "{} is an FP8 checkpoint: --quantization does not apply",
-                        self.model.display()
-                    );
-                }
-                return Ok(Box::new(ch05::Fp8Loader {
-                    static_activations: fp8.static_activations,
-                }));
+        if !self.is_gguf()
+            && self.model.join("config.json").exists()
+            && let Some(fp8) = ch05::fp8_config(&self.model)?
+        {
+            if self.quantization.is_some() {
+                bail!(
+                    "{} is an FP8 checkpoint: --quantization does not apply",
+                    self.model.display()
+                );
             }
+            return Ok(Box::new(ch05::Fp8Loader {
+                static_activations: fp8.static_activations,
+            }));
         }
         Ok(match &self.quantization {
             Some(name) => {

@@ -171,7 +171,7 @@ impl LlamaConfig {
                 return Err(bad(format!("{name} must be positive")));
             }
         }
-        if raw.num_attention_heads % num_key_value_heads != 0 {
+        if !raw.num_attention_heads.is_multiple_of(num_key_value_heads) {
             return Err(bad(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({num_key_value_heads})",
                 raw.num_attention_heads

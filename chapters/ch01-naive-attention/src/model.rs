@@ -489,7 +489,7 @@ fn attention_shape(
             "q/k/v in_features and o_proj out_features must equal hidden_size {hidden}"
         ));
     }
-    if shape.num_kv_heads == 0 || shape.num_heads % shape.num_kv_heads != 0 {
+    if shape.num_kv_heads == 0 || !shape.num_heads.is_multiple_of(shape.num_kv_heads) {
         return fail(format!(
             "{} query heads do not form whole groups over {} key/value heads",
             shape.num_heads, shape.num_kv_heads

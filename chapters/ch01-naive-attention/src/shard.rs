@@ -100,7 +100,7 @@ impl ShardSpec {
     ) -> Result<(Range<usize>, Range<usize>), ShardError> {
         self.check_rank()?;
         let part = |size: usize, what: &str| -> Result<Range<usize>, ShardError> {
-            if size % self.world != 0 {
+            if !size.is_multiple_of(self.world) {
                 return Err(ShardError::NotDivisible {
                     what: format!("{what} of `{name}`"),
                     size,
@@ -166,9 +166,9 @@ impl TensorParallel {
     // ANCHOR: kv_spec
     pub fn kv_spec(&self, num_kv_heads: usize) -> Result<ShardSpec, ShardError> {
         check_rank(self.rank, self.world)?;
-        if num_kv_heads % self.world == 0 {
+        if num_kv_heads.is_multiple_of(self.world) {
             Ok(self.spec(Split::Column))
-        } else if num_kv_heads > 0 && self.world % num_kv_heads == 0 {
+        } else if num_kv_heads > 0 && self.world.is_multiple_of(num_kv_heads) {
             let copies = self.world / num_kv_heads;
             Ok(ShardSpec::column(self.rank / copies, num_kv_heads))
         } else {

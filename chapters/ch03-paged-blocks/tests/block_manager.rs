@@ -167,7 +167,7 @@ impl Model {
                 prop_assert!(seq.table.capacity() >= seq.tokens.len());
                 prop_assert_eq!(seq.table.num_tokens(), start, "reserve moved num_tokens");
                 if let Some(BlockCopy { src, dst }) = copy {
-                    prop_assert!(start % bs != 0, "a copy with nothing to copy");
+                    prop_assert!(!start.is_multiple_of(bs), "a copy with nothing to copy");
                     prop_assert_eq!(Some(src), first_before);
                     prop_assert_eq!(seq.table.blocks()[start / bs], dst);
                     prop_assert_eq!(self.bm.ref_count(src), before.refs[src as usize] - 1);

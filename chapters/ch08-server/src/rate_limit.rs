@@ -273,10 +273,10 @@ impl RateLimiter {
         if self.limit == RateLimit::UNLIMITED {
             return Ok(());
         }
-        if let Some(limit) = self.limit.tokens_per_minute {
-            if tokens > limit {
-                return Err(RateLimited::TooLarge { tokens, limit });
-            }
+        if let Some(limit) = self.limit.tokens_per_minute
+            && tokens > limit
+        {
+            return Err(RateLimited::TooLarge { tokens, limit });
         }
         if let Some(limit) = self.limit.requests_per_minute.map(u64::from)
             && requests > limit

@@ -157,10 +157,12 @@ fn token_bytes(tokenizer: &tokenizers::Tokenizer, vocab_size: usize) -> Vec<Vec<
                 // An added (non-special) token is written as plain text.
                 return bytes.unwrap_or_else(|| token.into_bytes());
             }
-            if token.len() == 6 && token.starts_with("<0x") && token.ends_with('>') {
-                if let Ok(byte) = u8::from_str_radix(&token[3..5], 16) {
-                    return vec![byte];
-                }
+            if token.len() == 6
+                && token.starts_with("<0x")
+                && token.ends_with('>')
+                && let Ok(byte) = u8::from_str_radix(&token[3..5], 16)
+            {
+                return vec![byte];
             }
             token.replace('\u{2581}', " ").into_bytes()
         })

@@ -236,7 +236,7 @@ impl BlockManager {
             }
             let new = self.alloc_block();
             table.blocks[i] = new;
-            if i == first && start % bs != 0 {
+            if i == first && !start.is_multiple_of(bs) {
                 copy = Some(BlockCopy { src: old, dst: new });
             } else {
                 self.release(old);
@@ -456,10 +456,10 @@ impl BlockManager {
 
     /// One more reference to a block a prefix hit found (which may be evictable).
     fn take_cached(&mut self, block: BlockId) {
-        if self.allocator.incref(block) == 1 {
-            if let Some(cache) = &mut self.cache {
-                cache.revive(block);
-            }
+        if self.allocator.incref(block) == 1
+            && let Some(cache) = &mut self.cache
+        {
+            cache.revive(block);
         }
     }
 

@@ -27,9 +27,9 @@ pub const ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
 // ANCHOR_END: order
 
 fn check(rows: usize, cols: usize, group: usize) -> Result<(), HfQuantError> {
-    let reason = if rows % 8 != 0 {
+    let reason = if !rows.is_multiple_of(8) {
         "out must be a multiple of 8".to_string()
-    } else if group == 0 || cols % group != 0 {
+    } else if group == 0 || !cols.is_multiple_of(group) {
         format!("the group size {group} must divide in")
     } else {
         return Ok(());

@@ -111,7 +111,7 @@ pub fn unpack(
     cols: usize,
     group_size: Option<usize>,
 ) -> Result<GroupQuantized, HfQuantError> {
-    if cols % 8 != 0 || rows % 8 != 0 {
+    if !cols.is_multiple_of(8) || !rows.is_multiple_of(8) {
         return Err(HfQuantError::Layout {
             format: "GPTQ",
             rows,

@@ -279,7 +279,7 @@ impl GpuDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let dim = weight.len();
-        if dim == 0 || residual.len() % dim != 0 {
+        if dim == 0 || !residual.len().is_multiple_of(dim) {
             return Err(shape(format!(
                 "residual of {} is not rows of {dim}",
                 residual.len()

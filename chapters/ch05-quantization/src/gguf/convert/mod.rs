@@ -423,7 +423,7 @@ pub fn encode(ty: GgmlType, values: &[f32], cols: usize) -> Result<Vec<u8>, bloc
         elems: values.len(),
     };
     let row_bytes = ty.row_bytes(cols).ok_or_else(length_error)?;
-    if cols == 0 || values.len() % cols != 0 {
+    if cols == 0 || !values.len().is_multiple_of(cols) {
         return Err(length_error());
     }
     let rows = values.len() / cols;
