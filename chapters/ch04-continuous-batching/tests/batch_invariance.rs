@@ -54,3 +54,40 @@ fn the_same_seed_gives_the_same_tokens_in_any_batch() {
         assert_eq!(together[2].tokens, alone[0].tokens, "seed {seed}");
     }
 }
+
+/// Sampling a step's sequences on several threads (`presample`) gives every request the same
+/// tokens as sampling them one after another: each has its own row and its own seeded sampler.
+#[test]
+fn sampling_across_threads_equals_sampling_in_turn() {
+    let model = ch02::load_fast(
+        &fixtures_dir().join("shakespeare-tiny"),
+        ch02::WeightDtype::F32,
+    )
+    .unwrap();
+    let requests: Vec<Request> = (0..9u32)
+        .map(|i| {
+            let prompt = (0..(3 + 5 * i)).map(|t| (t * 29 + i) % 4096).collect();
+            match i % 3 {
+                0 => Request::greedy(prompt, 12),
+                _ => sampled(prompt, 1000 + i as u64),
+            }
+        })
+        .collect();
+    let run = |parallel: bool| {
+        ch02::elementwise::set_parallel_elementwise(parallel);
+        let pool = KvPool::<f32>::new(&model.config, 8, 128).unwrap();
+        let mut engine =
+            Engine::new(CpuExecutor::new(&model, pool), EngineConfig::default()).unwrap();
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
+        let completions = threads.install(|| engine.generate(requests.clone()).unwrap());
+        ch02::elementwise::set_parallel_elementwise(true);
+        completions
+    };
+    let (serial, threaded) = (run(false), run(true));
+    for (s, t) in serial.iter().zip(&threaded) {
+        assert_eq!(s.tokens, t.tokens, "request {}", s.id);
+    }
+}
