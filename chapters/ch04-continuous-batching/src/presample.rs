@@ -1,4 +1,5 @@
-//! Sampling a step's sequences on several threads at once, before `update` walks them in order.
+//! Sampling a step's sequences on several threads at once, before `update` walks them in order;
+//! with each token its [`TokenLogprobs`] when the request asked for them.
 //!
 //! ```text
 //! logits [S, vocab] ──▶ seq 0: sample(row 0) ┐
@@ -10,6 +11,9 @@
 //! which thread samples it, and in which order, changes no token: the result equals the serial
 //! loop's. Only plain decodes are sampled here (one logit row, no drafts, no logits processor);
 //! speculative verification and processors, which keep more state, stay in `update`.
+//! A sampling error is reported by `update` when it reaches that sequence, as in the serial
+//! loop; the one difference is that the sequences after it have then been sampled too (the
+//! step fails either way).
 //!
 //! Whether it splits is chapter 2's one rule ([`items_per_task`]): each sequence's row is a
 //! whole vocabulary, thousands of elements, so a step that samples two or more sequences splits
@@ -22,8 +26,16 @@ use ch02::elementwise::items_per_task;
 use ndarray::ArrayView2;
 use rayon::prelude::*;
 
+use crate::logprobs::TokenLogprobs;
 use crate::request::{RequestId, Sequence};
 use crate::scheduler::SchedulerOutput;
+
+/// One sequence's sampled token, and its logprobs when its request wants them (of the token,
+/// when it was sampled): what `update` would have computed from the same row.
+pub(crate) struct Presampled {
+    pub token: Result<u32, SamplingError>,
+    pub logprobs: Option<TokenLogprobs>,
+}
 
 /// The token of each of `step`'s sequences that can be sampled ahead, by its index in
 /// `step.seqs`; `None` for the others, and for all of them when the step samples serially.
@@ -32,9 +44,8 @@ pub(crate) fn presample(
     seqs: &mut BTreeMap<RequestId, Sequence>,
     step: &SchedulerOutput,
     logits: ArrayView2<f32>,
-) -> Vec<Option<Result<u32, SamplingError>>> {
-    let mut tokens: Vec<Option<Result<u32, SamplingError>>> =
-        (0..step.seqs.len()).map(|_| None).collect();
+) -> Vec<Option<Presampled>> {
+    let mut tokens: Vec<Option<Presampled>> = (0..step.seqs.len()).map(|_| None).collect();
     // (index in the step, logit row) of every plain decode.
     let mut wanted = HashMap::new();
     let mut first_row = 0;
@@ -52,7 +63,7 @@ pub(crate) fn presample(
         .filter(|(_, seq)| seq.processor.is_none())
         .filter_map(|(id, seq)| wanted.get(id).map(|&(i, row)| (i, row, seq)))
         .collect();
-    let sampled: Vec<(usize, Result<u32, SamplingError>)> = jobs
+    let sampled: Vec<(usize, Presampled)> = jobs
         .into_par_iter()
         .with_min_len(per_task)
         .map(|(i, row, seq)| {
@@ -60,7 +71,12 @@ pub(crate) fn presample(
             let row = row.as_slice().expect("contiguous rows"); // [vocab]
             let prompt = &seq.request.prompt;
             let output = &seq.tokens[prompt.len()..];
-            (i, seq.sampler.sample(row, prompt, output))
+            let token = seq.sampler.sample(row, prompt, output);
+            let logprobs = match (&token, seq.request.logprobs) {
+                (Ok(token), Some(top)) => Some(TokenLogprobs::of(row, *token, top)),
+                _ => None,
+            };
+            (i, Presampled { token, logprobs })
         })
         .collect();
     for (i, token) in sampled {

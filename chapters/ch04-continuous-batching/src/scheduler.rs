@@ -754,12 +754,16 @@ impl Scheduler {
             let accepted = &mut self.accepted;
             accepted.clear();
             let mut processor_stop = false;
+            let (ahead_token, mut ahead_logprobs) = match presampled[index].take() {
+                Some(ahead) => (Some(ahead.token), ahead.logprobs),
+                None => (None, None),
+            };
             if drafts == 0 {
                 let row = rows.row(0);
                 let row = row.as_slice().expect("contiguous rows");
                 let output = &seq.tokens[prompt.len()..];
                 let token = match seq.processor.as_deref_mut() {
-                    None => match presampled[index].take() {
+                    None => match ahead_token {
                         Some(token) => token?,
                         None => seq.sampler.sample(row, prompt, output)?,
                     },
@@ -802,9 +806,10 @@ impl Scheduler {
             let mut pushed = 0;
             for (i, &token) in accepted.iter().enumerate() {
                 if let Some(top) = seq.request.logprobs {
-                    let row = rows.row(i);
-                    let row = row.as_slice().expect("contiguous rows");
-                    logprobs.push(TokenLogprobs::of(row, token, top));
+                    logprobs.push(ahead_logprobs.take().unwrap_or_else(|| {
+                        let row = rows.row(i);
+                        TokenLogprobs::of(row.as_slice().expect("contiguous rows"), token, top)
+                    }));
                 }
                 seq.tokens.push(token);
                 pushed += 1;
