@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use ch01::Llama;
-use ch02::elementwise::set_parallel_elementwise;
+use ch02::elementwise::{parallel_elementwise, set_parallel_elementwise};
 use ch02::profile::{self, Op};
 use ch03::KvPool;
 use ch04::{CpuExecutor, Engine, EngineConfig, Request};
@@ -58,9 +58,11 @@ pub fn measure(model: &Llama, tokens: &[u32], reps: usize) -> anyhow::Result<Pro
         tokens.len() >= prefill_tokens.max(DECODE_PROMPT + DECODE_BATCH),
         "too few benchmark tokens"
     );
-    let prefill = profile_prefill(model, &tokens[..prefill_tokens], reps)?;
-    let decode = profile_decode(model, tokens, reps)?;
-    set_parallel_elementwise(true);
+    let before = parallel_elementwise();
+    let measured = profile_prefill(model, &tokens[..prefill_tokens], reps)
+        .and_then(|prefill| Ok((prefill, profile_decode(model, tokens, reps)?)));
+    set_parallel_elementwise(before);
+    let (prefill, decode) = measured?;
     Ok(Profile { prefill, decode })
 }
 
