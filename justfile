@@ -96,19 +96,19 @@ chapter n:
 
 # Make (or update) the learner copy learner/ with chapter N's task bodies as todo! (`just exercise 1`).
 exercise n *args:
-    cargo run -q -- exercise new {{n}} {{args}}
+    cargo run --release -q -- exercise new {{n}} {{args}}
 
 # Run chapter N's task tests (or task K's) against the learner copy (`just check 1`, `just check 1 2`).
 check n k="":
-    cargo run -q -- exercise check {{n}} {{k}}
+    cargo run --release -q -- exercise check {{n}} {{k}}
 
-# Redraw the book's figures of what the engine did (chapter 4's trace as a Gantt chart); CI checks them.
+# Redraw the book's figures of what the engine did (chapter 3's blocks, chapter 4's trace); CI checks them.
 diagrams *args:
-    cargo run -q -- diagrams {{args}}
+    cargo run --release -q -- diagrams {{args}}
 
 # Every test of the workspace (the README's test command).
 test:
-    cargo test --workspace
+    cargo test --release --workspace
 
 # The property suites with 10x their cases (`PROPTEST_RNG_SEED=<u64>` for other inputs too).
 soak:

@@ -9,7 +9,8 @@
 //! kiln serve     --port 8000              the OpenAI-compatible server (chapter 8)
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
 //! kiln exercise new 1 | check 1 [k]        the learner's copy with chapter 1's tasks as todo!; its tests
-//! kiln diagrams [--check]                  the book's figures of what the engine did (chapter 4's trace)
+//! kiln diagrams [--check]                  the book's figures of what the engine did (ch03 blocks, ch04 trace)
+//! kiln figures                             check that every figure in the book names the command that wrote it
 //! ```
 //! `--model` defaults to the embedded shakespeare-small fixture.
 
@@ -17,6 +18,7 @@ mod bench;
 mod commands;
 mod diagrams;
 mod exercise;
+mod figures;
 
 use clap::{Parser, Subcommand};
 
@@ -64,8 +66,11 @@ enum Command {
     /// with --features mpi): `mpirun -n 1 kiln generate --tensor-parallel-size N
     /// --tensor-parallel-backend mpi ... : -n N-1 kiln tp-worker --model DIR`.
     TpWorker(commands::tensor_parallel::WorkerArgs),
-    /// Draw the book's figures of what the engine did (chapter 4's trace as a Gantt chart).
+    /// Draw the book's figures of what the engine did (chapter 3's block tables, chapter 4's trace).
     Diagrams(diagrams::Args),
+    /// Check that every figure the book shows names the command of this repository that wrote
+    /// it, and that the command (still) writes it.
+    Figures(figures::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -91,5 +96,6 @@ fn main() -> anyhow::Result<()> {
         Command::Exercise(args) => exercise::run(args),
         Command::TpWorker(args) => commands::tensor_parallel::run_worker(args),
         Command::Diagrams(args) => diagrams::run(args),
+        Command::Figures(args) => figures::run(args),
     })
 }

@@ -110,11 +110,14 @@ impl Output {
 }
 
 /// Writes each figure into `out` (created if missing): `{stem}.md`, a table that is also
-/// printed to stdout, when there is one, and `{stem}.svg`.
+/// printed to stdout, when there is one, and `{stem}.svg`, described as written by this
+/// command line (what `kiln figures` checks).
 pub fn write_figures(out: &Path, figures: &[(&str, Option<&str>, &str)]) -> anyhow::Result<()> {
     use anyhow::Context;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let command = command_line();
     for &(stem, markdown, svg) in figures {
+        let svg = describe_svg(svg, &command);
         if let Some(markdown) = markdown {
             let md_path = out.join(format!("{stem}.md"));
             std::fs::write(&md_path, markdown)
@@ -122,7 +125,7 @@ pub fn write_figures(out: &Path, figures: &[(&str, Option<&str>, &str)]) -> anyh
             println!("{markdown}");
         }
         let svg_path = out.join(format!("{stem}.svg"));
-        std::fs::write(&svg_path, svg)
+        std::fs::write(&svg_path, &svg)
             .with_context(|| format!("writing {}", svg_path.display()))?;
     }
     eprintln!(
@@ -130,6 +133,31 @@ pub fn write_figures(out: &Path, figures: &[(&str, Option<&str>, &str)]) -> anyh
         out.display()
     );
     Ok(())
+}
+
+/// `svg` with a `<desc>` naming `command` right after its opening tag (unchanged if it has no
+/// `<svg …>` tag).
+pub fn describe_svg(svg: &str, command: &str) -> String {
+    let Some(end) = svg
+        .find("<svg")
+        .and_then(|at| svg[at..].find('>').map(|e| at + e + 1))
+    else {
+        return svg.to_string();
+    };
+    let escaped = command
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;");
+    let desc = crate::figures::DESC;
+    format!("{}\n{desc}{escaped}</desc>{}", &svg[..end], &svg[end..])
+}
+
+/// The command line as typed, with the program name shortened to `kiln`.
+pub fn command_line() -> String {
+    std::iter::once("kiln".to_string())
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The book folder of a chapter, e.g. `book/src/ch01` in this repository.
@@ -166,21 +194,17 @@ impl RunFacts {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let (y, m, d) = civil_from_days((secs / 86_400) as i64);
-        let command = std::iter::once("kiln".to_string())
-            .chain(std::env::args().skip(1))
-            .collect::<Vec<_>>()
-            .join(" ");
         RunFacts {
             nproc,
             cpu,
             date: format!("{y:04}-{m:02}-{d:02}"),
-            command,
+            command: command_line(),
         }
     }
 }
 
 /// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar
-/// (Howard Hinnant's `civil_from_days`).
+/// (the civil-from-days algorithm: 400-year eras of 146,097 days).
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);

@@ -29,6 +29,8 @@ pub fn run_tests(
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(copy)
         .arg("test")
+        // The README's test profile: the dependencies are the release build's.
+        .arg("--release")
         .arg("--no-fail-fast")
         .arg("--target-dir")
         .arg(target_dir)

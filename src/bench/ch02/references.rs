@@ -148,6 +148,76 @@ pub fn llama_bench(setup: &Setup, gguf: &Path, dtype: &str) -> anyhow::Result<Re
     })
 }
 
+/// One run of llama.cpp's `llama-batched-bench`: `sequences` prompts of `prompt` tokens
+/// prefilled, then `output` tokens decoded for all of them in lock step.
+#[derive(Debug, Clone)]
+pub struct BatchedRun {
+    /// e.g. `b11434`.
+    pub build: String,
+    pub sequences: usize,
+    pub output: usize,
+    /// Wall time of the whole run: prefill and decode.
+    pub seconds: f64,
+    /// Its decode phase's tokens per second (`S_TG`).
+    pub decode_tok_s: f64,
+}
+
+impl BatchedRun {
+    /// Generated tokens over the whole run's wall time.
+    pub fn output_tok_s(&self) -> f64 {
+        (self.sequences * self.output) as f64 / self.seconds
+    }
+
+    /// The run of median wall time (an upper median for an even count).
+    ///
+    /// # Panics
+    /// If `runs` is empty.
+    pub fn median(runs: &[BatchedRun]) -> BatchedRun {
+        let mut sorted = runs.to_vec();
+        sorted.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+        sorted[sorted.len() / 2].clone()
+    }
+}
+
+/// llama.cpp's `llama-batched-bench` on `gguf`: `-npl sequences -npp prompt -ntg output`, a
+/// context that holds them all, physical batches of 512 tokens.
+pub fn llama_batched_bench(
+    gguf: &Path,
+    threads: usize,
+    sequences: usize,
+    prompt: usize,
+    output: usize,
+) -> anyhow::Result<BatchedRun> {
+    let bench = llama_cpp_tool("llama-batched-bench")?;
+    let context = sequences * (prompt + output);
+    let mut command = Command::new(&bench);
+    command
+        .arg("-m")
+        .arg(gguf)
+        .args(["-t", &threads.to_string()])
+        .args(["-c", &context.to_string(), "-b", "2048", "-ub", "512"])
+        .args(["-npl", &sequences.to_string()])
+        .args(["-npp", &prompt.to_string(), "-ntg", &output.to_string()])
+        .args(["--output-format", "jsonl"]);
+    let json = run_json(command)?;
+    // The build is not in its JSON; `build_llama_cpp.sh` pins it, and `--version` prints it.
+    let version = Command::new(&bench).arg("--version").output()?;
+    let version = String::from_utf8_lossy(&version.stderr).to_string()
+        + &String::from_utf8_lossy(&version.stdout);
+    // "version: 0.6.0-dev (build 11434, commit b11434)"
+    let build = version
+        .split_once("(build ")
+        .and_then(|(_, rest)| rest.split([',', ')']).next())
+        .map_or(String::new(), |b| format!("b{b}"));
+    Ok(BatchedRun {
+        build,
+        sequences,
+        output,
+        seconds: f64_field(&json, "t")?,
+        decode_tok_s: f64_field(&json, "speed_tg")?,
+    })
+}
+
 fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|a| a.to_string()).collect()
 }

@@ -16,6 +16,7 @@
 //! sequential and continuous rows.
 
 pub(crate) mod kv_dtype;
+pub(crate) mod llama_cpp;
 pub(crate) mod serve;
 pub(crate) mod static_batch;
 pub(crate) mod workload;
@@ -36,10 +37,6 @@ use crate::commands::engine_args::AttentionArgs;
 use serve::{Run, Summary, median_summary, summarize};
 use static_batch::{Arrival, StaticBatcher, WallClock};
 use workload::ScaledLengths;
-
-/// llama.cpp's batched decode on these machines, F32, batch 8, as the issue gives it (not
-/// measured here).
-const LLAMA_CPP_BATCHED_TOK_S: f64 = 116.0;
 
 /// The latency columns of the batching and scaling tables, in [`Summary`] order.
 const LATENCY_COLUMNS: [&str; 6] = [
@@ -81,6 +78,9 @@ pub struct Args {
 pub enum Part {
     /// The KV cache's storage dtype: f32 against bf16 (`kv-dtype.md`, `kv-dtype.svg`).
     KvDtype,
+    /// 32 sequences at once against llama.cpp's `llama-batched-bench` on the same weights
+    /// (`llama-cpp.md`, `llama-cpp.svg`; also part of a full run).
+    LlamaCpp,
 }
 
 /// Every size of the benchmark, full or --quick.
@@ -249,6 +249,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             &caption,
         )?;
         write_figures(&out, &[("kv-dtype", Some(&kv_md), &kv_svg)])?;
+        eprintln!("in {:.0} s", started.elapsed().as_secs_f64());
+        return Ok(());
+    }
+
+    let llama_cpp = || -> anyhow::Result<(String, String)> {
+        eprintln!("== against llama.cpp: llama-batched-bench on the same work");
+        let shape = llama_cpp::Shape::new(args.output.quick);
+        llama_cpp::run(model, &name, &corpus, shape, reps, bs, attention, &caption)
+    };
+    if args.only == Some(Part::LlamaCpp) {
+        let (md, svg) = llama_cpp()?;
+        write_figures(&out, &[("llama-cpp", Some(&md), &svg)])?;
         eprintln!("in {:.0} s", started.elapsed().as_secs_f64());
         return Ok(());
     }
@@ -477,18 +489,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .join("; ");
     let speedup = continuous.throughput / sequential.throughput;
     let burst_speedup = burst_continuous.throughput / burst_sequential.throughput;
-    // The cited llama.cpp figure is for SmolLM2-135M on this machine type only.
-    let cite_llama_cpp = name.starts_with("SmolLM2-135M");
-    let llama_cpp_text = if cite_llama_cpp {
-        format!(
-            " and {:.2}× the {LLAMA_CPP_BATCHED_TOK_S:.0} tok/s of llama.cpp's batched decode \
-             (F32, batch 8, on this machine type, as cited in the issue, not measured here; that \
-             figure is decode alone, while ours includes every prefill and the queueing)",
-            continuous.throughput / LLAMA_CPP_BATCHED_TOK_S
-        )
-    } else {
-        String::new()
-    };
     let batching_md = format!(
         "{}\n{workload_text}\n\nSequential is the engine with max_num_seqs 1: one request at a \
          time, first come first served. Static batching admits up to its batch size of the \
@@ -503,7 +503,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
          submitted concurrently, continuous batching at max_num_seqs {} served \
          **{burst_speedup:.2}×** the sequential throughput (target at 32 concurrent requests: \
          at least 4×, {}). On the Poisson stream, where fewer run at once, it served \
-         **{speedup:.2}×**{llama_cpp_text}.\n\n{caption}\n",
+         **{speedup:.2}×**.\n\n{caption}\n",
         batching.to_markdown(),
         plan.continuous,
         if burst_speedup >= 4.0 {
@@ -529,13 +529,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             burst_continuous.throughput,
         ),
     ];
-    let mut batching_chart = BarChart::new(format!("Serving {requests} requests, {name}"))
+    let batching_chart = BarChart::new(format!("Serving {requests} requests, {name}"))
         .x_label("output tokens/s")
         .group("Poisson stream", &bars)
         .group(format!("all {requests} at once"), &burst_bars);
-    if cite_llama_cpp {
-        batching_chart = batching_chart.reference("llama.cpp (cited)", LLAMA_CPP_BATCHED_TOK_S);
-    }
     let batching_svg = batching_chart.to_svg();
 
     let mut chunk_table = Table::new([
@@ -653,9 +650,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         &caption,
     )?;
 
+    let (llama_md, llama_svg) = llama_cpp()?;
+
     write_figures(
         &out,
         &[
+            ("llama-cpp", Some(&llama_md), &llama_svg),
             ("kv-dtype", Some(&kv_md), &kv_svg),
             ("batching", Some(&batching_md), &batching_svg),
             ("chunked", Some(&chunked_md), &chunked_svg),

@@ -1,6 +1,9 @@
-//! `kiln bench ch05 --part2`: chapter 5 part 2's quantizers side by side, SmolLM2-135M-Instruct
-//! (or, with `--quick`, shakespeare-small) quantized by `kiln quantize --method ...`, loaded
-//! back from the written directories, scored on Hamlet and timed at batch 1.
+//! `kiln bench ch05 --part2`: every weight format of chapter 5 side by side in one run,
+//! SmolLM2-135M-Instruct (or, with `--quick`, shakespeare-small), scored on Hamlet and timed at
+//! batch 1: f32 and bf16; int8 weights (RTN per channel) with f32 activations, int8 per-token
+//! activations (W8A8 naive) and SmoothQuant's; FP8 E4M3; part 1's Q4_0 on load and llama.cpp's
+//! Q4_K_M file; and part 2's 4-bit quantizers, made by `kiln quantize --method ...` and loaded
+//! back from the written directories.
 //!
 //! The GPTQ, AWQ and RTN rows keep the (tied) output head in Q8_0 (`--quantization q8_0` for
 //! the dense weights of their directories); "Q4_0 (part 1)" is part 1's round-to-nearest Q4_0
@@ -18,12 +21,16 @@ use ch01::linear::{Linear, LinearLoader, LinearSpec};
 use ch05::GgmlType;
 use ndarray::{Array1, Array2};
 
+use ch05::fp8_linear::{ActivationScale, Fp8Quantizer};
+use ch05::smoothquant::{Int8Activations, W8A8Quantizer};
+
 use super::super::ch02::speed::{self, Speed};
 use super::super::{RunFacts, bench_tokens, write_figures};
+use super::part2_shared;
 use crate::bench::bars::BarChart;
 use crate::bench::table::{Align, Table};
+use crate::commands::ModelArgs;
 use crate::commands::quantize_hf;
-use crate::commands::{LoadedModel, ModelArgs};
 
 /// Part 1's Q4_0 of the projections; a dense head built through `build` in Q8_0 (a tied head
 /// that the model loads as a projection, SmolLM2's, gets Q4_0 like the projections).
@@ -41,42 +48,79 @@ impl LinearLoader for Part1Q4 {
     }
 }
 
-/// One row: a label, the `kiln quantize` options that make it (`None`: the model as it is).
+/// Where a row's model comes from.
+enum Source {
+    /// The checkpoint as it is, stored in this dtype (`f32`, `bf16`).
+    Dense(&'static str),
+    /// Part 1's Q4_0 on load.
+    Part1Q4_0,
+    /// The GGUF file of this type that llama.cpp's `llama-quantize` made (part 1; not with
+    /// `--quick`).
+    LlamaCppGguf(&'static str),
+    /// Int8 weights per output channel on load; activations f32 or int8 per token.
+    Int8(Int8Activations),
+    /// SmoothQuant (α = 0.5, o_proj through v_proj) on the calibration text, then W8A8.
+    SmoothQuant,
+    /// FP8 E4M3 weights per output channel on load, f32 activations.
+    Fp8,
+    /// `kiln quantize` with these options, loaded back from the directory it wrote.
+    Quantize(&'static [&'static str]),
+}
+
+/// One row: a label and where its model comes from.
 struct Variant {
     label: &'static str,
-    options: Option<&'static [&'static str]>,
-    part1_q4_0: bool,
+    source: Source,
 }
 
 const VARIANTS: &[Variant] = &[
     Variant {
         label: "F32",
-        options: None,
-        part1_q4_0: false,
+        source: Source::Dense("f32"),
+    },
+    Variant {
+        label: "BF16",
+        source: Source::Dense("bf16"),
+    },
+    Variant {
+        label: "RTN int8 (W8A16)",
+        source: Source::Int8(Int8Activations::None),
+    },
+    Variant {
+        label: "W8A8 naive",
+        source: Source::Int8(Int8Activations::PerToken),
+    },
+    Variant {
+        label: "SmoothQuant W8A8",
+        source: Source::SmoothQuant,
+    },
+    Variant {
+        label: "FP8 E4M3",
+        source: Source::Fp8,
+    },
+    Variant {
+        label: "Q4_K_M (part 1, llama.cpp's file)",
+        source: Source::LlamaCppGguf("Q4_K_M"),
     },
     Variant {
         label: "Q4_0 (part 1)",
-        options: None,
-        part1_q4_0: true,
+        source: Source::Part1Q4_0,
     },
     Variant {
         label: "RTN g128",
-        options: Some(&["--method", "rtn"]),
-        part1_q4_0: false,
+        source: Source::Quantize(&["--method", "rtn"]),
     },
     Variant {
         label: "GPTQ g128",
-        options: Some(&["--method", "gptq"]),
-        part1_q4_0: false,
+        source: Source::Quantize(&["--method", "gptq"]),
     },
     Variant {
         label: "GPTQ g128 act-order",
-        options: Some(&["--method", "gptq", "--act-order"]),
-        part1_q4_0: false,
+        source: Source::Quantize(&["--method", "gptq", "--act-order"]),
     },
     Variant {
         label: "RTN g64 zp",
-        options: Some(&[
+        source: Source::Quantize(&[
             "--method",
             "rtn",
             "--group-size",
@@ -85,16 +129,14 @@ const VARIANTS: &[Variant] = &[
             "--format",
             "awq",
         ]),
-        part1_q4_0: false,
     },
     Variant {
         label: "AWQ g64",
-        options: Some(&["--method", "awq"]),
-        part1_q4_0: false,
+        source: Source::Quantize(&["--method", "awq"]),
     },
     Variant {
         label: "RTN g32 zp",
-        options: Some(&[
+        source: Source::Quantize(&[
             "--method",
             "rtn",
             "--group-size",
@@ -103,12 +145,10 @@ const VARIANTS: &[Variant] = &[
             "--format",
             "awq",
         ]),
-        part1_q4_0: false,
     },
     Variant {
         label: "RTN g48",
-        options: Some(&["--method", "rtn", "--group-size", "48"]),
-        part1_q4_0: false,
+        source: Source::Quantize(&["--method", "rtn", "--group-size", "48"]),
     },
 ];
 
@@ -184,29 +224,97 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
     } else {
         ch01::fixtures_dir().join(".cache/ch05-part2")
     };
-    let hamlet = std::fs::read_to_string(ch01::fixtures_dir().join("corpus/hamlet.txt"))?;
     let q8 = ch05::QuantLoader::to(GgmlType::Q8_0)?;
+    let args = ModelArgs::cpu(model_dir.clone());
+    let dense = args.load()?;
+    let (corpus, bos) = part2_shared::hamlet(&dense)?;
+    let tokens = bench_tokens(
+        s.prompt + s.decode,
+        dense.model.config.vocab_size,
+        dense.tokenizer.bos_token_id(),
+    );
+    let int8 = |activations| W8A8Quantizer { activations };
     let mut rows = Vec::new();
     for v in VARIANTS {
+        let quantized = matches!(v.source, Source::Quantize(_));
+        if s.quantize_only && !quantized {
+            continue;
+        }
+        let gguf = |ty: &str| {
+            ch01::fixtures_dir().join(format!(".cache/llama.cpp/SmolLM2-135M-Instruct-{ty}.gguf"))
+        };
+        if let Source::LlamaCppGguf(ty) = v.source
+            && (s.quick || !gguf(ty).exists())
+        {
+            eprintln!(
+                "== {}: left out ({})",
+                v.label,
+                if s.quick {
+                    "no llama.cpp file of the --quick model".to_string()
+                } else {
+                    format!(
+                        "{} is missing: run `just build-llama-cpp`",
+                        gguf(ty).display()
+                    )
+                }
+            );
+            continue;
+        }
         eprintln!("== {}", v.label);
         let mut quantize_s = None;
-        let mut command = String::from("—");
-        let loaded: LoadedModel = match v.options {
-            None => {
-                let args = ModelArgs::cpu(model_dir.clone());
-                if v.part1_q4_0 {
-                    command = "--quantization q4_0 (on load)".into();
-                    args.load_with(&Part1Q4 {
+        let owned: ch01::Llama;
+        let (model, command): (&ch01::Llama, String) = match v.source {
+            Source::Dense("f32") => (&dense.model, "—".into()),
+            Source::Dense(dtype) => {
+                owned = ModelArgs {
+                    dtype: dtype.into(),
+                    ..args.clone()
+                }
+                .load()?
+                .model;
+                (&owned, format!("--dtype {dtype}"))
+            }
+            Source::Part1Q4_0 => {
+                owned = args
+                    .load_with(&Part1Q4 {
                         projections: ch05::QuantLoader::to(GgmlType::Q4_0)?,
                         head: q8,
                     })?
-                } else {
-                    args.load()?
-                }
+                    .model;
+                (&owned, "--quantization q4_0 (on load)".into())
             }
-            Some(options) => {
+            Source::LlamaCppGguf(ty) => {
+                owned = ModelArgs::cpu(gguf(ty)).load()?.model;
+                (&owned, format!("llama-quantize … {ty}"))
+            }
+            Source::Int8(activations) => {
+                owned = ch01::Llama::load_with(&model_dir, &int8(activations))?;
+                (
+                    &owned,
+                    format!("W8A8Quantizer {{ {activations:?} }} (on load)"),
+                )
+            }
+            Source::SmoothQuant => {
+                owned = super::w8a8::smoothquant_model(
+                    &dense,
+                    &model_dir,
+                    &calibration,
+                    (s.samples, s.seq_len),
+                )?;
+                (&owned, "SmoothQuant α=0.5, then W8A8 (on load)".into())
+            }
+            Source::Fp8 => {
+                owned = ch01::Llama::load_with(
+                    &model_dir,
+                    &Fp8Quantizer {
+                        activations: ActivationScale::None,
+                    },
+                )?;
+                (&owned, "Fp8Quantizer, per channel (on load)".into())
+            }
+            Source::Quantize(options) => {
                 let dir = cache.join(v.label.replace(' ', "-"));
-                command = format!("kiln quantize {}", options.join(" "));
+                let command = format!("kiln quantize {}", options.join(" "));
                 let stamp = dir.join("kiln-quantize-options.txt");
                 let seconds = dir.join("kiln-quantize-seconds.txt");
                 let wanted = format!(
@@ -230,24 +338,21 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
                     eprintln!("   reusing {}", dir.display());
                 }
                 quantize_s = std::fs::read_to_string(&seconds).ok();
+                if s.quantize_only {
+                    continue;
+                }
                 let args = ModelArgs {
                     quantization: Some("q8_0".into()),
                     ..ModelArgs::cpu(dir)
                 };
-                args.load()?
+                owned = args.load()?.model;
+                (&owned, command)
             }
         };
-        if s.quantize_only {
-            continue;
-        }
-        let model = &loaded.model;
-        let tokens = bench_tokens(
-            s.prompt + s.decode,
-            model.config.vocab_size,
-            loaded.tokenizer.bos_token_id(),
-        );
         let speed = speed::measure(model, &tokens, s.prompt, s.decode, s.reps);
-        let ppl = super::kiln_perplexity(&loaded, &hamlet, s.ctx, s.chunks)?;
+        let ppl = ch01::perplexity::perplexity(model, &corpus, s.ctx, bos, Some(s.chunks))?;
+        anyhow::ensure!(ppl.num_chunks == s.chunks, "Hamlet holds fewer chunks");
+        let ppl = ppl.perplexity;
         eprintln!(
             "   perplexity {ppl:.4}, decode {:.1} tokens/s",
             speed.decode_tok_s
@@ -257,13 +362,7 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
             command,
             quantize_s,
             projection_bytes: model.projection_bytes(),
-            kinds: if v.options.is_some() {
-                kinds(model)
-            } else if v.part1_q4_0 {
-                "Q4_0".into()
-            } else {
-                "f32".into()
-            },
+            kinds: kinds(model),
             ppl,
             speed,
         });
@@ -277,7 +376,7 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
     write_figures(&s.out, &[("methods", Some(table.as_str()), plot.as_str())])
 }
 
-/// What the projections of layer 0 compute on (Q4_0 / Q4_1 blocks, or dense), by weight bytes.
+/// What the projections of layer 0 cost per weight (codes, scales and zero points together).
 fn kinds(model: &ch01::Llama) -> String {
     let l = &model.layers[0];
     let bits = |layer: &dyn Linear| {

@@ -172,6 +172,36 @@ pub fn run(s: &Settings, out: &std::path::Path, facts: &RunFacts) -> anyhow::Res
     )
 }
 
+/// SmolLM2 (or the model at `model_dir`) smoothed with α = 0.5 (o_proj through v_proj) on
+/// `samples` x `seq_len` tokens of `calibration`, then loaded as W8A8 (the row of this name in
+/// `kiln bench ch05 --part2`).
+pub fn smoothquant_model(
+    dense: &crate::commands::LoadedModel,
+    model_dir: &std::path::Path,
+    calibration: &std::path::Path,
+    (samples, seq_len): (usize, usize),
+) -> anyhow::Result<Llama> {
+    let text = std::fs::read_to_string(calibration)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", calibration.display()))?;
+    let samples = quantize_hf::calibration_samples(&dense.tokenizer, &text, samples, seq_len)?;
+    let stats = calibrate(&dense.model, &samples)?;
+    let weights = Weights::open(model_dir)?;
+    let config = dense.model.config.clone();
+    let cfg = SmoothConfig {
+        alpha: 0.5,
+        o_proj: true,
+    };
+    let smoothed = smooth(&weights, &config, &stats, &cfg)?;
+    Ok(Llama::from_source(
+        config,
+        &smoothed,
+        &W8A8Quantizer {
+            activations: Int8Activations::PerToken,
+        },
+        TensorParallel::whole(),
+    )?)
+}
+
 /// `(largest, median)` of per-channel maxima.
 fn spread(m: &[f32]) -> (f32, f32) {
     let mut v = m.to_vec();

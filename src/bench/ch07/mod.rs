@@ -237,9 +237,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
          loop with the largest square tiles that fit (first table), or query tiles Br with the \
          largest Bc that fits in M = 128 KiB (second table). N²d²/M is the FlashAttention \
          paper's Θ bound on the tiled loop (M in elements, times 4 bytes), drawn with \
-         constant 1. These are counts of a model, not timings.\n",
+         constant 1. These are counts of a model, not timings. Command: `{}`.\n",
             traffic_table.to_markdown(),
             tiles_table.to_markdown(),
+            facts.command,
         );
         let traffic_svg = LinePlot::new(format!("Bytes moved by attention, N = {n}, d = {D}"))
             .x_label("fast memory M (KiB)")

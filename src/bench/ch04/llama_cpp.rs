@@ -1,0 +1,197 @@
+//! `kiln bench ch04 --only llama-cpp`: continuous batching against llama.cpp's own batched
+//! benchmark, side by side in one run, on the same weights and the same work.
+//!
+//! ```text
+//! work:    B sequences, each a prompt of P tokens that then generates G tokens, all at once
+//! kiln:    the engine at max_num_seqs B, 512 tokens a step (chunked prefill), f32 weights
+//! llama:   llama-batched-bench -npl B -npp P -ntg G -ub 512 on the F32 GGUF (the same weights)
+//! figure:  output tokens / wall time, prefill included, for both
+//! ```
+//!
+//! `llama-batched-bench` prefills the B prompts, then decodes the B sequences in lock step: a
+//! static batch of equal lengths, the best case for static batching. Its decode-phase rate (its
+//! `S_TG`) is shown too, beside its whole-run figure.
+
+use std::time::Duration;
+
+use ch01::Llama;
+use ch02::workload::WorkloadRng;
+use ch04::EngineConfig;
+use ch07::AttentionKind;
+
+use super::serve;
+use super::static_batch::{Arrival, WallClock};
+use super::{measured, pool_for, workload};
+use crate::bench::bars::BarChart;
+use crate::bench::ch02::references::{BatchedRun, fixtures, llama_batched_bench};
+use crate::bench::table::{Align, Table};
+
+/// The work both engines do.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub sequences: usize,
+    pub prompt: usize,
+    pub output: usize,
+}
+
+impl Shape {
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            Shape {
+                sequences: 4,
+                prompt: 16,
+                output: 8,
+            }
+        } else {
+            Shape {
+                sequences: 32,
+                prompt: 128,
+                output: 128,
+            }
+        }
+    }
+}
+
+/// Both engines on `shape`, `reps` times each; the table (markdown) and the plot (SVG). Without
+/// llama.cpp (not built, or not SmolLM2) only kiln's row is measured, and the table says why.
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    model: &Llama,
+    model_name: &str,
+    corpus: &[u32],
+    shape: Shape,
+    reps: usize,
+    block_size: usize,
+    attention: AttentionKind,
+    caption: &str,
+) -> anyhow::Result<(String, String)> {
+    let max_len = model.config.max_position_embeddings;
+    anyhow::ensure!(
+        shape.prompt + shape.output <= max_len && shape.prompt <= corpus.len(),
+        "the llama-cpp workload does not fit the model's context of {max_len} tokens"
+    );
+    let mut rng = WorkloadRng::new(0x11a3a);
+    let arrivals: Vec<Arrival> = (0..shape.sequences)
+        .map(|_| Arrival {
+            at: Duration::ZERO,
+            request: workload::fixed_length(
+                workload::window(corpus, shape.prompt, &mut rng),
+                shape.output,
+            ),
+        })
+        .collect();
+    let config = EngineConfig {
+        max_num_seqs: shape.sequences,
+        max_num_batched_tokens: 512,
+        ..EngineConfig::default()
+    };
+    let kiln = measured("kiln, continuous batching", reps, || {
+        serve::continuous(
+            model,
+            pool_for::<f32>(model, block_size, &arrivals)?,
+            config,
+            attention,
+            &arrivals,
+            &WallClock::start(),
+        )
+    })?;
+    let llama = if model_name.starts_with("SmolLM2-135M") {
+        let gguf = fixtures().join(".cache/llama.cpp/SmolLM2-135M-Instruct-F32.gguf");
+        let threads = rayon::current_num_threads();
+        let runs = (0..reps)
+            .map(|_| {
+                let run = llama_batched_bench(
+                    &gguf,
+                    threads,
+                    shape.sequences,
+                    shape.prompt,
+                    shape.output,
+                )?;
+                eprintln!(
+                    "   llama-batched-bench: {:.1} output tok/s, S_TG {:.1}, {:.1} s",
+                    run.output_tok_s(),
+                    run.decode_tok_s,
+                    run.seconds
+                );
+                Ok(run)
+            })
+            .collect::<anyhow::Result<Vec<BatchedRun>>>();
+        match runs {
+            Ok(runs) => Ok(BatchedRun::median(&runs)),
+            Err(e) => Err(format!("{e:#}")),
+        }
+    } else {
+        Err(format!(
+            "llama.cpp's GGUF files are made for SmolLM2-135M only, not {model_name}"
+        ))
+    };
+
+    let mut table = Table::new([
+        "engine",
+        "sequences × (prompt + output)",
+        "wall s",
+        "output tok/s",
+        "decode-phase tok/s",
+        "× llama.cpp",
+    ])
+    .align(0, Align::Left);
+    let work = format!(
+        "{} × ({} + {})",
+        shape.sequences, shape.prompt, shape.output
+    );
+    let against = |tok_s: f64| match &llama {
+        Ok(l) => format!("{:.2}×", tok_s / l.output_tok_s()),
+        Err(_) => "-".into(),
+    };
+    table.row([
+        format!(
+            "kiln, continuous batching (max_num_seqs {})",
+            shape.sequences
+        ),
+        work.clone(),
+        format!("{:.2}", kiln.makespan),
+        format!("{:.1}", kiln.throughput),
+        "-".into(),
+        against(kiln.throughput),
+    ]);
+    let mut bars = vec![("kiln, continuous batching".to_string(), kiln.throughput)];
+    let verdict = match &llama {
+        Ok(l) => {
+            table.row([
+                format!("llama.cpp {}, llama-batched-bench", l.build),
+                work.clone(),
+                format!("{:.2}", l.seconds),
+                format!("{:.1}", l.output_tok_s()),
+                format!("{:.1}", l.decode_tok_s),
+                "1.00×".into(),
+            ]);
+            bars.push(("llama.cpp, llama-batched-bench".into(), l.output_tok_s()));
+            let ratio = kiln.throughput / l.output_tok_s();
+            format!(
+                "kiln served **{ratio:.2}×** llama.cpp's output tokens per second on the same \
+                 work (target: at least 1.5×, {}).",
+                if ratio >= 1.5 { "met" } else { "not met" }
+            )
+        }
+        Err(why) => format!("llama.cpp was not measured: {why}."),
+    };
+    let (b, p, g) = (shape.sequences, shape.prompt, shape.output);
+    let md = format!(
+        "{}\n{b} sequences of {p} prompt tokens (windows of Hamlet), each generating exactly {g} \
+         tokens, all submitted at once. Output tok/s: generated tokens over the wall time from \
+         submission to the last token, prefill included, for both engines. Decode-phase tok/s: \
+         llama-batched-bench's S_TG, its lock-step decode after every prompt is in. \
+         llama.cpp runs the F32 GGUF of the same weights with `-npl {b} -npp {p} -ntg {g} -ub \
+         512` and as many threads as kiln; kiln its engine with max_num_seqs {b} and 512 tokens \
+         a step. {verdict}\n\n{caption}\n",
+        table.to_markdown(),
+    );
+    let svg = BarChart::new(format!(
+        "{} sequences at once: kiln against llama.cpp, {model_name}",
+        shape.sequences
+    ))
+    .x_label("output tokens/s (prefill included)")
+    .group(format!("{work} tokens"), &bars)
+    .to_svg();
+    Ok((md, svg))
+}
