@@ -206,7 +206,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let measured = profile::measure(&fast_f32.model, &tokens, reps)?;
         let markdown = measured.markdown(&facts, &model_name, threads, reps);
         std::fs::create_dir_all(&out)?;
-        let path = out.join("profile.md");
+        let path = out.join(format!("{}.md", profile::STEM));
         std::fs::write(&path, &markdown).with_context(|| format!("writing {}", path.display()))?;
         println!("{markdown}");
     }

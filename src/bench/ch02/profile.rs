@@ -21,6 +21,8 @@ use ch04::{CpuExecutor, Engine, EngineConfig, Request};
 use crate::bench::table::{Align, Table};
 use crate::bench::{RunFacts, ms};
 
+/// The figure's file stem: `profile.md`.
+pub const STEM: &str = "profile";
 /// Prompt tokens of the profiled prefill step.
 pub const PREFILL_TOKENS: usize = 124;
 /// Sequences of the profiled decode step.
