@@ -37,6 +37,11 @@ struct Cli {
     /// Worker threads for the kernels [default: one per CPU].
     #[arg(long, short = 't', global = true, value_name = "N")]
     threads: Option<usize>,
+    /// Keep the row-wise ops between the matrix products (norms, RoPE, residual adds, SiLU,
+    /// sampling) on the calling thread, as before they were threaded; results are identical.
+    /// For before/after measurements of any command.
+    #[arg(long, global = true)]
+    serial_elementwise: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -70,6 +75,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    ch02::elementwise::set_parallel_elementwise(!cli.serial_elementwise);
     // Every command runs on a worker of the kernels' thread pool: parallel loops started there
     // queue their jobs on the worker's own deque, so a decode step allocates nothing.
     let pool = rayon::ThreadPoolBuilder::new()

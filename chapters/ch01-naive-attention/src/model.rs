@@ -57,10 +57,35 @@ impl RmsNorm {
     pub fn forward_into(&self, x: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) {
         for (x_row, mut out_row) in x.rows().into_iter().zip(out.rows_mut()) {
             let mean_square = sum_of_squares(&x_row) / x_row.len() as f32;
-            let inv_rms = 1.0 / (mean_square + self.eps).sqrt();
-            for ((o, &v), &w) in out_row.iter_mut().zip(&x_row).zip(&self.weight) {
-                *o = v * inv_rms * w;
-            }
+            self.scale_row(x_row.iter(), out_row.iter_mut(), mean_square);
+        }
+    }
+
+    /// One row of [`forward_into`](Self::forward_into), bit for bit: `x`, `out`: [hidden].
+    /// Chapter 2 splits a step's rows across threads and runs this on each.
+    pub fn forward_into_row(&self, x: &[f32], out: &mut [f32]) {
+        let mean_square = sum_of_squares(&ArrayView1::from(x)) / x.len() as f32;
+        self.scale_row(x.iter(), out.iter_mut(), mean_square);
+    }
+
+    /// One row of [`forward`](Self::forward), bit for bit (a single running sum of squares, not
+    /// [`forward_into`](Self::forward_into)'s eight): `x`, `out`: [hidden].
+    pub fn forward_row(&self, x: &[f32], out: &mut [f32]) {
+        let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+        self.scale_row(x.iter(), out.iter_mut(), mean_square);
+    }
+
+    /// `out[i] = x[i] · inv_rms · weight[i]`, the arithmetic every form above shares.
+    #[inline(always)]
+    fn scale_row<'a>(
+        &self,
+        x: impl Iterator<Item = &'a f32>,
+        out: impl Iterator<Item = &'a mut f32>,
+        mean_square: f32,
+    ) {
+        let inv_rms = 1.0 / (mean_square + self.eps).sqrt();
+        for ((o, &v), &w) in out.zip(x).zip(&self.weight) {
+            *o = v * inv_rms * w;
         }
     }
 }

@@ -289,6 +289,15 @@ fn rms_norm_equals_f64_reference_on_random_shapes() {
                 &shape,
                 Tolerance::F32,
             );
+            // The one-row forms (chapter 2 threads them over rows) repeat each form's bits.
+            let mut row_out = vec![f32::NAN; x.ncols()];
+            for t in 0..x.nrows() {
+                let x_t = x.row(t).to_vec();
+                norm.forward_row(&x_t, &mut row_out);
+                assert_eq!(row_out, out.row(t).to_vec(), "forward_row, row {t}");
+                norm.forward_into_row(&x_t, &mut row_out);
+                assert_eq!(row_out, into.row(t).to_vec(), "forward_into_row, row {t}");
+            }
             Ok(())
         })
         .unwrap();

@@ -14,8 +14,9 @@ use ch01::rope::Rope;
 use ch01::{Llama, LlamaConfig, Tokenizer};
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, s};
 
-use crate::kernels::vector::silu_mul_fastest;
+use crate::elementwise::{add_rows, gather_rows, rms_norm_rows, rope_rows, silu_mul_rows};
 use crate::kv_store::{KvError, KvStore};
+use crate::profile::{Op, span, timed};
 use crate::{Error, Result};
 
 /// The buffers of one forward step over up to `rows` tokens.
@@ -23,15 +24,16 @@ use crate::{Error, Result};
 /// the first `n` rows of each.
 pub struct Workspace {
     rows: usize,
-    x: Array2<f32>,      // [rows, hidden]        the residual stream
-    h: Array2<f32>,      // [rows, hidden]        normed input, then a block's output
-    q: Array2<f32>,      // [rows, num_heads * head_dim]
-    k: Array2<f32>,      // [rows, num_kv_heads * head_dim]
-    v: Array2<f32>,      // [rows, num_kv_heads * head_dim]
-    attn: Array2<f32>,   // [rows, num_heads * head_dim]
-    gate: Array2<f32>,   // [rows, intermediate]
-    up: Array2<f32>,     // [rows, intermediate]
-    logits: Array2<f32>, // [1, vocab]                the last position's logits
+    x: Array2<f32>,        // [rows, hidden]        the residual stream
+    h: Array2<f32>,        // [rows, hidden]        normed input, then a block's output
+    q: Array2<f32>,        // [rows, num_heads * head_dim]
+    k: Array2<f32>,        // [rows, num_kv_heads * head_dim]
+    v: Array2<f32>,        // [rows, num_kv_heads * head_dim]
+    attn: Array2<f32>,     // [rows, num_heads * head_dim]
+    gate: Array2<f32>,     // [rows, intermediate]
+    up: Array2<f32>,       // [rows, intermediate]
+    logits: Array2<f32>,   // [1, vocab]                the last position's logits
+    positions: Vec<usize>, // [n]                     each row's position, for RoPE
 }
 
 impl Workspace {
@@ -53,6 +55,7 @@ impl Workspace {
             gate: buffer(c.intermediate_size),
             up: buffer(c.intermediate_size),
             logits: Array2::zeros((1, c.vocab_size)),
+            positions: Vec::with_capacity(rows),
         }
     }
 
@@ -65,10 +68,10 @@ impl Workspace {
 
     /// Puts the embeddings of `tokens` (checked ids) in the residual stream's first rows.
     pub fn embed(&mut self, model: &Llama, tokens: &[u32]) {
+        let _span = span(Op::Embed);
         self.reserve(&model.config, tokens.len());
-        for (mut x_t, &id) in self.x.rows_mut().into_iter().zip(tokens) {
-            x_t.assign(&model.embed_tokens.row(id as usize)); // [hidden]
-        }
+        let x = used_mut(&mut self.x, tokens.len()); // [n, hidden]
+        gather_rows(model.embed_tokens.view(), tokens, x);
     }
 
     /// The residual stream: row `t` is token `t`'s hidden state. [rows, hidden]
@@ -82,6 +85,18 @@ impl Workspace {
         self.reserve(config, n);
         self.x.slice_mut(s![..n, ..])
     }
+}
+
+/// The first `n` rows of a workspace buffer as one slice. [n, cols]
+/// Invariant: workspace buffers are fresh, row-major arrays, so their rows are contiguous.
+fn used(buffer: &Array2<f32>, n: usize) -> &[f32] {
+    &buffer.as_slice().expect("a fresh array is contiguous")[..n * buffer.ncols()]
+}
+
+/// [`used`], to be written. [n, cols]
+fn used_mut(buffer: &mut Array2<f32>, n: usize) -> &mut [f32] {
+    let len = n * buffer.ncols();
+    &mut buffer.as_slice_mut().expect("a fresh array is contiguous")[..len]
 }
 
 /// Runs `tokens`, the positions `store.len()..store.len() + n`, through the model, storing their
@@ -118,10 +133,9 @@ pub fn forward_hidden_cached(
         decoder_layer(layer, &model.rope, &|t| start + t, n, ws, &mut attend)?;
     }
     store.commit(context_len);
-    let rows = s![..n, ..];
-    model
-        .norm
-        .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    let _span = span(Op::FinalNorm);
+    let hidden = ws.x.ncols();
+    rms_norm_rows(&model.norm, used(&ws.x, n), used_mut(&mut ws.h, n), hidden); // [n, hidden]
     Ok(())
 }
 // ANCHOR_END: forward_cached
@@ -152,6 +166,10 @@ pub fn decoder_layer<E>(
 
 /// [`decoder_layer`] with `reduce` applied to the attention block's and the MLP's outputs
 /// before each residual addition (chapter 8's all-reduces).
+///
+/// The ops between the products (norms, RoPE, residual additions, SiLU) are
+/// [`elementwise`](crate::elementwise)'s: split across threads by rows when the step is big
+/// enough, with the same results either way. Each op runs in a [`profile`](crate::profile) span.
 // ANCHOR: decoder_layer
 pub fn decoder_layer_reduced<E>(
     layer: &DecoderLayer,
@@ -163,56 +181,71 @@ pub fn decoder_layer_reduced<E>(
     reduce: &mut Reduce<'_, E>,
 ) -> Result<(), E> {
     let rows = s![..n, ..];
-    let attn = &layer.self_attn;
-    layer
-        .input_layernorm
-        .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
-    attn.q_proj
-        .forward_into(ws.h.slice(rows), ws.q.slice_mut(rows)); // [n, q_dim]
-    attn.k_proj
-        .forward_into(ws.h.slice(rows), ws.k.slice_mut(rows)); // [n, kv_dim]
-    attn.v_proj
-        .forward_into(ws.h.slice(rows), ws.v.slice_mut(rows)); // [n, kv_dim]
-    for t in 0..n {
-        rope.rotate(
-            ws.q.row_mut(t).as_slice_mut().expect("contiguous row"),
-            position(t),
-        );
-        rope.rotate(
-            ws.k.row_mut(t).as_slice_mut().expect("contiguous row"),
-            position(t),
-        );
-    }
-    attend(
-        ws.q.slice(rows),
-        ws.k.slice(rows),
-        ws.v.slice(rows),
-        ws.attn.slice_mut(rows),
-    )?;
-    attn.o_proj
-        .forward_into(ws.attn.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    let (attn, mlp) = (&layer.self_attn, &layer.mlp);
+    let (hidden, q_dim, kv_dim) = (ws.x.ncols(), ws.q.ncols(), ws.k.ncols());
+    let inter = ws.up.ncols();
+    ws.positions.clear();
+    ws.positions.extend((0..n).map(position)); // [n], within capacity after the first step
+    timed(Op::RmsNorm, || {
+        let norm = &layer.input_layernorm;
+        rms_norm_rows(norm, used(&ws.x, n), used_mut(&mut ws.h, n), hidden)
+    });
+    timed(Op::QProj, || {
+        attn.q_proj
+            .forward_into(ws.h.slice(rows), ws.q.slice_mut(rows)) // [n, q_dim]
+    });
+    timed(Op::KProj, || {
+        attn.k_proj
+            .forward_into(ws.h.slice(rows), ws.k.slice_mut(rows)) // [n, kv_dim]
+    });
+    timed(Op::VProj, || {
+        attn.v_proj
+            .forward_into(ws.h.slice(rows), ws.v.slice_mut(rows)) // [n, kv_dim]
+    });
+    timed(Op::Rope, || {
+        rope_rows(rope, used_mut(&mut ws.q, n), q_dim, &ws.positions);
+        rope_rows(rope, used_mut(&mut ws.k, n), kv_dim, &ws.positions);
+    });
+    timed(Op::Attention, || {
+        attend(
+            ws.q.slice(rows),
+            ws.k.slice(rows),
+            ws.v.slice(rows),
+            ws.attn.slice_mut(rows),
+        )
+    })?;
+    timed(Op::OProj, || {
+        attn.o_proj
+            .forward_into(ws.attn.slice(rows), ws.h.slice_mut(rows)) // [n, hidden]
+    });
     reduce(ws.h.slice_mut(rows))?;
-    ws.x.slice_mut(rows)
-        .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
+    timed(Op::Residual, || {
+        add_rows(used_mut(&mut ws.x, n), used(&ws.h, n), hidden) // x += attention
+    });
 
-    let mlp = &layer.mlp;
-    layer
-        .post_attention_layernorm
-        .forward_into(ws.x.slice(rows), ws.h.slice_mut(rows));
-    mlp.gate_proj
-        .forward_into(ws.h.slice(rows), ws.gate.slice_mut(rows)); // [n, inter]
-    mlp.up_proj
-        .forward_into(ws.h.slice(rows), ws.up.slice_mut(rows)); // [n, inter]
-    let used = n * ws.up.ncols(); // the first n rows of [rows, inter]
-    silu_mul_fastest(
-        &mut ws.gate.as_slice_mut().expect("a fresh array is contiguous")[..used],
-        &ws.up.as_slice().expect("a fresh array is contiguous")[..used],
-    ); // gate = silu(gate) · up
-    mlp.down_proj
-        .forward_into(ws.gate.slice(rows), ws.h.slice_mut(rows)); // [n, hidden]
+    timed(Op::RmsNorm, || {
+        let norm = &layer.post_attention_layernorm;
+        rms_norm_rows(norm, used(&ws.x, n), used_mut(&mut ws.h, n), hidden)
+    });
+    timed(Op::GateProj, || {
+        mlp.gate_proj
+            .forward_into(ws.h.slice(rows), ws.gate.slice_mut(rows)) // [n, inter]
+    });
+    timed(Op::UpProj, || {
+        mlp.up_proj
+            .forward_into(ws.h.slice(rows), ws.up.slice_mut(rows)) // [n, inter]
+    });
+    timed(Op::SiluMul, || {
+        silu_mul_rows(used_mut(&mut ws.gate, n), used(&ws.up, n), inter) // gate = silu(gate) · up
+    });
+    timed(Op::DownProj, || {
+        mlp.down_proj
+            .forward_into(ws.gate.slice(rows), ws.h.slice_mut(rows)) // [n, hidden]
+    });
     reduce(ws.h.slice_mut(rows))?;
-    ws.x.slice_mut(rows)
-        .zip_mut_with(&ws.h.slice(rows), |x, o| *x += o);
+    timed(Op::Residual, || {
+        add_rows(used_mut(&mut ws.x, n), used(&ws.h, n), hidden) // x += MLP
+    });
     Ok(())
 }
 // ANCHOR_END: decoder_layer
@@ -238,6 +271,7 @@ pub fn next_token_logits_cached<'w>(
     forward_hidden_cached(model, tokens, store, ws)?;
     let n = tokens.len();
     let last = ws.h.slice(s![n - 1..n, ..]); // [1, hidden]
+    let _span = span(Op::LmHead);
     model.lm_head.forward_into(last, ws.logits.view_mut());
     Ok(ws.logits.row(0))
 }

@@ -15,6 +15,8 @@
 //! | [`attention`]  | attention of new queries against stored K/V, into reused buffers             |
 //! | [`cached`]     | the forward pass over new tokens only, and generation with a cache         |
 //! | [`kernels`]    | our matrix-vector and matrix-matrix products: threaded, vectorised, f32/bf16 |
+//! | [`elementwise`]| the row-wise ops between the products (norms, RoPE, residuals, SiLU), threaded when big enough |
+//! | [`profile`]    | an off-by-default, per-op timer of forward steps                           |
 //! | [`workload`]   | a seeded log-normal request workload; how much of a contiguous reservation it uses |
 //! | [`fast_linear`]| [`FastLinear`]: chapter 1's `Linear` seam on those kernels                 |
 //!
@@ -23,9 +25,11 @@
 pub mod attention;
 pub mod cached;
 pub mod contiguous;
+pub mod elementwise;
 pub mod fast_linear;
 pub mod kernels;
 pub mod kv_store;
+pub mod profile;
 pub mod workload;
 
 pub use cached::{CachedSession, Workspace, forward_cached, generate_cached};

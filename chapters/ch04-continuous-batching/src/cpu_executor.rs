@@ -18,8 +18,10 @@ use std::convert::Infallible;
 
 use ch01::Llama;
 use ch02::cached::{Workspace, decoder_layer};
+use ch02::elementwise::rms_norm_picked_rows;
+use ch02::profile::{Op, timed};
 use ch03::{BlockData, KvDtype, KvElement, KvPool, PoolError};
-use ndarray::{ArrayView2, ArrayViewMut2, Axis};
+use ndarray::{ArrayView2, ArrayViewMut2};
 
 use crate::attention::{AttentionBackend, BatchAttention};
 use crate::executor::{Executor, ExecutorError, KvLayout, ModelSpec};
@@ -50,6 +52,7 @@ pub struct CpuExecutor<'m, K: KvElement = f32> {
     swapped: SwapSpace<K>,
     workspace: Workspace,
     tokens: Vec<u32>, // [n] the step's tokens, flattened
+    normed: Vec<f32>, // [rows, hidden] the rows that want logits, after the final norm
     logits: Vec<f32>, // [rows, vocab] the last step's logit rows
 }
 
@@ -78,6 +81,7 @@ impl<'m, K: KvElement> CpuExecutor<'m, K> {
             swapped: SwapSpace::default(),
             workspace: Workspace::new(&model.config, 1),
             tokens: Vec::new(),
+            normed: Vec::new(),
             logits: Vec::new(),
         }
     }
@@ -219,8 +223,16 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
         // The rows that want logits (the last `logit_rows` of each sequence), normed, through
         // the head at once.
         let picked_rows = step.logit_row_indices();
-        let picked = self.workspace.residual().select(Axis(0), &picked_rows); // [S, hidden]
-        let normed = model.norm.forward(picked.view());
+        let hidden = model.config.hidden_size;
+        self.normed.resize(picked_rows.len() * hidden, 0.0);
+        let residual = self.workspace.residual(); // [rows, hidden]
+        let residual = residual.as_slice().expect("a fresh array is contiguous");
+        let normed = &mut self.normed[..];
+        timed(Op::FinalNorm, || {
+            rms_norm_picked_rows(&model.norm, residual, &picked_rows, normed, hidden) // [S, hidden]
+        });
+        let normed = ArrayView2::from_shape((picked_rows.len(), hidden), &self.normed[..])
+            .expect("[S, hidden]");
         let vocab = model.config.vocab_size;
         // The logits buffer is kept: a fresh [S, vocab] every step is megabytes of new pages.
         let used = picked_rows.len() * vocab;
@@ -230,7 +242,7 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
         let shape = (picked_rows.len(), vocab);
         let logits =
             ArrayViewMut2::from_shape(shape, &mut self.logits[..used]).expect("[S, vocab]");
-        model.lm_head.forward_into(normed.view(), logits);
+        timed(Op::LmHead, || model.lm_head.forward_into(normed, logits));
         Ok(ArrayView2::from_shape(shape, &self.logits[..used]).expect("[S, vocab]"))
     }
     // ANCHOR_END: execute

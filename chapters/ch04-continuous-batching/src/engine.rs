@@ -243,9 +243,10 @@ impl<'e> Engine<'e> {
             return Ok(Vec::new());
         }
         let logits = self.executor.execute(&plan)?;
-        let outputs = self
-            .scheduler
-            .update_with(&plan, logits, self.speculator.as_deref_mut())?;
+        let outputs = ch02::profile::timed(ch02::profile::Op::Sampling, || {
+            let speculator = self.speculator.as_deref_mut();
+            self.scheduler.update_with(&plan, logits, speculator)
+        })?;
         self.release_ended();
         Ok(outputs)
     }

@@ -25,6 +25,7 @@
 //! | [`engine`]       | [`Engine`]: a scheduler, an executor, and the step between them         |
 //! | [`driver`]       | [`drive`]: the one loop that feeds an engine and hands out its outputs  |
 //! | [`logprobs`]     | [`TokenLogprobs`]: a sampled token's log-probability and the top alternatives |
+//! | `presample`      | the step's plain decodes sampled on several threads before `update` takes their tokens in order |
 //! | [`processor`]    | the [`LogitsProcessor`] seam: a per-sequence mask or bias on the logits before sampling (chapter 8) |
 //! | [`speculation`]  | the [`Speculator`] seam: drafts proposed, lookahead slots, verification (chapter 6) |
 
@@ -34,6 +35,7 @@ pub mod driver;
 pub mod engine;
 pub mod executor;
 pub mod logprobs;
+mod presample;
 pub mod processor;
 pub mod request;
 pub mod scheduler;

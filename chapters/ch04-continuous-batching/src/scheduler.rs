@@ -24,6 +24,7 @@ use crate::attention::QueryRow;
 use crate::engine::{Counters, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace};
 use crate::executor::{ExecutorError, KvLayout, ModelSpec};
 use crate::logprobs::TokenLogprobs;
+use crate::presample::presample;
 use crate::processor::LogitsProcessor;
 use crate::request::{FinishReason, Request, RequestId, Sequence, Status};
 use crate::speculation::{Draft, DraftSeq, Speculator};
@@ -730,9 +731,11 @@ impl Scheduler {
         }
         let max_len = self.model.max_model_len;
         self.prepare_processors(step);
+        // Plain decodes sampled on several threads first; each takes its token below, in order.
+        let mut presampled = presample(&mut self.seqs, step, logits);
         let mut outputs = Vec::new();
         let mut first_row = 0;
-        for scheduled in &step.seqs {
+        for (index, scheduled) in step.seqs.iter().enumerate() {
             let rows = logits.slice(s![first_row..first_row + scheduled.logit_rows, ..]);
             first_row += scheduled.logit_rows;
             // Drafts ran past the sequence's end: their K/V counts once they are accepted.
@@ -751,12 +754,19 @@ impl Scheduler {
             let accepted = &mut self.accepted;
             accepted.clear();
             let mut processor_stop = false;
+            let (ahead_token, mut ahead_logprobs) = match presampled[index].take() {
+                Some(ahead) => (Some(ahead.token), ahead.logprobs),
+                None => (None, None),
+            };
             if drafts == 0 {
                 let row = rows.row(0);
                 let row = row.as_slice().expect("contiguous rows");
                 let output = &seq.tokens[prompt.len()..];
                 let token = match seq.processor.as_deref_mut() {
-                    None => seq.sampler.sample(row, prompt, output)?,
+                    None => match ahead_token {
+                        Some(token) => token?,
+                        None => seq.sampler.sample(row, prompt, output)?,
+                    },
                     Some(processor) => {
                         // ANCHOR: process
                         let scratch = &mut self.processed;
@@ -796,9 +806,10 @@ impl Scheduler {
             let mut pushed = 0;
             for (i, &token) in accepted.iter().enumerate() {
                 if let Some(top) = seq.request.logprobs {
-                    let row = rows.row(i);
-                    let row = row.as_slice().expect("contiguous rows");
-                    logprobs.push(TokenLogprobs::of(row, token, top));
+                    logprobs.push(ahead_logprobs.take().unwrap_or_else(|| {
+                        let row = rows.row(i);
+                        TokenLogprobs::of(row.as_slice().expect("contiguous rows"), token, top)
+                    }));
                 }
                 seq.tokens.push(token);
                 pushed += 1;

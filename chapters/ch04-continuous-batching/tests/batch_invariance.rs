@@ -54,3 +54,50 @@ fn the_same_seed_gives_the_same_tokens_in_any_batch() {
         assert_eq!(together[2].tokens, alone[0].tokens, "seed {seed}");
     }
 }
+
+/// Sampling a step's sequences on several threads (`presample`) gives every request the same
+/// tokens and logprobs as sampling them one after another: each has its own row and its own
+/// seeded sampler.
+#[test]
+fn sampling_across_threads_equals_sampling_in_turn() {
+    let model = ch02::load_fast(
+        &fixtures_dir().join("shakespeare-tiny"),
+        ch02::WeightDtype::F32,
+    )
+    .unwrap();
+    let requests: Vec<Request> = (0..9u32)
+        .map(|i| {
+            let prompt = (0..(3 + 5 * i)).map(|t| (t * 29 + i) % 4096).collect();
+            let mut request = match i % 3 {
+                0 => Request::greedy(prompt, 12),
+                _ => sampled(prompt, 1000 + i as u64),
+            };
+            request.logprobs = (i % 2 == 0).then_some(3);
+            request
+        })
+        .collect();
+    let run = |parallel: bool| {
+        ch02::elementwise::set_parallel_elementwise(parallel);
+        let pool = KvPool::<f32>::new(&model.config, 8, 128).unwrap();
+        let mut engine =
+            Engine::new(CpuExecutor::new(&model, pool), EngineConfig::default()).unwrap();
+        for request in &requests {
+            engine.add_request(request.clone()).unwrap();
+        }
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
+        let mut outputs = Vec::new();
+        threads.install(|| {
+            while engine.has_unfinished() {
+                outputs.extend(engine.step().unwrap());
+            }
+        });
+        ch02::elementwise::set_parallel_elementwise(true);
+        outputs
+    };
+    let (serial, threaded) = (run(false), run(true));
+    assert!(serial.iter().any(|o| !o.logprobs.is_empty()));
+    assert_eq!(serial, threaded);
+}

@@ -6,17 +6,20 @@
 //! roofline   GFLOP/s of prefill at several lengths and of decode against the machine's limits
 //! latency    the cost of the token at position T: recompute (chapter 1) vs cached (chapter 2)
 //! waste      share of a contiguous, max-length KV reservation that ever holds a token
+//! profile    one prefill step and one batch-32 decode step, op by op, row-wise ops serial vs threaded
 //! ```
-//! Writes `speed`, `roofline`, `latency` and `waste` (`.md` table + `.svg` plot) into
-//! `book/src/ch02/` (or `--out`). Every ratio in the tables comes from this one run.
+//! Writes `speed`, `roofline`, `latency` and `waste` (`.md` table + `.svg` plot) and `profile`
+//! (`.md` only) into `book/src/ch02/` (or `--out`). Every ratio in the tables comes from this
+//! one run.
 
 mod machine;
+mod profile;
 pub(crate) mod references;
 mod report;
 pub(crate) mod speed;
 mod waste;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use ch02::{FastLoader, WeightDtype};
 
 use super::{Output, RunFacts, bench_tokens, model_name, write_figures};
@@ -53,6 +56,7 @@ pub enum Part {
     Roofline,
     Latency,
     Waste,
+    Profile,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -88,7 +92,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if lengths.is_empty() || prompt + decode > max_len {
         bail!("the benchmark lengths do not fit the model's context of {max_len} tokens");
     }
-    let longest = prompt.max(decode).max(lengths[lengths.len() - 1]) + decode + 2;
+    let longest = prompt
+        .max(decode)
+        .max(lengths[lengths.len() - 1])
+        .max(profile::PREFILL_TOKENS)
+        + decode
+        + 2;
     let tokens = bench_tokens(
         longest.min(max_len),
         config.vocab_size,
@@ -185,6 +194,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if wants(Part::Waste) {
         eprintln!("== waste: contiguous reservations");
         report.waste = Some(waste::measure(config)?);
+    }
+
+    if wants(Part::Profile) {
+        let reps = args.output.reps(9)?;
+        eprintln!(
+            "== profile: prefill {} tokens and decode batch {}, {reps} reps",
+            profile::PREFILL_TOKENS,
+            profile::DECODE_BATCH
+        );
+        let measured = profile::measure(&fast_f32.model, &tokens, reps)?;
+        let markdown = measured.markdown(&facts, &model_name, threads, reps);
+        std::fs::create_dir_all(&out)?;
+        let path = out.join(format!("{}.md", profile::STEM));
+        std::fs::write(&path, &markdown).with_context(|| format!("writing {}", path.display()))?;
+        println!("{markdown}");
     }
 
     let files = report.files();
