@@ -167,7 +167,9 @@ impl Report<'_> {
             table.to_markdown(),
             self.caption(&format!(
                 "perplexity of fixtures/corpus/hamlet.txt, {} chunks of {} tokens, the second \
-                 half of each scored (llama-perplexity `-c {} --chunks {}`)",
+                 half of each scored (llama-perplexity `-c {} --chunks {} -ctk f32 -ctv f32 -fa \
+                 off`: an f32 KV cache and exact attention, as kiln's; llama.cpp's default F16 \
+                 cache alone raised Q4_0's perplexity by 0.2%)",
                 self.chunks, self.ctx, self.ctx, self.chunks
             ))
         )
