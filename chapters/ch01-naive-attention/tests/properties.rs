@@ -289,14 +289,40 @@ fn rms_norm_equals_f64_reference_on_random_shapes() {
                 &shape,
                 Tolerance::F32,
             );
-            // The one-row forms (chapter 2 threads them over rows) repeat each form's bits.
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// The one-row forms (chapter 2 threads them over rows) repeat the bits of the whole-matrix
+/// forms. Apart from the test above, which is task 1.2's: a learner's `forward` may round
+/// differently from `forward_row` and still be right.
+#[test]
+fn rms_norm_one_row_forms_repeat_the_matrix_forms() {
+    let cases = (1usize..9, 1usize..70).prop_flat_map(|(t, hidden)| {
+        (
+            matrix(t, hidden),
+            proptest::collection::vec(-2.0f32..2.0, hidden),
+        )
+    });
+    runner(100)
+        .run(&cases, |(x, weight)| {
+            let norm = RmsNorm::new(Array1::from(weight), 1e-5);
+            let out = norm.forward(x.view());
+            let mut into = Array2::<f32>::from_elem(x.dim(), f32::NAN);
+            norm.forward_into(x.view(), into.view_mut());
             let mut row_out = vec![f32::NAN; x.ncols()];
             for t in 0..x.nrows() {
                 let x_t = x.row(t).to_vec();
                 norm.forward_row(&x_t, &mut row_out);
-                assert_eq!(row_out, out.row(t).to_vec(), "forward_row, row {t}");
+                prop_assert_eq!(&row_out, &out.row(t).to_vec(), "forward_row, row {}", t);
                 norm.forward_into_row(&x_t, &mut row_out);
-                assert_eq!(row_out, into.row(t).to_vec(), "forward_into_row, row {t}");
+                prop_assert_eq!(
+                    &row_out,
+                    &into.row(t).to_vec(),
+                    "forward_into_row, row {}",
+                    t
+                );
             }
             Ok(())
         })
