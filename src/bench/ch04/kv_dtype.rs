@@ -7,10 +7,7 @@
 //! speed:   the same requests, all at time 0, through the engine with an f32 pool, then bf16
 //! ```
 
-use std::time::Duration;
-
 use ch01::Llama;
-use ch02::workload::WorkloadRng;
 use ch03::{KvDtype, KvElement, KvPool};
 use ch04::EngineConfig;
 use ch07::AttentionKind;
@@ -87,16 +84,8 @@ pub fn run(
             shape.prompt + shape.output <= max_len && shape.prompt <= corpus.len(),
             "the kv-dtype workload does not fit the model's context of {max_len} tokens"
         );
-        let mut rng = WorkloadRng::new(0x6b76);
-        let arrivals: Vec<Arrival> = (0..shape.requests)
-            .map(|_| Arrival {
-                at: Duration::ZERO,
-                request: workload::fixed_length(
-                    workload::window(corpus, shape.prompt, &mut rng),
-                    shape.output,
-                ),
-            })
-            .collect();
+        let arrivals =
+            workload::at_once(corpus, shape.requests, shape.prompt, shape.output, 0x6b76);
         let config = EngineConfig {
             max_num_seqs: shape.requests,
             max_num_batched_tokens: 512.max(shape.prompt),

@@ -12,15 +12,12 @@
 //! static batch of equal lengths, the best case for static batching. Its decode-phase rate (its
 //! `S_TG`) is shown too, beside its whole-run figure.
 
-use std::time::Duration;
-
 use ch01::Llama;
-use ch02::workload::WorkloadRng;
 use ch04::EngineConfig;
 use ch07::AttentionKind;
 
 use super::serve;
-use super::static_batch::{Arrival, WallClock};
+use super::static_batch::WallClock;
 use super::{measured, pool_for, workload};
 use crate::bench::bars::BarChart;
 use crate::bench::ch02::references::{BatchedRun, fixtures, llama_batched_bench};
@@ -70,16 +67,7 @@ pub fn run(
         shape.prompt + shape.output <= max_len && shape.prompt <= corpus.len(),
         "the llama-cpp workload does not fit the model's context of {max_len} tokens"
     );
-    let mut rng = WorkloadRng::new(0x11a3a);
-    let arrivals: Vec<Arrival> = (0..shape.sequences)
-        .map(|_| Arrival {
-            at: Duration::ZERO,
-            request: workload::fixed_length(
-                workload::window(corpus, shape.prompt, &mut rng),
-                shape.output,
-            ),
-        })
-        .collect();
+    let arrivals = workload::at_once(corpus, shape.sequences, shape.prompt, shape.output, 0x11a3a);
     let config = EngineConfig {
         max_num_seqs: shape.sequences,
         max_num_batched_tokens: 512,

@@ -78,6 +78,24 @@ pub fn fixed_length(prompt: Vec<u32>, output_len: usize) -> Request {
     request
 }
 
+/// `requests` prompts of `prompt` tokens (corpus windows from `seed`), each generating exactly
+/// `output` tokens, all arriving at time 0.
+pub fn at_once(
+    corpus: &[u32],
+    requests: usize,
+    prompt: usize,
+    output: usize,
+    seed: u64,
+) -> Vec<Arrival> {
+    let mut rng = WorkloadRng::new(seed);
+    (0..requests)
+        .map(|_| Arrival {
+            at: Duration::ZERO,
+            request: fixed_length(window(corpus, prompt, &mut rng), output),
+        })
+        .collect()
+}
+
 /// The whole workload: lengths, Poisson arrival times and corpus windows, all from `seed`.
 pub fn arrivals(lengths: &[RequestLengths], rate: f64, corpus: &[u32], seed: u64) -> Vec<Arrival> {
     let times = poisson_arrivals(lengths.len(), rate, seed);
