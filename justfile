@@ -106,6 +106,10 @@ check n k="":
 diagrams *args:
     cargo run --release -q -- diagrams {{args}}
 
+# Check that every figure the book shows names the command that wrote it (CI runs it).
+figures:
+    cargo run --release -q -- figures
+
 # Every test of the workspace (the README's test command).
 test:
     cargo test --release --workspace
