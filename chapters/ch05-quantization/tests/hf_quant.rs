@@ -185,8 +185,8 @@ fn bound(q: &GroupQuantized, x: &[f32], o: usize, order: &[usize]) -> f64 {
 fn group_linear_matches_the_dense_reference() {
     let strategy = (
         1usize..4,
-        1usize..8,
-        prop::sample::select(vec![32usize, 64, 128]),
+        1usize..17,
+        prop::sample::select(vec![32usize, 64, 128, 256]),
         any::<bool>(),
         any::<bool>(),
         1usize..6,
@@ -201,10 +201,22 @@ fn group_linear_matches_the_dense_reference() {
                 let linear = GroupLinear::new(&q, None).unwrap();
                 // Groups of 32 columns or more, all multiples of 32 except perhaps the last one.
                 let repacks = cols % group % 32 == 0;
+                // One stored scale per run of 32·g columns: the largest g that divides both
+                // the group size and the row (so that the last, shorter group holds whole runs).
+                let g = [8, 4, 2, 1]
+                    .into_iter()
+                    .find(|g| group % (32 * g) == 0 && cols % (32 * g) == 0)
+                    .unwrap();
                 let expected_kind = match (repacks, symmetric) {
                     (false, _) => GroupKind::Dense,
-                    (true, true) => GroupKind::Blocks(ch05_quantization::GgmlType::Q4_0),
-                    (true, false) => GroupKind::Blocks(ch05_quantization::GgmlType::Q4_1),
+                    (true, true) => GroupKind::Blocks {
+                        ty: ch05_quantization::GgmlType::Q4_0,
+                        group: g,
+                    },
+                    (true, false) => GroupKind::Blocks {
+                        ty: ch05_quantization::GgmlType::Q4_1,
+                        group: g,
+                    },
                 };
                 prop_assert_eq!(linear.kind(), expected_kind);
                 let x: Vec<f32> = (0..tokens * cols)

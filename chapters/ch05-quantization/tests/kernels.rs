@@ -249,6 +249,115 @@ fn arbitrary_block_bytes_multiply_as_they_decode() {
         .unwrap();
 }
 
+/// Stores `group` consecutive blocks of each row of `ungrouped` (Q4_0 or Q4_1) under the
+/// first one's header, the layout of [`QuantMatrix::grouped`]; every block of a run must
+/// already carry that header.
+fn group_blocks(ty: GgmlType, group: usize, ungrouped: &[u8]) -> Vec<u8> {
+    let header = ty.block_bytes() - 16;
+    let mut out = Vec::new();
+    for run in ungrouped.chunks_exact(group * ty.block_bytes()) {
+        out.extend_from_slice(&run[..header]);
+        for block in run.chunks_exact(ty.block_bytes()) {
+            out.extend_from_slice(&block[header..]);
+        }
+    }
+    out
+}
+
+#[test]
+fn grouped_blocks_equal_the_same_blocks_ungrouped_bit_for_bit() {
+    let strategy = (
+        prop::sample::select(vec![GgmlType::Q4_0, GgmlType::Q4_1]),
+        prop::sample::select(vec![2usize, 4, 8]),
+        1usize..11,
+        1usize..4,
+        1usize..7,
+        any::<u64>(),
+    );
+    seeded_runner(64, 55)
+        .run(&strategy, |(ty, group, out, runs, tokens, seed)| {
+            let cols = 32 * group * runs;
+            let mut state = seed | 1;
+            let mut next = move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            let mut bytes: Vec<u8> = (0..out * ty.row_bytes(cols).unwrap())
+                .map(|_| next() as u8)
+                .collect();
+            // One moderate header per run of `group` blocks, copied into each of its blocks.
+            let header = ty.block_bytes() - 16;
+            for run in bytes.chunks_exact_mut(group * ty.block_bytes()) {
+                for at in (0..header).step_by(2) {
+                    let v = ((next() % 2001) as f32 - 1000.0) / 1e4;
+                    run[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+                let first = run[..header].to_vec();
+                for block in run.chunks_exact_mut(ty.block_bytes()) {
+                    block[..header].copy_from_slice(&first);
+                }
+            }
+            let grouped_bytes = group_blocks(ty, group, &bytes);
+            prop_assert!(grouped_bytes.len() < bytes.len());
+            let plain = QuantMatrix::new(ty, out, cols, bytes).unwrap();
+            let grouped = QuantMatrix::grouped(ty, group, out, cols, grouped_bytes).unwrap();
+            prop_assert_eq!(grouped.group(), group);
+            prop_assert_eq!(grouped.dequantize(), plain.dequantize());
+            let x: Vec<f32> = (0..tokens * cols)
+                .map(|_| ((next() % 20001) as f32 - 10000.0) / 5000.0)
+                .collect();
+            let mut scratch = Scratch::default();
+            for isa in Isa::available() {
+                let run = |w: &QuantMatrix, scratch: &mut Scratch| {
+                    let mut y = vec![0.0f32; tokens * out];
+                    if tokens == 1 {
+                        matvec(isa, w, &x, &mut y, scratch);
+                    } else {
+                        matmul(isa, w, &x, &mut y, tokens, scratch);
+                    }
+                    y
+                };
+                let (a, b) = (run(&plain, &mut scratch), run(&grouped, &mut scratch));
+                for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                    prop_assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{:?} {} groups of {}: output {} {} vs {}",
+                        isa,
+                        ty,
+                        group,
+                        i,
+                        a,
+                        b
+                    );
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn grouped_layouts_that_do_not_fit_are_errors() {
+    assert_eq!(
+        QuantMatrix::grouped(GgmlType::Q8_0, 2, 1, 64, vec![0; 66]),
+        Err(KernelError::Group {
+            ty: GgmlType::Q8_0,
+            group: 2
+        })
+    );
+    assert!(matches!(
+        QuantMatrix::grouped(GgmlType::Q4_0, 3, 1, 96, vec![0; 50]),
+        Err(KernelError::Group { group: 3, .. })
+    ));
+    // 96 columns are not whole runs of 64; 128 columns of Q4_1 in runs of 2 are 2 · 36 bytes.
+    assert!(QuantMatrix::grouped(GgmlType::Q4_0, 2, 1, 96, vec![0; 51]).is_err());
+    assert!(QuantMatrix::grouped(GgmlType::Q4_1, 2, 1, 128, vec![0; 71]).is_err());
+    assert!(QuantMatrix::grouped(GgmlType::Q4_1, 2, 1, 128, vec![0; 72]).is_ok());
+}
+
 #[test]
 fn quant_linear_adds_its_bias_and_forward_into_equals_forward() {
     let (out, cols, tokens) = (7, 64, 3);

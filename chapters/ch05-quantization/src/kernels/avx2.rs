@@ -360,18 +360,22 @@ unsafe fn bits32(p: *const u8) -> __m256i {
 }
 
 /// A 32-element weight format as the tile kernel sees it: where its scale (and offset) are,
-/// and how one block's 32 weights become 32 bytes for `maddubs`.
+/// and how one block's 32 weights become 32 bytes for `maddubs`. A block may hold
+/// [`Block32::SUB`] runs of 32 weights that share its scale (the grouped layouts of
+/// [`super::QuantMatrix::grouped`]); each run pairs with one activation block.
 pub trait Block32 {
     /// Bytes of one block.
     const BYTES: usize;
     /// `false`: [`Block32::weights`] are signed (`x = d·w`), multiplied by the sign trick;
     /// `true`: unsigned (`x = d·w + m`, `m` the f16 at bytes 2..4), multiplied directly.
     const OFFSET: bool;
-    /// The block's 32 weights in element order.
+    /// Runs of 32 weights per block (sharing its scale and offset).
+    const SUB: usize = 1;
+    /// Run `j < SUB` of the block's weights, 32 in element order.
     ///
     /// # Safety
     /// The CPU must support AVX2; `p` must point to [`Block32::BYTES`] readable bytes.
-    unsafe fn weights(p: *const u8) -> __m256i;
+    unsafe fn weights(p: *const u8, j: usize) -> __m256i;
 }
 
 /// Q8_0: 32 signed bytes at 2..34.
@@ -384,12 +388,16 @@ pub struct Q4_1;
 pub struct Q5_0;
 /// Q5_1: nibbles at 8..24 with the fifth bits at 4..8.
 pub struct Q5_1;
+/// `G` Q4_0 blocks sharing one scale: the f16 `d` at 0..2, then `G` runs of 16 nibble bytes.
+pub struct Q4_0G<const G: usize>;
+/// `G` Q4_1 blocks sharing one scale and offset: `d`, `m` at 0..4, then `G` runs of 16 bytes.
+pub struct Q4_1G<const G: usize>;
 
 impl Block32 for Q8_0 {
     const BYTES: usize = 34;
     const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn weights(p: *const u8) -> __m256i {
+    unsafe fn weights(p: *const u8, _: usize) -> __m256i {
         // SAFETY: bytes 2..34 of the block (caller).
         unsafe { load32(p.add(2)) }
     }
@@ -399,7 +407,7 @@ impl Block32 for Q4_0 {
     const BYTES: usize = 18;
     const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn weights(p: *const u8) -> __m256i {
+    unsafe fn weights(p: *const u8, _: usize) -> __m256i {
         // SAFETY: bytes 2..18 of the block (caller). q − 8 is in −8..8.
         unsafe { _mm256_sub_epi8(nibbles16(p.add(2)), _mm256_set1_epi8(8)) }
     }
@@ -409,9 +417,31 @@ impl Block32 for Q4_1 {
     const BYTES: usize = 20;
     const OFFSET: bool = true;
     #[inline(always)]
-    unsafe fn weights(p: *const u8) -> __m256i {
+    unsafe fn weights(p: *const u8, _: usize) -> __m256i {
         // SAFETY: bytes 4..20 of the block (caller).
         unsafe { nibbles16(p.add(4)) }
+    }
+}
+
+impl<const G: usize> Block32 for Q4_0G<G> {
+    const BYTES: usize = 2 + 16 * G;
+    const OFFSET: bool = false;
+    const SUB: usize = G;
+    #[inline(always)]
+    unsafe fn weights(p: *const u8, j: usize) -> __m256i {
+        // SAFETY: bytes 2 + 16j..18 + 16j of the block, j < G (caller). q − 8 is in −8..8.
+        unsafe { _mm256_sub_epi8(nibbles16(p.add(2 + 16 * j)), _mm256_set1_epi8(8)) }
+    }
+}
+
+impl<const G: usize> Block32 for Q4_1G<G> {
+    const BYTES: usize = 4 + 16 * G;
+    const OFFSET: bool = true;
+    const SUB: usize = G;
+    #[inline(always)]
+    unsafe fn weights(p: *const u8, j: usize) -> __m256i {
+        // SAFETY: bytes 4 + 16j..20 + 16j of the block, j < G (caller).
+        unsafe { nibbles16(p.add(4 + 16 * j)) }
     }
 }
 
@@ -419,7 +449,7 @@ impl Block32 for Q5_0 {
     const BYTES: usize = 22;
     const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn weights(p: *const u8) -> __m256i {
+    unsafe fn weights(p: *const u8, _: usize) -> __m256i {
         // SAFETY: bytes 2..6 (qh) and 6..22 (nibbles) of the block (caller).
         unsafe {
             // q − 16: a set fifth bit makes it the nibble itself (16 + n − 16); a clear one,
@@ -434,7 +464,7 @@ impl Block32 for Q5_1 {
     const BYTES: usize = 24;
     const OFFSET: bool = true;
     #[inline(always)]
-    unsafe fn weights(p: *const u8) -> __m256i {
+    unsafe fn weights(p: *const u8, _: usize) -> __m256i {
         // SAFETY: bytes 4..8 (qh) and 8..24 (nibbles) of the block (caller).
         unsafe {
             let high = _mm256_and_si256(bits32(p.add(4)), _mm256_set1_epi8(0x10));
@@ -443,22 +473,23 @@ impl Block32 for Q5_1 {
     }
 }
 
-/// `out[r][t]` = row `r` of `rows` (`R` rows of `n` blocks) · token `t` of `acts` (`T` tokens
-/// of `n` blocks): a register tile of `R × T` accumulators of 8 f32 lanes each.
+/// `out[r][t]` = row `r` of `rows` (`R` rows of `n / SUB` blocks) · token `t` of `acts` (`T`
+/// tokens of `n` blocks): a register tile of `R × T` accumulators of 8 f32 lanes each.
 ///
 /// ```text
-/// for each block b:                  the R weight blocks are unpacked once ...
-///     w[r]  = weights(row r, b)      [32 × i8 or u8]   r < R
+/// for each run k of 32 weights:      the R weight runs are unpacked once ...
+///     w[r]  = weights(row r, k)      [32 × i8 or u8]   r < R (scale of the block holding k)
 ///     for each token t:              ... and used by T tokens
-///         x = acts[t][b].q           [32 × i8]
+///         x = acts[t][k].q           [32 × i8]
 ///         acc[r][t] += (d_w[r] · d_x[t]) · lanes(w[r] · x)   [8 × f32]
 /// out[r][t] = sum of acc[r][t]'s 8 lanes (+ the offsets' scalar accumulator)
 /// ```
 ///
 /// Each `(r, t)` accumulates exactly the operations of the portable one-row kernel in its
-/// order, so any tile shape gives the same bits.
+/// order, so any tile shape gives the same bits; and a grouped block ([`Block32::SUB`] > 1)
+/// does exactly what `SUB` ungrouped blocks with its scale would.
 ///
-/// Panics unless `rows` is `R` rows of one block per activation block of a token.
+/// Panics unless `rows` is `R` rows of one run of 32 weights per activation block of a token.
 pub fn tile32<F: Block32, const R: usize, const T: usize>(
     _cpu: Avx2F16c,
     rows: &[u8],
@@ -467,20 +498,21 @@ pub fn tile32<F: Block32, const R: usize, const T: usize>(
 ) {
     let n = acts.len() / T;
     assert_eq!(acts.len(), n * T, "T tokens of whole blocks");
+    assert_eq!(n % F::SUB, 0, "whole grouped blocks");
     assert_eq!(
         rows.len(),
-        R * n * F::BYTES,
-        "R rows of one block per activation block"
+        R * (n / F::SUB) * F::BYTES,
+        "R rows of one run of 32 weights per activation block"
     );
-    // SAFETY: `_cpu` proves AVX2, FMA and F16C; the body reads blocks `b < n` of rows `r < R`
-    // at `r·n·BYTES + b·BYTES`, inside `rows`, and activation blocks `t·n + b < T·n`, inside
-    // `acts`, as checked above.
+    // SAFETY: `_cpu` proves AVX2, FMA and F16C; the body reads blocks `b < n / SUB` of rows
+    // `r < R` at `r·(n / SUB)·BYTES + b·BYTES`, inside `rows`, and activation blocks
+    // `t·n + k < T·n`, inside `acts`, as checked above.
     unsafe { tile32_body::<F, R, T>(rows.as_ptr(), acts.as_ptr(), n, out) }
 }
 
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `rows` must point to `R · n` readable blocks and
-/// `acts` to `T · n` activation blocks.
+/// The CPU must support AVX2, FMA and F16C; `rows` must point to `R · n / SUB` readable blocks
+/// and `acts` to `T · n` activation blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
@@ -489,54 +521,62 @@ unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
     n: usize,
     out: &mut [[f32; T]; R],
 ) {
-    let row_bytes = n * F::BYTES;
+    // ANCHOR: grouped_tile
+    let row_bytes = n / F::SUB * F::BYTES;
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut acc_m = [[0.0f32; T]; R];
-    for b in 0..n {
-        let mut w = [_mm256_setzero_si256(); R]; // the weights, signed or unsigned
-        let mut u = [_mm256_setzero_si256(); R]; // maddubs' unsigned operand
+    for b in 0..n / F::SUB {
         let mut d = [0.0f32; R];
         let mut m = [0.0f32; R];
         for r in 0..R {
             // SAFETY: block `b` of row `r` is readable (caller).
             unsafe {
                 let p = rows.add(r * row_bytes + b * F::BYTES);
-                w[r] = F::weights(p);
                 d[r] = f16_ptr(p);
                 if F::OFFSET {
                     m[r] = f16_ptr(p.add(2));
                 }
             }
-            // |w| for the sign trick: maddubs' first operand is unsigned.
-            u[r] = if F::OFFSET {
-                w[r]
-            } else {
-                _mm256_sign_epi8(w[r], w[r])
-            };
         }
-        for t in 0..T {
-            // SAFETY: activation block `t·n + b` is readable (caller); `q` is 32 bytes.
-            let (a, x) = unsafe {
-                let a = &*acts.add(t * n + b);
-                (a, load32(a.q.as_ptr() as *const u8))
-            };
+        for j in 0..F::SUB {
+            let k = b * F::SUB + j; // the run of 32 weights, and its activation block
+            let mut w = [_mm256_setzero_si256(); R]; // the weights, signed or unsigned
+            let mut u = [_mm256_setzero_si256(); R]; // maddubs' unsigned operand
             for r in 0..R {
-                // w · x = |w| · (x · sign(w)) for signed weights.
-                let s = if F::OFFSET {
-                    x
+                // SAFETY: block `b` of row `r` is readable (caller), `j < SUB`.
+                w[r] = unsafe { F::weights(rows.add(r * row_bytes + b * F::BYTES), j) };
+                // |w| for the sign trick: maddubs' first operand is unsigned.
+                u[r] = if F::OFFSET {
+                    w[r]
                 } else {
-                    _mm256_sign_epi8(x, w[r])
+                    _mm256_sign_epi8(w[r], w[r])
                 };
-                // SAFETY: AVX2 is present; |w| ≤ 128 (Q8_0's −128 read unsigned) or ≤ 31 and
-                // |x| ≤ 127, so maddubs cannot saturate (see the module doc).
-                let lanes = unsafe { dot_u8_i8(u[r], s) };
-                acc[r][t] = acc_lanes(acc[r][t], d[r], a.d, lanes);
-                if F::OFFSET {
-                    acc_m[r][t] = acc_d(acc_m[r][t], m[r], a.d, a.sum);
+            }
+            for t in 0..T {
+                // SAFETY: activation block `t·n + k` is readable (caller); `q` is 32 bytes.
+                let (a, x) = unsafe {
+                    let a = &*acts.add(t * n + k);
+                    (a, load32(a.q.as_ptr() as *const u8))
+                };
+                for r in 0..R {
+                    // w · x = |w| · (x · sign(w)) for signed weights.
+                    let s = if F::OFFSET {
+                        x
+                    } else {
+                        _mm256_sign_epi8(x, w[r])
+                    };
+                    // SAFETY: AVX2 is present; |w| ≤ 128 (Q8_0's −128 read unsigned) or ≤ 31
+                    // and |x| ≤ 127, so maddubs cannot saturate (see the module doc).
+                    let lanes = unsafe { dot_u8_i8(u[r], s) };
+                    acc[r][t] = acc_lanes(acc[r][t], d[r], a.d, lanes);
+                    if F::OFFSET {
+                        acc_m[r][t] = acc_d(acc_m[r][t], m[r], a.d, a.sum);
+                    }
                 }
             }
         }
     }
+    // ANCHOR_END: grouped_tile
     for r in 0..R {
         for t in 0..T {
             let lanes = sum_acc(acc[r][t]);
@@ -550,7 +590,7 @@ unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
     }
 }
 
-/// Rows `rows` (`n_rows` rows of `n` blocks, `n = acts.len() / tokens`) times every token of
+/// Rows `rows` (`n_rows` rows of `n / SUB` blocks, `n = acts.len() / tokens`) times every token of
 /// `acts` into `yt` [n_rows, tokens]: tiles of `R × T`, then the rows and tokens left over one
 /// at a time.
 pub fn rows32<F: Block32, const R: usize, const T: usize>(
@@ -565,7 +605,7 @@ pub fn rows32<F: Block32, const R: usize, const T: usize>(
         return;
     }
     let n = acts.len() / tokens;
-    let row_bytes = n * F::BYTES;
+    let row_bytes = n / F::SUB * F::BYTES;
     let mut r = 0;
     while r + R <= n_rows {
         token_tiles::<F, R, T>(

@@ -229,6 +229,8 @@ pub enum KernelError {
     NoKernel(GgmlType),
     #[error(transparent)]
     Block(#[from] BlockError),
+    #[error("{ty} has no kernel for {group} blocks per scale (Q4_0 and Q4_1 take 1, 2, 4 or 8)")]
+    Group { ty: GgmlType, group: usize },
     #[error("bias has {bias} elements, expected out_features = {out}")]
     Bias { bias: usize, out: usize },
 }
@@ -236,15 +238,33 @@ pub enum KernelError {
 /// A weight `[rows, cols]` (`[out_features, in_features]`) of one block type, row after row, each
 /// row `cols / block_elems` blocks in the file's layout (the kernels read it as stored).
 ///
-/// Invariant (checked by [`QuantMatrix::new`]): `ty` has a kernel, `cols` is a whole number of
-/// blocks, and `bytes.len() == rows · row_bytes`.
+/// A **grouped** matrix ([`QuantMatrix::grouped`], Q4_0 and Q4_1 only) stores `group`
+/// consecutive blocks of a row that share their scale (and offset) once: the f16 `d` (and `m`),
+/// then the `group` blocks' 16 nibble bytes each. It computes exactly what the same blocks
+/// stored one by one compute, with `16 · (group − 1)` fewer bits of scales per `32 · group`
+/// weights: a GPTQ or AWQ group's one scale, stored once.
+///
+/// Invariant (checked by the constructors): `ty` has a kernel, `group` is 1, or one of
+/// [`GROUPS`] for Q4_0 and Q4_1, `cols` is a whole number of `group` blocks, and
+/// `bytes.len() == rows · row_bytes`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantMatrix {
     ty: GgmlType,
+    /// Blocks of 32 per stored scale.
+    group: usize,
     rows: usize,
     cols: usize,
     row_bytes: usize,
     bytes: Vec<u8>,
+}
+
+/// The blocks per scale a grouped [`QuantMatrix`] may share (besides 1, every format's).
+pub const GROUPS: [usize; 3] = [2, 4, 8];
+
+/// Bytes of one stored scale group of `ty` (`group` blocks): one header, `group` bodies.
+fn group_bytes(ty: GgmlType, group: usize) -> usize {
+    let header = if ty == GgmlType::Q4_1 { 4 } else { 2 };
+    header + 16 * group
 }
 
 impl QuantMatrix {
@@ -269,11 +289,71 @@ impl QuantMatrix {
         }
         Ok(QuantMatrix {
             ty,
+            group: 1,
             rows,
             cols,
             row_bytes,
             bytes,
         })
+    }
+
+    /// Takes `bytes` as `rows` rows of `cols` elements of Q4_0 or Q4_1 blocks, `group`
+    /// consecutive blocks sharing one stored scale (see the type's doc); `group` 1 is
+    /// [`QuantMatrix::new`].
+    pub fn grouped(
+        ty: GgmlType,
+        group: usize,
+        rows: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        if group == 1 {
+            return QuantMatrix::new(ty, rows, cols, bytes);
+        }
+        if !matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1) || !GROUPS.contains(&group) {
+            return Err(KernelError::Group { ty, group });
+        }
+        let length = BlockError::Length {
+            ty,
+            bytes: bytes.len(),
+            elems: rows.saturating_mul(cols),
+        };
+        if !cols.is_multiple_of(32 * group) {
+            return Err(length.into());
+        }
+        let row_bytes = cols / (32 * group) * group_bytes(ty, group);
+        if rows.checked_mul(row_bytes) != Some(bytes.len()) {
+            return Err(length.into());
+        }
+        Ok(QuantMatrix {
+            ty,
+            group,
+            rows,
+            cols,
+            row_bytes,
+            bytes,
+        })
+    }
+
+    /// Blocks of 32 per stored scale: 1 but for a [`QuantMatrix::grouped`] matrix.
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
+    /// The blocks one by one, each with its group's header (what `ty`'s own layout stores).
+    fn ungrouped(&self) -> std::borrow::Cow<'_, [u8]> {
+        if self.group == 1 {
+            return self.bytes.as_slice().into();
+        }
+        let header = group_bytes(self.ty, 1) - 16;
+        let mut out = Vec::with_capacity(self.rows * self.cols / 32 * group_bytes(self.ty, 1));
+        for g in self.bytes.chunks_exact(group_bytes(self.ty, self.group)) {
+            for body in g[header..].chunks_exact(16) {
+                out.extend_from_slice(&g[..header]);
+                out.extend_from_slice(body);
+            }
+        }
+        out.into()
     }
 
     /// Encodes a dense row-major `weight` `[rows, cols]` as `ty` (see [`blocks::quantize`]).
@@ -319,7 +399,7 @@ impl QuantMatrix {
         self.cols
     }
 
-    /// The stored blocks, row after row.
+    /// The stored blocks, row after row (grouped when [`QuantMatrix::group`] > 1).
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
@@ -332,7 +412,7 @@ impl QuantMatrix {
     /// The weights decoded to f32, `[rows, cols]` row-major (what "dequantize, then dense" uses).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows * self.cols];
-        blocks::dequantize(self.ty, &self.bytes, &mut out)
+        blocks::dequantize(self.ty, &self.ungrouped(), &mut out)
             .expect("lengths checked at construction");
         out
     }
@@ -423,11 +503,16 @@ impl Path {
     }
 }
 
-/// One row's dot product with one token's activation blocks.
+/// One row's dot product with one token's activation blocks (`group` blocks per scale).
 #[inline]
-fn dot(path: Path, ty: GgmlType, row: &[u8], acts: Acts<'_>) -> f32 {
+fn dot(path: Path, ty: GgmlType, group: usize, row: &[u8], acts: Acts<'_>) -> f32 {
     use GgmlType::*;
     match (path, acts) {
+        (_, Acts::B32(a)) if group > 1 => match ty {
+            Q4_0 => portable::dot_q4_0_grouped(row, a, group),
+            Q4_1 => portable::dot_q4_1_grouped(row, a, group),
+            _ => unreachable!("{ty} is never grouped"),
+        },
         (_, Acts::B32(a)) => match ty {
             Q8_0 => portable::dot_q8_0(row, a),
             Q4_0 => portable::dot_q4_0(row, a),
@@ -500,13 +585,19 @@ fn rows_times_tokens(
                 }
             };
         }
-        match w.ty {
-            Q8_0 => run!(avx2::Q8_0),
-            Q4_0 => run!(avx2::Q4_0),
-            Q4_1 => run!(avx2::Q4_1),
-            Q5_0 => run!(avx2::Q5_0),
-            Q5_1 => run!(avx2::Q5_1),
-            ty => unreachable!("{ty} has no 32-element kernel"),
+        match (w.ty, w.group) {
+            (Q8_0, 1) => run!(avx2::Q8_0),
+            (Q4_0, 1) => run!(avx2::Q4_0),
+            (Q4_1, 1) => run!(avx2::Q4_1),
+            (Q5_0, 1) => run!(avx2::Q5_0),
+            (Q5_1, 1) => run!(avx2::Q5_1),
+            (Q4_0, 2) => run!(avx2::Q4_0G<2>),
+            (Q4_0, 4) => run!(avx2::Q4_0G<4>),
+            (Q4_0, 8) => run!(avx2::Q4_0G<8>),
+            (Q4_1, 2) => run!(avx2::Q4_1G<2>),
+            (Q4_1, 4) => run!(avx2::Q4_1G<4>),
+            (Q4_1, 8) => run!(avx2::Q4_1G<8>),
+            (ty, group) => unreachable!("{ty} has no 32-element kernel for groups of {group}"),
         }
         return;
     }
@@ -533,7 +624,7 @@ fn rows_times_tokens(
     for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
         let row = w.row(r0 + i);
         for (t, y) in yt_row.iter_mut().enumerate() {
-            *y = dot(path, w.ty, row, acts.token(t, per_token));
+            *y = dot(path, w.ty, w.group, row, acts.token(t, per_token));
         }
     }
 }

@@ -69,6 +69,34 @@ pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
     // ANCHOR_END: task_5_2
 }
 
+/// One row of `G` Q4_0 blocks per scale ([`super::QuantMatrix::grouped`]): each run of 32
+/// weights takes [`dot_q4_0`]'s steps with its group's `d`, so the row equals `dot_q4_0` on the
+/// same blocks stored ungrouped, bit for bit.
+pub fn dot_q4_0_grouped(row: &[u8], acts: &[Act32], g: usize) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (b, a) in row.chunks_exact(2 + 16 * g).zip(acts.chunks_exact(g)) {
+        for (qs, a) in b[2..].chunks_exact(16).zip(a) {
+            let s = lanes32(|l| nibble(qs, l) - 8, &a.q);
+            acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        }
+    }
+    sum_lanes(&acc)
+}
+
+/// One row of `G` Q4_1 blocks per scale and offset; equals [`dot_q4_1`] on the ungrouped blocks.
+pub fn dot_q4_1_grouped(row: &[u8], acts: &[Act32], g: usize) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut acc_m = 0.0f32;
+    for (b, a) in row.chunks_exact(4 + 16 * g).zip(acts.chunks_exact(g)) {
+        for (qs, a) in b[4..].chunks_exact(16).zip(a) {
+            let s = lanes32(|l| nibble(qs, l), &a.q);
+            acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+            acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
+        }
+    }
+    sum_lanes(&acc) + acc_m
+}
+
 /// The little-endian u32 at `b[at..at + 4]` (a Q5 block's high bits).
 #[inline(always)]
 fn u32_at(b: &[u8], at: usize) -> u32 {
