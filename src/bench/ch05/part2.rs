@@ -7,8 +7,10 @@
 //!
 //! The GPTQ, AWQ and RTN rows keep the (tied) output head in Q8_0 (`--quantization q8_0` for
 //! the dense weights of their directories); "Q4_0 (part 1)" is part 1's round-to-nearest Q4_0
-//! on load, and SmolLM2's tied head reaches its loader as a projection, so that row's head is
-//! Q4_0 too (its smaller "projections + head" column shows it). A directory already written with the same options under
+//! on load with the head in Q4_0 too (what `--quantization q4_0` does to a tied head), and
+//! "Q4_0 (part 1), Q8_0 head" keeps the head as the part 2 rows do, so that their decode speeds
+//! compare at the same head. Decode is timed in rounds, every model once per round (the models
+//! are all held in memory). A directory already written with the same options under
 //! `fixtures/.cache/ch05-part2/` is reused (its quantization time is then not re-measured).
 //! Writes `methods.md` and `methods.svg`.
 
@@ -32,8 +34,8 @@ use crate::bench::table::{Align, Table};
 use crate::commands::ModelArgs;
 use crate::commands::quantize_hf;
 
-/// Part 1's Q4_0 of the projections; a dense head built through `build` in Q8_0 (a tied head
-/// that the model loads as a projection, SmolLM2's, gets Q4_0 like the projections).
+/// Part 1's Q4_0 of the projections and the output head in `head` (a tied head reaches
+/// `load` as the projection `model.embed_tokens`, an untied one as `lm_head`).
 struct Part1Q4 {
     projections: ch05::QuantLoader,
     head: ch05::QuantLoader,
@@ -44,7 +46,25 @@ impl LinearLoader for Part1Q4 {
         self.head.build(w, b)
     }
     fn load(&self, s: &dyn WeightSource, spec: &LinearSpec<'_>) -> ch01::Result<Box<dyn Linear>> {
+        if matches!(spec.name, "model.embed_tokens" | "lm_head") {
+            return self.head.load(s, spec);
+        }
         self.projections.load(s, spec)
+    }
+}
+
+/// A row's model: the dense one loaded once, or its own.
+enum Held<'a> {
+    Dense(&'a ch01::Llama),
+    Own(Box<ch01::Llama>),
+}
+
+impl Held<'_> {
+    fn model(&self) -> &ch01::Llama {
+        match self {
+            Held::Dense(m) => m,
+            Held::Own(m) => m,
+        }
     }
 }
 
@@ -52,8 +72,8 @@ impl LinearLoader for Part1Q4 {
 enum Source {
     /// The checkpoint as it is, stored in this dtype (`f32`, `bf16`).
     Dense(&'static str),
-    /// Part 1's Q4_0 on load.
-    Part1Q4_0,
+    /// Part 1's Q4_0 on load, the output head in this type.
+    Part1Q4_0(GgmlType),
     /// The GGUF file of this type that llama.cpp's `llama-quantize` made (part 1; not with
     /// `--quick`).
     LlamaCppGguf(&'static str),
@@ -104,7 +124,11 @@ const VARIANTS: &[Variant] = &[
     },
     Variant {
         label: "Q4_0 (part 1)",
-        source: Source::Part1Q4_0,
+        source: Source::Part1Q4_0(GgmlType::Q4_0),
+    },
+    Variant {
+        label: "Q4_0 (part 1), Q8_0 head",
+        source: Source::Part1Q4_0(GgmlType::Q8_0),
     },
     Variant {
         label: "RTN g128",
@@ -161,7 +185,8 @@ struct Row {
     projection_bytes: usize,
     kinds: String,
     ppl: f64,
-    speed: Speed,
+    /// Decode tokens/s, the median of the timing rounds.
+    decode_tok_s: f64,
 }
 
 /// The settings of one run.
@@ -224,7 +249,6 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
     } else {
         ch01::fixtures_dir().join(".cache/ch05-part2")
     };
-    let q8 = ch05::QuantLoader::to(GgmlType::Q8_0)?;
     let args = ModelArgs::cpu(model_dir.clone());
     let dense = args.load()?;
     let (corpus, bos) = part2_shared::hamlet(&dense)?;
@@ -235,6 +259,7 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
     );
     let int8 = |activations| W8A8Quantizer { activations };
     let mut rows = Vec::new();
+    let mut models: Vec<Held> = Vec::new();
     for v in VARIANTS {
         let quantized = matches!(v.source, Source::Quantize(_));
         if s.quantize_only && !quantized {
@@ -262,55 +287,64 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
         }
         eprintln!("== {}", v.label);
         let mut quantize_s = None;
-        let owned: ch01::Llama;
-        let (model, command): (&ch01::Llama, String) = match v.source {
-            Source::Dense("f32") => (&dense.model, "—".into()),
+        let (held, command): (Held, String) = match v.source {
+            Source::Dense("f32") => (Held::Dense(&dense.model), "—".into()),
             Source::Dense(dtype) => {
-                owned = ModelArgs {
+                let owned = ModelArgs {
                     dtype: dtype.into(),
                     ..args.clone()
                 }
                 .load()?
                 .model;
-                (&owned, format!("--dtype {dtype}"))
+                (Held::Own(Box::new(owned)), format!("--dtype {dtype}"))
             }
-            Source::Part1Q4_0 => {
-                owned = args
+            Source::Part1Q4_0(head) => {
+                let owned = args
                     .load_with(&Part1Q4 {
                         projections: ch05::QuantLoader::to(GgmlType::Q4_0)?,
-                        head: q8,
+                        head: ch05::QuantLoader::to(head)?,
                     })?
                     .model;
-                (&owned, "--quantization q4_0 (on load)".into())
+                let command = match head {
+                    GgmlType::Q4_0 => "--quantization q4_0 (on load)".into(),
+                    _ => format!("--quantization q4_0, the head {head} (on load)"),
+                };
+                (Held::Own(Box::new(owned)), command)
             }
             Source::LlamaCppGguf(ty) => {
-                owned = ModelArgs::cpu(gguf(ty)).load()?.model;
-                (&owned, format!("llama-quantize … {ty}"))
+                let owned = ModelArgs::cpu(gguf(ty)).load()?.model;
+                (Held::Own(Box::new(owned)), format!("llama-quantize … {ty}"))
             }
             Source::Int8(activations) => {
-                owned = ch01::Llama::load_with(&model_dir, &int8(activations))?;
+                let owned = ch01::Llama::load_with(&model_dir, &int8(activations))?;
                 (
-                    &owned,
+                    Held::Own(Box::new(owned)),
                     format!("W8A8Quantizer {{ {activations:?} }} (on load)"),
                 )
             }
             Source::SmoothQuant => {
-                owned = super::w8a8::smoothquant_model(
+                let owned = super::w8a8::smoothquant_model(
                     &dense,
                     &model_dir,
                     &calibration,
                     (s.samples, s.seq_len),
                 )?;
-                (&owned, "SmoothQuant α=0.5, then W8A8 (on load)".into())
+                (
+                    Held::Own(Box::new(owned)),
+                    "SmoothQuant α=0.5, then W8A8 (on load)".into(),
+                )
             }
             Source::Fp8 => {
-                owned = ch01::Llama::load_with(
+                let owned = ch01::Llama::load_with(
                     &model_dir,
                     &Fp8Quantizer {
                         activations: ActivationScale::None,
                     },
                 )?;
-                (&owned, "Fp8Quantizer, per channel (on load)".into())
+                (
+                    Held::Own(Box::new(owned)),
+                    "Fp8Quantizer, per channel (on load)".into(),
+                )
             }
             Source::Quantize(options) => {
                 let dir = cache.join(v.label.replace(' ', "-"));
@@ -345,18 +379,14 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
                     quantization: Some("q8_0".into()),
                     ..ModelArgs::cpu(dir)
                 };
-                owned = args.load()?.model;
-                (&owned, command)
+                (Held::Own(Box::new(args.load()?.model)), command)
             }
         };
-        let speed = speed::measure(model, &tokens, s.prompt, s.decode, s.reps);
+        let model = held.model();
         let ppl = ch01::perplexity::perplexity(model, &corpus, s.ctx, bos, Some(s.chunks))?;
         anyhow::ensure!(ppl.num_chunks == s.chunks, "Hamlet holds fewer chunks");
         let ppl = ppl.perplexity;
-        eprintln!(
-            "   perplexity {ppl:.4}, decode {:.1} tokens/s",
-            speed.decode_tok_s
-        );
+        eprintln!("   perplexity {ppl:.4}");
         rows.push(Row {
             label: v.label,
             command,
@@ -364,13 +394,31 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
             projection_bytes: model.projection_bytes(),
             kinds: kinds(model),
             ppl,
-            speed,
+            decode_tok_s: 0.0,
         });
+        models.push(held);
     }
     if s.quantize_only {
         eprintln!("quantized directories are in {}", cache.display());
         return Ok(());
     }
+    // ANCHOR: interleaved
+    // Decode speed in rounds, every model once per round, so that a slow spell of the machine
+    // falls on all of them alike; each row reports its median round.
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); models.len()];
+    for round in 0..s.reps.max(1) {
+        eprintln!("== decode timing, round {} of {}", round + 1, s.reps.max(1));
+        for (times, held) in rounds.iter_mut().zip(&models) {
+            let speed: Speed = speed::measure(held.model(), &tokens, s.prompt, s.decode, 1);
+            times.push(speed.decode_tok_s);
+        }
+    }
+    for (row, mut times) in rows.iter_mut().zip(rounds) {
+        times.sort_by(f64::total_cmp);
+        row.decode_tok_s = times[times.len() / 2];
+        eprintln!("   {}: decode {:.1} tokens/s", row.label, row.decode_tok_s);
+    }
+    // ANCHOR_END: interleaved
     let table = table(&rows, s, &facts, &model_dir);
     let plot = plot(&rows, s);
     write_figures(&s.out, &[("methods", Some(table.as_str()), plot.as_str())])
@@ -411,12 +459,13 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
             format!("{:.1}", r.projection_bytes as f64 / (1024.0 * 1024.0)),
             r.kinds.clone(),
             format!("{:.4}", r.ppl),
-            format!("{:.1}", r.speed.decode_tok_s),
+            format!("{:.1}", r.decode_tok_s),
         ]);
     }
     format!(
         "{}\n_{}: perplexity of Hamlet in {} chunks of {} tokens (the second half of each \
-         scored), decode of {} tokens after a {}-token prompt at batch 1 ({}); calibration: {} \
+         scored), decode of {} tokens after a {}-token prompt at batch 1 ({}, every model once \
+         per round); calibration: {} \
          samples of {} tokens of the training plays. {} threads on {} ({} CPUs), {}. Command: `{}`._\n",
         t.to_markdown(),
         crate::bench::model_name(model_dir),
@@ -427,7 +476,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
         if s.reps == 1 {
             "one run".to_string()
         } else {
-            format!("median of {}", s.reps)
+            format!("median of {} rounds", s.reps)
         },
         s.samples,
         s.seq_len,
