@@ -464,8 +464,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
     }
     format!(
         "{}\n_{}: perplexity of Hamlet in {} chunks of {} tokens (the second half of each \
-         scored), decode of {} tokens after a {}-token prompt at batch 1 ({}, every model once \
-         per round); calibration: {} \
+         scored), decode of {} tokens after a {}-token prompt at batch 1 ({}); calibration: {} \
          samples of {} tokens of the training plays. {} threads on {} ({} CPUs), {}. Command: `{}`._\n",
         t.to_markdown(),
         crate::bench::model_name(model_dir),
@@ -476,7 +475,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
         if s.reps == 1 {
             "one run".to_string()
         } else {
-            format!("median of {} rounds", s.reps)
+            format!("median of {} rounds, every model once per round", s.reps)
         },
         s.samples,
         s.seq_len,
