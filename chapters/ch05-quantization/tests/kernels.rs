@@ -185,13 +185,7 @@ fn arbitrary_block_bytes_multiply_as_they_decode() {
         .run(&strategy, |(f, out, blocks, seed)| {
             let ty = FORMATS[f];
             let cols = blocks * 256; // a multiple of both block lengths
-            let mut state = seed | 1;
-            let mut next = || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state
-            };
+            let mut next = xorshift(seed);
             let mut bytes: Vec<u8> = (0..out * ty.row_bytes(cols).unwrap())
                 .map(|_| next() as u8)
                 .collect();
@@ -249,6 +243,17 @@ fn arbitrary_block_bytes_multiply_as_they_decode() {
         .unwrap();
 }
 
+/// A seeded xorshift64 stream (the tests' random bytes and inputs).
+fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed | 1;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
+
 /// Stores `group` consecutive blocks of each row of `ungrouped` (Q4_0 or Q4_1) under the
 /// first one's header, the layout of [`QuantMatrix::grouped`]; every block of a run must
 /// already carry that header.
@@ -277,13 +282,7 @@ fn grouped_blocks_equal_the_same_blocks_ungrouped_bit_for_bit() {
     seeded_runner(64, 55)
         .run(&strategy, |(ty, group, out, runs, tokens, seed)| {
             let cols = 32 * group * runs;
-            let mut state = seed | 1;
-            let mut next = move || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state
-            };
+            let mut next = xorshift(seed);
             let mut bytes: Vec<u8> = (0..out * ty.row_bytes(cols).unwrap())
                 .map(|_| next() as u8)
                 .collect();
