@@ -26,7 +26,7 @@ use ndarray::{Array1, Array2};
 use ch05::fp8_linear::{ActivationScale, Fp8Quantizer};
 use ch05::smoothquant::{Int8Activations, W8A8Quantizer};
 
-use super::super::ch02::speed::{self, Speed};
+use super::super::ch02::speed;
 use super::super::{RunFacts, bench_tokens, write_figures};
 use super::part2_shared;
 use crate::bench::bars::BarChart;
@@ -409,7 +409,7 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
     for round in 0..s.reps.max(1) {
         eprintln!("== decode timing, round {} of {}", round + 1, s.reps.max(1));
         for (times, held) in rounds.iter_mut().zip(&models) {
-            let speed: Speed = speed::measure(held.model(), &tokens, s.prompt, s.decode, 1);
+            let speed = speed::measure(held.model(), &tokens, s.prompt, s.decode, 1);
             times.push(speed.decode_tok_s);
         }
     }

@@ -34,7 +34,7 @@ use super::gptq_format::Stored;
 use super::{HfQuantConfig, HfQuantError, QuantMethod, awq_format, gptq_format};
 use crate::format::GgmlType;
 use crate::group_quant::GroupQuantized;
-use crate::kernels::QuantMatrix;
+use crate::kernels::{GROUPS, QuantMatrix, group_bytes, header_bytes};
 use crate::quant_linear::{QuantLinear, QuantLoader};
 
 thread_local! {
@@ -86,13 +86,17 @@ pub fn repack(q: &GroupQuantized, order: &[usize]) -> Option<QuantMatrix> {
                 .chunks_exact(32 * g)
                 .all(|run| run.iter().all(|&i| q.g_idx()[i] == q.g_idx()[run[0]]))
     };
-    let group = [8, 4, 2, 1].into_iter().find(|&g| one_group(g))?;
-    let (ty, header) = if q.is_symmetric() {
-        (GgmlType::Q4_0, 2)
+    let group = GROUPS
+        .into_iter()
+        .rev()
+        .chain([1])
+        .find(|&g| one_group(g))?;
+    let ty = if q.is_symmetric() {
+        GgmlType::Q4_0
     } else {
-        (GgmlType::Q4_1, 4)
+        GgmlType::Q4_1
     };
-    let run_bytes = header + 16 * group; // one scale (and offset), `group` blocks of nibbles
+    let (header, run_bytes) = (header_bytes(ty), group_bytes(ty, group)); // d (and m), `group` blocks
     let mut bytes = vec![0u8; rows * cols / (32 * group) * run_bytes];
     for (o, row) in bytes
         .chunks_exact_mut(cols / (32 * group) * run_bytes)

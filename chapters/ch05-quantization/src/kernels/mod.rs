@@ -261,10 +261,14 @@ pub struct QuantMatrix {
 /// The blocks per scale a grouped [`QuantMatrix`] may share (besides 1, every format's).
 pub const GROUPS: [usize; 3] = [2, 4, 8];
 
+/// Bytes of a Q4_0 or Q4_1 block before its 16 nibble bytes: `d` (and `m`), its header.
+pub fn header_bytes(ty: GgmlType) -> usize {
+    ty.block_bytes() - 16
+}
+
 /// Bytes of one stored scale group of `ty` (`group` blocks): one header, `group` bodies.
-fn group_bytes(ty: GgmlType, group: usize) -> usize {
-    let header = if ty == GgmlType::Q4_1 { 4 } else { 2 };
-    header + 16 * group
+pub fn group_bytes(ty: GgmlType, group: usize) -> usize {
+    header_bytes(ty) + 16 * group
 }
 
 impl QuantMatrix {
@@ -345,8 +349,8 @@ impl QuantMatrix {
         if self.group == 1 {
             return self.bytes.as_slice().into();
         }
-        let header = group_bytes(self.ty, 1) - 16;
-        let mut out = Vec::with_capacity(self.rows * self.cols / 32 * group_bytes(self.ty, 1));
+        let header = header_bytes(self.ty);
+        let mut out = Vec::with_capacity(self.rows * self.cols / 32 * self.ty.block_bytes());
         for g in self.bytes.chunks_exact(group_bytes(self.ty, self.group)) {
             for body in g[header..].chunks_exact(16) {
                 out.extend_from_slice(&g[..header]);
