@@ -130,6 +130,8 @@ pub struct StepTrace {
     pub speculated: Vec<(RequestId, usize, usize)>,
     /// Copies-on-write this step: (request, the shared block copied, its private copy).
     pub copied: Vec<(RequestId, ch03::BlockCopy)>,
+    /// Choices that started from their parent's blocks this step: (parent, fork).
+    pub forked: Vec<(RequestId, RequestId)>,
 }
 
 /// Counters for the server's metrics (chapter 8).
@@ -209,6 +211,17 @@ impl<'e> Engine<'e> {
         processor: Box<dyn crate::processor::LogitsProcessor>,
     ) -> Result<RequestId, EngineError> {
         self.scheduler.add_request_with(request, processor)
+    }
+
+    /// Queues another choice of `parent`'s prompt (the OpenAI API's `n`), prefilled once for
+    /// all of them: see [`Scheduler::add_fork`].
+    pub fn add_fork(
+        &mut self,
+        parent: RequestId,
+        request: Request,
+        processor: Option<Box<dyn crate::processor::LogitsProcessor>>,
+    ) -> Result<RequestId, EngineError> {
+        self.scheduler.add_fork(parent, request, processor)
     }
 
     /// Ends a request now and frees its blocks. False if it is unknown or already finished.

@@ -3,6 +3,10 @@
 use ch01::{Sampler, SamplingParams};
 use ch03::{BlockManager, BlockTable};
 
+use ch01::sampler::SamplingError;
+use ndarray::ArrayView2;
+
+use crate::logprobs::TokenLogprobs;
 use crate::processor::LogitsProcessor;
 use crate::speculation::Draft;
 
@@ -71,7 +75,9 @@ pub enum Status {
 ///
 /// Invariants: `tokens = prompt ++ output`; positions `0..num_computed` hold K/V in `table`'s
 /// blocks (or, while swapped, in what the executor kept); `num_computed < tokens.len()` while
-/// unfinished, since the last token is the one the next step runs.
+/// unfinished, since the last token is the one the next step runs. `fork_of` is `Some` only
+/// while waiting with nothing computed, and names an unfinished request of the same prompt
+/// that has no output yet and lists this one in its `forks`.
 pub(crate) struct Sequence {
     pub id: RequestId,
     pub request: Request,
@@ -88,6 +94,12 @@ pub(crate) struct Sequence {
     pub num_cached_tokens: usize,
     /// Rewrites the logits before each token is sampled (chapter 8's grammars and biases).
     pub processor: Option<Box<dyn LogitsProcessor>>,
+    /// Another choice of this request's prompt, waiting to be forked from it (the OpenAI API's
+    /// `n`): while `Some`, it is never admitted; when that request's prompt has been computed,
+    /// it starts from a fork of its blocks.
+    pub fork_of: Option<RequestId>,
+    /// The choices waiting to fork from this one (empty once its prompt has been computed).
+    pub forks: Vec<RequestId>,
 }
 
 impl Sequence {
@@ -113,4 +125,80 @@ impl Sequence {
     pub fn victim_key(&self) -> (i32, RequestId) {
         (self.request.priority, self.id)
     }
+
+    /// Samples the next token from `row` (`[vocab]`) with the sequence's own sampler, after its
+    /// logits processor, if any, rewrote a copy in `scratch`. The token, and whether the
+    /// processor ends the request with it.
+    pub fn sample(
+        &mut self,
+        row: &[f32],
+        scratch: &mut Vec<f32>,
+    ) -> Result<(u32, bool), SamplingError> {
+        let prompt = &self.request.prompt;
+        let output = &self.tokens[prompt.len()..];
+        let Some(processor) = self.processor.as_deref_mut() else {
+            return Ok((self.sampler.sample(row, prompt, output)?, false));
+        };
+        // ANCHOR: process
+        scratch.clear();
+        scratch.extend_from_slice(row);
+        processor.process(output, scratch);
+        let token = self.sampler.sample(scratch, prompt, output)?;
+        let stop = processor.accept(token);
+        // ANCHOR_END: process
+        Ok((token, stop))
+    }
+
+    /// Appends `accepted` (sampled from `rows`, `[accepted.len(), vocab]`) through the stop
+    /// checks in order: the first stop ends the request and drops the tokens after it.
+    /// `first_logprobs`: the first token's logprobs if they were computed already.
+    pub fn push_tokens(
+        &mut self,
+        accepted: &[u32],
+        rows: ArrayView2<f32>,
+        mut first_logprobs: Option<TokenLogprobs>,
+        processor_stop: bool,
+        max_len: usize,
+    ) -> Pushed {
+        let mut pushed = Pushed {
+            tokens: 0,
+            logprobs: Vec::new(),
+            finish: None,
+        };
+        for (i, &token) in accepted.iter().enumerate() {
+            if let Some(top) = self.request.logprobs {
+                pushed
+                    .logprobs
+                    .push(first_logprobs.take().unwrap_or_else(|| {
+                        let row = rows.row(i);
+                        TokenLogprobs::of(row.as_slice().expect("contiguous rows"), token, top)
+                    }));
+            }
+            self.tokens.push(token);
+            pushed.tokens += 1;
+            let generated = self.tokens.len() - self.request.prompt.len();
+            pushed.finish = if processor_stop
+                || !self.request.ignore_eos && self.request.stop_token_ids.contains(&token)
+            {
+                Some(FinishReason::Stop)
+            } else if generated >= self.request.max_tokens || self.tokens.len() >= max_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if pushed.finish.is_some() {
+                break;
+            }
+        }
+        pushed
+    }
+}
+
+/// What [`Sequence::push_tokens`] appended.
+pub(crate) struct Pushed {
+    pub tokens: usize,
+    /// One per token pushed, when the request asked for logprobs.
+    pub logprobs: Vec<TokenLogprobs>,
+    /// Why the last token pushed ended the request, if it did.
+    pub finish: Option<FinishReason>,
 }

@@ -17,16 +17,15 @@
 use std::collections::BTreeMap;
 
 use ch01::Sampler;
-use ch03::{BlockCopy, BlockError, BlockId, BlockManager, PrefixStats};
-use ndarray::{ArrayView2, s};
+use ch03::{BlockCopy, BlockError, BlockId, BlockManager, BlockTable, PrefixStats};
+use ndarray::{ArrayView1, ArrayView2, s};
 
 use crate::attention::QueryRow;
 use crate::engine::{Counters, EngineConfig, EngineError, Preemption, RequestOutput, StepTrace};
 use crate::executor::{ExecutorError, KvLayout, ModelSpec};
-use crate::logprobs::TokenLogprobs;
 use crate::presample::presample;
 use crate::processor::LogitsProcessor;
-use crate::request::{FinishReason, Request, RequestId, Sequence, Status};
+use crate::request::{FinishReason, Pushed, Request, RequestId, Sequence, Status};
 use crate::speculation::{Draft, DraftSeq, Speculator};
 
 // ANCHOR: scheduler_output
@@ -197,6 +196,12 @@ impl Scheduler {
     // ANCHOR: admission
     /// Checks `request` and queues it; it runs from the next step on.
     pub fn add_request(&mut self, request: Request) -> Result<RequestId, EngineError> {
+        self.check(&request)?;
+        self.insert(request, None)
+    }
+
+    /// Refuses a request the engine could never serve.
+    fn check(&self, request: &Request) -> Result<(), EngineError> {
         // ANCHOR: task_4_1
         self.model.check_tokens(&request.prompt)?;
         request.params.validate()?;
@@ -219,7 +224,16 @@ impl Scheduler {
             }
         }
         // ANCHOR_END: task_4_1
+        Ok(())
         // ANCHOR_END: admission
+    }
+
+    /// Queues a checked request (with its logits processor, if any).
+    fn insert(
+        &mut self,
+        request: Request,
+        processor: Option<Box<dyn LogitsProcessor>>,
+    ) -> Result<RequestId, EngineError> {
         let id = self.next_id;
         self.next_id += 1;
         self.counters.prompt_tokens += request.prompt.len() as u64;
@@ -236,7 +250,9 @@ impl Scheduler {
                 streamed: 0,
                 draft: Draft::default(),
                 num_cached_tokens: 0,
-                processor: None,
+                processor,
+                fork_of: None,
+                forks: Vec::new(),
             },
         );
         Ok(id)
@@ -249,12 +265,51 @@ impl Scheduler {
         request: Request,
         processor: Box<dyn LogitsProcessor>,
     ) -> Result<RequestId, EngineError> {
-        let id = self.add_request(request)?;
-        if let Some(seq) = self.seqs.get_mut(&id) {
-            seq.processor = Some(processor);
+        self.check(&request)?;
+        self.insert(request, Some(processor))
+    }
+
+    // ANCHOR: add_fork
+    /// Queues `request` as another choice of `parent`'s prompt (the OpenAI API's `n`): it is
+    /// not prefilled itself; when `parent`'s prompt has been computed, it starts from a fork of
+    /// `parent`'s blocks (chapter 3's copy-on-write shares them until one of them writes) and
+    /// samples its first token, with its own sampler, from the same logits row. Its output is
+    /// what it would have been alone. If `parent` is unknown, finished or past its prompt, it
+    /// is queued as a request of its own; a prompt other than `parent`'s is refused.
+    pub fn add_fork(
+        &mut self,
+        parent: RequestId,
+        request: Request,
+        processor: Option<Box<dyn LogitsProcessor>>,
+    ) -> Result<RequestId, EngineError> {
+        self.check(&request)?;
+        let forkable = match self.seqs.get(&parent) {
+            Some(p) if p.request.prompt != request.prompt => {
+                return Err(EngineError::Config(format!(
+                    "a fork of request {parent} must have its prompt"
+                )));
+            }
+            Some(p) => !matches!(p.status, Status::Finished(_)) && p.output().is_empty(),
+            None => false,
+        };
+        // A fork of a fork waits for the same request.
+        let parent = self
+            .seqs
+            .get(&parent)
+            .and_then(|p| p.fork_of)
+            .unwrap_or(parent);
+        let id = self.insert(request, processor)?;
+        if forkable {
+            self.seqs.get_mut(&id).expect("inserted").fork_of = Some(parent);
+            self.seqs
+                .get_mut(&parent)
+                .expect("unfinished")
+                .forks
+                .push(id);
         }
         Ok(id)
     }
+    // ANCHOR_END: add_fork
 
     /// Ends a request now and frees its blocks. False if it is unknown or already finished.
     pub fn abort(&mut self, id: RequestId) -> bool {
@@ -377,9 +432,39 @@ impl Scheduler {
             self.finished_swapped.push(id);
         }
         seq.finish(&mut self.manager, reason);
+        let forks = std::mem::take(&mut seq.forks);
+        self.promote(forks);
         if self.speculative {
             self.ended.push(id);
         }
+    }
+
+    /// The forks in `forks` still waiting for their parent, which will not compute its prompt
+    /// for them: the first becomes a request of its own, the others its forks.
+    fn promote(&mut self, forks: Vec<RequestId>) {
+        let mut waiting = self.waiting_forks(forks).into_iter();
+        let Some(first) = waiting.next() else {
+            return;
+        };
+        let rest: Vec<_> = waiting.collect();
+        for id in &rest {
+            self.seqs.get_mut(id).expect("waiting").fork_of = Some(first);
+        }
+        let seq = self.seqs.get_mut(&first).expect("waiting");
+        seq.fork_of = None;
+        seq.forks = rest;
+    }
+
+    /// Those of `forks` that are still waiting to fork (not aborted or taken meanwhile).
+    fn waiting_forks(&self, forks: Vec<RequestId>) -> Vec<RequestId> {
+        forks
+            .into_iter()
+            .filter(|id| {
+                self.seqs
+                    .get(id)
+                    .is_some_and(|s| s.status == Status::Waiting && s.fork_of.is_some())
+            })
+            .collect()
     }
 
     /// Whether a speculator proposes drafts (set by [`Engine::with_speculator`](crate::Engine::with_speculator)).
@@ -539,6 +624,9 @@ impl Scheduler {
             .collect();
         let watermark = self.watermark_blocks();
         for id in candidates {
+            if self.seqs[&id].fork_of.is_some() {
+                continue; // it starts from its parent's blocks, see `start_forks`
+            }
             let running = self
                 .seqs
                 .values()
@@ -693,13 +781,13 @@ impl Scheduler {
     /// Runs [`LogitsProcessor::prepare`] for every sequence of `step` that samples and has a
     /// processor, in parallel: the grammar masks of a batch cost one mask's time per core.
     fn prepare_processors(&mut self, step: &SchedulerOutput) {
+        let sampling = step.seqs.iter().filter(|s| s.logit_rows > 0).map(|s| s.id);
+        self.prepare_processors_of(sampling.collect());
+    }
+
+    /// [`LogitsProcessor::prepare`] for each of `sampling` that has a processor, in parallel.
+    fn prepare_processors_of(&mut self, sampling: std::collections::HashSet<RequestId>) {
         use rayon::prelude::*;
-        let sampling: std::collections::HashSet<RequestId> = step
-            .seqs
-            .iter()
-            .filter(|s| s.logit_rows > 0)
-            .map(|s| s.id)
-            .collect();
         let mut processors: Vec<&mut Box<dyn LogitsProcessor>> = self
             .seqs
             .iter_mut()
@@ -741,41 +829,33 @@ impl Scheduler {
             // Drafts ran past the sequence's end: their K/V counts once they are accepted.
             let drafts = scheduled.logit_rows.saturating_sub(1);
             let seq = self.seqs.get_mut(&scheduled.id).expect("scheduled");
-            let table = seq.table.as_mut().expect("scheduled sequences hold blocks");
             seq.num_computed += scheduled.tokens.len() - drafts;
             if scheduled.logit_rows == 0 {
                 // A prompt chunk: no token yet.
+                let table = seq.table.as_mut().expect("scheduled sequences hold blocks");
                 self.manager.commit(table, seq.num_computed);
                 self.manager
                     .cache_full_blocks(table, &seq.tokens[..seq.num_computed]);
                 continue;
             }
             let prompt = &seq.request.prompt;
+            // This row ends the prompt: the forks waiting for it start from here.
+            let prompt_done = seq.output().is_empty();
             let accepted = &mut self.accepted;
             accepted.clear();
             let mut processor_stop = false;
-            let (ahead_token, mut ahead_logprobs) = match presampled[index].take() {
+            let (ahead_token, ahead_logprobs) = match presampled[index].take() {
                 Some(ahead) => (Some(ahead.token), ahead.logprobs),
                 None => (None, None),
             };
             if drafts == 0 {
                 let row = rows.row(0);
-                let row = row.as_slice().expect("contiguous rows");
-                let output = &seq.tokens[prompt.len()..];
-                let token = match seq.processor.as_deref_mut() {
-                    None => match ahead_token {
-                        Some(token) => token?,
-                        None => seq.sampler.sample(row, prompt, output)?,
-                    },
-                    Some(processor) => {
-                        // ANCHOR: process
-                        let scratch = &mut self.processed;
-                        scratch.clear();
-                        scratch.extend_from_slice(row);
-                        processor.process(output, scratch);
-                        let token = seq.sampler.sample(scratch, prompt, output)?;
-                        processor_stop = processor.accept(token);
-                        // ANCHOR_END: process
+                let token = match ahead_token {
+                    Some(token) => token?,
+                    None => {
+                        let row = row.as_slice().expect("contiguous rows");
+                        let (token, stop) = seq.sample(row, &mut self.processed)?;
+                        processor_stop = stop;
                         token
                     }
                 };
@@ -801,60 +881,105 @@ impl Scheduler {
                     .push((scheduled.id, drafts, accepted.len() - 1));
             }
             // Every token through the stop checks, in order; the first stop ends the request.
-            let mut logprobs = Vec::new();
-            let mut finish = None;
-            let mut pushed = 0;
-            for (i, &token) in accepted.iter().enumerate() {
-                if let Some(top) = seq.request.logprobs {
-                    logprobs.push(ahead_logprobs.take().unwrap_or_else(|| {
-                        let row = rows.row(i);
-                        TokenLogprobs::of(row.as_slice().expect("contiguous rows"), token, top)
-                    }));
-                }
-                seq.tokens.push(token);
-                pushed += 1;
-                self.counters.generation_tokens += 1;
-                let generated = seq.tokens.len() - seq.request.prompt.len();
-                finish = if processor_stop
-                    || !seq.request.ignore_eos && seq.request.stop_token_ids.contains(&token)
-                {
-                    Some(FinishReason::Stop)
-                } else if generated >= seq.request.max_tokens || seq.tokens.len() >= max_len {
-                    Some(FinishReason::Length)
-                } else {
-                    None
-                };
-                if finish.is_some() {
-                    break;
-                }
-            }
+            let pushed = seq.push_tokens(accepted, rows, ahead_logprobs, processor_stop, max_len);
+            self.counters.generation_tokens += pushed.tokens as u64;
             // Accepted drafts hold K/V (the last token pushed does not yet); rejected ones
             // are rolled back.
+            let table = seq.table.as_mut().expect("scheduled sequences hold blocks");
             if drafts == 0 {
                 self.manager.commit(table, seq.num_computed);
             } else {
-                seq.num_computed += pushed.min(accepted.len() - 1);
+                seq.num_computed += pushed.tokens.min(accepted.len() - 1);
                 self.manager.rollback(table, seq.num_computed);
             }
             self.manager
                 .cache_full_blocks(table, &seq.tokens[..seq.num_computed]);
             seq.draft.clear();
-            if let Some(reason) = finish {
-                seq.finish(&mut self.manager, reason);
-                if self.speculative {
-                    self.ended.push(scheduled.id);
-                }
-            }
-            let new_tokens = seq.output()[seq.streamed..].to_vec();
-            seq.streamed += new_tokens.len();
-            outputs.push(RequestOutput {
-                id: scheduled.id,
-                new_tokens,
-                logprobs,
-                finished: finish,
-            });
+            let forks = if prompt_done {
+                std::mem::take(&mut seq.forks)
+            } else {
+                Vec::new()
+            };
+            let forks = self.fork_tables(scheduled.id, forks);
+            outputs.push(self.report(scheduled.id, pushed));
+            self.start_forks(forks, rows.row(0), max_len, &mut outputs)?;
         }
         Ok(outputs)
     }
     // ANCHOR_END: update
+
+    /// Ends `id` if its last tokens finished it; what the step produced for it.
+    fn report(&mut self, id: RequestId, pushed: Pushed) -> RequestOutput {
+        let seq = self.seqs.get_mut(&id).expect("scheduled");
+        if let Some(reason) = pushed.finish {
+            seq.finish(&mut self.manager, reason);
+            if self.speculative {
+                self.ended.push(id);
+            }
+        }
+        let new_tokens = seq.output()[seq.streamed..].to_vec();
+        seq.streamed += new_tokens.len();
+        RequestOutput {
+            id,
+            new_tokens,
+            logprobs: pushed.logprobs,
+            finished: pushed.finish,
+        }
+    }
+
+    // ANCHOR: start_forks
+    /// Forks `parent`'s table (its prompt just computed) for each of `forks` still waiting, as
+    /// far as `max_num_seqs` allows; the others are promoted to requests of their own.
+    fn fork_tables(
+        &mut self,
+        parent: RequestId,
+        forks: Vec<RequestId>,
+    ) -> Vec<(RequestId, BlockTable)> {
+        let mut forks = self.waiting_forks(forks);
+        if forks.is_empty() {
+            return Vec::new();
+        }
+        let running = self
+            .seqs
+            .values()
+            .filter(|s| s.status == Status::Running)
+            .count();
+        let room = self.config.max_num_seqs.saturating_sub(running);
+        let unforked = forks.split_off(room.min(forks.len()));
+        self.promote(unforked);
+        let table = self.seqs[&parent].table.as_ref().expect("just ran");
+        let tables: Vec<_> = forks.iter().map(|_| self.manager.fork(table)).collect();
+        self.trace
+            .forked
+            .extend(forks.iter().map(|&id| (parent, id)));
+        forks.into_iter().zip(tables).collect()
+    }
+
+    /// Starts each fork from its table (every prompt position computed) and samples its first
+    /// token from `row`, the logits of the prompt's last position: `[vocab]`.
+    fn start_forks(
+        &mut self,
+        forks: Vec<(RequestId, BlockTable)>,
+        row: ArrayView1<f32>,
+        max_len: usize,
+        outputs: &mut Vec<RequestOutput>,
+    ) -> Result<(), EngineError> {
+        let rows = row.insert_axis(ndarray::Axis(0)); // [1, vocab]
+        self.prepare_processors_of(forks.iter().map(|(id, _)| *id).collect());
+        for (id, table) in forks {
+            let seq = self.seqs.get_mut(&id).expect("a waiting fork");
+            seq.fork_of = None;
+            seq.num_computed = table.num_tokens();
+            seq.table = Some(table);
+            seq.status = Status::Running;
+            let row = rows.row(0);
+            let (token, stop) =
+                seq.sample(row.as_slice().expect("contiguous"), &mut self.processed)?;
+            let pushed = seq.push_tokens(&[token], rows, None, stop, max_len);
+            self.counters.generation_tokens += pushed.tokens as u64;
+            outputs.push(self.report(id, pushed));
+        }
+        Ok(())
+    }
+    // ANCHOR_END: start_forks
 }

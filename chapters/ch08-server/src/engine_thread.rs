@@ -306,6 +306,8 @@ fn run(mut engine: Engine<'_>, commands: std_mpsc::Receiver<Command>, metrics: &
 
 impl Client<'_> {
     /// Adds every choice of one request, or none: a refused choice aborts those added before.
+    /// A choice with the same prompt as the one before it is a fork of the first of them: the
+    /// prompt is prefilled once for all its `n` choices.
     fn add(
         &mut self,
         engine: &mut Engine<'_>,
@@ -316,10 +318,25 @@ impl Client<'_> {
     ) {
         let mut ids = Vec::with_capacity(requests.len());
         let mut processors = processors.into_iter();
+        // The prompt of the last choice added, and the first choice that had it.
+        let mut group: Option<(Vec<u32>, RequestId)> = None;
         for request in requests {
-            let added = match processors.next().flatten() {
-                Some(processor) => engine.add_request_with(request, processor),
-                None => engine.add_request(request),
+            let processor = processors.next().flatten();
+            let added = match &group {
+                Some((prompt, parent)) if *prompt == request.prompt => {
+                    engine.add_fork(*parent, request, processor)
+                }
+                _ => {
+                    let prompt = request.prompt.clone();
+                    let added = match processor {
+                        Some(processor) => engine.add_request_with(request, processor),
+                        None => engine.add_request(request),
+                    };
+                    if let Ok(id) = added {
+                        group = Some((prompt, id));
+                    }
+                    added
+                }
             };
             match added {
                 Ok(id) => ids.push(id),

@@ -1,6 +1,6 @@
 //! The body of `engine_equals_alone.rs`, over any CPU executor (chapter 7 runs it with its
 //! flash attention backend): for random request sets (prompt and output lengths, arrival
-//! steps, priorities, aborts), random budgets and small block pools that force chunked prefill
+//! steps, priorities, aborts, choices forked from the first, `n` in the OpenAI API), random budgets and small block pools that force chunked prefill
 //! and both kinds of preemption, every request's greedy output equals generating it alone;
 //! every request finishes; aborted requests free their blocks at once; afterwards every block
 //! is free or cached. Every step the scheduler hands the executor keeps the executor's
@@ -134,7 +134,10 @@ struct Arrival {
     max_tokens: usize,
     arrive_at: usize,
     priority: i32,
+    /// Aborts the first choice (the others, forks waiting for its prompt, must go on).
     abort_at: Option<usize>,
+    /// Choices of this prompt: the first a request, the others forks of it.
+    choices: usize,
 }
 
 fn scenario(
@@ -146,14 +149,16 @@ fn scenario(
         0usize..8,
         0i32..3,
         proptest::option::weighted(0.15, 0usize..10),
+        prop_oneof![3 => Just(1usize), 1 => 2usize..=4],
     )
         .prop_map(
-            |(prompt, max_tokens, arrive_at, priority, abort_at)| Arrival {
+            |(prompt, max_tokens, arrive_at, priority, abort_at, choices)| Arrival {
                 prompt,
                 max_tokens,
                 arrive_at,
                 priority,
                 abort_at,
+                choices,
             },
         );
     (
@@ -210,18 +215,24 @@ pub fn every_request_equals_generating_it_alone_with(make_executor: &MakeExecuto
                     swapped_out: BTreeSet::new(),
                 };
                 let mut engine = Engine::new(executor, config).unwrap();
-                let mut ids = vec![None; arrivals.len()];
+                let mut ids: Vec<Option<Vec<u64>>> = vec![None; arrivals.len()];
                 let mut step = 0;
                 while ids.iter().any(Option::is_none) || engine.has_unfinished() {
                     for (i, a) in arrivals.iter().enumerate() {
                         if ids[i].is_none() && a.arrive_at <= step {
                             let mut request = Request::greedy(a.prompt.clone(), a.max_tokens);
                             request.priority = a.priority;
-                            ids[i] = Some(engine.add_request(request).unwrap());
+                            let first = engine.add_request(request.clone()).unwrap();
+                            let mut choices = vec![first];
+                            for _ in 1..a.choices {
+                                let fork = engine.add_fork(first, request.clone(), None);
+                                choices.push(fork.unwrap());
+                            }
+                            ids[i] = Some(choices);
                         }
-                        if let (Some(id), Some(at)) = (ids[i], a.abort_at)
+                        if let (Some(choices), Some(at)) = (&ids[i], a.abort_at)
                             && at == step
-                            && engine.abort(id)
+                            && engine.abort(choices[0])
                         {
                             engine
                                 .scheduler()
@@ -239,8 +250,11 @@ pub fn every_request_equals_generating_it_alone_with(make_executor: &MakeExecuto
                     step += 1;
                     prop_assert!(step < 2000, "no progress");
                 }
-                for (a, id) in arrivals.iter().zip(&ids) {
-                    let id = id.unwrap();
+                let choices = arrivals
+                    .iter()
+                    .zip(&ids)
+                    .flat_map(|(a, ids)| ids.as_ref().unwrap().iter().map(move |&id| (a, id)));
+                for (a, id) in choices {
                     let aborted = engine.scheduler().status(id)
                         == Some(Status::Finished(FinishReason::Abort));
                     let done = engine.take(id).unwrap();
