@@ -254,11 +254,11 @@ fn verify(root: &Path, command: &str, stem: &str, name: &str) -> Result<()> {
     let position = |word: &str| words.iter().position(|w| *w == word);
     let sources = if let Some(at) = position("bench") {
         let chapter = words.get(at + 1).context("bench names no chapter")?;
-        let module = chapter.replace('-', "_");
-        vec![
-            root.join(format!("src/bench/{module}.rs")),
-            root.join(format!("src/bench/{module}")),
-        ]
+        let (_, source) = crate::bench::SOURCES
+            .iter()
+            .find(|(name, _)| name == chapter)
+            .with_context(|| format!("no benchmark source for `kiln bench {chapter}`"))?;
+        vec![root.join(source)]
     } else if position("diagrams").is_some() {
         vec![root.join("src/diagrams.rs"), root.join("src/diagrams")]
     } else {

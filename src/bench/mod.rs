@@ -1,20 +1,49 @@
 //! `kiln bench`: the benchmarks behind every speed claim in the book.
 //!
-//! Each chapter's benchmark prints a markdown table to stdout and writes it, with an SVG plot,
-//! into the chapter's book folder (`book/src/chNN/`), where the chapter page includes them.
-//! [`svg`], [`bars`] and [`table`] are the shared writers.
+//! Each chapter's benchmark lives beside its chapter, in `chapters/chNN-*/bench/` (a reader of
+//! chapter 3 finds how chapter 3 was measured next to its code), and is compiled into this
+//! binary, which only dispatches: a benchmark drives later chapters' machinery (llama.cpp
+//! runs, the plots, anyhow) that no chapter crate should depend on. Each one prints a markdown
+//! table to stdout and writes it, with an SVG plot, into the chapter's book folder
+//! (`book/src/chNN/`), where the chapter page includes them. [`svg`], [`bars`] and [`table`]
+//! are the shared writers.
 
 pub mod alloc;
+#[path = "../../chapters/ch01-naive-attention/bench/mod.rs"]
 pub mod ch01;
+#[path = "../../chapters/ch02-kv-cache/bench/mod.rs"]
 pub mod ch02;
+#[path = "../../chapters/ch03-paged-blocks/bench/mod.rs"]
 pub mod ch03;
+#[path = "../../chapters/ch04-continuous-batching/bench/mod.rs"]
 pub mod ch04;
+#[path = "../../chapters/ch05-quantization/bench/mod.rs"]
 pub mod ch05;
+#[path = "../../chapters/ch06-speculative-decoding/bench/mod.rs"]
 pub mod ch06;
+#[path = "../../chapters/ch07-flash-attention/bench/mod.rs"]
 pub mod ch07;
+#[path = "../../chapters/ch08-tensor-parallel/bench/mod.rs"]
 pub mod ch08_tp;
+#[path = "../../chapters/ch08-server/bench/serve/mod.rs"]
 pub mod serve;
+#[path = "../../chapters/ch08-server/bench/structured.rs"]
 pub mod structured;
+
+/// Where each `kiln bench` subcommand's source lives, relative to the repository root (the
+/// `#[path]`s above; `kiln figures` looks there for the figures a command writes).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("ch01", "chapters/ch01-naive-attention/bench"),
+    ("ch02", "chapters/ch02-kv-cache/bench"),
+    ("ch03", "chapters/ch03-paged-blocks/bench"),
+    ("ch04", "chapters/ch04-continuous-batching/bench"),
+    ("ch05", "chapters/ch05-quantization/bench"),
+    ("ch06", "chapters/ch06-speculative-decoding/bench"),
+    ("ch07", "chapters/ch07-flash-attention/bench"),
+    ("ch08-tp", "chapters/ch08-tensor-parallel/bench"),
+    ("structured", "chapters/ch08-server/bench/structured.rs"),
+    ("serve", "chapters/ch08-server/bench/serve"),
+];
 // Shared by every chapter's benchmark; not all of their API is used by chapter 1.
 #[allow(dead_code)]
 pub mod bars;
@@ -46,10 +75,10 @@ enum Chapter {
     Ch04(ch04::Args),
     /// Chapter 5: llama.cpp's block formats: speed and perplexity beside llama.cpp, batching.
     Ch05(ch05::Args),
-    /// Chapter 7: flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode time.
-    Ch07(ch07::Args),
     /// Chapter 6: speculative decoding: acceptance per drafter, tokens per step, speed-ups.
     Ch06(ch06::Args),
+    /// Chapter 7: flash vs naive attention: memory, the IO model's traffic, prefill and split-K decode time.
+    Ch07(ch07::Args),
     /// Chapter 8, part 2: tensor parallelism: all-reduce latency, TP=N vs TP=1, the cost model.
     #[command(name = "ch08-tp")]
     Ch08Tp(ch08_tp::Args),
@@ -66,8 +95,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Chapter::Ch03(args) => ch03::run(args),
         Chapter::Ch04(args) => ch04::run(args),
         Chapter::Ch05(args) => ch05::run(args),
-        Chapter::Ch07(args) => ch07::run(args),
         Chapter::Ch06(args) => ch06::run(args),
+        Chapter::Ch07(args) => ch07::run(args),
         Chapter::Ch08Tp(args) => ch08_tp::run(args),
         Chapter::Structured(args) => structured::run(args),
         Chapter::Serve(args) => serve::run(args),
@@ -293,5 +322,23 @@ mod tests {
         assert_eq!(civil_from_days(11_017), (2000, 3, 1));
         assert_eq!(civil_from_days(20_000), (2024, 10, 4));
         assert_eq!(civil_from_days(-1), (1969, 12, 31));
+    }
+
+    #[test]
+    fn every_benchmark_names_where_its_source_lives() {
+        use clap::Subcommand;
+        let commands: Vec<String> = Chapter::augment_subcommands(clap::Command::new("bench"))
+            .get_subcommands()
+            .map(|c| c.get_name().to_string())
+            .collect();
+        let named: Vec<String> = SOURCES.iter().map(|(c, _)| c.to_string()).collect();
+        assert_eq!(
+            commands, named,
+            "SOURCES lists every `kiln bench` subcommand, in order"
+        );
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        for (command, source) in SOURCES {
+            assert!(root.join(source).exists(), "{command}: no {source}");
+        }
     }
 }
