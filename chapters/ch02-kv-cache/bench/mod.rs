@@ -7,11 +7,13 @@
 //! latency    the cost of the token at position T: recompute (chapter 1) vs cached (chapter 2)
 //! waste      share of a contiguous, max-length KV reservation that ever holds a token
 //! profile    one prefill step and one batch-32 decode step, op by op, row-wise ops serial vs threaded
+//! gemm       GFLOP/s of every prefill micro-kernel on the model's projection shapes
 //! ```
 //! Writes `speed`, `roofline`, `latency` and `waste` (`.md` table + `.svg` plot) and `profile`
-//! (`.md` only) into `book/src/ch02/` (or `--out`). Every ratio in the tables comes from this
+//! and `gemm` (`.md` only) into `book/src/ch02/` (or `--out`). Every ratio in the tables comes from this
 //! one run.
 
+mod gemm;
 mod machine;
 mod profile;
 pub(crate) mod references;
@@ -57,6 +59,7 @@ pub enum Part {
     Latency,
     Waste,
     Profile,
+    Gemm,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -207,6 +210,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let markdown = measured.markdown(&facts, &model_name, threads, reps);
         std::fs::create_dir_all(&out)?;
         let path = out.join(format!("{}.md", profile::STEM));
+        std::fs::write(&path, &markdown).with_context(|| format!("writing {}", path.display()))?;
+        println!("{markdown}");
+    }
+
+    if wants(Part::Gemm) {
+        let reps = args.output.reps(7)?;
+        eprintln!("== gemm: every prefill micro-kernel, {reps} rounds");
+        let measured = gemm::measure(config, reps);
+        let markdown = measured.markdown(&facts, &model_name, threads, reps);
+        std::fs::create_dir_all(&out)?;
+        let path = out.join(format!("{}.md", gemm::STEM));
         std::fs::write(&path, &markdown).with_context(|| format!("writing {}", path.display()))?;
         println!("{markdown}");
     }

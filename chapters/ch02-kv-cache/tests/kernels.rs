@@ -210,11 +210,13 @@ fn bf16_storage_tolerances() {
     );
 }
 
-/// Every prefill micro-kernel this CPU has ([`Gemm::available`]: portable, AVX2, AVX-512)
+/// Every prefill micro-kernel this CPU has ([`Gemm::available`]: portable, AVX2, AVX-512 one
+/// panel or two at a time)
 /// against the naive product, on token counts that leave partial tiles of every height (up to
-/// 30 tokens: two full 12-token AVX-512 tiles and a partial one), f32 and bf16 weights; and
-/// the AVX-512 kernel equal to the AVX2 one bit for bit (each output is the same chain of fused
-/// multiply-adds over `k`).
+/// 30 tokens: two full 12-token AVX-512 tiles and a partial one) and output counts of 1 to 5
+/// panels (AVX-512 runs panels in pairs, and a last odd or partial one alone), f32 and bf16
+/// weights; and both AVX-512 kernels equal to the AVX2 one bit for bit (each output is the same
+/// chain of fused multiply-adds over `k`).
 #[test]
 fn every_prefill_micro_kernel_equals_the_naive_product_and_avx512_equals_avx2() {
     use ch02_kv_cache::kernels::{Gemm, PackedWeight, matmul_with};
@@ -260,10 +262,12 @@ fn every_prefill_micro_kernel_equals_the_naive_product_and_avx512_equals_avx2() 
                     let of = |want: fn(&Gemm) -> bool| {
                         outputs.iter().find(|(g, _)| want(g)).map(|(_, y)| y)
                     };
-                    if let (Some(avx2), Some(avx512)) = (
-                        of(|g| matches!(g, Gemm::Avx2Fma(_))),
+                    let avx2 = of(|g| matches!(g, Gemm::Avx2Fma(_)));
+                    let wide = [
                         of(|g| matches!(g, Gemm::Avx512(_))),
-                    ) {
+                        of(|g| matches!(g, Gemm::Avx512Pair(_))),
+                    ];
+                    for (avx2, avx512) in wide.into_iter().filter_map(|w| Some((avx2?, w?))) {
                         prop_assert!(
                             avx2.iter()
                                 .zip(avx512)

@@ -18,9 +18,10 @@
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
 //! and [`Isa::Portable`], plain Rust that any target compiles. Tests compare both with a naive
-//! product. On a CPU with AVX-512F the prefill micro-kernel has a third form ([`Gemm`]): a
+//! product. On a CPU with AVX-512F the prefill micro-kernel has two more forms ([`Gemm`]): a
 //! register holds 16 lanes, so a tile is 12 tokens tall and each weight loaded serves twice as
-//! many tokens; it computes the same bits as the AVX2 one.
+//! many tokens; and, the one `matmul` runs, two adjacent panels at once, so each token value
+//! broadcast serves two multiply-adds. Both compute the same bits as the AVX2 one.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -104,6 +105,10 @@ pub enum Gemm {
     /// 12 × 16 tiles in 16-lane registers.
     #[cfg(target_arch = "x86_64")]
     Avx512(Avx512),
+    /// 12 × 32 tiles: two adjacent panels at once ([`avx512::tile_matmul_pair`]), the last odd
+    /// panel of a task alone.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Pair(Avx512),
 }
 
 impl Gemm {
@@ -116,7 +121,7 @@ impl Gemm {
             Isa::Avx2Fma(cpu) => {
                 static AVX512: std::sync::OnceLock<Option<Avx512>> = std::sync::OnceLock::new();
                 match *AVX512.get_or_init(Avx512::detect) {
-                    Some(wide) => Gemm::Avx512(wide),
+                    Some(wide) => Gemm::Avx512Pair(wide),
                     None => Gemm::Avx2Fma(cpu),
                 }
             }
@@ -133,16 +138,39 @@ impl Gemm {
             }
             if let Some(wide) = Avx512::detect() {
                 kernels.push(Gemm::Avx512(wide));
+                kernels.push(Gemm::Avx512Pair(wide));
             }
         }
         kernels
+    }
+
+    /// Whether it computes two adjacent panels at once ([`avx512::tile_matmul_pair`]).
+    fn pairs_panels(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Gemm::Avx512Pair(_) = self {
+            return true;
+        }
+        false
+    }
+
+    /// Its name in tables: instruction set and tile.
+    pub fn name(self) -> &'static str {
+        match self {
+            Gemm::Portable => "portable 6×16",
+            #[cfg(target_arch = "x86_64")]
+            Gemm::Avx2Fma(_) => "AVX2 6×16",
+            #[cfg(target_arch = "x86_64")]
+            Gemm::Avx512(_) => "AVX-512 12×16",
+            #[cfg(target_arch = "x86_64")]
+            Gemm::Avx512Pair(_) => "AVX-512 12×32 (two panels)",
+        }
     }
 
     /// Token rows of its tile.
     pub fn tile_rows(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Gemm::Avx512(_) => MR_512,
+            Gemm::Avx512(_) | Gemm::Avx512Pair(_) => MR_512,
             _ => MR,
         }
     }
@@ -211,27 +239,42 @@ pub fn matmul_with<W: WeightElement>(
     let mr = gemm.tile_rows();
     let tiles = tokens.div_ceil(mr);
     let out = SharedOut::new(y);
-    let per_task = panels_per_task(w.num_panels());
+    let mut per_task = panels_per_task(w.num_panels());
+    if gemm.pairs_panels() {
+        per_task = per_task.next_multiple_of(2); // whole pairs, but for the very last panel
+    }
     let tasks = w.num_panels().div_ceil(per_task);
     (0..tasks).into_par_iter().for_each(|task| {
         let panels = task * per_task..((task + 1) * per_task).min(w.num_panels());
-        let mut c = [0.0f32; MAX_MR * NR]; // [mr][NR] one tile's outputs
-        // One weight panel at a time, so it stays in cache while every token tile uses it.
-        for p in panels {
-            let b = w.panel(p); // [k][NR]
-            let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
+        let mut c = [0.0f32; MAX_MR * 2 * NR]; // [mr][width · NR] one tile's outputs
+        // One or two weight panels at a time, so they stay in cache while every token tile
+        // uses them.
+        let mut p = panels.start;
+        while p < panels.end {
+            let width = if gemm.pairs_panels() && p + 1 < panels.end {
+                2
+            } else {
+                1
+            };
+            let cols = p * NR..((p + width) * NR).min(n); // the last panel may be partial
             for tile in 0..tiles {
                 let rows = tile * mr..((tile + 1) * mr).min(tokens); // so may the last tile
                 let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
-                tile_matmul(gemm, rows.len(), x_tile, b, &mut c);
-                for (r, c_row) in rows.zip(c.chunks_exact(NR)) {
-                    // SAFETY: elements `r * n + cols` are in row r and the columns of panel
-                    // p; the tasks' panel ranges are disjoint and each (p, r) comes up once,
+                if width == 2 {
+                    tile_matmul_pair(gemm, rows.len(), x_tile, w.panel(p), w.panel(p + 1), &mut c);
+                } else {
+                    let single = (&mut c[..MAX_MR * NR]).try_into().expect("a prefix");
+                    tile_matmul(gemm, rows.len(), x_tile, w.panel(p), single);
+                }
+                for (r, c_row) in rows.zip(c.chunks_exact(width * NR)) {
+                    // SAFETY: elements `r * n + cols` are in row r and the columns of panels
+                    // p..p + width; the tasks' panel ranges are disjoint and each (p, r) comes up once,
                     // so no other reference to them exists while this one lives.
                     let y_row = unsafe { out.slice(r * n + cols.start, cols.len()) };
                     y_row.copy_from_slice(&c_row[..cols.len()]);
                 }
             }
+            p += width;
         }
     });
 }
@@ -306,9 +349,36 @@ fn tile_matmul<W: WeightElement>(
         #[cfg(target_arch = "x86_64")]
         Gemm::Avx2Fma(cpu) => with_height!(short, avx2(cpu): 1 2 3 4 5 6),
         #[cfg(target_arch = "x86_64")]
-        Gemm::Avx512(cpu) => {
+        Gemm::Avx512(cpu) | Gemm::Avx512Pair(cpu) => {
             with_height!(c, avx512(cpu): 1 2 3 4 5 6 7 8 9 10 11 12)
         }
+    }
+}
+
+/// [`tile_matmul`] over two adjacent panels `b0`, `b1` ([k][NR] each) into `c` [MAX_MR][2 · NR],
+/// for a kernel that [pairs panels](Gemm::pairs_panels).
+fn tile_matmul_pair<W: WeightElement>(
+    gemm: Gemm,
+    m: usize,
+    x_tile: &[f32],
+    b0: &[W],
+    b1: &[W],
+    c: &mut [f32; MAX_MR * 2 * NR],
+) {
+    match gemm {
+        #[cfg(target_arch = "x86_64")]
+        Gemm::Avx512Pair(cpu) => {
+            macro_rules! heights {
+                ($($h:literal)+) => {
+                    match m {
+                        $($h => avx512::tile_matmul_pair::<W, $h>(cpu, x_tile, b0, b1, c),)+
+                        _ => unreachable!("a tile height the kernel has no variant for"),
+                    }
+                };
+            }
+            heights!(1 2 3 4 5 6 7 8 9 10 11 12)
+        }
+        _ => unreachable!("only Gemm::Avx512Pair pairs panels"),
     }
 }
 
