@@ -230,6 +230,25 @@ impl RunFacts {
             command: command_line(),
         }
     }
+
+    /// `N threads on CPU (n CPUs), date`: where and when a benchmark ran, for its caption.
+    pub fn machine(&self, threads: usize) -> String {
+        format!(
+            "{threads} threads on {} ({} CPUs), {}",
+            self.cpu.as_deref().unwrap_or("an unknown CPU"),
+            self.nproc,
+            self.date
+        )
+    }
+}
+
+/// `one run` or `medians of N runs`, for a caption.
+pub fn runs(reps: usize) -> String {
+    if reps == 1 {
+        "one run".to_string()
+    } else {
+        format!("medians of {reps} runs")
+    }
 }
 
 /// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar

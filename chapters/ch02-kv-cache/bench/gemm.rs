@@ -7,7 +7,9 @@
 //!     machine falls on all alike); per kernel the median round → GFLOP/s = 2·t·in·out / s
 //! ```
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+use super::speed::median;
 
 use ch01::LlamaConfig;
 use ch02::kernels::{Gemm, PackedWeight, WeightElement, matmul_with};
@@ -98,11 +100,6 @@ fn time_kernels<W: WeightElement>(
         .collect()
 }
 
-fn median(mut times: Vec<Duration>) -> Duration {
-    times.sort_unstable();
-    times[times.len() / 2]
-}
-
 impl Measured {
     pub fn markdown(
         &self,
@@ -120,12 +117,10 @@ impl Measured {
             table.row(cells);
         }
         format!(
-            "{}\n_{model_name}'s projection shapes, {threads} threads on {} ({} CPUs), {}, \
-             median of {reps} interleaved rounds. Command: `{}`._\n",
+            "{}\n_{model_name}'s projection shapes, {}, median of {reps} interleaved rounds. \
+             Command: `{}`._\n",
             table.to_markdown(),
-            facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-            facts.nproc,
-            facts.date,
+            facts.machine(threads),
             facts.command
         )
     }

@@ -211,11 +211,8 @@ impl Profile {
         reps: usize,
     ) -> String {
         let caption = format!(
-            "_{model_name}, {threads} threads on {} ({} CPUs), {}, median of {reps} steps each \
-             way. Command: `{}`._",
-            facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-            facts.nproc,
-            facts.date,
+            "_{model_name}, {}, median of {reps} steps each way. Command: `{}`._",
+            facts.machine(threads),
             facts.command
         );
         let mut text = String::new();

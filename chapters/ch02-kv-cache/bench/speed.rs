@@ -112,7 +112,8 @@ pub fn latency(
         .collect()
 }
 
-fn median(mut times: Vec<Duration>) -> Duration {
+/// The middle of `times` (the upper one of an even count).
+pub(crate) fn median(mut times: Vec<Duration>) -> Duration {
     times.sort_unstable();
     times[times.len() / 2]
 }

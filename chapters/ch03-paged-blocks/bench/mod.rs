@@ -51,11 +51,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let name = model_name(&args.model.model);
     let bs = args.block_size;
     let caption = format!(
-        "_{name}, block size {bs}, {} threads on {} ({} CPUs), {}, medians of {reps} runs. Command: `{}`._",
-        rayon::current_num_threads(),
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
+        "_{name}, block size {bs}, {}, medians of {reps} runs. Command: `{}`._",
+        facts.machine(rayon::current_num_threads()),
         facts.command
     );
 

@@ -224,16 +224,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let corpus = loaded.tokenizer.encode(&text, false)?;
     // Every figure says what ran, where, and with which command.
     let caption = format!(
-        "_{name}, f32 weights, KV blocks of {bs}, {threads} threads on {} ({} CPUs), {}, {}. \
-         Command: `{}`._",
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
-        if reps == 1 {
-            "one run".to_string()
-        } else {
-            format!("medians of {reps} runs")
-        },
+        "_{name}, f32 weights, KV blocks of {bs}, {}, {}. Command: `{}`._",
+        facts.machine(threads),
+        super::runs(reps),
         facts.command
     );
 

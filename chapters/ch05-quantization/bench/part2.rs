@@ -465,7 +465,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
     format!(
         "{}\n_{}: perplexity of Hamlet in {} chunks of {} tokens (the second half of each \
          scored), decode of {} tokens after a {}-token prompt at batch 1 ({}); calibration: {} \
-         samples of {} tokens of the training plays. {} threads on {} ({} CPUs), {}. Command: `{}`._\n",
+         samples of {} tokens of the training plays. {}. Command: `{}`._\n",
         t.to_markdown(),
         crate::bench::model_name(model_dir),
         s.chunks,
@@ -479,10 +479,7 @@ fn table(rows: &[Row], s: &Settings, facts: &RunFacts, model_dir: &Path) -> Stri
         },
         s.samples,
         s.seq_len,
-        rayon::current_num_threads(),
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
+        facts.machine(rayon::current_num_threads()),
         facts.command
     )
 }

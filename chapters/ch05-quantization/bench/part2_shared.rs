@@ -39,16 +39,9 @@ pub fn hamlet(loaded: &LoadedModel) -> anyhow::Result<(Vec<u32>, Option<u32>)> {
 /// `_{what}, N threads on CPU (n CPUs), date, runs. Command: `...`._`
 pub fn caption(what: &str, facts: &RunFacts, reps: usize) -> String {
     format!(
-        "_{what}, {} threads on {} ({} CPUs), {}, {}. Command: `{}`._",
-        rayon::current_num_threads(),
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
-        if reps == 1 {
-            "one run".to_string()
-        } else {
-            format!("medians of {reps} runs")
-        },
+        "_{what}, {}, {}. Command: `{}`._",
+        facts.machine(rayon::current_num_threads()),
+        crate::bench::runs(reps),
         facts.command
     )
 }

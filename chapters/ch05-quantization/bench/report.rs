@@ -52,17 +52,10 @@ impl Report<'_> {
 
     fn caption(&self, what: &str) -> String {
         format!(
-            "_{}, {what}, {} threads on {} ({} CPUs), {}, {}. Command: `{}`._",
+            "_{}, {what}, {}, {}. Command: `{}`._",
             self.model(),
-            self.threads,
-            self.facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-            self.facts.nproc,
-            self.facts.date,
-            if self.reps == 1 {
-                "one run".to_string()
-            } else {
-                format!("medians of {} runs", self.reps)
-            },
+            self.facts.machine(self.threads),
+            crate::bench::runs(self.reps),
             self.facts.command
         )
     }

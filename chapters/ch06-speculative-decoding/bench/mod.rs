@@ -296,25 +296,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let caption_with = |runs: &str| {
         format!(
-            "_f32 weights, KV blocks of {bs}, {threads} threads on {} ({} CPUs), {}, {runs}. \
-             Command: `{}`._",
-            facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-            facts.nproc,
-            facts.date,
+            "_f32 weights, KV blocks of {bs}, {}, {runs}. Command: `{}`._",
+            facts.machine(threads),
             facts.command
         )
     };
     let caption = format!(
-        "_f32 weights, KV blocks of {bs}, {threads} threads on {} ({} CPUs), {}, {}. Command: \
-         `{}`._",
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
-        if reps == 1 {
-            "one run".to_string()
-        } else {
-            format!("medians of {reps} runs")
-        },
+        "_f32 weights, KV blocks of {bs}, {}, {}. Command: `{}`._",
+        facts.machine(threads),
+        crate::bench::runs(reps),
         facts.command
     );
 

@@ -100,10 +100,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let threads = rayon::current_num_threads();
     let caption = format!(
-        "_{threads} threads on {} ({} CPUs), {}. Command: `{}`._",
-        facts.cpu.as_deref().unwrap_or("an unknown CPU"),
-        facts.nproc,
-        facts.date,
+        "_{}. Command: `{}`._",
+        facts.machine(threads),
         facts.command
     );
 
