@@ -95,8 +95,11 @@ pub fn cached_attention_mapped<R: Fn(usize) -> usize + Sync>(
             .for_each(|(h, (out_h, s))| {
                 attend_head_fastest(&stored, q, h, first_pos, out_h, s);
             });
+    } else if n >= crate::prefill_attention::MIN_QUERIES {
+        // A prompt chunk: two matrix products per head.
+        crate::prefill_attention::prefill_attention(q, k, v, row_of, context_len, shape, out);
     } else {
-        // Prefill: query rows in parallel, heads one after another.
+        // A short chunk: query rows in parallel, heads one after another.
         out.par_chunks_mut(ROWS_PER_TASK * q_dim)
             .zip(scores.par_chunks_mut(context_len))
             .enumerate()

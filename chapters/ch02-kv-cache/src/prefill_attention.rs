@@ -1,0 +1,94 @@
+//! Prefill attention as two matrix products per head, on this chapter's GEMM kernels.
+//!
+//! A prompt chunk of `n` queries against `ctx` stored positions is, per head `h` (with its KV
+//! head `g`),
+//! ```text
+//! S = Q_h K_gᵀ / √d        [n, ctx]     matmul: K_g packed as a weight of ctx outputs, d inputs
+//! S[i][j] = −∞, j > pos_i                (causal: query i is position ctx − n + i)
+//! P = softmax(S) per row                 over 0..=pos_i only; the masked tail is exactly 0
+//! O_h = P V_g              [n, d]       matmul: V_gᵀ packed as a weight of d outputs, ctx inputs
+//! ```
+//! The row-at-a-time loop of [`cached_attention`](crate::attention::cached_attention) does the
+//! same arithmetic one dot product and one multiply-add row at a time; here each `k` of the
+//! micro-kernel's inner loop feeds a whole tile of outputs. The products compute the masked
+//! upper triangle too (at most twice the multiply-adds of the causal part), which costs less
+//! than what the tiles save. K and V are packed once per KV head and shared by its query heads
+//! (GQA). Only prefill chunks of at least [`MIN_QUERIES`] queries come here: below that the
+//! packing costs more than the products save.
+
+use ch01::attention::{AttentionShape, softmax_in_place};
+use rayon::prelude::*;
+
+use crate::kernels::{Isa, PackedWeight, matmul};
+
+/// The fewest queries for which the products beat the row loop.
+pub const MIN_QUERIES: usize = 8;
+
+/// `out` [n, num_heads · d] = causal attention of the `n` queries `q` [n, num_heads · d] (the
+/// last `n` of `context_len` positions) against the stored K/V: position `pos` in row
+/// `row_of(pos)` of `k` and `v` (rows of `num_kv_heads · d`).
+pub fn prefill_attention<R: Fn(usize) -> usize + Sync>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    row_of: &R,
+    context_len: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+) {
+    let d = shape.head_dim;
+    let (q_dim, kv_dim) = (shape.num_heads * d, shape.num_kv_heads * d);
+    let n = q.len() / q_dim;
+    assert!(n >= 1 && n <= context_len, "queries are the last positions");
+    assert_eq!(out.len(), q.len(), "out is [n, num_heads · head_dim]");
+    let isa = Isa::detect();
+    // Per KV head: K_g as [ctx outputs][d inputs], V_gᵀ as [d outputs][ctx inputs].
+    let packed: Vec<(PackedWeight<f32>, PackedWeight<f32>)> = (0..shape.num_kv_heads)
+        .into_par_iter()
+        .map(|g| {
+            let mut k_g = Vec::with_capacity(context_len * d); // [ctx, d]
+            let mut v_t = vec![0.0f32; d * context_len]; // [d, ctx]
+            for pos in 0..context_len {
+                let row = row_of(pos) * kv_dim + g * d;
+                k_g.extend_from_slice(&k[row..][..d]);
+                for (c, &value) in v[row..][..d].iter().enumerate() {
+                    v_t[c * context_len + pos] = value;
+                }
+            }
+            (
+                PackedWeight::pack(&k_g, context_len, d),
+                PackedWeight::pack(&v_t, d, context_len),
+            )
+        })
+        .collect();
+    let group = shape.num_heads / shape.num_kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let first_pos = context_len - n;
+    // Each head's output [n, d], computed in parallel, then put in its columns of `out`.
+    let heads: Vec<Vec<f32>> = (0..shape.num_heads)
+        .into_par_iter()
+        .map(|h| {
+            let (k_g, v_t) = &packed[h / group];
+            let q_h: Vec<f32> = (0..n)
+                .flat_map(|i| &q[i * q_dim + h * d..][..d])
+                .copied()
+                .collect(); // [n, d]
+            let mut s = vec![0.0f32; n * context_len]; // [n, ctx]
+            matmul(isa, k_g, &q_h, &mut s, n);
+            for (i, row) in s.chunks_exact_mut(context_len).enumerate() {
+                let (seen, masked) = row.split_at_mut(first_pos + i + 1);
+                seen.iter_mut().for_each(|x| *x *= scale);
+                softmax_in_place(seen);
+                masked.fill(0.0);
+            }
+            let mut o_h = vec![0.0f32; n * d];
+            matmul(isa, v_t, &s, &mut o_h, n);
+            o_h
+        })
+        .collect();
+    for (h, o_h) in heads.iter().enumerate() {
+        for (i, o) in o_h.chunks_exact(d).enumerate() {
+            out[i * q_dim + h * d..][..d].copy_from_slice(o);
+        }
+    }
+}
