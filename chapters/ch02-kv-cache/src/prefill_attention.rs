@@ -65,6 +65,7 @@ pub fn prefill_attention<R: Fn(usize) -> usize + Sync>(
     let scale = 1.0 / (d as f32).sqrt();
     let first_pos = context_len - n;
     // Each head's output [n, d], computed in parallel, then put in its columns of `out`.
+    // ANCHOR: head_products
     let heads: Vec<Vec<f32>> = (0..shape.num_heads)
         .into_par_iter()
         .map(|h| {
@@ -86,6 +87,7 @@ pub fn prefill_attention<R: Fn(usize) -> usize + Sync>(
             o_h
         })
         .collect();
+    // ANCHOR_END: head_products
     for (h, o_h) in heads.iter().enumerate() {
         for (i, o) in o_h.chunks_exact(d).enumerate() {
             out[i * q_dim + h * d..][..d].copy_from_slice(o);
