@@ -24,6 +24,11 @@ use crate::kernels::{Isa, PackedWeight, matmul};
 /// The fewest queries for which the products beat the row loop.
 pub const MIN_QUERIES: usize = 8;
 
+/// Scores one head's block of queries may hold at once (1 MiB of f32): the queries go through
+/// the products in blocks of `SCORE_BUDGET / context_len` (at least [`MIN_QUERIES`]), so a long
+/// prompt's scores are never a whole `[n, ctx]` matrix per head.
+const SCORE_BUDGET: usize = 1 << 18;
+
 /// `out` [n, num_heads · d] = causal attention of the `n` queries `q` [n, num_heads · d] (the
 /// last `n` of `context_len` positions) against the stored K/V: position `pos` in row
 /// `row_of(pos)` of `k` and `v` (rows of `num_kv_heads · d`).
@@ -35,6 +40,22 @@ pub fn prefill_attention<R: Fn(usize) -> usize + Sync>(
     context_len: usize,
     shape: AttentionShape,
     out: &mut [f32],
+) {
+    let block = (SCORE_BUDGET / context_len).max(MIN_QUERIES);
+    prefill_attention_in_blocks(q, k, v, row_of, context_len, shape, out, block);
+}
+
+/// [`prefill_attention`], with queries through the products `block` at a time.
+#[allow(clippy::too_many_arguments)]
+fn prefill_attention_in_blocks<R: Fn(usize) -> usize + Sync>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    row_of: &R,
+    context_len: usize,
+    shape: AttentionShape,
+    out: &mut [f32],
+    block: usize,
 ) {
     let d = shape.head_dim;
     let (q_dim, kv_dim) = (shape.num_heads * d, shape.num_kv_heads * d);
@@ -70,20 +91,25 @@ pub fn prefill_attention<R: Fn(usize) -> usize + Sync>(
         .into_par_iter()
         .map(|h| {
             let (k_g, v_t) = &packed[h / group];
-            let q_h: Vec<f32> = (0..n)
-                .flat_map(|i| &q[i * q_dim + h * d..][..d])
-                .copied()
-                .collect(); // [n, d]
-            let mut s = vec![0.0f32; n * context_len]; // [n, ctx]
-            matmul(isa, k_g, &q_h, &mut s, n);
-            for (i, row) in s.chunks_exact_mut(context_len).enumerate() {
-                let (seen, masked) = row.split_at_mut(first_pos + i + 1);
-                seen.iter_mut().for_each(|x| *x *= scale);
-                softmax_in_place(seen);
-                masked.fill(0.0);
+            let mut o_h = vec![0.0f32; n * d]; // [n, d]
+            let mut s = vec![0.0f32; block.min(n) * context_len]; // [block, ctx]
+            for (b, o_block) in o_h.chunks_mut(block * d).enumerate() {
+                let rows = b * block..b * block + o_block.len() / d;
+                let q_h: Vec<f32> = rows
+                    .clone()
+                    .flat_map(|i| &q[i * q_dim + h * d..][..d])
+                    .copied()
+                    .collect(); // [rows, d]
+                let s = &mut s[..rows.len() * context_len];
+                matmul(isa, k_g, &q_h, s, rows.len());
+                for (i, row) in rows.clone().zip(s.chunks_exact_mut(context_len)) {
+                    let (seen, masked) = row.split_at_mut(first_pos + i + 1);
+                    seen.iter_mut().for_each(|x| *x *= scale);
+                    softmax_in_place(seen);
+                    masked.fill(0.0);
+                }
+                matmul(isa, v_t, s, o_block, rows.len());
             }
-            let mut o_h = vec![0.0f32; n * d];
-            matmul(isa, v_t, &s, &mut o_h, n);
             o_h
         })
         .collect();
@@ -91,6 +117,53 @@ pub fn prefill_attention<R: Fn(usize) -> usize + Sync>(
     for (h, o_h) in heads.iter().enumerate() {
         for (i, o) in o_h.chunks_exact(d).enumerate() {
             out[i * q_dim + h * d..][..d].copy_from_slice(o);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row's products do not depend on which rows share its block (each output is the same
+    /// chain of multiply-adds over `k` for any tile height), so any block size gives the same
+    /// bits as one block of every query.
+    #[test]
+    fn query_blocks_change_no_bit() {
+        let shape = AttentionShape {
+            num_heads: 6,
+            num_kv_heads: 2,
+            head_dim: 20,
+        };
+        let (context_len, n) = (45, 37);
+        let kv_dim = shape.num_kv_heads * shape.head_dim;
+        let q_len = n * shape.num_heads * shape.head_dim;
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 7919 + seed) % 1000) as f32 / 500.0) - 1.0)
+                .collect()
+        };
+        let (q, k, v) = (
+            values(q_len, 1),
+            values(context_len * kv_dim, 2),
+            values(context_len * kv_dim, 3),
+        );
+        let row_of = |pos: usize| context_len - 1 - pos; // rows stored in reverse
+        let run = |block| {
+            let mut out = vec![f32::NAN; q_len];
+            prefill_attention_in_blocks(&q, &k, &v, &row_of, context_len, shape, &mut out, block);
+            out
+        };
+        let whole = run(n);
+        for block in [1, 3, 8, 36] {
+            let blocked = run(block);
+            assert!(
+                whole
+                    .iter()
+                    .zip(&blocked)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "blocks of {block} differ from one block"
+            );
         }
     }
 }
