@@ -13,15 +13,16 @@
 //! micro-kernel's inner loop feeds a whole tile of outputs. The products compute the masked
 //! upper triangle too (at most twice the multiply-adds of the causal part), which costs less
 //! than what the tiles save. K and V are packed once per KV head and shared by its query heads
-//! (GQA). Only prefill chunks of at least [`MIN_QUERIES`] queries come here: below that the
-//! packing costs more than the products save.
+//! (GQA). Only prefill chunks of at least [`MIN_QUERIES`] queries come here: packing every
+//! stored key and value for a handful of rows is work the row loop does not do (the threshold
+//! is a choice, not a measured crossover).
 
 use ch01::attention::{AttentionShape, softmax_in_place};
 use rayon::prelude::*;
 
 use crate::kernels::{Isa, PackedWeight, matmul};
 
-/// The fewest queries for which the products beat the row loop.
+/// The fewest queries of a chunk that go through the products.
 pub const MIN_QUERIES: usize = 8;
 
 /// Scores one head's block of queries may hold at once (1 MiB of f32): the queries go through
