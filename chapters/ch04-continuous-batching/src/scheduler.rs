@@ -332,6 +332,13 @@ impl Scheduler {
             .any(|s| !matches!(s.status, Status::Finished(_)))
     }
 
+    fn num_running(&self) -> usize {
+        self.seqs
+            .values()
+            .filter(|s| s.status == Status::Running)
+            .count()
+    }
+
     fn num_unfinished(&self) -> usize {
         self.seqs
             .values()
@@ -627,12 +634,7 @@ impl Scheduler {
             if self.seqs[&id].fork_of.is_some() {
                 continue; // it starts from its parent's blocks, see `start_forks`
             }
-            let running = self
-                .seqs
-                .values()
-                .filter(|s| s.status == Status::Running)
-                .count();
-            if budget == 0 || running >= self.config.max_num_seqs {
+            if budget == 0 || self.num_running() >= self.config.max_num_seqs {
                 break;
             }
             if !self.admit(id, watermark) {
@@ -839,8 +841,6 @@ impl Scheduler {
                 continue;
             }
             let prompt = &seq.request.prompt;
-            // This row ends the prompt: the forks waiting for it start from here.
-            let prompt_done = seq.output().is_empty();
             let accepted = &mut self.accepted;
             accepted.clear();
             let mut processor_stop = false;
@@ -895,11 +895,9 @@ impl Scheduler {
             self.manager
                 .cache_full_blocks(table, &seq.tokens[..seq.num_computed]);
             seq.draft.clear();
-            let forks = if prompt_done {
-                std::mem::take(&mut seq.forks)
-            } else {
-                Vec::new()
-            };
+            // Only a sequence without output has forks: this row ended its prompt, and the
+            // forks waiting for it start from here.
+            let forks = std::mem::take(&mut seq.forks);
             let forks = self.fork_tables(scheduled.id, forks);
             outputs.push(self.report(scheduled.id, pushed));
             self.start_forks(forks, rows.row(0), max_len, &mut outputs)?;
@@ -939,12 +937,7 @@ impl Scheduler {
         if forks.is_empty() {
             return Vec::new();
         }
-        let running = self
-            .seqs
-            .values()
-            .filter(|s| s.status == Status::Running)
-            .count();
-        let room = self.config.max_num_seqs.saturating_sub(running);
+        let room = self.config.max_num_seqs.saturating_sub(self.num_running());
         let unforked = forks.split_off(room.min(forks.len()));
         self.promote(unforked);
         let table = self.seqs[&parent].table.as_ref().expect("just ran");
@@ -964,6 +957,7 @@ impl Scheduler {
         max_len: usize,
         outputs: &mut Vec<RequestOutput>,
     ) -> Result<(), EngineError> {
+        let logits = row.as_slice().expect("a contiguous row");
         let rows = row.insert_axis(ndarray::Axis(0)); // [1, vocab]
         self.prepare_processors_of(forks.iter().map(|(id, _)| *id).collect());
         for (id, table) in forks {
@@ -972,9 +966,7 @@ impl Scheduler {
             seq.num_computed = table.num_tokens();
             seq.table = Some(table);
             seq.status = Status::Running;
-            let row = rows.row(0);
-            let (token, stop) =
-                seq.sample(row.as_slice().expect("contiguous"), &mut self.processed)?;
+            let (token, stop) = seq.sample(logits, &mut self.processed)?;
             let pushed = seq.push_tokens(&[token], rows, None, stop, max_len);
             self.counters.generation_tokens += pushed.tokens as u64;
             outputs.push(self.report(id, pushed));
