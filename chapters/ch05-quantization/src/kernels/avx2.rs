@@ -144,12 +144,26 @@ fn sum_acc(acc: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
+/// Asks for the `bytes` bytes at `p` to be brought into L1: a block that a kernel will read
+/// soon (the same block of the next row, or of the next tile). Rows are short, so the hardware's
+/// prefetcher, which follows a stream, falls behind a kernel that jumps from one to the next.
+/// `p` is only a hint, never dereferenced: a prefetch cannot fault, even past the matrix (which
+/// is why callers form it with `wrapping_add`).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn prefetch(p: *const u8, bytes: usize) {
+    for line in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line) as *const i8);
+    }
+}
+
 /// # Safety
 /// The CPU must support AVX2; `row.len() == acts[t].len() * 144` for every `t`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q4_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
     let mut acc = [0.0f32; T];
     for (k, b) in row.chunks_exact(144).enumerate() {
+        prefetch(b.as_ptr().wrapping_add(row.len()), 144); // the next row's block
         let (sc, m) = scale_min(&b[4..16]);
         // SAFETY: AVX2 is present (caller); `b` is 144 bytes, so the four 32-byte loads at
         // 16 + 32i (i < 4) end by byte 144; each token's block `k` exists (caller) and its `q`
@@ -192,6 +206,7 @@ unsafe fn dot_q4_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f3
 unsafe fn dot_q5_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
     let mut acc = [0.0f32; T];
     for (k, b) in row.chunks_exact(176).enumerate() {
+        prefetch(b.as_ptr().wrapping_add(row.len()), 176); // the next row's block
         let (sc, m) = scale_min(&b[4..16]);
         // SAFETY: AVX2 is present (caller); `b` is 176 bytes: qh at 16..48, and the four
         // 32-byte loads of qs at 48 + 32i (i < 4) end by byte 176; each token's block `k`
@@ -239,6 +254,7 @@ unsafe fn dot_q5_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f3
 unsafe fn dot_q6_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
     let mut acc = [0.0f32; T];
     for (k, b) in row.chunks_exact(210).enumerate() {
+        prefetch(b.as_ptr().wrapping_add(row.len()), 210); // the next row's block
         let scales = &b[192..208];
         let sc = |j: usize| i16::from(scales[j] as i8);
         // SAFETY: AVX2 is present (caller); `b` is 210 bytes: the ql loads at 64h and 64h + 32
@@ -529,6 +545,12 @@ unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
         let mut d = [0.0f32; R];
         let mut m = [0.0f32; R];
         for r in 0..R {
+            // The block the next tile reads here, `R` rows on (324 bytes a row of Q4_0 at 576
+            // features: R short streams, which the hardware's prefetcher alone does not follow).
+            prefetch(
+                rows.wrapping_add((r + R) * row_bytes + b * F::BYTES),
+                F::BYTES,
+            );
             // SAFETY: block `b` of row `r` is readable (caller).
             unsafe {
                 let p = rows.add(r * row_bytes + b * F::BYTES);
