@@ -506,8 +506,8 @@ impl Block32 for Q5_1 {
 /// does exactly what `SUB` ungrouped blocks with its scale would.
 ///
 /// Panics unless `rows` is `R` rows of one run of 32 weights per activation block of a token.
-pub fn tile32<F: Block32, const R: usize, const T: usize>(
-    _cpu: Avx2F16c,
+pub fn tile32<F: Block32, C: Tiles, const R: usize, const T: usize>(
+    cpu: C,
     rows: &[u8],
     acts: &[Act32],
     out: &mut [[f32; T]; R],
@@ -520,18 +520,86 @@ pub fn tile32<F: Block32, const R: usize, const T: usize>(
         R * (n / F::SUB) * F::BYTES,
         "R rows of one run of 32 weights per activation block"
     );
-    // SAFETY: `_cpu` proves AVX2, FMA and F16C; the body reads blocks `b < n / SUB` of rows
-    // `r < R` at `r·(n / SUB)·BYTES + b·BYTES`, inside `rows`, and activation blocks
-    // `t·n + k < T·n`, inside `acts`, as checked above.
-    unsafe { tile32_body::<F, R, T>(rows.as_ptr(), acts.as_ptr(), n, out) }
+    // SAFETY: `cpu` proves the instruction sets its body needs; the body reads blocks
+    // `b < n / SUB` of rows `r < R` at `r·(n / SUB)·BYTES + b·BYTES`, inside `rows`, and
+    // activation blocks `t·n + k < T·n`, inside `acts`, as checked above.
+    unsafe { cpu.tile_body::<F, R, T>(rows.as_ptr(), acts.as_ptr(), n, out) }
+}
+
+/// A CPU proof that can run [`tile32`]'s body, and the tile shapes it runs best:
+/// [`Avx2F16c`] (`maddubs`, 16 vector registers) or [`super::vnni::Avx512Vnni`] (`vpdpbusd`,
+/// 32 registers).
+pub trait Tiles: Copy {
+    /// [`rows32`] with this CPU's tile shapes for one token (decode) and for several (prefill).
+    fn rows<F: Block32>(self, rows: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]);
+
+    /// [`tile32_body`] compiled for this CPU.
+    ///
+    /// # Safety
+    /// As [`tile32_body`]'s, but for the instruction sets, which `self` proves.
+    unsafe fn tile_body<F: Block32, const R: usize, const T: usize>(
+        self,
+        rows: *const u8,
+        acts: *const Act32,
+        n: usize,
+        out: &mut [[f32; T]; R],
+    );
+}
+
+/// Register tiles on AVX2: `(rows, tokens)`. One token (decode) takes 4 rows, so each
+/// activation block loaded serves 4 weight blocks; several tokens (prefill) take 2 rows × 4
+/// tokens, so each unpacked weight block serves 4 tokens. (16 registers hold no more.)
+const AVX2_DECODE: (usize, usize) = (4, 1);
+const AVX2_PREFILL: (usize, usize) = (2, 4);
+
+impl Tiles for Avx2F16c {
+    fn rows<F: Block32>(self, rows: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]) {
+        if tokens == 1 {
+            rows32::<F, _, { AVX2_DECODE.0 }, { AVX2_DECODE.1 }>(self, rows, acts, tokens, yt)
+        } else {
+            rows32::<F, _, { AVX2_PREFILL.0 }, { AVX2_PREFILL.1 }>(self, rows, acts, tokens, yt)
+        }
+    }
+
+    unsafe fn tile_body<F: Block32, const R: usize, const T: usize>(
+        self,
+        rows: *const u8,
+        acts: *const Act32,
+        n: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        // SAFETY: `self` proves AVX2, FMA and F16C; the rest is the caller's.
+        unsafe { tile32_body::<F, Maddubs, R, T>(rows, acts, n, out) }
+    }
+}
+
+/// How a tile forms a block's 8 integer lanes from 32 unsigned bytes `u` and 32 signed bytes
+/// `s`: lane `k` is `Σ u·s` over bytes `4k..4k + 4`, exactly (the module doc bounds the
+/// products, so nothing saturates).
+pub trait ByteDot {
+    /// # Safety
+    /// The CPU must support the instructions of the implementation; `2 · u · |s| < 32768` for
+    /// every pair of bytes.
+    unsafe fn lanes(u: __m256i, s: __m256i) -> __m256i;
+}
+
+/// AVX2: `maddubs` (pairs into i16), then `madd` by ones (pairs of those into i32).
+pub enum Maddubs {}
+
+impl ByteDot for Maddubs {
+    #[inline(always)]
+    unsafe fn lanes(u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: the caller's.
+        unsafe { dot_u8_i8(u, s) }
+    }
 }
 
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `rows` must point to `R · n / SUB` readable blocks
+/// The CPU must support AVX2, FMA, F16C and what `D` uses; `rows` must point to `R · n / SUB` readable blocks
 /// and `acts` to `T · n` activation blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
+pub(super) unsafe fn tile32_body<F: Block32, D: ByteDot, const R: usize, const T: usize>(
     rows: *const u8,
     acts: *const Act32,
     n: usize,
@@ -587,9 +655,9 @@ unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
                     } else {
                         _mm256_sign_epi8(x, w[r])
                     };
-                    // SAFETY: AVX2 is present; |w| ≤ 128 (Q8_0's −128 read unsigned) or ≤ 31
-                    // and |x| ≤ 127, so maddubs cannot saturate (see the module doc).
-                    let lanes = unsafe { dot_u8_i8(u[r], s) };
+                    // SAFETY: `D`'s instructions are present (caller); |w| ≤ 128 (Q8_0's −128
+                    // read unsigned) or ≤ 31 and |x| ≤ 127, so nothing saturates (module doc).
+                    let lanes = unsafe { D::lanes(u[r], s) };
                     acc[r][t] = acc_lanes(acc[r][t], d[r], a.d, lanes);
                     if F::OFFSET {
                         acc_m[r][t] = acc_d(acc_m[r][t], m[r], a.d, a.sum);
@@ -615,8 +683,8 @@ unsafe fn tile32_body<F: Block32, const R: usize, const T: usize>(
 /// Rows `rows` (`n_rows` rows of `n / SUB` blocks, `n = acts.len() / tokens`) times every token of
 /// `acts` into `yt` [n_rows, tokens]: tiles of `R × T`, then the rows and tokens left over one
 /// at a time.
-pub fn rows32<F: Block32, const R: usize, const T: usize>(
-    cpu: Avx2F16c,
+pub fn rows32<F: Block32, C: Tiles, const R: usize, const T: usize>(
+    cpu: C,
     rows: &[u8],
     acts: &[Act32],
     tokens: usize,
@@ -630,7 +698,7 @@ pub fn rows32<F: Block32, const R: usize, const T: usize>(
     let row_bytes = n / F::SUB * F::BYTES;
     let mut r = 0;
     while r + R <= n_rows {
-        token_tiles::<F, R, T>(
+        token_tiles::<F, C, R, T>(
             cpu,
             &rows[r * row_bytes..(r + R) * row_bytes],
             acts,
@@ -641,7 +709,7 @@ pub fn rows32<F: Block32, const R: usize, const T: usize>(
         r += R;
     }
     for r in r..n_rows {
-        token_tiles::<F, 1, T>(
+        token_tiles::<F, C, 1, T>(
             cpu,
             &rows[r * row_bytes..(r + 1) * row_bytes],
             acts,
@@ -654,8 +722,8 @@ pub fn rows32<F: Block32, const R: usize, const T: usize>(
 
 /// `R` rows times every token (`n` blocks each): tiles of `T` tokens, then single tokens.
 #[inline]
-fn token_tiles<F: Block32, const R: usize, const T: usize>(
-    cpu: Avx2F16c,
+fn token_tiles<F: Block32, C: Tiles, const R: usize, const T: usize>(
+    cpu: C,
     rows: &[u8],
     acts: &[Act32],
     n: usize,
@@ -665,7 +733,7 @@ fn token_tiles<F: Block32, const R: usize, const T: usize>(
     let mut t = 0;
     while t + T <= tokens {
         let mut out = [[0.0f32; T]; R];
-        tile32::<F, R, T>(cpu, rows, &acts[t * n..(t + T) * n], &mut out);
+        tile32::<F, C, R, T>(cpu, rows, &acts[t * n..(t + T) * n], &mut out);
         for (r, o) in out.iter().enumerate() {
             yt[r * tokens + t..r * tokens + t + T].copy_from_slice(o);
         }
@@ -673,7 +741,7 @@ fn token_tiles<F: Block32, const R: usize, const T: usize>(
     }
     for t in t..tokens {
         let mut out = [[0.0f32; 1]; R];
-        tile32::<F, R, 1>(cpu, rows, &acts[t * n..(t + 1) * n], &mut out);
+        tile32::<F, C, R, 1>(cpu, rows, &acts[t * n..(t + 1) * n], &mut out);
         for (r, o) in out.iter().enumerate() {
             yt[r * tokens + t] = o[0];
         }
@@ -717,12 +785,10 @@ mod tests {
         out
     }
 
-    /// Every tile shape equals the portable one-row kernel bit for bit (the public tests reach
-    /// only the shapes the kernels pick).
+    /// Every tile shape, on AVX2 and on AVX-512 VNNI, equals the portable one-row kernel bit for
+    /// bit (the public tests reach only the shapes and the instruction set this CPU picks).
     fn tiles_equal_portable<F: Block32>(scale_at: &[usize], portable: fn(&[u8], &[Act32]) -> f32) {
-        let Some(cpu) = Avx2F16c::detect(Isa::detect()) else {
-            return;
-        };
+        let isa = Isa::detect();
         let (rows, tokens, n) = (9, 7, 5);
         let w = random_rows(rows * n * F::BYTES, F::BYTES, scale_at, 7);
         let x: Vec<f32> = random_rows(tokens * n * 32 * 4, 4, &[], 11)
@@ -739,28 +805,32 @@ mod tests {
                     .collect::<Vec<_>>()
             })
             .collect();
-        {
-            for (name, got) in [
-                ("4x1", run::<F, 4, 1>(cpu, &w, &acts, tokens, rows)),
-                ("2x4", run::<F, 2, 4>(cpu, &w, &acts, tokens, rows)),
-                ("1x1", run::<F, 1, 1>(cpu, &w, &acts, tokens, rows)),
-            ] {
-                for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                    assert_eq!(g.to_bits(), e.to_bits(), "tile {name} output {i}");
-                }
+        let check = |name: &str, got: Vec<f32>| {
+            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                assert_eq!(g.to_bits(), e.to_bits(), "tile {name} output {i}");
             }
+        };
+        if let Some(cpu) = Avx2F16c::detect(isa) {
+            check("AVX2 4x1", run::<F, _, 4, 1>(cpu, &w, &acts, tokens, rows));
+            check("AVX2 2x4", run::<F, _, 2, 4>(cpu, &w, &acts, tokens, rows));
+            check("AVX2 1x1", run::<F, _, 1, 1>(cpu, &w, &acts, tokens, rows));
+        }
+        if let Some(cpu) = super::super::vnni::Avx512Vnni::detect(isa) {
+            check("VNNI 8x1", run::<F, _, 8, 1>(cpu, &w, &acts, tokens, rows));
+            check("VNNI 4x4", run::<F, _, 4, 4>(cpu, &w, &acts, tokens, rows));
+            check("VNNI 1x1", run::<F, _, 1, 1>(cpu, &w, &acts, tokens, rows));
         }
     }
 
-    fn run<F: Block32, const R: usize, const T: usize>(
-        cpu: Avx2F16c,
+    fn run<F: Block32, C: Tiles, const R: usize, const T: usize>(
+        cpu: C,
         w: &[u8],
         acts: &[Act32],
         tokens: usize,
         rows: usize,
     ) -> Vec<f32> {
         let mut yt = vec![0.0f32; rows * tokens];
-        rows32::<F, R, T>(cpu, w, acts, tokens, &mut yt);
+        rows32::<F, C, R, T>(cpu, w, acts, tokens, &mut yt);
         yt
     }
 

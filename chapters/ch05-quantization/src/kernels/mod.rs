@@ -12,7 +12,8 @@
 //! Per weight block the kernel forms an exact i32 (`Σ q_w · q_x`, the sub-block scales applied in
 //! integers for the K-quants), then adds `(d_w · d_x) · i` (and the offset's term) to one f32
 //! accumulator per output, block after block in row order. [`Isa::Avx2Fma`] forms the integers
-//! with `maddubs`/`madd` (see `avx2.rs`), [`Isa::Portable`] with plain Rust; the f32 steps are the same operations in the same order,
+//! with `maddubs`/`madd` (see `avx2.rs`), or, for the 32-element formats on a CPU with AVX-512
+//! VNNI, with one `vpdpbusd` (see `vnni.rs`), [`Isa::Portable`] with plain Rust; the f32 steps are the same operations in the same order,
 //! so **they are all equal bit for bit** (tested with `==`). Threads (rayon) split the output
 //! rows.
 //!
@@ -31,9 +32,12 @@
 //!         acc[r][t] += (d_w · d_x) · lanes(w[r] · x)
 //! ```
 //!
-//! Decode (one token) takes `4 × 1` tiles: four rows share each activation load and keep four
-//! independent accumulator chains in flight. Prefill takes `2 × 4`: each weight block is
-//! unpacked once for four tokens, so [`matmul`] costs less per token than [`matvec`]. The
+//! Decode (one token) takes `4 × 1` tiles on AVX2: four rows share each activation load and keep
+//! four independent accumulator chains in flight. Prefill takes `2 × 4`: each weight block is
+//! unpacked once for four tokens, so [`matmul`] costs less per token than [`matvec`]. With
+//! AVX-512 the compiler has 32 vector registers instead of 16, and the tiles double: `8 × 1` and
+//! `4 × 4`. Each row of a tile asks for the block the next tile will read (a prefetch): rows are
+//! a few hundred bytes, too short for the hardware's prefetcher to follow R of them. The
 //! tiles change which outputs are computed together, never the operations of one output, so
 //! [`matmul`] still equals [`matvec`] bit for bit. The K-quants run one row at a time (their
 //! 256-element blocks already amortise the loop) and, in [`matmul`], four tokens per unpacked
@@ -72,6 +76,8 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod portable;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 use rayon::prelude::*;
 
@@ -487,23 +493,41 @@ fn quantize_acts<'s>(
     }
 }
 
-/// Which kernels a call runs: the portable ones, or the AVX2 ones with their proof (AVX2, FMA
-/// and F16C; a CPU with AVX2 but without F16C runs the portable kernels).
+/// Which kernels a call runs: the portable ones, the AVX2 ones with their proof (AVX2, FMA and
+/// F16C; a CPU with AVX2 but without F16C runs the portable kernels), or, on a CPU that also has
+/// AVX-512 VNNI, the 32-element tiles on `vpdpbusd` (the K-quants stay on AVX2).
 #[derive(Clone, Copy)]
 enum Path {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2(avx2::Avx2F16c),
+    #[cfg(target_arch = "x86_64")]
+    Vnni(vnni::Avx512Vnni),
 }
 
 impl Path {
     fn of(isa: Isa) -> Path {
         #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = avx2::Avx2F16c::detect(isa) {
-            return Path::Avx2(cpu);
+        {
+            if let Some(cpu) = vnni::Avx512Vnni::detect(isa) {
+                return Path::Vnni(cpu);
+            }
+            if let Some(cpu) = avx2::Avx2F16c::detect(isa) {
+                return Path::Avx2(cpu);
+            }
         }
         let _ = isa;
         Path::Portable
+    }
+
+    /// The AVX2 proof, for the kernels that have no VNNI form.
+    #[cfg(target_arch = "x86_64")]
+    fn avx2(self) -> Option<avx2::Avx2F16c> {
+        match self {
+            Path::Portable => None,
+            Path::Avx2(cpu) => Some(cpu),
+            Path::Vnni(cpu) => Some(cpu.avx2_f16c()),
+        }
     }
 }
 
@@ -533,6 +557,8 @@ fn dot(path: Path, ty: GgmlType, group: usize, row: &[u8], acts: Acts<'_>) -> f3
         },
         #[cfg(target_arch = "x86_64")]
         (Path::Avx2(cpu), Acts::B256(a)) => dot_k_avx2(cpu.avx2_fma(), ty, row, [a])[0],
+        #[cfg(target_arch = "x86_64")]
+        (Path::Vnni(cpu), Acts::B256(a)) => dot_k_avx2(cpu.avx2_f16c().avx2_fma(), ty, row, [a])[0],
     }
 }
 
@@ -554,11 +580,33 @@ fn dot_k_avx2<const T: usize>(
     }
 }
 
-/// Register tiles of the AVX2 32-element kernels: `(rows, tokens)` per tile. One token (decode)
-/// takes 4 rows, so each activation block loaded serves 4 weight blocks; several tokens
-/// (prefill) take 2 rows × 4 tokens, so each unpacked weight block serves 4 tokens.
-const DECODE_TILE: (usize, usize) = (4, 1);
-const PREFILL_TILE: (usize, usize) = (2, 4);
+/// Rows `rows` of `w` (whole rows of its bytes) times every token of `a` into `yt`
+/// `[rows, tokens]`, in the register tiles of `cpu` ([`avx2::Tiles`]).
+#[cfg(target_arch = "x86_64")]
+fn rows32_tiles<C: avx2::Tiles>(
+    cpu: C,
+    w: &QuantMatrix,
+    rows: &[u8],
+    a: &[Act32],
+    tokens: usize,
+    yt: &mut [f32],
+) {
+    use GgmlType::*;
+    match (w.ty, w.group) {
+        (Q8_0, 1) => cpu.rows::<avx2::Q8_0>(rows, a, tokens, yt),
+        (Q4_0, 1) => cpu.rows::<avx2::Q4_0>(rows, a, tokens, yt),
+        (Q4_1, 1) => cpu.rows::<avx2::Q4_1>(rows, a, tokens, yt),
+        (Q5_0, 1) => cpu.rows::<avx2::Q5_0>(rows, a, tokens, yt),
+        (Q5_1, 1) => cpu.rows::<avx2::Q5_1>(rows, a, tokens, yt),
+        (Q4_0, 2) => cpu.rows::<avx2::Q4_0G<2>>(rows, a, tokens, yt),
+        (Q4_0, 4) => cpu.rows::<avx2::Q4_0G<4>>(rows, a, tokens, yt),
+        (Q4_0, 8) => cpu.rows::<avx2::Q4_0G<8>>(rows, a, tokens, yt),
+        (Q4_1, 2) => cpu.rows::<avx2::Q4_1G<2>>(rows, a, tokens, yt),
+        (Q4_1, 4) => cpu.rows::<avx2::Q4_1G<4>>(rows, a, tokens, yt),
+        (Q4_1, 8) => cpu.rows::<avx2::Q4_1G<8>>(rows, a, tokens, yt),
+        (ty, group) => unreachable!("{ty} has no 32-element kernel for groups of {group}"),
+    }
+}
 
 /// Rows `r0..r0 + n` of `w` times every token of `acts` (`per_token` blocks each) into `yt`
 /// `[n, tokens]`.
@@ -573,42 +621,18 @@ fn rows_times_tokens(
 ) {
     let n = yt.len() / tokens;
     #[cfg(target_arch = "x86_64")]
-    if let (Path::Avx2(cpu), Acts::B32(a)) = (path, acts) {
-        use GgmlType::*;
+    if let Acts::B32(a) = acts {
         let rows = &w.bytes[r0 * w.row_bytes..(r0 + n) * w.row_bytes];
-        macro_rules! run {
-            ($f:ty) => {
-                if tokens == 1 {
-                    avx2::rows32::<$f, { DECODE_TILE.0 }, { DECODE_TILE.1 }>(
-                        cpu, rows, a, tokens, yt,
-                    )
-                } else {
-                    avx2::rows32::<$f, { PREFILL_TILE.0 }, { PREFILL_TILE.1 }>(
-                        cpu, rows, a, tokens, yt,
-                    )
-                }
-            };
+        match path {
+            Path::Avx2(cpu) => return rows32_tiles(cpu, w, rows, a, tokens, yt),
+            Path::Vnni(cpu) => return rows32_tiles(cpu, w, rows, a, tokens, yt),
+            Path::Portable => {}
         }
-        match (w.ty, w.group) {
-            (Q8_0, 1) => run!(avx2::Q8_0),
-            (Q4_0, 1) => run!(avx2::Q4_0),
-            (Q4_1, 1) => run!(avx2::Q4_1),
-            (Q5_0, 1) => run!(avx2::Q5_0),
-            (Q5_1, 1) => run!(avx2::Q5_1),
-            (Q4_0, 2) => run!(avx2::Q4_0G<2>),
-            (Q4_0, 4) => run!(avx2::Q4_0G<4>),
-            (Q4_0, 8) => run!(avx2::Q4_0G<8>),
-            (Q4_1, 2) => run!(avx2::Q4_1G<2>),
-            (Q4_1, 4) => run!(avx2::Q4_1G<4>),
-            (Q4_1, 8) => run!(avx2::Q4_1G<8>),
-            (ty, group) => unreachable!("{ty} has no 32-element kernel for groups of {group}"),
-        }
-        return;
     }
     // The K-quants on AVX2, several tokens: each row's super-blocks unpacked once per
     // `KQ_TOKENS` tokens.
     #[cfg(target_arch = "x86_64")]
-    if let (Path::Avx2(cpu), Acts::B256(a), true) = (path, acts, tokens > 1) {
+    if let (Some(cpu), Acts::B256(a), true) = (path.avx2(), acts, tokens > 1) {
         const KQ_TOKENS: usize = 4;
         for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
             let row = w.row(r0 + i);
