@@ -546,19 +546,29 @@ pub trait Tiles: Copy {
     );
 }
 
-/// Register tiles on AVX2: `(rows, tokens)`. One token (decode) takes 4 rows, so each
-/// activation block loaded serves 4 weight blocks; several tokens (prefill) take 2 rows × 4
-/// tokens, so each unpacked weight block serves 4 tokens. (16 registers hold no more.)
-const AVX2_DECODE: (usize, usize) = (4, 1);
-const AVX2_PREFILL: (usize, usize) = (2, 4);
+/// [`rows32`] in tiles of `D` rows × 1 token for one token (decode), `R × T` for several
+/// (prefill): the shapes a [`Tiles`] CPU picks.
+#[inline]
+pub fn rows32_in<F: Block32, C: Tiles, const D: usize, const R: usize, const T: usize>(
+    cpu: C,
+    rows: &[u8],
+    acts: &[Act32],
+    tokens: usize,
+    yt: &mut [f32],
+) {
+    if tokens == 1 {
+        rows32::<F, C, D, 1>(cpu, rows, acts, tokens, yt)
+    } else {
+        rows32::<F, C, R, T>(cpu, rows, acts, tokens, yt)
+    }
+}
 
 impl Tiles for Avx2F16c {
+    /// One token (decode) takes 4 rows, so each activation block loaded serves 4 weight blocks;
+    /// several tokens (prefill) take 2 rows × 4 tokens, so each unpacked weight block serves 4
+    /// tokens. (16 registers hold no more.)
     fn rows<F: Block32>(self, rows: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]) {
-        if tokens == 1 {
-            rows32::<F, _, { AVX2_DECODE.0 }, { AVX2_DECODE.1 }>(self, rows, acts, tokens, yt)
-        } else {
-            rows32::<F, _, { AVX2_PREFILL.0 }, { AVX2_PREFILL.1 }>(self, rows, acts, tokens, yt)
-        }
+        rows32_in::<F, _, 4, 2, 4>(self, rows, acts, tokens, yt)
     }
 
     unsafe fn tile_body<F: Block32, const R: usize, const T: usize>(

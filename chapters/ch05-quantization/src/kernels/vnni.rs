@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 
 use super::Act32;
-use super::avx2::{Avx2F16c, Block32, ByteDot, Tiles, rows32, tile32_body};
+use super::avx2::{Avx2F16c, Block32, ByteDot, Tiles, rows32_in, tile32_body};
 use ch02::kernels::Isa;
 
 /// Proof that this CPU has what [`Avx2F16c`] proves and AVX-512 F, VL and VNNI. Safe code gets
@@ -44,18 +44,11 @@ impl ByteDot for Dpbusd {
     }
 }
 
-/// Register tiles `(rows, tokens)`: decode takes 8 rows per activation load, prefill 4 rows × 4
-/// tokens (16 accumulators, 8 unpacked weight registers: 32 registers hold them).
-const DECODE: (usize, usize) = (8, 1);
-const PREFILL: (usize, usize) = (4, 4);
-
 impl Tiles for Avx512Vnni {
+    /// Decode takes 8 rows per activation load, prefill 4 rows × 4 tokens (16 accumulators and
+    /// 8 unpacked weight registers: 32 registers hold them).
     fn rows<F: Block32>(self, rows: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]) {
-        if tokens == 1 {
-            rows32::<F, _, { DECODE.0 }, { DECODE.1 }>(self, rows, acts, tokens, yt)
-        } else {
-            rows32::<F, _, { PREFILL.0 }, { PREFILL.1 }>(self, rows, acts, tokens, yt)
-        }
+        rows32_in::<F, _, 8, 4, 4>(self, rows, acts, tokens, yt)
     }
 
     unsafe fn tile_body<F: Block32, const R: usize, const T: usize>(
