@@ -605,8 +605,8 @@ impl ByteDot for Maddubs {
 }
 
 /// # Safety
-/// The CPU must support AVX2, FMA, F16C and what `D` uses; `rows` must point to `R · n / SUB` readable blocks
-/// and `acts` to `T · n` activation blocks.
+/// The CPU must support AVX2, FMA, F16C and what `D` uses; `rows` must point to `R · n / SUB`
+/// readable blocks and `acts` to `T · n` activation blocks.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn tile32_body<F: Block32, D: ByteDot, const R: usize, const T: usize>(

@@ -13,9 +13,9 @@
 //! integers for the K-quants), then adds `(d_w · d_x) · i` (and the offset's term) to one f32
 //! accumulator per output, block after block in row order. [`Isa::Avx2Fma`] forms the integers
 //! with `maddubs`/`madd` (see `avx2.rs`), or, for the 32-element formats on a CPU with AVX-512
-//! VNNI, with one `vpdpbusd` (see `vnni.rs`), [`Isa::Portable`] with plain Rust; the f32 steps are the same operations in the same order,
-//! so **they are all equal bit for bit** (tested with `==`). Threads (rayon) split the output
-//! rows.
+//! VNNI, with one `vpdpbusd` (see `vnni.rs`), [`Isa::Portable`] with plain Rust; the f32 steps
+//! are the same operations in the same order, so **they are all equal bit for bit** (tested
+//! with `==`). Threads (rayon) split the output rows.
 //!
 //! # Register tiles (the 32-element formats on AVX2)
 //!
@@ -549,16 +549,18 @@ fn dot(path: Path, ty: GgmlType, group: usize, row: &[u8], acts: Acts<'_>) -> f3
             Q5_1 => portable::dot_q5_1(row, a),
             _ => unreachable!("{ty} has no 32-element kernel"),
         },
-        (Path::Portable, Acts::B256(a)) => match ty {
-            Q4K => portable::dot_q4_k(row, a),
-            Q5K => portable::dot_q5_k(row, a),
-            Q6K => portable::dot_q6_k(row, a),
-            _ => unreachable!("{ty} has no 256-element kernel"),
-        },
-        #[cfg(target_arch = "x86_64")]
-        (Path::Avx2(cpu), Acts::B256(a)) => dot_k_avx2(cpu.avx2_fma(), ty, row, [a])[0],
-        #[cfg(target_arch = "x86_64")]
-        (Path::Vnni(cpu), Acts::B256(a)) => dot_k_avx2(cpu.avx2_f16c().avx2_fma(), ty, row, [a])[0],
+        (_, Acts::B256(a)) => {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(cpu) = path.avx2() {
+                return dot_k_avx2(cpu.avx2_fma(), ty, row, [a])[0];
+            }
+            match ty {
+                Q4K => portable::dot_q4_k(row, a),
+                Q5K => portable::dot_q5_k(row, a),
+                Q6K => portable::dot_q6_k(row, a),
+                _ => unreachable!("{ty} has no 256-element kernel"),
+            }
+        }
     }
 }
 
