@@ -63,12 +63,12 @@ fn main() {
         pool.install(|| {
             let mut y = vec![0.0f32; big_rows];
             let t = fastest(15, || matvec(isa, &big, &x[..cols], &mut y, &mut scratch));
-            let streamed = big.bytes().len() as f64 / t / 1e9;
+            let streamed = big.stored_bytes() as f64 / t / 1e9;
             let mut y = vec![0.0f32; small_rows];
             let t = fastest(200, || {
                 matvec(isa, &small, &x[..cols], &mut y, &mut scratch)
             });
-            let cached = small.bytes().len() as f64 / t / 1e9;
+            let cached = small.stored_bytes() as f64 / t / 1e9;
             let mut y = vec![0.0f32; 128 * small_rows];
             let t = fastest(9, || matmul(isa, &small, &x, &mut y, 128, &mut scratch));
             let gmacs = (128 * small_rows * cols) as f64 / t / 1e9;

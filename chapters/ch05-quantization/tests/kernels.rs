@@ -64,7 +64,7 @@ fn act_scales(ty: GgmlType, x: &[f32]) -> Vec<f64> {
 fn reference(ty: GgmlType, w: &QuantMatrix, w_f32: &[f32], x_t: &[f32], o: usize) -> (f64, f64) {
     let cols = w.cols();
     let w_o = &w_f32[o * cols..(o + 1) * cols];
-    let off = offsets(ty, w.row(o));
+    let off = offsets(ty, &w.row(o));
     let dx = act_scales(ty, x_t);
     let n_b = (cols / ty.block_elems()) as f64;
     let (mut dot, mut act, mut mag) = (0.0f64, 0.0f64, 0.0f64);

@@ -75,9 +75,14 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod interleave;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
+mod tiles;
+#[cfg(target_arch = "x86_64")]
 mod vnni;
+
+use std::borrow::Cow;
 
 use rayon::prelude::*;
 
@@ -152,29 +157,8 @@ impl Act256 {
     }
 }
 
-// The f32 steps after a block's integer sum, shared by both instruction sets so that they
+// The f32 steps after a block's integer sum, shared by every instruction set so that they
 // round identically. Rust does not fuse `a * b + c`, so each operation rounds once.
-
-/// Lanes of the 32-element formats' accumulators: lane `k` of a block's integer sum covers its
-/// elements `4k..4k + 4` (what `madd(maddubs(·,·), 1)` leaves in 32-bit lane `k`).
-pub const LANES: usize = 8;
-
-/// `acc[k] + (d_w · d_x) · s[k]` for every lane: a 32-element block's contribution, added lane
-/// by lane (so the AVX2 kernel needs no horizontal sum per block).
-#[inline(always)]
-fn acc_lanes(acc: &mut [f32; LANES], d: f32, dx: f32, s: &[i32; LANES]) {
-    let scale = d * dx;
-    for (a, &s) in acc.iter_mut().zip(s) {
-        *a += scale * s as f32;
-    }
-}
-
-/// The lanes' sum in a fixed order, the one the AVX2 reduction takes:
-/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
-#[inline(always)]
-fn sum_lanes(l: &[f32; LANES]) -> f32 {
-    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
-}
 
 /// `acc + (d_w · d_x) · s`.
 #[inline(always)]
@@ -241,8 +225,11 @@ pub enum KernelError {
     Bias { bias: usize, out: usize },
 }
 
-/// A weight `[rows, cols]` (`[out_features, in_features]`) of one block type, row after row, each
-/// row `cols / block_elems` blocks in the file's layout (the kernels read it as stored).
+/// A weight `[rows, cols]` (`[out_features, in_features]`) of one block type, each row
+/// `cols / block_elems` blocks. The K-quants are stored row after row as the file stores them;
+/// the 32-element formats in groups of 8 interleaved rows ([`interleave`]), the same bytes in
+/// the order the kernels read them (the last group filled up with zero rows).
+/// [`QuantMatrix::bytes`] gives the file's layout back.
 ///
 /// A **grouped** matrix ([`QuantMatrix::grouped`], Q4_0 and Q4_1 only) stores `group`
 /// consecutive blocks of a row that share their scale (and offset) once: the f16 `d` (and `m`),
@@ -252,7 +239,7 @@ pub enum KernelError {
 ///
 /// Invariant (checked by the constructors): `ty` has a kernel, `group` is 1, or one of
 /// [`GROUPS`] for Q4_0 and Q4_1, `cols` is a whole number of `group` blocks, and
-/// `bytes.len() == rows · row_bytes`.
+/// `stored.len()` is `rows · row_bytes`, or `rows.div_ceil(8) · 8 · row_bytes` interleaved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantMatrix {
     ty: GgmlType,
@@ -260,8 +247,9 @@ pub struct QuantMatrix {
     group: usize,
     rows: usize,
     cols: usize,
+    /// Bytes of one row in the file's layout.
     row_bytes: usize,
-    bytes: Vec<u8>,
+    stored: Vec<u8>,
 }
 
 /// The blocks per scale a grouped [`QuantMatrix`] may share (besides 1, every format's).
@@ -297,14 +285,32 @@ impl QuantMatrix {
         if rows.checked_mul(row_bytes) != Some(bytes.len()) {
             return Err(length.into());
         }
-        Ok(QuantMatrix {
+        Ok(QuantMatrix::store(ty, 1, rows, cols, row_bytes, bytes))
+    }
+
+    /// The matrix of `bytes`, checked, in the file's layout: interleaved if `ty` is a
+    /// 32-element format.
+    fn store(
+        ty: GgmlType,
+        group: usize,
+        rows: usize,
+        cols: usize,
+        row_bytes: usize,
+        bytes: Vec<u8>,
+    ) -> QuantMatrix {
+        let stored = if interleave::interleaved(ty) {
+            interleave::pack(ty, group, rows, row_bytes, &bytes)
+        } else {
+            bytes
+        };
+        QuantMatrix {
             ty,
-            group: 1,
+            group,
             rows,
             cols,
             row_bytes,
-            bytes,
-        })
+            stored,
+        }
     }
 
     /// Takes `bytes` as `rows` rows of `cols` elements of Q4_0 or Q4_1 blocks, `group`
@@ -335,14 +341,7 @@ impl QuantMatrix {
         if rows.checked_mul(row_bytes) != Some(bytes.len()) {
             return Err(length.into());
         }
-        Ok(QuantMatrix {
-            ty,
-            group,
-            rows,
-            cols,
-            row_bytes,
-            bytes,
-        })
+        Ok(QuantMatrix::store(ty, group, rows, cols, row_bytes, bytes))
     }
 
     /// Blocks of 32 per stored scale: 1 but for a [`QuantMatrix::grouped`] matrix.
@@ -351,13 +350,14 @@ impl QuantMatrix {
     }
 
     /// The blocks one by one, each with its group's header (what `ty`'s own layout stores).
-    fn ungrouped(&self) -> std::borrow::Cow<'_, [u8]> {
+    fn ungrouped(&self) -> Cow<'_, [u8]> {
+        let bytes = self.bytes();
         if self.group == 1 {
-            return self.bytes.as_slice().into();
+            return bytes;
         }
         let header = header_bytes(self.ty);
         let mut out = Vec::with_capacity(self.rows * self.cols / 32 * self.ty.block_bytes());
-        for g in self.bytes.chunks_exact(group_bytes(self.ty, self.group)) {
+        for g in bytes.chunks_exact(group_bytes(self.ty, self.group)) {
             for body in g[header..].chunks_exact(16) {
                 out.extend_from_slice(&g[..header]);
                 out.extend_from_slice(body);
@@ -409,14 +409,37 @@ impl QuantMatrix {
         self.cols
     }
 
-    /// The stored blocks, row after row (grouped when [`QuantMatrix::group`] > 1).
-    pub fn bytes(&self) -> &[u8] {
-        &self.bytes
+    /// The blocks row after row in the file's layout (grouped when [`QuantMatrix::group`] > 1):
+    /// borrowed for the K-quants, put back in row order for the interleaved formats.
+    pub fn bytes(&self) -> Cow<'_, [u8]> {
+        if !interleave::interleaved(self.ty) {
+            return self.stored.as_slice().into();
+        }
+        let mut out = vec![0u8; self.rows * self.row_bytes];
+        for (r, row) in out.chunks_exact_mut(self.row_bytes.max(1)).enumerate() {
+            self.unpack_row(r, row);
+        }
+        out.into()
     }
 
-    /// Row `r`'s blocks.
-    pub fn row(&self, r: usize) -> &[u8] {
-        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    /// Row `r`'s blocks in the file's layout.
+    pub fn row(&self, r: usize) -> Cow<'_, [u8]> {
+        if !interleave::interleaved(self.ty) {
+            return self.stored[r * self.row_bytes..(r + 1) * self.row_bytes].into();
+        }
+        let mut out = vec![0u8; self.row_bytes];
+        self.unpack_row(r, &mut out);
+        out.into()
+    }
+
+    /// Row `r` of an interleaved matrix into `out[..row_bytes]`, in the file's layout.
+    fn unpack_row(&self, r: usize, out: &mut [u8]) {
+        interleave::unpack_row(self.ty, self.group, self.row_bytes, &self.stored, r, out);
+    }
+
+    /// Bytes the matrix holds in memory (with an interleaved matrix's zero rows).
+    pub fn stored_bytes(&self) -> usize {
+        self.stored.len()
     }
 
     /// The weights decoded to f32, `[rows, cols]` row-major (what "dequantize, then dense" uses).
@@ -582,36 +605,36 @@ fn dot_k_avx2<const T: usize>(
     }
 }
 
-/// Rows `rows` of `w` (whole rows of its bytes) times every token of `a` into `yt`
-/// `[rows, tokens]`, in the register tiles of `cpu` ([`avx2::Tiles`]).
+/// Whole groups of interleaved rows of `w` (`packed`) times every token of `a` into `yt`
+/// `[rows, tokens]`, in the register tiles of `cpu` ([`tiles::Tiles`]).
 #[cfg(target_arch = "x86_64")]
-fn rows32_tiles<C: avx2::Tiles>(
+fn rows32_tiles<C: tiles::Tiles>(
     cpu: C,
     w: &QuantMatrix,
-    rows: &[u8],
+    packed: &[u8],
     a: &[Act32],
     tokens: usize,
     yt: &mut [f32],
 ) {
     use GgmlType::*;
     match (w.ty, w.group) {
-        (Q8_0, 1) => cpu.rows::<avx2::Q8_0>(rows, a, tokens, yt),
-        (Q4_0, 1) => cpu.rows::<avx2::Q4_0>(rows, a, tokens, yt),
-        (Q4_1, 1) => cpu.rows::<avx2::Q4_1>(rows, a, tokens, yt),
-        (Q5_0, 1) => cpu.rows::<avx2::Q5_0>(rows, a, tokens, yt),
-        (Q5_1, 1) => cpu.rows::<avx2::Q5_1>(rows, a, tokens, yt),
-        (Q4_0, 2) => cpu.rows::<avx2::Q4_0G<2>>(rows, a, tokens, yt),
-        (Q4_0, 4) => cpu.rows::<avx2::Q4_0G<4>>(rows, a, tokens, yt),
-        (Q4_0, 8) => cpu.rows::<avx2::Q4_0G<8>>(rows, a, tokens, yt),
-        (Q4_1, 2) => cpu.rows::<avx2::Q4_1G<2>>(rows, a, tokens, yt),
-        (Q4_1, 4) => cpu.rows::<avx2::Q4_1G<4>>(rows, a, tokens, yt),
-        (Q4_1, 8) => cpu.rows::<avx2::Q4_1G<8>>(rows, a, tokens, yt),
+        (Q8_0, 1) => cpu.rows::<tiles::Q8_0>(packed, a, tokens, yt),
+        (Q4_0, 1) => cpu.rows::<tiles::Q4_0>(packed, a, tokens, yt),
+        (Q4_1, 1) => cpu.rows::<tiles::Q4_1>(packed, a, tokens, yt),
+        (Q5_0, 1) => cpu.rows::<tiles::Q5_0>(packed, a, tokens, yt),
+        (Q5_1, 1) => cpu.rows::<tiles::Q5_1>(packed, a, tokens, yt),
+        (Q4_0, 2) => cpu.rows::<tiles::Q4_0G<2>>(packed, a, tokens, yt),
+        (Q4_0, 4) => cpu.rows::<tiles::Q4_0G<4>>(packed, a, tokens, yt),
+        (Q4_0, 8) => cpu.rows::<tiles::Q4_0G<8>>(packed, a, tokens, yt),
+        (Q4_1, 2) => cpu.rows::<tiles::Q4_1G<2>>(packed, a, tokens, yt),
+        (Q4_1, 4) => cpu.rows::<tiles::Q4_1G<4>>(packed, a, tokens, yt),
+        (Q4_1, 8) => cpu.rows::<tiles::Q4_1G<8>>(packed, a, tokens, yt),
         (ty, group) => unreachable!("{ty} has no 32-element kernel for groups of {group}"),
     }
 }
 
 /// Rows `r0..r0 + n` of `w` times every token of `acts` (`per_token` blocks each) into `yt`
-/// `[n, tokens]`.
+/// `[n, tokens]`; `r0` is a multiple of 8 (a whole interleaved group).
 fn rows_times_tokens(
     path: Path,
     w: &QuantMatrix,
@@ -624,10 +647,12 @@ fn rows_times_tokens(
     let n = yt.len() / tokens;
     #[cfg(target_arch = "x86_64")]
     if let Acts::B32(a) = acts {
-        let rows = &w.bytes[r0 * w.row_bytes..(r0 + n) * w.row_bytes];
+        let group_bytes = interleave::ROWS * w.row_bytes;
+        let (g0, g1) = (r0 / interleave::ROWS, (r0 + n).div_ceil(interleave::ROWS));
+        let packed = &w.stored[g0 * group_bytes..g1 * group_bytes];
         match path {
-            Path::Avx2(cpu) => return rows32_tiles(cpu, w, rows, a, tokens, yt),
-            Path::Vnni(cpu) => return rows32_tiles(cpu, w, rows, a, tokens, yt),
+            Path::Avx2(cpu) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
+            Path::Vnni(cpu) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
             Path::Portable => {}
         }
     }
@@ -637,7 +662,7 @@ fn rows_times_tokens(
     if let (Some(cpu), Acts::B256(a), true) = (path.avx2(), acts, tokens > 1) {
         const KQ_TOKENS: usize = 4;
         for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
-            let row = w.row(r0 + i);
+            let row = &w.stored[(r0 + i) * w.row_bytes..(r0 + i + 1) * w.row_bytes];
             let token = |t: usize| &a[t * per_token..(t + 1) * per_token];
             let mut chunks = yt_row.chunks_exact_mut(KQ_TOKENS);
             for (c, y) in (&mut chunks).enumerate() {
@@ -651,8 +676,15 @@ fn rows_times_tokens(
         }
         return;
     }
+    // The portable kernels read a row in the file's layout.
+    let mut row = vec![0u8; w.row_bytes * usize::from(interleave::interleaved(w.ty))];
     for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
-        let row = w.row(r0 + i);
+        let row: &[u8] = if interleave::interleaved(w.ty) {
+            w.unpack_row(r0 + i, &mut row);
+            &row
+        } else {
+            &w.stored[(r0 + i) * w.row_bytes..(r0 + i + 1) * w.row_bytes]
+        };
         for (t, y) in yt_row.iter_mut().enumerate() {
             *y = dot(path, w.ty, w.group, row, acts.token(t, per_token));
         }
@@ -660,11 +692,11 @@ fn rows_times_tokens(
 }
 
 /// Output rows one task computes: enough to amortise the task, few enough to balance the cores;
-/// a multiple of 4, so that tasks split into whole register tiles.
+/// a multiple of 32, so that tasks split into whole interleaved groups and register tiles.
 fn rows_per_task(rows: usize) -> usize {
     rows.div_ceil(4 * rayon::current_num_threads())
         .clamp(1, 64)
-        .next_multiple_of(4)
+        .next_multiple_of(32)
 }
 
 // ANCHOR: matvec

@@ -2,7 +2,7 @@
 //! without AVX2. Each returns exactly what its AVX2 twin returns (same integer sums, same f32
 //! operations in the same order; the tests compare them for equality).
 
-use super::{Act32, Act256, LANES, acc_d, acc_k, acc_lanes, sum_lanes};
+use super::{Act32, Act256, acc_d, acc_k};
 use crate::blocks::f16_at;
 use crate::blocks::q4_k::scale_min;
 use crate::blocks::q5_0::q5;
@@ -14,10 +14,10 @@ fn dot32(u: impl Iterator<Item = i32>, q: &[i8]) -> i32 {
     u.zip(q).map(|(u, &q)| u * i32::from(q)).sum()
 }
 
-/// The lane sums of one 32-element block: lane `k` is `Σ_{l=4k}^{4k+3} w[l] · q[l]`.
+/// `Σ_l w(l) · q[l]` over one 32-element block: an exact i32.
 #[inline]
-fn lanes32(w: impl Fn(usize) -> i32, q: &[i8; 32]) -> [i32; LANES] {
-    std::array::from_fn(|k| (4 * k..4 * k + 4).map(|l| w(l) * i32::from(q[l])).sum())
+fn block32(w: impl Fn(usize) -> i32, q: &[i8; 32]) -> i32 {
+    dot32((0..32).map(w), q)
 }
 
 /// The nibble of element `l` (0..32) of a Q4_0/Q4_1 block: low nibbles, then high.
@@ -33,24 +33,24 @@ fn nibble(qs: &[u8], l: usize) -> i32 {
 /// One Q8_0 row (whole blocks) with one token's activation blocks.
 pub fn dot_q8_0(row: &[u8], acts: &[Act32]) -> f32 {
     // ANCHOR: task_5_2
-    let mut acc = [0.0f32; LANES];
+    let mut acc = 0.0f32;
     for (b, a) in row.chunks_exact(34).zip(acts) {
-        let s = lanes32(|l| i32::from(b[2 + l] as i8), &a.q);
-        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        let isum = block32(|l| i32::from(b[2 + l] as i8), &a.q);
+        acc = acc_d(acc, f16_at(b, 0), a.d, isum);
     }
-    sum_lanes(&acc)
+    acc
     // ANCHOR_END: task_5_2
 }
 
 /// One Q4_0 row with one token's activation blocks: `Σ (q − 8)·x`.
 pub fn dot_q4_0(row: &[u8], acts: &[Act32]) -> f32 {
     // ANCHOR: task_5_2
-    let mut acc = [0.0f32; LANES];
+    let mut acc = 0.0f32;
     for (b, a) in row.chunks_exact(18).zip(acts) {
-        let s = lanes32(|l| nibble(&b[2..18], l) - 8, &a.q);
-        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        let isum = block32(|l| nibble(&b[2..18], l) - 8, &a.q);
+        acc = acc_d(acc, f16_at(b, 0), a.d, isum);
     }
-    sum_lanes(&acc)
+    acc
     // ANCHOR_END: task_5_2
 }
 
@@ -58,14 +58,13 @@ pub fn dot_q4_0(row: &[u8], acts: &[Act32]) -> f32 {
 /// offsets in their own accumulator.
 pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
     // ANCHOR: task_5_2
-    let mut acc = [0.0f32; LANES];
-    let mut acc_m = 0.0f32;
+    let (mut acc, mut acc_m) = (0.0f32, 0.0f32);
     for (b, a) in row.chunks_exact(20).zip(acts) {
-        let s = lanes32(|l| nibble(&b[4..20], l), &a.q);
-        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        let isum = block32(|l| nibble(&b[4..20], l), &a.q);
+        acc = acc_d(acc, f16_at(b, 0), a.d, isum);
         acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
     }
-    sum_lanes(&acc) + acc_m
+    acc + acc_m
     // ANCHOR_END: task_5_2
 }
 
@@ -73,28 +72,27 @@ pub fn dot_q4_1(row: &[u8], acts: &[Act32]) -> f32 {
 /// weights takes [`dot_q4_0`]'s steps with its group's `d`, so the row equals `dot_q4_0` on the
 /// same blocks stored ungrouped, bit for bit.
 pub fn dot_q4_0_grouped(row: &[u8], acts: &[Act32], g: usize) -> f32 {
-    let mut acc = [0.0f32; LANES];
+    let mut acc = 0.0f32;
     for (b, a) in row.chunks_exact(2 + 16 * g).zip(acts.chunks_exact(g)) {
         for (qs, a) in b[2..].chunks_exact(16).zip(a) {
-            let s = lanes32(|l| nibble(qs, l) - 8, &a.q);
-            acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+            let isum = block32(|l| nibble(qs, l) - 8, &a.q);
+            acc = acc_d(acc, f16_at(b, 0), a.d, isum);
         }
     }
-    sum_lanes(&acc)
+    acc
 }
 
 /// One row of `G` Q4_1 blocks per scale and offset; equals [`dot_q4_1`] on the ungrouped blocks.
 pub fn dot_q4_1_grouped(row: &[u8], acts: &[Act32], g: usize) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let mut acc_m = 0.0f32;
+    let (mut acc, mut acc_m) = (0.0f32, 0.0f32);
     for (b, a) in row.chunks_exact(4 + 16 * g).zip(acts.chunks_exact(g)) {
         for (qs, a) in b[4..].chunks_exact(16).zip(a) {
-            let s = lanes32(|l| nibble(qs, l), &a.q);
-            acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+            let isum = block32(|l| nibble(qs, l), &a.q);
+            acc = acc_d(acc, f16_at(b, 0), a.d, isum);
             acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
         }
     }
-    sum_lanes(&acc) + acc_m
+    acc + acc_m
 }
 
 /// The little-endian u32 at `b[at..at + 4]` (a Q5 block's high bits).
@@ -105,26 +103,25 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 
 /// One Q5_0 row with one token's activation blocks: `Σ (q − 16)·x`.
 pub fn dot_q5_0(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
+    let mut acc = 0.0f32;
     for (b, a) in row.chunks_exact(22).zip(acts) {
         let qh = u32_at(b, 2);
-        let s = lanes32(|l| i32::from(q5(qh, &b[6..22], l)) - 16, &a.q);
-        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        let isum = block32(|l| i32::from(q5(qh, &b[6..22], l)) - 16, &a.q);
+        acc = acc_d(acc, f16_at(b, 0), a.d, isum);
     }
-    sum_lanes(&acc)
+    acc
 }
 
 /// One Q5_1 row with one token's activation blocks: `d·Σ q·x + m·Σ x`, as Q4_1.
 pub fn dot_q5_1(row: &[u8], acts: &[Act32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let mut acc_m = 0.0f32;
+    let (mut acc, mut acc_m) = (0.0f32, 0.0f32);
     for (b, a) in row.chunks_exact(24).zip(acts) {
         let qh = u32_at(b, 4);
-        let s = lanes32(|l| i32::from(q5(qh, &b[8..24], l)), &a.q);
-        acc_lanes(&mut acc, f16_at(b, 0), a.d, &s);
+        let isum = block32(|l| i32::from(q5(qh, &b[8..24], l)), &a.q);
+        acc = acc_d(acc, f16_at(b, 0), a.d, isum);
         acc_m = acc_d(acc_m, f16_at(b, 2), a.d, a.sum);
     }
-    sum_lanes(&acc) + acc_m
+    acc + acc_m
 }
 
 /// `Σ_j m[j] · (bsums[2j] + bsums[2j + 1])`: the mins' part of a Q4_K/Q5_K super-block.

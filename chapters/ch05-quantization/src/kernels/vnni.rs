@@ -1,13 +1,15 @@
-//! The 32-element tiles on AVX-512 VNNI: `vpdpbusd` forms a block's 8 integer lanes in one
-//! instruction where AVX2 takes two (`maddubs`, then `madd` by ones), and the EVEX encoding
-//! gives the compiler 32 vector registers instead of 16, room for tiles of twice the
-//! accumulators. The lanes are the same exact integers and the f32 steps after them are
-//! [`super::avx2`]'s, so every output equals the AVX2 and portable kernels' bit for bit.
+//! The 32-element tiles on AVX-512 VNNI: `vpdpbusd` adds 4 byte products per i32 lane in one
+//! instruction where AVX2 takes three (`maddubs`, `madd` by ones, an add), and the EVEX encoding
+//! gives the compiler 32 vector registers instead of 16, room for larger tiles. The integers
+//! are the same exact sums and the f32 steps after them are [`super::tiles`]'s, so every output
+//! equals the AVX2 and portable kernels' bit for bit.
 
 use std::arch::x86_64::*;
 
 use super::Act32;
-use super::avx2::{Avx2F16c, Block32, ByteDot, Tiles, rows32_in, tile32_body};
+use super::avx2::Avx2F16c;
+use super::interleave::ROWS;
+use super::tiles::{ByteDot, Packed, Tiles, rows_in, tile_body};
 use ch02::kernels::Isa;
 
 /// Proof that this CPU has what [`Avx2F16c`] proves and AVX-512 F, VL and VNNI. Safe code gets
@@ -32,50 +34,52 @@ impl Avx512Vnni {
     }
 }
 
-/// `vpdpbusd` on 256 bits: lane `k` accumulates `Σ u·s` over bytes `4k..4k + 4`, exactly what
-/// [`super::avx2::Maddubs`] leaves there (it never saturates, so no bound is needed).
+/// `vpdpbusd` on 256 bits: lane `k` accumulates `Σ u·s` over bytes `4k..4k + 4` into `acc`,
+/// exactly what [`super::tiles::Maddubs`] adds there (it never saturates, so no bound is needed).
 pub enum Dpbusd {}
 
 impl ByteDot for Dpbusd {
     #[inline(always)]
-    unsafe fn lanes(u: __m256i, s: __m256i) -> __m256i {
+    unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         // SAFETY: the caller guarantees AVX-512 VNNI and VL.
-        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s) }
+        unsafe { _mm256_dpbusd_epi32(acc, u, s) }
     }
 }
 
 impl Tiles for Avx512Vnni {
-    /// Decode takes 8 rows per activation load, prefill 4 rows × 4 tokens (16 accumulators and
-    /// 8 unpacked weight registers: 32 registers hold them).
-    fn rows<F: Block32>(self, rows: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]) {
-        rows32_in::<F, _, 8, 4, 4>(self, rows, acts, tokens, yt)
+    /// Decode takes 4 groups (32 rows) per activation load, prefill 2 groups × 4 tokens (16
+    /// unpacked weight registers and 8 accumulators: 32 registers hold them).
+    fn rows<F: Packed>(self, packed: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]) {
+        rows_in::<F, _, 4, 2, 4>(self, packed, acts, tokens, yt)
     }
 
-    unsafe fn tile_body<F: Block32, const R: usize, const T: usize>(
+    unsafe fn tile_body<F: Packed, const G: usize, const T: usize>(
         self,
-        rows: *const u8,
+        packed: *const u8,
+        group_bytes: usize,
         acts: *const Act32,
         n: usize,
-        out: &mut [[f32; T]; R],
+        out: &mut [[[f32; ROWS]; T]; G],
     ) {
         // SAFETY: `self` proves every instruction set `body` enables; the rest is the caller's.
-        unsafe { body::<F, R, T>(rows, acts, n, out) }
+        unsafe { body::<F, G, T>(packed, group_bytes, acts, n, out) }
     }
 }
 
-/// [`tile32_body`] with [`Dpbusd`], compiled for AVX-512 VNNI (inlined here, so that it gets
+/// [`tile_body`] with [`Dpbusd`], compiled for AVX-512 VNNI (inlined here, so that it gets
 /// the 32 registers and `vpdpbusd` inline).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C and AVX-512 F, VL and VNNI; the pointers as
-/// [`tile32_body`] requires.
+/// [`tile_body`] requires.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn body<F: Block32, const R: usize, const T: usize>(
-    rows: *const u8,
+unsafe fn body<F: Packed, const G: usize, const T: usize>(
+    packed: *const u8,
+    group_bytes: usize,
     acts: *const Act32,
     n: usize,
-    out: &mut [[f32; T]; R],
+    out: &mut [[[f32; ROWS]; T]; G],
 ) {
-    // SAFETY: the caller's guarantees are `tile32_body`'s.
-    unsafe { tile32_body::<F, Dpbusd, R, T>(rows, acts, n, out) }
+    // SAFETY: the caller's guarantees are `tile_body`'s.
+    unsafe { tile_body::<F, Dpbusd, G, T>(packed, group_bytes, acts, n, out) }
 }
