@@ -276,7 +276,10 @@ pub(super) unsafe fn tile_body<F: Packed, D: ByteDot, const G: usize, const T: u
     for b in 0..n / F::SUB {
         for g in 0..G {
             let p = packed.wrapping_add(g * group_bytes + b * block_bytes);
-            prefetch(p.wrapping_add(4 * block_bytes), block_bytes); // 4 blocks ahead
+            // The same block of the group the next tile reads, `G` groups on: a group is a
+            // short stream (8 rows of a few hundred bytes), too short for the hardware's
+            // prefetcher to reach full speed on its own.
+            prefetch(p.wrapping_add(G * group_bytes), block_bytes);
             // SAFETY: block `b` of group `g` is readable (caller): the scales at 0..16, the
             // offsets at 16..32.
             let (d, m) = unsafe {
