@@ -12,36 +12,38 @@
 //! Per weight block the kernel forms an exact i32 (`Σ q_w · q_x`, the sub-block scales applied in
 //! integers for the K-quants), then adds `(d_w · d_x) · i` (and the offset's term) to one f32
 //! accumulator per output, block after block in row order. [`Isa::Avx2Fma`] forms the integers
-//! with `maddubs`/`madd` (see `avx2.rs`), or, for the 32-element formats on a CPU with AVX-512
-//! VNNI, with one `vpdpbusd` (see `vnni.rs`), [`Isa::Portable`] with plain Rust; the f32 steps
-//! are the same operations in the same order, so **they are all equal bit for bit** (tested
-//! with `==`). Threads (rayon) split the output rows.
+//! with `maddubs`/`madd` (see `avx2.rs`, `tiles.rs`), or, for the 32-element formats on a CPU
+//! with AVX-512 VNNI, with one `vpdpbusd` (see `vnni.rs`), [`Isa::Portable`] with plain Rust;
+//! the f32 steps are the same operations in the same order, so **they are all equal bit for
+//! bit** (tested with `==`). Threads (rayon) split the output rows.
 //!
-//! # Register tiles (the 32-element formats on AVX2)
+//! # Interleaved rows (the 32-element formats on AVX2)
 //!
-//! A block's work is small (one load, one or two instructions to unpack, one integer dot, three
-//! f32 steps), so what surrounds it decides the speed. The AVX2 kernel computes a tile of `R`
-//! rows × `T` tokens at once, with `R·T` vector accumulators of 8 f32 lanes (no horizontal sum
-//! until the row ends):
+//! A block's work is small (one load, an unpack, one integer dot product, three f32 steps), so
+//! what surrounds it decides the speed. Kept row after row, a vector holds 32 weights of one
+//! row: the integer products of a block end in 8 lanes of one output, and the f32 steps (scale
+//! product, conversion, multiply, add) are paid once per row and block. [`QuantMatrix`] stores
+//! these formats instead in **groups of 8 rows, interleaved** ([`interleave`]): a vector holds 4
+//! consecutive weights of each of 8 rows, it multiplies 4 activation bytes broadcast to every
+//! lane, and 8 such products make the block's exact integer sum for 8 rows at once, one row per
+//! lane. The f32 steps then run once per 8 rows, and no lane is ever summed across:
 //!
 //! ```text
-//! for b in blocks of the row:                      W: [R rows, blocks]   X: [T tokens, blocks]
-//!     w[r] = unpack(W[r, b])     r < R             unpacked once, used T times
+//! for b in blocks:                               W: groups of 8 rows   X: [T tokens, blocks]
+//!     w[k] = 4 weights of 8 rows, k < 8          unpacked once, used by T tokens
 //!     for t < T:
-//!         x = X[t, b].q                            loaded once, used R times
-//!         acc[r][t] += (d_w · d_x) · lanes(w[r] · x)
+//!         i = Σ_k w[k] · bcast(X[t, b].q[4k..4k+4])        [8 rows × i32], exact
+//!         acc[t] += (d_w[8 rows] · d_x[t]) · i             [8 rows × f32]
 //! ```
 //!
-//! Decode (one token) takes `4 × 1` tiles on AVX2: four rows share each activation load and keep
-//! four independent accumulator chains in flight. Prefill takes `2 × 4`: each weight block is
-//! unpacked once for four tokens, so [`matmul`] costs less per token than [`matvec`]. With
-//! AVX-512 the compiler has 32 vector registers instead of 16, and the tiles double: `8 × 1` and
-//! `4 × 4`. Each row of a tile asks for the block the next tile will read (a prefetch): rows are
-//! a few hundred bytes, too short for the hardware's prefetcher to follow R of them. The
-//! tiles change which outputs are computed together, never the operations of one output, so
-//! [`matmul`] still equals [`matvec`] bit for bit. The K-quants run one row at a time (their
-//! 256-element blocks already amortise the loop) and, in [`matmul`], four tokens per unpacked
-//! super-block.
+//! A tile takes `G` groups × `T` tokens (`tiles.rs`): decode 2 × 1 on AVX2 and 4 × 1 with
+//! AVX-512 VNNI (whose 32 registers hold more), prefill 1 × 2 and 2 × 4. Each group of a tile
+//! asks for the block the next tile will read (a prefetch): a group is a short stream of
+//! `8 · row_bytes`, too short for the hardware's prefetcher to reach speed on its own. The tiles
+//! change which outputs are computed together, never the operations of one output, so
+//! [`matmul`] equals [`matvec`] bit for bit. The K-quants keep the file's rows and run one row at
+//! a time (their 256-element blocks already amortise the loop) and, in [`matmul`], four tokens
+//! per unpacked super-block.
 //!
 //! # The error bound against dequantize-then-dense
 //!

@@ -157,6 +157,7 @@ impl Packed for Q5_1 {
     }
 }
 
+// ANCHOR: grouped_weights
 impl<const G: usize> Packed for Q4_0G<G> {
     const BYTES: usize = 2 + 16 * G;
     const OFFSET: bool = false;
@@ -179,6 +180,7 @@ impl<const G: usize> Packed for Q4_1G<G> {
         unsafe { nibble_words(p.add(head::<Self>() + 128 * j)) }
     }
 }
+// ANCHOR_END: grouped_weights
 
 /// How a tile adds 4 byte products per i32 lane: `acc + Σ u·s` over bytes `4k..4k + 4`,
 /// exactly (the weights are at most 31, or 128 with the sign trick, and `|s| ≤ 127`, so
