@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 use ch02::kernels::{Avx2Fma, Isa};
 
 use super::portable::mins_dot;
-use super::{Act256, acc_d, acc_k};
+use super::{Act256, acc_k};
 use crate::blocks::f16_at;
 use crate::blocks::q4_k::scale_min;
 
@@ -91,16 +91,8 @@ macro_rules! safe_kernel {
 }
 
 safe_kernel!(
-    /// One Q4_K row with `T` tokens' Q8_K activation blocks.
-    dot_q4_k, dot_q4_k_avx2, 144
-);
-safe_kernel!(
     /// One Q5_K row with `T` tokens' Q8_K activation blocks.
     dot_q5_k, dot_q5_k_avx2, 176
-);
-safe_kernel!(
-    /// One Q6_K row with `T` tokens' Q8_K activation blocks.
-    dot_q6_k, dot_q6_k_avx2, 210
 );
 
 /// Asks for the `bytes` bytes at `p` to be brought into L1: a block that a kernel will read
@@ -114,49 +106,6 @@ pub(super) fn prefetch(p: *const u8, bytes: usize) {
     for line in (0..bytes).step_by(64) {
         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line) as *const i8);
     }
-}
-
-/// # Safety
-/// The CPU must support AVX2; `row.len() == acts[t].len() * 144` for every `t`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_q4_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
-    let mut acc = [0.0f32; T];
-    for (k, b) in row.chunks_exact(144).enumerate() {
-        prefetch(b.as_ptr().wrapping_add(row.len()), 144); // the next row's block
-        let (sc, m) = scale_min(&b[4..16]);
-        // SAFETY: AVX2 is present (caller); `b` is 144 bytes, so the four 32-byte loads at
-        // 16 + 32i (i < 4) end by byte 144; each token's block `k` exists (caller) and its `q`
-        // is 256 bytes, read at 64i and 64i + 32.
-        let sums = unsafe {
-            let m4 = _mm256_set1_epi8(0x0F);
-            let mut sums = [_mm256_setzero_si256(); T];
-            for i in 0..4 {
-                let raw = load32(b.as_ptr().add(16 + 32 * i));
-                let lo = _mm256_and_si256(raw, m4); // sub-block 2i
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4); // sub-block 2i + 1
-                let s_lo = _mm256_set1_epi16(i16::from(sc[2 * i]));
-                let s_hi = _mm256_set1_epi16(i16::from(sc[2 * i + 1]));
-                for (sums, a) in sums.iter_mut().zip(acts) {
-                    let q = a.get_unchecked(k).q.as_ptr();
-                    let x_lo = load32(q.add(64 * i) as *const u8);
-                    let x_hi = load32(q.add(64 * i + 32) as *const u8);
-                    let p_lo = _mm256_maddubs_epi16(lo, x_lo);
-                    let p_hi = _mm256_maddubs_epi16(hi, x_hi);
-                    *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p_lo, s_lo));
-                    *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p_hi, s_hi));
-                }
-            }
-            sums
-        };
-        for ((acc, sums), a) in acc.iter_mut().zip(sums).zip(acts) {
-            let a = &a[k];
-            // SAFETY: AVX2 is present (caller).
-            let isum = unsafe { hsum_i32(sums) };
-            let imin = mins_dot(&m, &a.bsums);
-            *acc = acc_k(*acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
-        }
-    }
-    acc
 }
 
 /// # Safety
@@ -202,62 +151,6 @@ unsafe fn dot_q5_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f3
             let isum = unsafe { hsum_i32(sums) };
             let imin = mins_dot(&m, &a.bsums);
             *acc = acc_k(*acc, f16_at(b, 0), f16_at(b, 2), a.d, isum, imin);
-        }
-    }
-    acc
-}
-
-/// # Safety
-/// The CPU must support AVX2; `row.len() == acts[t].len() * 210` for every `t`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_q6_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
-    let mut acc = [0.0f32; T];
-    for (k, b) in row.chunks_exact(210).enumerate() {
-        prefetch(b.as_ptr().wrapping_add(row.len()), 210); // the next row's block
-        let scales = &b[192..208];
-        let sc = |j: usize| i16::from(scales[j] as i8);
-        // SAFETY: AVX2 is present (caller); `b` is 210 bytes: the ql loads at 64h and 64h + 32
-        // (h < 2) end by byte 128, the qh load at 128 + 32h by byte 192; each token's block `k`
-        // exists (caller) and its `q` is 256 bytes, read at 128h + 32k (k < 4).
-        let sums = unsafe {
-            let m4 = _mm256_set1_epi8(0x0F);
-            let m2 = _mm256_set1_epi8(0x03);
-            let mut sums = [_mm256_setzero_si256(); T];
-            for h in 0..2 {
-                let ql_a = load32(b.as_ptr().add(64 * h));
-                let ql_b = load32(b.as_ptr().add(64 * h + 32));
-                let qh = load32(b.as_ptr().add(128 + 32 * h));
-                let lows = [
-                    _mm256_and_si256(ql_a, m4),
-                    _mm256_and_si256(ql_b, m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql_a), m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql_b), m4),
-                ];
-                for (quarter, low) in lows.into_iter().enumerate() {
-                    let shift = _mm_cvtsi32_si128(2 * quarter as i32);
-                    let high = _mm256_and_si256(_mm256_srl_epi16(qh, shift), m2);
-                    let u = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high)); // 0..64
-                    // Lanes 0..8 are elements 0..16 (one sub-block), 8..16 the next.
-                    let j = 8 * h + 2 * quarter;
-                    let s = _mm256_set_m128i(_mm_set1_epi16(sc(j + 1)), _mm_set1_epi16(sc(j)));
-                    for (sums, a) in sums.iter_mut().zip(acts) {
-                        let q = a.get_unchecked(k).q.as_ptr();
-                        let x = load32(q.add(128 * h + 32 * quarter) as *const u8);
-                        let p = _mm256_maddubs_epi16(u, x);
-                        *sums = _mm256_add_epi32(*sums, _mm256_madd_epi16(p, s));
-                    }
-                }
-            }
-            sums
-        };
-        for ((acc, sums), a) in acc.iter_mut().zip(sums).zip(acts) {
-            let a = &a[k];
-            // SAFETY: AVX2 is present (caller).
-            let isum = unsafe { hsum_i32(sums) };
-            let offset: i32 = (0..16)
-                .map(|j| i32::from(sc(j)) * i32::from(a.bsums[j]))
-                .sum();
-            *acc = acc_d(*acc, f16_at(b, 208), a.d, isum - 32 * offset);
         }
     }
     acc

@@ -41,9 +41,11 @@
 //! asks for the block the next tile will read (a prefetch): a group is a short stream of
 //! `8 · row_bytes`, too short for the hardware's prefetcher to reach speed on its own. The tiles
 //! change which outputs are computed together, never the operations of one output, so
-//! [`matmul`] equals [`matvec`] bit for bit. The K-quants keep the file's rows and run one row at
-//! a time (their 256-element blocks already amortise the loop) and, in [`matmul`], four tokens
-//! per unpacked super-block.
+//! [`matmul`] equals [`matvec`] bit for bit. Q4_K and Q6_K are interleaved too (`ktiles.rs`):
+//! per super-block of 8 rows, each sub-block's exact integer sums, multiplied by the 8 rows'
+//! sub-block scales in integers, then the f32 steps once; tiles of one group × 1 token (decode)
+//! or × 4 (2 on AVX2) tokens. Q5_K keeps the file's rows, one row at a time and, in [`matmul`],
+//! four tokens per unpacked super-block.
 //!
 //! # The error bound against dequantize-then-dense
 //!
@@ -78,7 +80,11 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod interleave;
+#[cfg(target_arch = "x86_64")]
+mod ktiles;
 pub mod portable;
+#[cfg(test)]
+mod test_util;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
 #[cfg(target_arch = "x86_64")]
@@ -439,6 +445,12 @@ impl QuantMatrix {
         interleave::unpack_row(self.ty, self.group, self.row_bytes, &self.stored, r, out);
     }
 
+    /// Bytes of one group of 8 interleaved rows.
+    fn group_bytes(&self) -> usize {
+        let blocks = self.cols / self.ty.block_elems() / self.group;
+        blocks * interleave::block_bytes(self.ty, self.group)
+    }
+
     /// Bytes the matrix holds in memory (with an interleaved matrix's zero rows).
     pub fn stored_bytes(&self) -> usize {
         self.stored.len()
@@ -600,10 +612,8 @@ fn dot_k_avx2<const T: usize>(
 ) -> [f32; T] {
     use GgmlType::*;
     match ty {
-        Q4K => avx2::dot_q4_k(cpu, row, acts),
         Q5K => avx2::dot_q5_k(cpu, row, acts),
-        Q6K => avx2::dot_q6_k(cpu, row, acts),
-        _ => unreachable!("{ty} has no 256-element kernel"),
+        _ => unreachable!("{ty} has no row-by-row AVX2 kernel (Q4_K and Q6_K are interleaved)"),
     }
 }
 
@@ -648,14 +658,17 @@ fn rows_times_tokens(
 ) {
     let n = yt.len() / tokens;
     #[cfg(target_arch = "x86_64")]
-    if let Acts::B32(a) = acts {
-        let group_bytes = interleave::ROWS * w.row_bytes;
+    if interleave::interleaved(w.ty) {
+        use tiles::Tiles;
+        // Whole groups of 8 interleaved rows (the last one may hold zero rows past `rows`).
         let (g0, g1) = (r0 / interleave::ROWS, (r0 + n).div_ceil(interleave::ROWS));
-        let packed = &w.stored[g0 * group_bytes..g1 * group_bytes];
-        match path {
-            Path::Avx2(cpu) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
-            Path::Vnni(cpu) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
-            Path::Portable => {}
+        let packed = &w.stored[g0 * w.group_bytes()..g1 * w.group_bytes()];
+        match (path, acts) {
+            (Path::Avx2(cpu), Acts::B32(a)) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
+            (Path::Vnni(cpu), Acts::B32(a)) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
+            (Path::Avx2(cpu), Acts::B256(a)) => return cpu.rows_k(w.ty, packed, a, tokens, yt),
+            (Path::Vnni(cpu), Acts::B256(a)) => return cpu.rows_k(w.ty, packed, a, tokens, yt),
+            (Path::Portable, _) => {}
         }
     }
     // The K-quants on AVX2, several tokens: each row's super-blocks unpacked once per

@@ -22,9 +22,11 @@
 
 use std::arch::x86_64::*;
 
-use super::Act32;
 use super::avx2::{Avx2F16c, dot_u8_i8, high_bit, load32, prefetch};
 use super::interleave::ROWS;
+use super::ktiles::{KBlock, k_body, k_rows_of};
+use super::{Act32, Act256};
+use crate::format::GgmlType;
 
 /// A 32-element format as the interleaved tiles see it: where its scales are and how a run of
 /// 32 weights of 8 rows unpacks to 8 vectors. See [`super::interleave`] for the layout.
@@ -221,6 +223,21 @@ pub trait Tiles: Copy {
         n: usize,
         out: &mut [[[f32; ROWS]; T]; G],
     );
+
+    /// [`k_rows_of`] (Q4_K, Q6_K) with this CPU's tokens per tile for several tokens.
+    fn rows_k(self, ty: GgmlType, packed: &[u8], acts: &[Act256], tokens: usize, yt: &mut [f32]);
+
+    /// [`k_body`] compiled for this CPU.
+    ///
+    /// # Safety
+    /// As [`k_body`]'s, but for the instruction sets, which `self` proves.
+    unsafe fn k_body<F: KBlock, const T: usize>(
+        self,
+        packed: *const u8,
+        acts: *const Act256,
+        n: usize,
+        out: &mut [[f32; ROWS]; T],
+    );
 }
 
 impl Tiles for Avx2F16c {
@@ -241,6 +258,22 @@ impl Tiles for Avx2F16c {
     ) {
         // SAFETY: `self` proves AVX2, FMA and F16C; the rest is the caller's.
         unsafe { tile_body::<F, Maddubs, G, T>(packed, group_bytes, acts, n, out) }
+    }
+
+    /// Two tokens per tile for several (16 registers hold two tokens' partial sums).
+    fn rows_k(self, ty: GgmlType, packed: &[u8], acts: &[Act256], tokens: usize, yt: &mut [f32]) {
+        k_rows_of::<_, 2>(self, ty, packed, acts, tokens, yt)
+    }
+
+    unsafe fn k_body<F: KBlock, const T: usize>(
+        self,
+        packed: *const u8,
+        acts: *const Act256,
+        n: usize,
+        out: &mut [[f32; ROWS]; T],
+    ) {
+        // SAFETY: `self` proves AVX2, FMA and F16C; the rest is the caller's.
+        unsafe { k_body::<F, Maddubs, T>(packed, acts, n, out) }
     }
 }
 
@@ -463,29 +496,11 @@ fn token_tiles<F: Packed, C: Tiles, const G: usize, const T: usize>(
 mod tests {
     use super::super::interleave::pack;
     use super::super::portable;
+    use super::super::test_util::{assert_bits, portable_outputs, random_inputs, random_rows};
     use super::super::vnni::Avx512Vnni;
     use super::*;
     use crate::format::GgmlType;
     use ch02::kernels::Isa;
-
-    /// Random bytes with moderate f16 scales at `scale_at` of every block.
-    fn random_rows(bytes: usize, block: usize, scale_at: &[usize], seed: u64) -> Vec<u8> {
-        let mut state = seed | 1;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
-        let mut out: Vec<u8> = (0..bytes).map(|_| next() as u8).collect();
-        for b in out.chunks_exact_mut(block) {
-            for &at in scale_at {
-                let v = ((next() % 2001) as f32 - 1000.0) / 1e4;
-                b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-            }
-        }
-        out
-    }
 
     /// Every tile shape, on AVX2 and on AVX-512 VNNI, equals the portable one-row kernel bit for
     /// bit (the public tests reach only the shapes and the instruction set this CPU picks).
@@ -500,24 +515,11 @@ mod tests {
         let row_bytes = n / F::SUB * F::BYTES;
         let w = random_rows(rows * row_bytes, F::BYTES, scale_at, 7);
         let packed = pack(ty, F::SUB, rows, row_bytes, &w);
-        let x: Vec<f32> = random_rows(tokens * n * 32 * 4, 4, &[], 11)
-            .chunks_exact(4)
-            .map(|b| (u32::from_le_bytes([b[0], b[1], b[2], b[3]]) % 20001) as f32 / 5e3 - 2.0)
-            .collect();
+        let x = random_inputs(tokens * n * 32, 11);
         let acts: Vec<Act32> = x.chunks_exact(32).map(Act32::quantize).collect();
-        let expected: Vec<f32> = (0..rows)
-            .flat_map(|r| {
-                let row = &w[r * row_bytes..(r + 1) * row_bytes];
-                (0..tokens)
-                    .map(|t| portable(row, &acts[t * n..(t + 1) * n]))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        let check = |name: &str, got: Vec<f32>| {
-            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                assert_eq!(g.to_bits(), e.to_bits(), "{ty} tile {name} output {i}");
-            }
-        };
+        let expected = portable_outputs(&w, row_bytes, &acts, n, portable);
+        let check =
+            |name: &str, got: Vec<f32>| assert_bits(&format!("{ty} tile {name}"), &expected, &got);
         let (p, a) = (&packed[..], &acts[..]);
         if let Some(cpu) = Avx2F16c::detect(isa) {
             check("AVX2 2x1", run::<F, _, 2, 1>(cpu, p, a, tokens, rows));

@@ -6,10 +6,12 @@
 
 use std::arch::x86_64::*;
 
-use super::Act32;
 use super::avx2::Avx2F16c;
 use super::interleave::ROWS;
+use super::ktiles::{KBlock, k_body, k_rows_of};
 use super::tiles::{ByteDot, Packed, Tiles, rows_in, tile_body};
+use super::{Act32, Act256};
+use crate::format::GgmlType;
 use ch02::kernels::Isa;
 
 /// Proof that this CPU has what [`Avx2F16c`] proves and AVX-512 F, VL and VNNI. Safe code gets
@@ -64,6 +66,38 @@ impl Tiles for Avx512Vnni {
         // SAFETY: `self` proves every instruction set `body` enables; the rest is the caller's.
         unsafe { body::<F, G, T>(packed, group_bytes, acts, n, out) }
     }
+
+    /// Four tokens per tile for several.
+    fn rows_k(self, ty: GgmlType, packed: &[u8], acts: &[Act256], tokens: usize, yt: &mut [f32]) {
+        k_rows_of::<_, 4>(self, ty, packed, acts, tokens, yt)
+    }
+
+    unsafe fn k_body<F: KBlock, const T: usize>(
+        self,
+        packed: *const u8,
+        acts: *const Act256,
+        n: usize,
+        out: &mut [[f32; ROWS]; T],
+    ) {
+        // SAFETY: `self` proves every instruction set `body_k` enables; the rest is the caller's.
+        unsafe { body_k::<F, T>(packed, acts, n, out) }
+    }
+}
+
+/// [`k_body`] with [`Dpbusd`], compiled for AVX-512 VNNI.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-512 F, VL and VNNI; the pointers as
+/// [`k_body`] requires.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn body_k<F: KBlock, const T: usize>(
+    packed: *const u8,
+    acts: *const Act256,
+    n: usize,
+    out: &mut [[f32; ROWS]; T],
+) {
+    // SAFETY: the caller's guarantees are `k_body`'s.
+    unsafe { k_body::<F, Dpbusd, T>(packed, acts, n, out) }
 }
 
 /// [`tile_body`] with [`Dpbusd`], compiled for AVX-512 VNNI (inlined here, so that it gets
