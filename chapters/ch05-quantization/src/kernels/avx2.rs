@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 use ch02::kernels::{Avx2Fma, Isa};
 
 use super::portable::mins_dot;
-use super::{Act256, acc_k};
+use super::{Act32, Act256, acc_k};
 use crate::blocks::f16_at;
 use crate::blocks::q4_k::scale_min;
 
@@ -182,6 +182,70 @@ impl Avx2F16c {
     }
 }
 
+/// [`Act32::quantize`] with AVX2, the same bits: the largest magnitude by `max` (which, like
+/// `f32::max`, skips a NaN, and is order-free), the scale and its inverse as the scalar code
+/// computes them, then 8 values per step through [`super::round_half_away`]'s steps: clamp to
+/// ±127, truncate, compare the remainder with ±½, NaN to 0.
+pub fn quantize_act32(_cpu: Avx2F16c, x: &[f32]) -> Act32 {
+    assert_eq!(x.len(), 32, "one block of 32");
+    // SAFETY: `_cpu` proves AVX2; `x` is 32 readable f32 (checked above).
+    unsafe { quantize_act32_avx2(x) }
+}
+
+/// # Safety
+/// The CPU must support AVX2; `x.len() == 32`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_act32_avx2(x: &[f32]) -> Act32 {
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    // SAFETY: x[8i..8i + 8] for i < 4 lie in the 32 values (caller).
+    let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+    // `maxps(a, b)` returns b when a is NaN: with the running maximum as b, a NaN is skipped,
+    // as `f32::max` skips it.
+    let mut m = _mm256_setzero_ps();
+    for v in v {
+        m = _mm256_max_ps(_mm256_and_ps(v, abs), m);
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` is 8 writable f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+    let amax = lanes.iter().fold(0.0f32, |m, &v| m.max(v));
+    let d = amax / 127.0;
+    let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+    let (half, id) = (_mm256_set1_ps(0.5), _mm256_set1_ps(id));
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let mut q = [0i8; 32];
+    let mut sum = _mm256_setzero_si256();
+    let mut words = [_mm256_setzero_si256(); 4];
+    for (w, v) in words.iter_mut().zip(v) {
+        let v = _mm256_mul_ps(v, id);
+        // A NaN (`x · 0` for an infinite x, or a NaN x) becomes 0, as `as i32` makes it.
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        let v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+        let t = _mm256_cvttps_epi32(v);
+        let frac = _mm256_sub_ps(v, _mm256_cvtepi32_ps(t));
+        // Compare masks are −1 where true: t + (frac ≥ ½) − (frac ≤ −½).
+        let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half));
+        let minus_half = _mm256_sub_ps(_mm256_setzero_ps(), half);
+        let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(frac, minus_half));
+        let r = _mm256_add_epi32(_mm256_sub_epi32(t, up), down);
+        *w = _mm256_andnot_si256(nan, r);
+        sum = _mm256_add_epi32(sum, *w);
+    }
+    // i32 → i8 in element order: the packs interleave 128-bit halves, the permute undoes it.
+    let w16_a = _mm256_packs_epi32(words[0], words[1]);
+    let w16_b = _mm256_packs_epi32(words[2], words[3]);
+    let w8 = _mm256_packs_epi16(w16_a, w16_b);
+    let w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // SAFETY: `q` is 32 writable bytes.
+    unsafe { _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, w8) };
+    Act32 {
+        q,
+        d,
+        // SAFETY: AVX2 is present (caller).
+        sum: unsafe { hsum_i32(sum) },
+    }
+}
+
 /// The f16 `bits` widened to f32 by F16C's `vcvtph2ps`, as the tiles widen 8 scales at once
 /// (for the exhaustive test: it is exact, like [`crate::blocks::f16_bits_to_f32`]).
 #[cfg(test)]
@@ -214,6 +278,59 @@ mod tests {
                 fast.to_bits() == exact.to_bits() || (fast.is_nan() && exact.is_nan()),
                 "{bits:#06x}: {fast:e} vs {exact:e}"
             );
+        }
+    }
+
+    #[test]
+    fn the_avx2_activation_quantizer_equals_the_scalar_one() {
+        let Some(cpu) = Avx2F16c::detect(Isa::detect()) else {
+            return; // nothing to compare on this CPU
+        };
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let special = [
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            -3e-39,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            0.5,
+            -1.5,
+        ];
+        for case in 0..20_000 {
+            let scale = f32::powi(2.0, (next() % 40) as i32 - 20);
+            let mut x: Vec<f32> = (0..32)
+                .map(|_| ((next() % 20001) as f32 / 1e4 - 1.0) * scale)
+                .collect();
+            // Ties: the largest value 127, the others halves after scaling.
+            if case % 5 == 0 {
+                x[0] = 127.0;
+                for v in &mut x[1..8] {
+                    *v = (next() % 255) as f32 - 127.0 + 0.5;
+                }
+            }
+            if case % 3 == 0 {
+                for _ in 0..1 + next() % 3 {
+                    x[(next() % 32) as usize] = special[(next() % special.len() as u64) as usize];
+                }
+            }
+            if case % 7 == 0 {
+                x.iter_mut()
+                    .for_each(|v| *v = special[(next() % 3) as usize]);
+            }
+            let (fast, exact) = (quantize_act32(cpu, &x), Act32::quantize(&x));
+            assert_eq!(fast.q, exact.q, "{x:?}");
+            assert_eq!(fast.d.to_bits(), exact.d.to_bits(), "{x:?}");
+            assert_eq!(fast.sum, exact.sum, "{x:?}");
         }
     }
 }

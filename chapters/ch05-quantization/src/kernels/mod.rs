@@ -116,14 +116,16 @@ impl Act32 {
         sum: 0,
     };
 
-    /// Quantizes 32 values: `d = max|x| / 127`, `q = round(x / d)` (halves away from zero).
+    /// Quantizes 32 values: `d = max|x| / 127`, `q = round(x / d)` (halves away from zero; a NaN
+    /// to 0).
     pub fn quantize(x: &[f32]) -> Act32 {
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
         let mut q = [0i8; 32];
         for (q, &x) in q.iter_mut().zip(x) {
-            *q = round_half_away(x * id) as i8;
+            // (The clamp changes nothing but a scale too small to invert, whose `id` is ∞.)
+            *q = round_half_away((x * id).clamp(-127.0, 127.0)) as i8;
         }
         let sum = q.iter().map(|&q| i32::from(q)).sum();
         Act32 { q, d, sum }
@@ -493,6 +495,7 @@ impl<'a> Acts<'a> {
 
 /// Quantizes `x` [tokens, cols] into the activation blocks `ty` pairs with; returns them.
 fn quantize_acts<'s>(
+    path: Path,
     ty: GgmlType,
     x: &[f32],
     tokens: usize,
@@ -524,6 +527,12 @@ fn quantize_acts<'s>(
         buf
     }
     if ty.block_elems() == 32 {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = path.avx2() {
+            let encode = |x: &[f32]| avx2::quantize_act32(cpu, x);
+            return Acts::B32(fill(act32, Act32::ZERO, x, tokens, 32, encode));
+        }
+        let _ = path;
         Acts::B32(fill(act32, Act32::ZERO, x, tokens, 32, Act32::quantize))
     } else {
         Acts::B256(fill(act256, Act256::ZERO, x, tokens, 256, Act256::quantize))
@@ -721,8 +730,8 @@ fn rows_per_task(rows: usize) -> usize {
 pub fn matvec(isa: Isa, w: &QuantMatrix, x: &[f32], y: &mut [f32], scratch: &mut Scratch) {
     assert_eq!(x.len(), w.cols, "x is [in]");
     assert_eq!(y.len(), w.rows, "y is [out]");
-    let acts = quantize_acts(w.ty, x, 1, &mut scratch.act32, &mut scratch.act256); // [in / block]
     let (path, per_token) = (Path::of(isa), w.cols / w.ty.block_elems());
+    let acts = quantize_acts(path, w.ty, x, 1, &mut scratch.act32, &mut scratch.act256); // [in / block]
     let per_task = rows_per_task(w.rows);
     y.par_chunks_mut(per_task)
         .enumerate()
@@ -749,13 +758,14 @@ pub fn matmul(
         return;
     }
     let Scratch { act32, act256, yt } = scratch;
-    let acts = quantize_acts(w.ty, x, tokens, act32, act256); // [tokens, in / block]
+    let path = Path::of(isa);
+    let acts = quantize_acts(path, w.ty, x, tokens, act32, act256); // [tokens, in / block]
     let per_token = w.cols / w.ty.block_elems();
     if yt.len() < w.rows * tokens {
         yt.resize(w.rows * tokens, 0.0);
     }
     let yt = &mut yt[..w.rows * tokens]; // [out, tokens]
-    let (path, per_task) = (Path::of(isa), rows_per_task(w.rows));
+    let per_task = rows_per_task(w.rows);
     yt.par_chunks_mut(per_task * tokens)
         .enumerate()
         .for_each(|(task, yt)| {
