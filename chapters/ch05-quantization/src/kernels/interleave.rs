@@ -132,10 +132,13 @@ pub fn pack(ty: GgmlType, group: usize, rows: usize, row_bytes: usize, file: &[u
     if row_bytes == 0 {
         return out;
     }
+    // Where each byte of a block goes, for each row of a group: worked out once.
+    let maps: [Vec<(usize, usize)>; ROWS] =
+        std::array::from_fn(|r| byte_map(ty, group, r).collect());
     for (r, row) in file.chunks_exact(row_bytes).enumerate().take(rows) {
         for (b, src) in row.chunks_exact(fb).enumerate() {
             let dst = &mut out[r / ROWS * group_bytes + b * pb..][..pb];
-            for (f, p) in byte_map(ty, group, r % ROWS) {
+            for &(f, p) in &maps[r % ROWS] {
                 dst[p] = src[f];
             }
             for (f, p) in bit_map(ty, group, r % ROWS) {
