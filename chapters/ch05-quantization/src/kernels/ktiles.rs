@@ -15,10 +15,10 @@
 
 use std::arch::x86_64::*;
 
-use super::Act256;
 use super::avx2::{load32, prefetch};
 use super::interleave::{Q4K_M, Q4K_QS, Q4K_SC, Q6K_SC, Q6K_WORDS, ROWS, block_bytes};
 use super::tiles::{ByteDot, Tiles};
+use super::{Act256, Outs};
 use crate::format::GgmlType;
 
 /// A K-quant format as the interleaved tiles see it.
@@ -262,16 +262,16 @@ pub fn k_tile<F: KBlock, C: Tiles, const T: usize>(
 }
 
 /// The rows of `packed` (groups of `n` super-blocks, the last possibly part zero rows) times
-/// every token of `acts` into `yt` [n_rows, tokens]: tiles of one group × `T` tokens, then the
-/// tokens left over one at a time.
+/// every token of `acts` into `outs`: tiles of one group × `T` tokens, then the tokens left
+/// over one at a time.
 pub fn k_rows<F: KBlock, C: Tiles, const T: usize>(
     cpu: C,
     packed: &[u8],
     acts: &[Act256],
     tokens: usize,
-    yt: &mut [f32],
+    outs: &mut Outs<'_>,
 ) {
-    let n_rows = yt.len() / tokens.max(1);
+    let n_rows = outs.rows();
     if n_rows == 0 || tokens == 0 {
         return;
     }
@@ -279,25 +279,19 @@ pub fn k_rows<F: KBlock, C: Tiles, const T: usize>(
     let group_bytes = n * F::BYTES;
     for g in 0..n_rows.div_ceil(ROWS) {
         let packed = &packed[g * group_bytes..(g + 1) * group_bytes];
-        let first = g * ROWS;
-        let mut write = |t: usize, o: &[f32; ROWS]| {
-            for (r, &v) in o.iter().enumerate().take(n_rows - first) {
-                yt[(first + r) * tokens + t] = v;
-            }
-        };
         let mut t = 0;
         while t + T <= tokens {
             let mut out = [[0.0f32; ROWS]; T];
             k_tile::<F, C, T>(cpu, packed, &acts[t * n..(t + T) * n], &mut out);
             for (j, o) in out.iter().enumerate() {
-                write(t + j, o);
+                outs.set8(g, t + j, o);
             }
             t += T;
         }
         for t in t..tokens {
             let mut out = [[0.0f32; ROWS]; 1];
             k_tile::<F, C, 1>(cpu, packed, &acts[t * n..(t + 1) * n], &mut out);
-            write(t, &out[0]);
+            outs.set8(g, t, &out[0]);
         }
     }
 }
@@ -309,15 +303,15 @@ pub fn k_rows_of<C: Tiles, const T: usize>(
     packed: &[u8],
     acts: &[Act256],
     tokens: usize,
-    yt: &mut [f32],
+    outs: &mut Outs<'_>,
 ) {
     debug_assert_eq!(block_bytes(GgmlType::Q4K, 1), Q4K::BYTES);
     debug_assert_eq!(block_bytes(GgmlType::Q6K, 1), Q6K::BYTES);
     match (ty, tokens) {
-        (GgmlType::Q4K, 1) => k_rows::<Q4K, C, 1>(cpu, packed, acts, tokens, yt),
-        (GgmlType::Q4K, _) => k_rows::<Q4K, C, T>(cpu, packed, acts, tokens, yt),
-        (GgmlType::Q6K, 1) => k_rows::<Q6K, C, 1>(cpu, packed, acts, tokens, yt),
-        (GgmlType::Q6K, _) => k_rows::<Q6K, C, T>(cpu, packed, acts, tokens, yt),
+        (GgmlType::Q4K, 1) => k_rows::<Q4K, C, 1>(cpu, packed, acts, tokens, outs),
+        (GgmlType::Q4K, _) => k_rows::<Q4K, C, T>(cpu, packed, acts, tokens, outs),
+        (GgmlType::Q6K, 1) => k_rows::<Q6K, C, 1>(cpu, packed, acts, tokens, outs),
+        (GgmlType::Q6K, _) => k_rows::<Q6K, C, T>(cpu, packed, acts, tokens, outs),
         _ => unreachable!("{ty} has no interleaved K-quant kernel"),
     }
 }
@@ -379,19 +373,22 @@ mod tests {
         tokens: usize,
         n_rows: usize,
     ) -> Vec<f32> {
-        let mut yt = vec![0.0f32; n_rows * tokens];
+        let mut yt = vec![0.0f32; n_rows * tokens]; // [rows, tokens]
+        let n = acts.len() / tokens;
+        let mut buf = vec![0.0f32; n_rows.next_multiple_of(ROWS) * tokens];
         if T == 1 {
             // One token at a time, as decode runs.
-            let n = acts.len() / tokens;
             for t in 0..tokens {
-                let mut y = vec![0.0f32; n_rows];
-                k_rows_of::<C, T>(cpu, ty, packed, &acts[t * n..(t + 1) * n], 1, &mut y);
-                for (r, v) in y.into_iter().enumerate() {
-                    yt[r * tokens + t] = v;
-                }
+                let mut outs = Outs::new(&mut buf, n_rows, 1);
+                k_rows_of::<C, T>(cpu, ty, packed, &acts[t * n..(t + 1) * n], 1, &mut outs);
+                (0..n_rows).for_each(|r| yt[r * tokens + t] = outs.get(r, 0));
             }
         } else {
-            k_rows_of::<C, T>(cpu, ty, packed, acts, tokens, &mut yt);
+            let mut outs = Outs::new(&mut buf, n_rows, tokens);
+            k_rows_of::<C, T>(cpu, ty, packed, acts, tokens, &mut outs);
+            for (i, y) in yt.iter_mut().enumerate() {
+                *y = outs.get(i / tokens, i % tokens);
+            }
         }
         yt
     }

@@ -626,8 +626,69 @@ fn dot_k_avx2<const T: usize>(
     }
 }
 
-/// Whole groups of interleaved rows of `w` (`packed`) times every token of `a` into `yt`
-/// `[rows, tokens]`, in the register tiles of `cpu` ([`tiles::Tiles`]).
+/// A task's outputs: `rows` output rows × `tokens`, stored by groups of 8 rows,
+/// `[groups][tokens][8]`, so that a tile's 8 rows of one token are one contiguous store (for one
+/// token, plain row order). [`matmul`] turns them into `y` [tokens, out] a run of 8 at a time.
+///
+/// Invariant (checked by [`Outs::new`]): `buf` holds every slot of a row below `rows`.
+pub struct Outs<'a> {
+    buf: &'a mut [f32],
+    rows: usize,
+    tokens: usize,
+}
+
+impl<'a> Outs<'a> {
+    /// Outputs of `rows` rows × `tokens` in `buf`. Panics unless `buf` holds them (a whole
+    /// last group, but for one token, where it ends at `rows`).
+    pub fn new(buf: &'a mut [f32], rows: usize, tokens: usize) -> Outs<'a> {
+        let last = if rows == 0 {
+            0
+        } else {
+            Self::at(rows - 1, tokens - 1, tokens) + 1
+        };
+        assert!(
+            buf.len() >= last,
+            "the outputs of {rows} rows × {tokens} tokens"
+        );
+        Outs { buf, rows, tokens }
+    }
+
+    /// Where row `r`, token `t` is stored.
+    #[inline(always)]
+    fn at(r: usize, t: usize, tokens: usize) -> usize {
+        (r / 8 * tokens + t) * 8 + r % 8
+    }
+
+    /// Rows of these outputs.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Sets row `r`, token `t`.
+    #[inline]
+    pub fn set(&mut self, r: usize, t: usize, v: f32) {
+        assert!(r < self.rows && t < self.tokens, "row {r}, token {t}");
+        self.buf[Self::at(r, t, self.tokens)] = v;
+    }
+
+    /// Sets the rows of group `g` (rows `8g..8g + 8`) that exist, for token `t`.
+    #[inline]
+    pub fn set8(&mut self, g: usize, t: usize, v: &[f32; 8]) {
+        assert!(t < self.tokens, "token {t}");
+        let n = self.rows.saturating_sub(8 * g).min(8);
+        let at = Self::at(8 * g, t, self.tokens);
+        self.buf[at..at + n].copy_from_slice(&v[..n]);
+    }
+
+    /// Row `r`, token `t`.
+    pub fn get(&self, r: usize, t: usize) -> f32 {
+        assert!(r < self.rows && t < self.tokens, "row {r}, token {t}");
+        self.buf[Self::at(r, t, self.tokens)]
+    }
+}
+
+/// Whole groups of interleaved rows of `w` (`packed`) times every token of `a` into `outs`, in
+/// the register tiles of `cpu` ([`tiles::Tiles`]).
 #[cfg(target_arch = "x86_64")]
 fn rows32_tiles<C: tiles::Tiles>(
     cpu: C,
@@ -635,27 +696,27 @@ fn rows32_tiles<C: tiles::Tiles>(
     packed: &[u8],
     a: &[Act32],
     tokens: usize,
-    yt: &mut [f32],
+    outs: &mut Outs<'_>,
 ) {
     use GgmlType::*;
     match (w.ty, w.group) {
-        (Q8_0, 1) => cpu.rows::<tiles::Q8_0>(packed, a, tokens, yt),
-        (Q4_0, 1) => cpu.rows::<tiles::Q4_0>(packed, a, tokens, yt),
-        (Q4_1, 1) => cpu.rows::<tiles::Q4_1>(packed, a, tokens, yt),
-        (Q5_0, 1) => cpu.rows::<tiles::Q5_0>(packed, a, tokens, yt),
-        (Q5_1, 1) => cpu.rows::<tiles::Q5_1>(packed, a, tokens, yt),
-        (Q4_0, 2) => cpu.rows::<tiles::Q4_0G<2>>(packed, a, tokens, yt),
-        (Q4_0, 4) => cpu.rows::<tiles::Q4_0G<4>>(packed, a, tokens, yt),
-        (Q4_0, 8) => cpu.rows::<tiles::Q4_0G<8>>(packed, a, tokens, yt),
-        (Q4_1, 2) => cpu.rows::<tiles::Q4_1G<2>>(packed, a, tokens, yt),
-        (Q4_1, 4) => cpu.rows::<tiles::Q4_1G<4>>(packed, a, tokens, yt),
-        (Q4_1, 8) => cpu.rows::<tiles::Q4_1G<8>>(packed, a, tokens, yt),
+        (Q8_0, 1) => cpu.rows::<tiles::Q8_0>(packed, a, tokens, outs),
+        (Q4_0, 1) => cpu.rows::<tiles::Q4_0>(packed, a, tokens, outs),
+        (Q4_1, 1) => cpu.rows::<tiles::Q4_1>(packed, a, tokens, outs),
+        (Q5_0, 1) => cpu.rows::<tiles::Q5_0>(packed, a, tokens, outs),
+        (Q5_1, 1) => cpu.rows::<tiles::Q5_1>(packed, a, tokens, outs),
+        (Q4_0, 2) => cpu.rows::<tiles::Q4_0G<2>>(packed, a, tokens, outs),
+        (Q4_0, 4) => cpu.rows::<tiles::Q4_0G<4>>(packed, a, tokens, outs),
+        (Q4_0, 8) => cpu.rows::<tiles::Q4_0G<8>>(packed, a, tokens, outs),
+        (Q4_1, 2) => cpu.rows::<tiles::Q4_1G<2>>(packed, a, tokens, outs),
+        (Q4_1, 4) => cpu.rows::<tiles::Q4_1G<4>>(packed, a, tokens, outs),
+        (Q4_1, 8) => cpu.rows::<tiles::Q4_1G<8>>(packed, a, tokens, outs),
         (ty, group) => unreachable!("{ty} has no 32-element kernel for groups of {group}"),
     }
 }
 
-/// Rows `r0..r0 + n` of `w` times every token of `acts` (`per_token` blocks each) into `yt`
-/// `[n, tokens]`; `r0` is a multiple of 8 (a whole interleaved group).
+/// Rows `r0..r0 + outs.rows()` of `w` times every token of `acts` (`per_token` blocks each)
+/// into `outs`; `r0` is a multiple of 8 (a whole interleaved group).
 fn rows_times_tokens(
     path: Path,
     w: &QuantMatrix,
@@ -663,9 +724,9 @@ fn rows_times_tokens(
     acts: Acts<'_>,
     tokens: usize,
     per_token: usize,
-    yt: &mut [f32],
+    outs: &mut Outs<'_>,
 ) {
-    let n = yt.len() / tokens;
+    let n = outs.rows();
     #[cfg(target_arch = "x86_64")]
     if interleave::interleaved(w.ty) {
         use tiles::Tiles;
@@ -673,10 +734,14 @@ fn rows_times_tokens(
         let (g0, g1) = (r0 / interleave::ROWS, (r0 + n).div_ceil(interleave::ROWS));
         let packed = &w.stored[g0 * w.group_bytes()..g1 * w.group_bytes()];
         match (path, acts) {
-            (Path::Avx2(cpu), Acts::B32(a)) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
-            (Path::Vnni(cpu), Acts::B32(a)) => return rows32_tiles(cpu, w, packed, a, tokens, yt),
-            (Path::Avx2(cpu), Acts::B256(a)) => return cpu.rows_k(w.ty, packed, a, tokens, yt),
-            (Path::Vnni(cpu), Acts::B256(a)) => return cpu.rows_k(w.ty, packed, a, tokens, yt),
+            (Path::Avx2(cpu), Acts::B32(a)) => {
+                return rows32_tiles(cpu, w, packed, a, tokens, outs);
+            }
+            (Path::Vnni(cpu), Acts::B32(a)) => {
+                return rows32_tiles(cpu, w, packed, a, tokens, outs);
+            }
+            (Path::Avx2(cpu), Acts::B256(a)) => return cpu.rows_k(w.ty, packed, a, tokens, outs),
+            (Path::Vnni(cpu), Acts::B256(a)) => return cpu.rows_k(w.ty, packed, a, tokens, outs),
             (Path::Portable, _) => {}
         }
     }
@@ -685,32 +750,39 @@ fn rows_times_tokens(
     #[cfg(target_arch = "x86_64")]
     if let (Some(cpu), Acts::B256(a), true) = (path.avx2(), acts, tokens > 1) {
         const KQ_TOKENS: usize = 4;
-        for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
+        for i in 0..n {
             let row = &w.stored[(r0 + i) * w.row_bytes..(r0 + i + 1) * w.row_bytes];
             let token = |t: usize| &a[t * per_token..(t + 1) * per_token];
-            let mut chunks = yt_row.chunks_exact_mut(KQ_TOKENS);
-            for (c, y) in (&mut chunks).enumerate() {
-                let acts = std::array::from_fn(|j| token(c * KQ_TOKENS + j));
-                y.copy_from_slice(&dot_k_avx2::<KQ_TOKENS>(cpu.avx2_fma(), w.ty, row, acts));
+            let mut t = 0;
+            while t + KQ_TOKENS <= tokens {
+                let acts = std::array::from_fn(|j| token(t + j));
+                let y = dot_k_avx2::<KQ_TOKENS>(cpu.avx2_fma(), w.ty, row, acts);
+                y.iter()
+                    .enumerate()
+                    .for_each(|(j, &y)| outs.set(i, t + j, y));
+                t += KQ_TOKENS;
             }
-            let done = tokens - tokens % KQ_TOKENS;
-            for (j, y) in chunks.into_remainder().iter_mut().enumerate() {
-                *y = dot_k_avx2(cpu.avx2_fma(), w.ty, row, [token(done + j)])[0];
+            for t in t..tokens {
+                outs.set(i, t, dot_k_avx2(cpu.avx2_fma(), w.ty, row, [token(t)])[0]);
             }
         }
         return;
     }
     // The portable kernels read a row in the file's layout.
     let mut row = vec![0u8; w.row_bytes * usize::from(interleave::interleaved(w.ty))];
-    for (i, yt_row) in yt.chunks_exact_mut(tokens).enumerate() {
+    for i in 0..n {
         let row: &[u8] = if interleave::interleaved(w.ty) {
             w.unpack_row(r0 + i, &mut row);
             &row
         } else {
             &w.stored[(r0 + i) * w.row_bytes..(r0 + i + 1) * w.row_bytes]
         };
-        for (t, y) in yt_row.iter_mut().enumerate() {
-            *y = dot(path, w.ty, w.group, row, acts.token(t, per_token));
+        for t in 0..tokens {
+            outs.set(
+                i,
+                t,
+                dot(path, w.ty, w.group, row, acts.token(t, per_token)),
+            );
         }
     }
 }
@@ -735,7 +807,18 @@ pub fn matvec(isa: Isa, w: &QuantMatrix, x: &[f32], y: &mut [f32], scratch: &mut
     let per_task = rows_per_task(w.rows);
     y.par_chunks_mut(per_task)
         .enumerate()
-        .for_each(|(task, y)| rows_times_tokens(path, w, task * per_task, acts, 1, per_token, y));
+        .for_each(|(task, y)| {
+            let rows = y.len(); // for one token, `Outs` is plain row order
+            rows_times_tokens(
+                path,
+                w,
+                task * per_task,
+                acts,
+                1,
+                per_token,
+                &mut Outs::new(y, rows, 1),
+            )
+        });
 }
 // ANCHOR_END: matvec
 
@@ -761,19 +844,24 @@ pub fn matmul(
     let path = Path::of(isa);
     let acts = quantize_acts(path, w.ty, x, tokens, act32, act256); // [tokens, in / block]
     let per_token = w.cols / w.ty.block_elems();
-    if yt.len() < w.rows * tokens {
-        yt.resize(w.rows * tokens, 0.0);
+    let slots = w.rows.next_multiple_of(interleave::ROWS) * tokens;
+    if yt.len() < slots {
+        yt.resize(slots, 0.0);
     }
-    let yt = &mut yt[..w.rows * tokens]; // [out, tokens]
-    let per_task = rows_per_task(w.rows);
+    let yt = &mut yt[..slots]; // [out / 8, tokens, 8]
+    let per_task = rows_per_task(w.rows); // a multiple of 8: tasks take whole groups
     yt.par_chunks_mut(per_task * tokens)
         .enumerate()
         .for_each(|(task, yt)| {
-            rows_times_tokens(path, w, task * per_task, acts, tokens, per_token, yt)
+            let (r0, rows) = (task * per_task, per_task.min(w.rows - task * per_task));
+            let mut outs = Outs::new(yt, rows, tokens);
+            rows_times_tokens(path, w, r0, acts, tokens, per_token, &mut outs)
         });
+    // [out / 8, tokens, 8] → [tokens, out], 8 outputs a copy.
     for (t, y_t) in y.chunks_exact_mut(w.rows).enumerate() {
-        for (o, y) in y_t.iter_mut().enumerate() {
-            *y = yt[o * tokens + t];
+        for (g, y) in y_t.chunks_mut(interleave::ROWS).enumerate() {
+            let at = (g * tokens + t) * interleave::ROWS;
+            y.copy_from_slice(&yt[at..at + y.len()]);
         }
     }
     // A prefill-sized buffer is not kept: it would hold as much memory as its `y` forever.

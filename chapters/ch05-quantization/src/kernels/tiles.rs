@@ -22,6 +22,7 @@
 
 use std::arch::x86_64::*;
 
+use super::Outs;
 use super::avx2::{Avx2F16c, dot_u8_i8, high_bit, load32, prefetch};
 use super::interleave::ROWS;
 use super::ktiles::{KBlock, k_body, k_rows_of};
@@ -209,7 +210,7 @@ impl ByteDot for Maddubs {
 /// (`maddubs`, 16 vector registers) or [`super::vnni::Avx512Vnni`] (`vpdpbusd`, 32 registers).
 pub trait Tiles: Copy {
     /// [`rows`] with this CPU's tile shapes for one token (decode) and several (prefill).
-    fn rows<F: Packed>(self, packed: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]);
+    fn rows<F: Packed>(self, packed: &[u8], acts: &[Act32], tokens: usize, outs: &mut Outs<'_>);
 
     /// [`tile_body`] compiled for this CPU.
     ///
@@ -225,7 +226,14 @@ pub trait Tiles: Copy {
     );
 
     /// [`k_rows_of`] (Q4_K, Q6_K) with this CPU's tokens per tile for several tokens.
-    fn rows_k(self, ty: GgmlType, packed: &[u8], acts: &[Act256], tokens: usize, yt: &mut [f32]);
+    fn rows_k(
+        self,
+        ty: GgmlType,
+        packed: &[u8],
+        acts: &[Act256],
+        tokens: usize,
+        outs: &mut Outs<'_>,
+    );
 
     /// [`k_body`] compiled for this CPU.
     ///
@@ -244,8 +252,8 @@ impl Tiles for Avx2F16c {
     /// One token (decode) takes 2 groups (16 rows), so each activation load serves 16 rows and
     /// two integer chains are in flight; several tokens (prefill) take 1 group × 2 tokens: the
     /// unpacked weights (8 registers) and the accumulators fill the 16 registers.
-    fn rows<F: Packed>(self, packed: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]) {
-        rows_in::<F, _, 2, 1, 2>(self, packed, acts, tokens, yt)
+    fn rows<F: Packed>(self, packed: &[u8], acts: &[Act32], tokens: usize, outs: &mut Outs<'_>) {
+        rows_in::<F, _, 2, 1, 2>(self, packed, acts, tokens, outs)
     }
 
     unsafe fn tile_body<F: Packed, const G: usize, const T: usize>(
@@ -261,8 +269,15 @@ impl Tiles for Avx2F16c {
     }
 
     /// Two tokens per tile for several (16 registers hold two tokens' partial sums).
-    fn rows_k(self, ty: GgmlType, packed: &[u8], acts: &[Act256], tokens: usize, yt: &mut [f32]) {
-        k_rows_of::<_, 2>(self, ty, packed, acts, tokens, yt)
+    fn rows_k(
+        self,
+        ty: GgmlType,
+        packed: &[u8],
+        acts: &[Act256],
+        tokens: usize,
+        outs: &mut Outs<'_>,
+    ) {
+        k_rows_of::<_, 2>(self, ty, packed, acts, tokens, outs)
     }
 
     unsafe fn k_body<F: KBlock, const T: usize>(
@@ -415,26 +430,26 @@ pub fn rows_in<F: Packed, C: Tiles, const D: usize, const R: usize, const T: usi
     packed: &[u8],
     acts: &[Act32],
     tokens: usize,
-    yt: &mut [f32],
+    outs: &mut Outs<'_>,
 ) {
     if tokens == 1 {
-        rows::<F, C, D, 1>(cpu, packed, acts, tokens, yt)
+        rows::<F, C, D, 1>(cpu, packed, acts, tokens, outs)
     } else {
-        rows::<F, C, R, T>(cpu, packed, acts, tokens, yt)
+        rows::<F, C, R, T>(cpu, packed, acts, tokens, outs)
     }
 }
 
 /// The rows of `packed` (interleaved groups, the last one possibly part zero rows) times every
-/// token of `acts` into `yt` [n_rows, tokens] (`n_rows = yt.len() / tokens`): tiles of `G`
-/// groups × `T` tokens, then the groups and tokens left over one at a time.
+/// token of `acts` into `outs` (`outs.rows()` rows): tiles of `G` groups × `T` tokens, then the
+/// groups and tokens left over one at a time.
 pub fn rows<F: Packed, C: Tiles, const G: usize, const T: usize>(
     cpu: C,
     packed: &[u8],
     acts: &[Act32],
     tokens: usize,
-    yt: &mut [f32],
+    outs: &mut Outs<'_>,
 ) {
-    let n_rows = yt.len() / tokens.max(1);
+    let n_rows = outs.rows();
     if n_rows == 0 || tokens == 0 {
         return;
     }
@@ -444,17 +459,17 @@ pub fn rows<F: Packed, C: Tiles, const G: usize, const T: usize>(
     let mut g = 0;
     while g + G <= groups {
         let packed = &packed[g * group_bytes..(g + G) * group_bytes];
-        token_tiles::<F, C, G, T>(cpu, packed, acts, n, tokens, g, yt);
+        token_tiles::<F, C, G, T>(cpu, packed, acts, n, tokens, g, outs);
         g += G;
     }
     for g in g..groups {
         let packed = &packed[g * group_bytes..(g + 1) * group_bytes];
-        token_tiles::<F, C, 1, T>(cpu, packed, acts, n, tokens, g, yt);
+        token_tiles::<F, C, 1, T>(cpu, packed, acts, n, tokens, g, outs);
     }
 }
 
 /// Groups `g0..g0 + G` times every token (`n` blocks each): tiles of `T` tokens, then single
-/// tokens; writes the rows of `yt` [n_rows, tokens] that exist.
+/// tokens; writes the rows of `outs` that exist.
 #[inline]
 fn token_tiles<F: Packed, C: Tiles, const G: usize, const T: usize>(
     cpu: C,
@@ -463,15 +478,9 @@ fn token_tiles<F: Packed, C: Tiles, const G: usize, const T: usize>(
     n: usize,
     tokens: usize,
     g0: usize,
-    yt: &mut [f32],
+    outs: &mut Outs<'_>,
 ) {
-    let n_rows = yt.len() / tokens;
-    let mut write = |t: usize, g: usize, o: &[f32; ROWS]| {
-        let first = (g0 + g) * ROWS;
-        for (r, &v) in o.iter().enumerate().take(n_rows.saturating_sub(first)) {
-            yt[(first + r) * tokens + t] = v;
-        }
-    };
+    let mut write = |t: usize, g: usize, o: &[f32; ROWS]| outs.set8(g0 + g, t, o);
     let mut t = 0;
     while t + T <= tokens {
         let mut out = [[[0.0f32; ROWS]; T]; G];
@@ -541,9 +550,14 @@ mod tests {
         tokens: usize,
         n_rows: usize,
     ) -> Vec<f32> {
-        let mut yt = vec![0.0f32; n_rows * tokens];
-        rows::<F, C, G, T>(cpu, packed, acts, tokens, &mut yt);
-        yt
+        let mut buf = vec![0.0f32; n_rows.next_multiple_of(ROWS) * tokens];
+        let mut outs = Outs::new(&mut buf, n_rows, tokens);
+        rows::<F, C, G, T>(cpu, packed, acts, tokens, &mut outs);
+        // [rows, tokens], as `portable_outputs` lays them.
+        (0..n_rows)
+            .flat_map(|r| (0..tokens).map(move |t| (r, t)))
+            .map(|(r, t)| outs.get(r, t))
+            .collect()
     }
 
     #[test]

@@ -10,7 +10,7 @@ use super::avx2::Avx2F16c;
 use super::interleave::ROWS;
 use super::ktiles::{KBlock, k_body, k_rows_of};
 use super::tiles::{ByteDot, Packed, Tiles, rows_in, tile_body};
-use super::{Act32, Act256};
+use super::{Act32, Act256, Outs};
 use crate::format::GgmlType;
 use ch02::kernels::Isa;
 
@@ -51,8 +51,8 @@ impl ByteDot for Dpbusd {
 impl Tiles for Avx512Vnni {
     /// Decode takes 4 groups (32 rows) per activation load, prefill 2 groups × 4 tokens (16
     /// unpacked weight registers and 8 accumulators: 32 registers hold them).
-    fn rows<F: Packed>(self, packed: &[u8], acts: &[Act32], tokens: usize, yt: &mut [f32]) {
-        rows_in::<F, _, 4, 2, 4>(self, packed, acts, tokens, yt)
+    fn rows<F: Packed>(self, packed: &[u8], acts: &[Act32], tokens: usize, outs: &mut Outs<'_>) {
+        rows_in::<F, _, 4, 2, 4>(self, packed, acts, tokens, outs)
     }
 
     unsafe fn tile_body<F: Packed, const G: usize, const T: usize>(
@@ -68,8 +68,15 @@ impl Tiles for Avx512Vnni {
     }
 
     /// Four tokens per tile for several.
-    fn rows_k(self, ty: GgmlType, packed: &[u8], acts: &[Act256], tokens: usize, yt: &mut [f32]) {
-        k_rows_of::<_, 4>(self, ty, packed, acts, tokens, yt)
+    fn rows_k(
+        self,
+        ty: GgmlType,
+        packed: &[u8],
+        acts: &[Act256],
+        tokens: usize,
+        outs: &mut Outs<'_>,
+    ) {
+        k_rows_of::<_, 4>(self, ty, packed, acts, tokens, outs)
     }
 
     unsafe fn k_body<F: KBlock, const T: usize>(
