@@ -189,6 +189,11 @@ impl<const G: usize> Packed for Q4_1G<G> {
 /// exactly (the weights are at most 31, or 128 with the sign trick, and `|s| ≤ 127`, so
 /// nothing saturates).
 pub trait ByteDot {
+    /// `true`: signed weights `w` are multiplied as `w + 128` (unsigned, up to 255), and
+    /// `128 · Σx` is taken off the sum, which needs a product that cannot saturate; `false`:
+    /// by the sign trick, `|w| · (x · sign w)`.
+    const BIASED_SIGNED: bool;
+
     /// # Safety
     /// The CPU must support the instructions of the implementation; `2 · u · |s| < 32768` for
     /// every pair of bytes.
@@ -199,6 +204,9 @@ pub trait ByteDot {
 pub enum Maddubs {}
 
 impl ByteDot for Maddubs {
+    /// `maddubs` would saturate on `2 · 255 · 127`.
+    const BIASED_SIGNED: bool = false;
+
     #[inline(always)]
     unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         // SAFETY: the caller's.
@@ -345,8 +353,16 @@ pub(super) unsafe fn tile_body<F: Packed, D: ByteDot, const G: usize, const T: u
                 let k = b * F::SUB + j; // the run of 32 weights, and its activation block
                 // SAFETY: block `b` of group `g` is readable (caller), `j < SUB`.
                 let w = unsafe { F::weights(p, j) }; // [8 k, 8 rows × 4 bytes]
-                // The sign trick for signed weights: w · x = |w| · (x · sign(w)).
-                let u = if F::SIGNED {
+                // Signed weights, as `D` multiplies them: w + 128 (the sign bit flipped), or the
+                // sign trick w · x = |w| · (x · sign(w)).
+                let (biased, trick) = (
+                    F::SIGNED && D::BIASED_SIGNED,
+                    F::SIGNED && !D::BIASED_SIGNED,
+                );
+                let zero = F::ZERO + if biased { 128 } else { 0 };
+                let u = if biased {
+                    w.map(|w| _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN)))
+                } else if trick {
                     w.map(|w| _mm256_sign_epi8(w, w))
                 } else {
                     w
@@ -355,17 +371,13 @@ pub(super) unsafe fn tile_body<F: Packed, D: ByteDot, const G: usize, const T: u
                     // SAFETY: activation block `t·n + k` is readable (caller).
                     let a = unsafe { &*acts.add(t * n + k) };
                     // Two chains of integer sums, so that one waits less on the other.
-                    let mut i = [_mm256_set1_epi32(-F::ZERO * a.sum), _mm256_setzero_si256()];
+                    let mut i = [_mm256_set1_epi32(-zero * a.sum), _mm256_setzero_si256()];
                     for kk in 0..8 {
                         // SAFETY: kk < 8; `D`'s instructions are present (caller), and the
                         // weights (≤ 31, or |w| ≤ 128) times |x| ≤ 127 never saturate.
                         unsafe {
                             let x = broadcast4(a, kk);
-                            let s = if F::SIGNED {
-                                _mm256_sign_epi8(x, w[kk])
-                            } else {
-                                x
-                            };
+                            let s = if trick { _mm256_sign_epi8(x, w[kk]) } else { x };
                             i[kk % 2] = D::dot(i[kk % 2], u[kk], s);
                         }
                     }

@@ -41,6 +41,9 @@ impl Avx512Vnni {
 pub enum Dpbusd {}
 
 impl ByteDot for Dpbusd {
+    /// `vpdpbusd` adds its four products in 32 bits: `w + 128` (up to 255) is exact.
+    const BIASED_SIGNED: bool = true;
+
     #[inline(always)]
     unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         // SAFETY: the caller guarantees AVX-512 VNNI and VL.
