@@ -59,6 +59,19 @@ pub(super) unsafe fn load32(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
+/// The 4 activation bytes `q[at..at + 4]` in every i32 lane: the word a tile multiplies with
+/// 4 weights of each of 8 interleaved rows.
+///
+/// # Safety
+/// The CPU must support AVX2; `at + 4 ≤ q.len()`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn broadcast4(q: &[i8], at: usize) -> __m256i {
+    debug_assert!(at + 4 <= q.len());
+    // SAFETY: bytes at..at + 4 of `q` (caller).
+    _mm256_set1_epi32(unsafe { (q.as_ptr().add(at) as *const i32).read_unaligned() })
+}
+
 /// Bit `j` (0..8) of each byte of `qh`, moved to bit 4: 16-bit shifts, masked per byte.
 ///
 /// # Safety

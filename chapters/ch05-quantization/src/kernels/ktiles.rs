@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{load32, prefetch};
+use super::avx2::{broadcast4, load32, prefetch};
 use super::interleave::{Q4K_M, Q4K_QS, Q4K_SC, Q6K_SC, Q6K_WORDS, ROWS, block_bytes};
 use super::tiles::{ByteDot, Tiles};
 use super::{Act256, Outs};
@@ -43,17 +43,6 @@ pub struct Q4K;
 /// Q6_K: `x = d · sc_j · (q − 32)`, 6-bit weights in sub-blocks of 16.
 pub struct Q6K;
 
-/// The token's 4 activation bytes at `at..at + 4`, in every i32 lane.
-///
-/// # Safety
-/// The CPU must support AVX2; `at + 4 ≤ 256`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn broadcast4(a: &Act256, at: usize) -> __m256i {
-    // SAFETY: bytes at..at + 4 of the 256 of `a.q` (caller).
-    _mm256_set1_epi32(unsafe { (a.q.as_ptr().add(at) as *const i32).read_unaligned() })
-}
-
 /// The 8 bytes at `p` (one sub-block's scale of each of 8 rows) widened to i32 lanes, as
 /// unsigned or signed bytes.
 ///
@@ -80,8 +69,8 @@ impl KBlock for Q4K {
         acts: [&Act256; T],
         acc: &mut [__m256; T],
     ) {
-        // SAFETY (whole body): AVX2, F16C and `D`'s instructions are present, and every read
-        // lies in the block's `BYTES` (the caller's): d at 0..16, dmin at 16..32, the scales
+        // SAFETY (whole body): AVX2, F16C and `D`'s instructions are present, every activation
+        // word lies in the 256 bytes of `a.q`, and every weight read lies in the block's `BYTES` (the caller's): d at 0..16, dmin at 16..32, the scales
         // and mins at 32..160, the nibbles' 32 word vectors at 160..1184. Nibbles (≤ 15) times
         // |x| ≤ 127 never saturate `maddubs`.
         unsafe {
@@ -95,8 +84,8 @@ impl KBlock for Q4K {
                     let lo = _mm256_and_si256(raw, m4);
                     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
                     for (s, a) in s.iter_mut().zip(acts) {
-                        s[0] = D::dot(s[0], lo, broadcast4(a, 64 * i + 4 * v));
-                        s[1] = D::dot(s[1], hi, broadcast4(a, 64 * i + 32 + 4 * v));
+                        s[0] = D::dot(s[0], lo, broadcast4(&a.q, 64 * i + 4 * v));
+                        s[1] = D::dot(s[1], hi, broadcast4(&a.q, 64 * i + 32 + 4 * v));
                     }
                 }
                 let sc_lo = scales8(p.add(Q4K_SC + ROWS * 2 * i), false);
@@ -137,8 +126,8 @@ impl KBlock for Q6K {
         acts: [&Act256; T],
         acc: &mut [__m256; T],
     ) {
-        // SAFETY (whole body): AVX2, F16C and `D`'s instructions are present, and every read
-        // lies in the block's `BYTES` (the caller's): d at 0..16, the scales at 16..144, the
+        // SAFETY (whole body): AVX2, F16C and `D`'s instructions are present, every activation
+        // word lies in the 256 bytes of `a.q`, and every weight read lies in the block's `BYTES` (the caller's): d at 0..16, the scales at 16..144, the
         // 16 triples of word vectors (`ql` a, `ql` b, `qh`) at 144..1680. Weights ≤ 63 times
         // |x| ≤ 127 never saturate `maddubs`.
         unsafe {
@@ -173,7 +162,7 @@ impl KBlock for Q6K {
                         let (ql_a, ql_b, qh) = (word(v, 0), word(v, 1), word(v, 2));
                         for (q, s) in s[0].iter_mut().enumerate() {
                             let u = unpack(q, if q % 2 == 0 { ql_a } else { ql_b }, qh);
-                            let x = broadcast4(acts[0], 128 * h + 32 * q + 4 * v);
+                            let x = broadcast4(&acts[0].q, 128 * h + 32 * q + 4 * v);
                             s[v / 4] = D::dot(s[v / 4], u, x);
                         }
                     }
@@ -182,7 +171,7 @@ impl KBlock for Q6K {
                         for v in 0..8 {
                             let u = unpack(q, word(v, q % 2), word(v, 2));
                             for (s, a) in s.iter_mut().zip(acts) {
-                                let x = broadcast4(a, 128 * h + 32 * q + 4 * v);
+                                let x = broadcast4(&a.q, 128 * h + 32 * q + 4 * v);
                                 s[q][v / 4] = D::dot(s[q][v / 4], u, x);
                             }
                         }

@@ -23,7 +23,7 @@
 use std::arch::x86_64::*;
 
 use super::Outs;
-use super::avx2::{Avx2F16c, dot_u8_i8, high_bit, load32, prefetch};
+use super::avx2::{Avx2F16c, broadcast4, dot_u8_i8, high_bit, load32, prefetch};
 use super::interleave::ROWS;
 use super::ktiles::{KBlock, k_body, k_rows_of};
 use super::{Act32, Act256};
@@ -300,17 +300,6 @@ impl Tiles for Avx2F16c {
     }
 }
 
-/// The activation block's 4 bytes at `4k..4k + 4`, in every i32 lane.
-///
-/// # Safety
-/// The CPU must support AVX2; `k < 8`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn broadcast4(a: &Act32, k: usize) -> __m256i {
-    // SAFETY: bytes 4k..4k + 4 of the 32 of `a.q` (caller: k < 8).
-    _mm256_set1_epi32(unsafe { (a.q.as_ptr().add(4 * k) as *const i32).read_unaligned() })
-}
-
 /// `out[g][t][r]` = row `8g + r` of the `G` groups at `packed` (`group_bytes` apart) · token `t`
 /// of `acts` (`T` tokens of `n` blocks): `G × T` accumulators of 8 f32 lanes, one per row.
 ///
@@ -373,10 +362,10 @@ pub(super) unsafe fn tile_body<F: Packed, D: ByteDot, const G: usize, const T: u
                     // Two chains of integer sums, so that one waits less on the other.
                     let mut i = [_mm256_set1_epi32(-zero * a.sum), _mm256_setzero_si256()];
                     for kk in 0..8 {
-                        // SAFETY: kk < 8; `D`'s instructions are present (caller), and the
+                        // SAFETY: 4kk + 4 ≤ 32; `D`'s instructions are present (caller), and the
                         // weights (≤ 31, or |w| ≤ 128) times |x| ≤ 127 never saturate.
                         unsafe {
-                            let x = broadcast4(a, kk);
+                            let x = broadcast4(&a.q, 4 * kk);
                             let s = if trick { _mm256_sign_epi8(x, w[kk]) } else { x };
                             i[kk % 2] = D::dot(i[kk % 2], u[kk], s);
                         }
