@@ -133,8 +133,11 @@ pub fn pack(ty: GgmlType, group: usize, rows: usize, row_bytes: usize, file: &[u
         return out;
     }
     // Where each byte of a block goes, for each row of a group: worked out once.
-    let maps: [Vec<(usize, usize)>; ROWS] =
-        std::array::from_fn(|r| byte_map(ty, group, r).collect());
+    let maps: [Vec<(usize, usize)>; ROWS] = std::array::from_fn(|r| {
+        let mut map = Vec::new();
+        for_each_byte(ty, group, r, |f, p| map.push((f, p)));
+        map
+    });
     for (r, row) in file.chunks_exact(row_bytes).enumerate().take(rows) {
         for (b, src) in row.chunks_exact(fb).enumerate() {
             let dst = &mut out[r / ROWS * group_bytes + b * pb..][..pb];
@@ -172,9 +175,7 @@ pub fn unpack_row(
     for (b, dst) in out[..row_bytes].chunks_exact_mut(fb).enumerate() {
         let src = &packed[r / ROWS * group_bytes + b * pb..][..pb];
         dst.fill(0);
-        for (f, p) in byte_map(ty, group, r % ROWS) {
-            dst[f] = src[p];
-        }
+        for_each_byte(ty, group, r % ROWS, |f, p| dst[f] = src[p]);
         for (f, p) in bit_map(ty, group, r % ROWS) {
             let bit = (src[p / 8] >> (p % 8)) & 1;
             dst[f / 8] |= bit << (f % 8);
@@ -187,37 +188,43 @@ pub fn unpack_row(
     }
 }
 
-/// `(file byte, interleaved byte)` of every whole byte of row `r`'s block that moves as a byte
-/// (all but Q5's fifth bits and Q4_K's packed scales).
-fn byte_map(ty: GgmlType, group: usize, r: usize) -> Box<dyn Iterator<Item = (usize, usize)>> {
-    // f16 number `s` of the file block at `at` ↔ row r's slot in the 8 f16 at `to`.
-    let half = move |at: usize, to: usize| (0..2).map(move |i| (at + i, to + 2 * r + i));
+/// Calls `f(file byte, interleaved byte)` for every whole byte of row `r`'s block that moves as
+/// a byte (all but Q5's fifth bits and Q4_K's packed scales). Allocates nothing.
+fn for_each_byte(ty: GgmlType, group: usize, r: usize, mut f: impl FnMut(usize, usize)) {
+    // The f16 of the file block at `at` ↔ row r's slot in the 8 f16 at `to`.
+    let half = |f: &mut dyn FnMut(usize, usize), at: usize, to: usize| {
+        (0..2).for_each(|i| f(at + i, to + 2 * r + i))
+    };
     match ty {
-        GgmlType::Q4K => Box::new(
-            half(0, 0)
-                .chain(half(2, 16))
-                .chain(words(16, Q4K_QS, 128, 32, r)),
-        ),
-        GgmlType::Q6K => Box::new(
-            half(208, 0)
-                .chain((0..16).map(move |j| (192 + j, Q6K_SC + ROWS * j + r)))
-                .chain((0..2).flat_map(move |h| {
-                    let triple = move |c: usize| Q6K_WORDS + 96 * 8 * h + 32 * c;
-                    words(64 * h, triple(0), 32, 96, r)
-                        .chain(words(64 * h + 32, triple(1), 32, 96, r))
-                        .chain(words(128 + 32 * h, triple(2), 32, 96, r))
-                })),
-        ),
+        GgmlType::Q4K => {
+            half(&mut f, 0, 0);
+            half(&mut f, 2, 16);
+            words(16, Q4K_QS, 128, 32, r).for_each(|(a, b)| f(a, b));
+        }
+        GgmlType::Q6K => {
+            half(&mut f, 208, 0);
+            (0..16).for_each(|j| f(192 + j, Q6K_SC + ROWS * j + r));
+            for h in 0..2 {
+                let triple = |c: usize| Q6K_WORDS + 96 * 8 * h + 32 * c;
+                words(64 * h, triple(0), 32, 96, r)
+                    .chain(words(64 * h + 32, triple(1), 32, 96, r))
+                    .chain(words(128 + 32 * h, triple(2), 32, 96, r))
+                    .for_each(|(a, b)| f(a, b));
+            }
+        }
         _ => {
             let parts = Parts::of(ty, group);
             // d of row r at 2r, m at 16 + 2r.
-            let scales = (0..parts.scales).flat_map(move |s| half(2 * s, 2 * ROWS * s));
-            let quants = (0..parts.runs).flat_map(move |j| {
-                let (f, p) = run_starts(parts, j);
-                let (f, p) = if parts.high { (f + 4, p + 32) } else { (f, p) };
-                words(f, p, parts.quant, 32, r)
-            });
-            Box::new(scales.chain(quants))
+            (0..parts.scales).for_each(|s| half(&mut f, 2 * s, 2 * ROWS * s));
+            for j in 0..parts.runs {
+                let (at, to) = run_starts(parts, j);
+                let (at, to) = if parts.high {
+                    (at + 4, to + 32)
+                } else {
+                    (at, to)
+                };
+                words(at, to, parts.quant, 32, r).for_each(|(a, b)| f(a, b));
+            }
         }
     }
 }

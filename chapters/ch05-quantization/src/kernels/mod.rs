@@ -236,9 +236,9 @@ pub enum KernelError {
 }
 
 /// A weight `[rows, cols]` (`[out_features, in_features]`) of one block type, each row
-/// `cols / block_elems` blocks. The K-quants are stored row after row as the file stores them;
-/// the 32-element formats in groups of 8 interleaved rows ([`interleave`]), the same bytes in
-/// the order the kernels read them (the last group filled up with zero rows).
+/// `cols / block_elems` blocks. The 32-element formats, Q4_K and Q6_K are stored in groups of 8
+/// interleaved rows ([`interleave`]), the bytes in the order the kernels read them (the last
+/// group filled up with zero rows); Q5_K row after row as the file stores it.
 /// [`QuantMatrix::bytes`] gives the file's layout back.
 ///
 /// A **grouped** matrix ([`QuantMatrix::grouped`], Q4_0 and Q4_1 only) stores `group`
@@ -249,7 +249,8 @@ pub enum KernelError {
 ///
 /// Invariant (checked by the constructors): `ty` has a kernel, `group` is 1, or one of
 /// [`GROUPS`] for Q4_0 and Q4_1, `cols` is a whole number of `group` blocks, and
-/// `stored.len()` is `rows · row_bytes`, or `rows.div_ceil(8) · 8 · row_bytes` interleaved.
+/// `stored.len()` is `rows · row_bytes`, or, interleaved, `rows.div_ceil(8)` groups of
+/// [`interleave::block_bytes`] per stored block of a row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantMatrix {
     ty: GgmlType,
@@ -298,8 +299,8 @@ impl QuantMatrix {
         Ok(QuantMatrix::store(ty, 1, rows, cols, row_bytes, bytes))
     }
 
-    /// The matrix of `bytes`, checked, in the file's layout: interleaved if `ty` is a
-    /// 32-element format.
+    /// The matrix of `bytes`, checked, in the file's layout: interleaved if
+    /// [`interleave::interleaved`] says so for `ty`.
     fn store(
         ty: GgmlType,
         group: usize,
@@ -656,7 +657,8 @@ impl<'a> Outs<'a> {
     /// Where row `r`, token `t` is stored.
     #[inline(always)]
     fn at(r: usize, t: usize, tokens: usize) -> usize {
-        (r / 8 * tokens + t) * 8 + r % 8
+        use interleave::ROWS;
+        (r / ROWS * tokens + t) * ROWS + r % ROWS
     }
 
     /// Rows of these outputs.
@@ -673,11 +675,24 @@ impl<'a> Outs<'a> {
 
     /// Sets the rows of group `g` (rows `8g..8g + 8`) that exist, for token `t`.
     #[inline]
-    pub fn set8(&mut self, g: usize, t: usize, v: &[f32; 8]) {
-        assert!(t < self.tokens, "token {t}");
-        let n = self.rows.saturating_sub(8 * g).min(8);
-        let at = Self::at(8 * g, t, self.tokens);
+    pub fn set8(&mut self, g: usize, t: usize, v: &[f32; interleave::ROWS]) {
+        let (at, n) = self.group_at(g, t);
         self.buf[at..at + n].copy_from_slice(&v[..n]);
+    }
+
+    /// The rows of group `g` that exist, for token `t` (up to 8 contiguous outputs).
+    pub fn group(&self, g: usize, t: usize) -> &[f32] {
+        let (at, n) = self.group_at(g, t);
+        &self.buf[at..at + n]
+    }
+
+    /// Where group `g`'s outputs for token `t` start, and how many rows of it exist.
+    #[inline]
+    fn group_at(&self, g: usize, t: usize) -> (usize, usize) {
+        use interleave::ROWS;
+        assert!(t < self.tokens, "token {t}");
+        let n = self.rows.saturating_sub(ROWS * g).min(ROWS);
+        (Self::at(ROWS * g, t, self.tokens), n)
     }
 
     /// Row `r`, token `t`.
@@ -768,23 +783,30 @@ fn rows_times_tokens(
         }
         return;
     }
-    // The portable kernels read a row in the file's layout.
-    let mut row = vec![0u8; w.row_bytes * usize::from(interleave::interleaved(w.ty))];
-    for i in 0..n {
-        let row: &[u8] = if interleave::interleaved(w.ty) {
-            w.unpack_row(r0 + i, &mut row);
-            &row
-        } else {
-            &w.stored[(r0 + i) * w.row_bytes..(r0 + i + 1) * w.row_bytes]
-        };
-        for t in 0..tokens {
-            outs.set(
-                i,
-                t,
-                dot(path, w.ty, w.group, row, acts.token(t, per_token)),
-            );
+    // The portable kernels read a row in the file's layout: an interleaved one is put back in
+    // this thread's row buffer (grown once, so decode allocates nothing here either).
+    crate::scratch::with_local(&ROW, |buf: &mut Vec<u8>| {
+        for i in 0..n {
+            let row: &[u8] = if interleave::interleaved(w.ty) {
+                if buf.len() < w.row_bytes {
+                    buf.resize(w.row_bytes, 0);
+                }
+                w.unpack_row(r0 + i, buf);
+                &buf[..w.row_bytes]
+            } else {
+                &w.stored[(r0 + i) * w.row_bytes..(r0 + i + 1) * w.row_bytes]
+            };
+            for t in 0..tokens {
+                let y = dot(path, w.ty, w.group, row, acts.token(t, per_token));
+                outs.set(i, t, y);
+            }
         }
-    }
+    })
+}
+
+thread_local! {
+    /// Each thread's buffer for one row in the file's layout (the portable kernels').
+    static ROW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Output rows one task computes: enough to amortise the task, few enough to balance the cores;
@@ -858,10 +880,10 @@ pub fn matmul(
             rows_times_tokens(path, w, r0, acts, tokens, per_token, &mut outs)
         });
     // [out / 8, tokens, 8] → [tokens, out], 8 outputs a copy.
+    let outs = Outs::new(yt, w.rows, tokens);
     for (t, y_t) in y.chunks_exact_mut(w.rows).enumerate() {
         for (g, y) in y_t.chunks_mut(interleave::ROWS).enumerate() {
-            let at = (g * tokens + t) * interleave::ROWS;
-            y.copy_from_slice(&yt[at..at + y.len()]);
+            y.copy_from_slice(outs.group(g, t));
         }
     }
     // A prefill-sized buffer is not kept: it would hold as much memory as its `y` forever.
