@@ -40,7 +40,8 @@ pub trait Packed {
     const SUB: usize = 1;
     /// The zero point `c`: a stored weight `q` has the value `q − c` (Q4_0's 8, Q5_0's 16).
     const ZERO: i32 = 0;
-    /// `true`: the weights are signed bytes (Q8_0), multiplied by the sign trick.
+    /// `true`: the weights are signed bytes (Q8_0), multiplied as [`ByteDot::BIASED_SIGNED`]
+    /// says.
     const SIGNED: bool = false;
     /// Run `j < SUB` of the block at `p`: vector `k` holds elements `4k..4k + 4` of the 8 rows
     /// (row `r` at bytes `4r..4r + 4`), unsigned bytes (`q`), or signed ones if [`Packed::SIGNED`].
@@ -320,6 +321,13 @@ pub(super) unsafe fn tile_body<F: Packed, D: ByteDot, const G: usize, const T: u
     let block_bytes = ROWS * F::BYTES; // one block of the group's 8 rows
     let mut acc = [[_mm256_setzero_ps(); T]; G]; // [G, T, 8 rows]
     let mut acc_m = [[_mm256_setzero_ps(); T]; G];
+    // Signed weights, as `D` multiplies them: w + 128 (the sign bit flipped), or the sign trick
+    // w · x = |w| · (x · sign(w)).
+    let (biased, trick) = (
+        F::SIGNED && D::BIASED_SIGNED,
+        F::SIGNED && !D::BIASED_SIGNED,
+    );
+    let zero = F::ZERO + if biased { 128 } else { 0 }; // the sum starts at −zero · Σx
     for b in 0..n / F::SUB {
         for g in 0..G {
             let p = packed.wrapping_add(g * group_bytes + b * block_bytes);
@@ -342,13 +350,6 @@ pub(super) unsafe fn tile_body<F: Packed, D: ByteDot, const G: usize, const T: u
                 let k = b * F::SUB + j; // the run of 32 weights, and its activation block
                 // SAFETY: block `b` of group `g` is readable (caller), `j < SUB`.
                 let w = unsafe { F::weights(p, j) }; // [8 k, 8 rows × 4 bytes]
-                // Signed weights, as `D` multiplies them: w + 128 (the sign bit flipped), or the
-                // sign trick w · x = |w| · (x · sign(w)).
-                let (biased, trick) = (
-                    F::SIGNED && D::BIASED_SIGNED,
-                    F::SIGNED && !D::BIASED_SIGNED,
-                );
-                let zero = F::ZERO + if biased { 128 } else { 0 };
                 let u = if biased {
                     w.map(|w| _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN)))
                 } else if trick {
@@ -423,7 +424,7 @@ pub fn tile<F: Packed, C: Tiles, const G: usize, const T: usize>(
     unsafe { cpu.tile_body::<F, G, T>(packed.as_ptr(), group_bytes, acts.as_ptr(), n, out) }
 }
 
-/// [`rows`] in tiles of `D` groups × 1 token for one token (decode), `1 × T` for several
+/// [`rows`] in tiles of `D` groups × 1 token for one token (decode), `R × T` for several
 /// (prefill): the shapes a [`Tiles`] CPU picks.
 #[inline]
 pub fn rows_in<F: Packed, C: Tiles, const D: usize, const R: usize, const T: usize>(
