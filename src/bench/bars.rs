@@ -1,5 +1,5 @@
-//! A small SVG bar-chart writer: horizontal grouped bars, for benchmarks that compare a few
-//! engines (or settings) on a few workloads.
+//! Horizontal grouped bar charts, drawn by plotters' SVG backend, for benchmarks that compare a
+//! few engines (or settings) on a few workloads.
 //!
 //! ```text
 //! BarChart::new("Decode speed, SmolLM2-135M, 2 threads")
@@ -10,19 +10,21 @@
 //!     .to_svg()                                              -> String
 //! ```
 //!
-//! Same conventions as [`LinePlot`](super::svg::LinePlot), whose axis, palette and escaping this
-//! file reuses: deterministic output (same chart, same bytes), fixed layout, legend on the right.
-//! A bar label keeps one colour in every group (the palette order is the order labels first
-//! appear, skipped values included, so a missing measurement does not recolour the others). The
-//! value axis is linear from 0 and ends on a tick, far enough right that every bar's value label
-//! (three significant digits) fits inside the plot area. Values that cannot be drawn (non-finite
-//! or negative) leave their slot in the group empty: no bar, no label. The height follows from
-//! the number of bars; only the width is set by the caller.
+//! Same conventions as [`LinePlot`](super::svg::LinePlot), whose palette, fonts and legend this
+//! file reuses: deterministic output (same chart, same bytes), legend on the right. A bar label
+//! keeps one colour in every group (the palette order is the order labels first appear, skipped
+//! values included, so a missing measurement does not recolour the others). The value axis is
+//! linear from 0, far enough right that every bar's value label (three significant digits)
+//! fits inside the plot area. Values that cannot be drawn (non-finite or negative) leave their
+//! slot in the group empty: no bar, no label. The height follows from the number of bars; only
+//! the width is set by the caller.
 
-use std::fmt::Write;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::svg::{
-    Axis, MARGIN_BOTTOM, MARGIN_RIGHT, MARGIN_TOP, PALETTE, Scale, escape, format_tick,
+    Area, GRID, LEGEND_WIDTH, PALETTE, Swatch, font, format_tick, legend, legend_width, tick_count,
+    title_font,
 };
 
 #[derive(Debug, Clone)]
@@ -31,26 +33,35 @@ struct Group {
     bars: Vec<(String, f64)>,
 }
 
+/// One bar as laid out: `top` in layout pixels from the top.
+struct Bar<'a> {
+    label: &'a str,
+    value: f64,
+    top: f64,
+}
+
 /// A horizontal grouped bar chart with a title, a value-axis label, optional reference lines and
 /// a legend.
 #[derive(Debug, Clone)]
 pub struct BarChart {
     title: String,
     x_label: String,
-    width: f64,
+    width: u32,
     groups: Vec<Group>,
     references: Vec<(String, f64)>,
 }
 
-const MIN_MARGIN_LEFT: f64 = 80.0; // widened to fit the group names
-const MIN_PLOT_WIDTH: f64 = 160.0; // the group names give way first
+// The vertical layout, in pixels (plotters scales it to the plot area, which is about as tall).
 const BAR_HEIGHT: f64 = 18.0;
 const BAR_GAP: f64 = 3.0; // between bars of one group
 const GROUP_GAP: f64 = 18.0; // between groups, and around the first and last
-const LEGEND_ROW: f64 = 22.0;
-/// Rough advance of one character, in ems, to size margins and value labels without a font.
-const CHAR_EM: f64 = 0.62;
-const FONT: f64 = 12.0;
+const LEGEND_ROW: f64 = 22.0; // as in svg::legend
+/// Above the plot area (the title) and below it (tick labels and the axis label).
+const TITLE_HEIGHT: u32 = 40;
+const AXIS_HEIGHT: u32 = 55;
+/// The group names' column: at least this wide; the plot keeps at least `MIN_PLOT_WIDTH`.
+const MIN_NAMES_WIDTH: u32 = 80;
+const MIN_PLOT_WIDTH: u32 = 160;
 const VALUE_FONT: f64 = 11.0;
 
 impl BarChart {
@@ -59,7 +70,7 @@ impl BarChart {
         BarChart {
             title: title.into(),
             x_label: String::new(),
-            width: 760.0,
+            width: 760,
             groups: Vec::new(),
             references: Vec::new(),
         }
@@ -73,8 +84,7 @@ impl BarChart {
 
     /// Overall width in pixels, legend included (default 760); the height follows from the bars.
     pub fn width(mut self, width: u32) -> Self {
-        let min = MIN_MARGIN_LEFT + MARGIN_RIGHT + MIN_PLOT_WIDTH;
-        self.width = f64::from(width).max(min);
+        self.width = width.max(20 + MIN_NAMES_WIDTH + LEGEND_WIDTH + MIN_PLOT_WIDTH);
         self
     }
 
@@ -108,204 +118,140 @@ impl BarChart {
         labels
     }
 
-    /// The plot area: (left, top, right, bottom) in pixels.
-    fn area(&self) -> (f64, f64, f64, f64) {
-        let longest = self
-            .groups
-            .iter()
-            .map(|g| g.name.chars().count())
-            .max()
-            .unwrap_or(0);
-        let left = (text_width(longest, FONT) + 20.0)
-            .max(MIN_MARGIN_LEFT)
-            .min(self.width - MARGIN_RIGHT - MIN_PLOT_WIDTH);
+    /// In layout pixels from the top: every bar, the middle of every group, and the height of it
+    /// all.
+    fn layout(&self) -> (Vec<Bar<'_>>, Vec<f64>, f64) {
+        let (mut bars, mut middles) = (Vec::new(), Vec::new());
+        let mut y = GROUP_GAP;
+        for group in &self.groups {
+            let block = (group.bars.len() as f64 * (BAR_HEIGHT + BAR_GAP) - BAR_GAP).max(0.0);
+            middles.push(y + block / 2.0);
+            for (k, (label, v)) in group.bars.iter().enumerate() {
+                let top = y + k as f64 * (BAR_HEIGHT + BAR_GAP);
+                bars.push(Bar {
+                    label,
+                    value: *v,
+                    top,
+                });
+            }
+            y += block + GROUP_GAP;
+        }
         let legend = LEGEND_ROW * (self.labels().len() + self.references.len()) as f64;
-        let height = self
-            .content_height()
-            .max(legend)
-            .max(2.0 * GROUP_GAP + BAR_HEIGHT);
         (
-            left,
-            MARGIN_TOP,
-            self.width - MARGIN_RIGHT,
-            MARGIN_TOP + height,
+            bars,
+            middles,
+            y.max(legend).max(2.0 * GROUP_GAP + BAR_HEIGHT),
         )
-    }
-
-    /// The value axis: from 0 to a tick past every reference line and every bar's end plus its
-    /// value label.
-    fn axis(&self) -> Axis {
-        let (left, _, right, _) = self.area();
-        let plot_width = right - left;
-        let mut values = vec![0.0];
-        for &(_, v) in self
-            .groups
-            .iter()
-            .flat_map(|g| &g.bars)
-            .filter(|b| shown(b.1))
-        {
-            // The label fits when v / hi * plot_width + label width <= plot_width.
-            let room = plot_width - text_width(format_value(v).len(), VALUE_FONT) - 6.0;
-            values.push(v * plot_width / room.max(plot_width * 0.5));
-        }
-        values.extend(self.references.iter().map(|r| r.1).filter(|&v| shown(v)));
-        if values.iter().all(|&v| v == 0.0) {
-            values.push(1.0); // nothing above zero: show 0..1
-        }
-        Axis::fit(Scale::Linear, &values, left, right)
     }
 
     /// Renders the chart as a standalone SVG document.
     pub fn to_svg(&self) -> String {
-        let (left, top, right, bottom) = self.area();
-        let (w, h) = (self.width, bottom + MARGIN_BOTTOM);
-        let axis = self.axis();
-        let labels = self.labels();
-        let mut s = String::new();
-        // Writing into a String cannot fail, so the `fmt::Result`s below are ignored.
-        let _ = write!(
-            s,
-            concat!(
-                r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" "#,
-                r#"viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif" font-size="12">"#,
-                "\n",
-                r#"<rect width="{w:.0}" height="{h:.0}" fill="white"/>"#,
-                "\n",
-                r#"<text x="{mid:.2}" y="28" text-anchor="middle" font-size="16" "#,
-                r#"font-weight="bold">{title}</text>"#,
-                "\n",
-                r#"<text x="{mid:.2}" y="{label_y:.2}" text-anchor="middle">{x_label}</text>"#,
-                "\n",
-            ),
-            w = w,
-            h = h,
-            mid = (left + right) / 2.0,
-            title = escape(&self.title),
-            label_y = h - 16.0,
-            x_label = escape(&self.x_label),
-        );
-
-        // Value ticks: a grid line across the plot, a tick mark and a label under it.
-        let _ = writeln!(s, r#"<g class="x-ticks">"#);
-        for tick in axis.ticks() {
-            let _ = write!(
-                s,
-                concat!(
-                    r##"<line x1="{x:.2}" y1="{top:.2}" x2="{x:.2}" y2="{bottom:.2}" stroke="#e5e5e5"/>"##,
-                    "\n",
-                    r#"<line x1="{x:.2}" y1="{bottom:.2}" x2="{x:.2}" y2="{mark:.2}" stroke="black"/>"#,
-                    "\n",
-                    r#"<text x="{x:.2}" y="{text_y:.2}" text-anchor="middle">{text}</text>"#,
-                    "\n",
-                ),
-                x = axis.to_px(tick),
-                top = top,
-                bottom = bottom,
-                mark = bottom + 5.0,
-                text_y = bottom + 19.0,
-                text = format_tick(tick),
-            );
-        }
-        let _ = write!(
-            s,
-            concat!(
-                "</g>\n",
-                r#"<rect class="plot-area" x="{left:.2}" y="{top:.2}" width="{width:.2}" "#,
-                r#"height="{height:.2}" fill="none" stroke="black"/>"#,
-                "\n",
-            ),
-            left = left,
-            top = top,
-            width = right - left,
-            height = bottom - top,
-        );
-
-        // The groups: name on the left, bars top to bottom. Each bar's value, at its end, is
-        // written last, over the reference lines, with a white halo.
-        let mut values = String::new();
-        let mut y = top + (bottom - top - self.content_height()) / 2.0 + GROUP_GAP;
-        for group in &self.groups {
-            let _ = writeln!(s, r#"<g class="group">"#);
-            let _ = writeln!(
-                s,
-                r#"<text x="{:.2}" y="{:.2}" text-anchor="end">{}</text>"#,
-                left - 8.0,
-                y + block_height(group.bars.len()) / 2.0 + 4.0,
-                escape(&group.name)
-            );
-            for (label, v) in &group.bars {
-                if shown(*v) {
-                    let color = PALETTE[color_index(&labels, label) % PALETTE.len()];
-                    let end = axis.to_px(*v);
-                    let _ = writeln!(
-                        s,
-                        r#"<rect class="bar" x="{left:.2}" y="{y:.2}" width="{:.2}" height="{BAR_HEIGHT:.2}" fill="{color}"/>"#,
-                        end - left
-                    );
-                    let _ = writeln!(
-                        values,
-                        r#"<text class="value" x="{:.2}" y="{:.2}" font-size="{VALUE_FONT}" stroke="white" stroke-width="3" paint-order="stroke">{}</text>"#,
-                        end + 4.0,
-                        y + BAR_HEIGHT / 2.0 + 4.0,
-                        format_value(*v)
-                    );
-                }
-                y += BAR_HEIGHT + BAR_GAP;
-            }
-            y += GROUP_GAP - BAR_GAP;
-            let _ = writeln!(s, "</g>");
-        }
-
-        // Reference lines over the bars, the values, then the legend: bar labels, references.
-        let reference_color = |i: usize| PALETTE[(labels.len() + i) % PALETTE.len()];
-        for (i, &(_, v)) in self.references.iter().enumerate() {
-            if shown(v) {
-                let x = axis.to_px(v);
-                let _ = writeln!(
-                    s,
-                    r#"<line class="reference" x1="{x:.2}" y1="{top:.2}" x2="{x:.2}" y2="{bottom:.2}" stroke="{}" stroke-width="2" stroke-dasharray="6 4"/>"#,
-                    reference_color(i)
-                );
-            }
-        }
-        let _ = writeln!(s, r#"<g class="values">"#);
-        s.push_str(&values);
-        let _ = writeln!(s, "</g>");
-        let _ = writeln!(s, r#"<g class="legend">"#);
-        let x = right + 16.0;
-        let names = labels.iter().copied().map(escape);
-        let reference_names = self.references.iter().map(|r| escape(&r.0));
-        for (row, name) in names.chain(reference_names).enumerate() {
-            let y = top + 10.0 + LEGEND_ROW * row as f64;
-            let swatch = if row < labels.len() {
-                let color = PALETTE[row % PALETTE.len()];
-                format!(
-                    r#"<rect x="{:.2}" y="{:.2}" width="20" height="12" fill="{color}"/>"#,
-                    x + 4.0,
-                    y - 6.0
-                )
-            } else {
-                let color = reference_color(row - labels.len());
-                format!(
-                    r#"<line x1="{x:.2}" y1="{y:.2}" x2="{:.2}" y2="{y:.2}" stroke="{color}" stroke-width="2" stroke-dasharray="6 4"/>"#,
-                    x + 28.0
-                )
-            };
-            let (text_x, text_y) = (x + 36.0, y + 4.0);
-            let _ = writeln!(
-                s,
-                "{swatch}\n<text x=\"{text_x:.2}\" y=\"{text_y:.2}\">{name}</text>"
-            );
-        }
-        let _ = writeln!(s, "</g>");
-        s.push_str("</svg>\n");
-        s
+        self.render().expect("drawing into a String cannot fail").0
     }
 
-    /// Height of the bars and the gaps around every group.
-    fn content_height(&self) -> f64 {
-        let bars: f64 = self.groups.iter().map(|g| block_height(g.bars.len())).sum();
-        bars + GROUP_GAP * (self.groups.len() + 1) as f64
+    /// The document and where its plot area is.
+    fn render(&self) -> anyhow::Result<(String, Area)> {
+        let (bars, middles, height) = self.layout();
+        // Layout pixels count down from the top; the y axis counts up from the bottom.
+        let y = |top: f64| height - top;
+        let labels = self.labels();
+        let size = (self.width, height as u32 + TITLE_HEIGHT + AXIS_HEIGHT);
+        let mut svg = String::new();
+        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+        root.fill(&WHITE)?;
+
+        // The title across the figure; under it, columns: margin, group names, plot, legend.
+        let legend_names = labels.iter().copied();
+        let legend_names = legend_names.chain(self.references.iter().map(|r| r.0.as_str()));
+        let legend_w = legend_width(&root, legend_names)?;
+        let mut names_w = MIN_NAMES_WIDTH;
+        for group in &self.groups {
+            names_w = names_w.max(root.estimate_text_size(&group.name, &font(12.0))?.0 + 20);
+        }
+        let names_w = names_w.min(self.width.saturating_sub(20 + legend_w + MIN_PLOT_WIDTH));
+        let plot_w = f64::from(self.width.saturating_sub(20 + names_w + legend_w).max(1));
+
+        // The value axis ends where the bar that reaches furthest, with its label, ends.
+        let value_font = font(VALUE_FONT).pos(Pos::new(HPos::Left, VPos::Center));
+        let mut hi: f64 = 0.0;
+        for v in bars.iter().map(|b| b.value).filter(|&v| shown(v)) {
+            let label_w = f64::from(root.estimate_text_size(&format_value(v), &value_font)?.0);
+            // v / hi * plot_w + label_w + 10 <= plot_w
+            hi = hi.max(v * plot_w / (plot_w - label_w - 10.0).max(plot_w * 0.5));
+        }
+        for v in self.references.iter().map(|r| r.1).filter(|&v| shown(v)) {
+            hi = hi.max(v);
+        }
+        let hi = if hi > 0.0 { hi } else { 1.0 }; // nothing above zero: show 0..1
+
+        let body = root.titled(&self.title, title_font())?;
+        let (plot, legend_column) = body.split_horizontally(self.width - legend_w);
+        let mut chart = ChartBuilder::on(&plot)
+            .margin(10)
+            .x_label_area_size(AXIS_HEIGHT - 10)
+            .y_label_area_size(names_w)
+            .build_cartesian_2d(0.0..hi, 0.0..height)?;
+        chart
+            .configure_mesh()
+            .bold_line_style(GRID)
+            .max_light_lines(0)
+            .x_labels(tick_count(plot_w as u32, 70))
+            .disable_y_mesh()
+            .y_labels(0)
+            .label_style(font(12.0))
+            .x_desc(&self.x_label)
+            .x_label_formatter(&|v| format_tick(*v))
+            .draw()?;
+
+        // Group names left of their bars.
+        let name_font = font(12.0).pos(Pos::new(HPos::Right, VPos::Center));
+        for (group, &middle) in self.groups.iter().zip(&middles) {
+            let at = EmptyElement::at((0.0, y(middle)));
+            chart
+                .plotting_area()
+                .draw(&(at + Text::new(group.name.clone(), (-8, 0), &name_font)))?;
+        }
+
+        // One series per bar label, then the reference lines over the bars.
+        let mut entries = Vec::new();
+        for (i, &label) in labels.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let rects = bars
+                .iter()
+                .filter(|b| b.label == label && shown(b.value))
+                .map(|b| {
+                    Rectangle::new(
+                        [(0.0, y(b.top)), (b.value, y(b.top + BAR_HEIGHT))],
+                        color.filled(),
+                    )
+                });
+            chart.draw_series(rects)?;
+            entries.push((label, Swatch::Bar(color)));
+        }
+        for (i, (name, v)) in self.references.iter().enumerate() {
+            let color = PALETTE[(labels.len() + i) % PALETTE.len()];
+            if shown(*v) {
+                let points = [(*v, 0.0), (*v, height)];
+                chart.draw_series(DashedLineSeries::new(points, 6, 4, color.stroke_width(2)))?;
+            }
+            entries.push((name.as_str(), Swatch::Dashed(color)));
+        }
+
+        // Each bar's value at its end, on white so that a reference line does not cross it.
+        for &Bar { value: v, top, .. } in bars.iter().filter(|b| shown(b.value)) {
+            let text = format_value(v);
+            let (w, h) = root.estimate_text_size(&text, &value_font)?;
+            let (w, h) = (w as i32, h as i32);
+            let backing = Rectangle::new([(2, -h / 2 - 1), (w + 6, h / 2 + 1)], WHITE.filled());
+            let at = EmptyElement::at((v, y(top + BAR_HEIGHT / 2.0)));
+            let label = at + backing + Text::new(text, (4, 0), &value_font);
+            chart.plotting_area().draw(&label)?;
+        }
+        let area = chart.plotting_area().get_pixel_range();
+        legend(&legend_column, area.1.start, &entries)?;
+        root.present()?;
+        drop((chart, plot, legend_column, body, root));
+        Ok((svg, area))
     }
 }
 
@@ -314,47 +260,26 @@ fn shown(v: f64) -> bool {
     v.is_finite() && v >= 0.0
 }
 
-fn color_index(labels: &[&str], label: &str) -> usize {
-    labels.iter().position(|l| *l == label).unwrap_or(0)
-}
-
-/// Height of one group's bars.
-fn block_height(bars: usize) -> f64 {
-    (bars as f64 * (BAR_HEIGHT + BAR_GAP) - BAR_GAP).max(0.0)
-}
-
-/// Estimated width in pixels of `chars` characters at font size `font`.
-fn text_width(chars: usize, font: f64) -> f64 {
-    chars as f64 * font * CHAR_EM
-}
-
 /// A bar's value with three significant digits (`31.2`, `8.50`, `0.0123`), as an integer from
 /// 100 up (`143`, `2048`), in scientific notation from 1e6 (`1.23e6`).
 fn format_value(v: f64) -> String {
-    if v == 0.0 {
-        return "0".to_string();
-    }
-    if v.abs() >= 1e6 {
-        let mut exp = v.abs().log10().floor() as i32;
-        if (v.abs() / 10f64.powi(exp) * 100.0).round() >= 1000.0 {
-            exp += 1; // 9.996e6 rounds to 1.00e7
-        }
-        return format!("{:.2}e{exp}", v / 10f64.powi(exp));
-    }
-    let magnitude = v.abs().log10().floor() as i32;
-    let decimals = (2 - magnitude).max(0) as usize;
-    let text = format!("{v:.decimals$}");
-    // Rounding may carry into the next power of ten (9.996 → "10.00"): one decimal fewer.
-    let carried: f64 = text.parse().unwrap_or(v);
-    if decimals > 0 && carried.abs() >= 10f64.powi(magnitude + 1) {
-        format!("{v:.prec$}", prec = decimals - 1)
+    // Rounded to three significant digits first, so that 9.996 counts as 10.0.
+    let rounded: f64 = format!("{v:.2e}").parse().unwrap_or(v);
+    if rounded == 0.0 {
+        "0".to_string()
+    } else if rounded >= 1e6 {
+        format!("{v:.2e}")
+    } else if rounded >= 100.0 {
+        format!("{v:.0}")
     } else {
-        text
+        let decimals = (2 - rounded.log10().floor() as i32).max(0) as usize;
+        format!("{rounded:.decimals$}")
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::svg::read::*;
     use super::*;
 
     fn sample() -> BarChart {
@@ -371,63 +296,35 @@ mod tests {
             .reference("bandwidth limit f32", 29.3)
     }
 
-    /// The value of attribute `name` in `element` (the text after `<tag `).
-    fn attr(element: &str, name: &str) -> f64 {
-        let start = element.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
-        let rest = &element[start..];
-        rest[..rest.find('"').unwrap()].parse().unwrap()
-    }
-
-    /// (x, y, width, height) of every bar.
-    fn bars(svg: &str) -> Vec<(f64, f64, f64, f64)> {
-        svg.split(r#"<rect class="bar""#)
-            .skip(1)
+    /// (x, y, width, height, fill) of every bar: the palette-filled rectangles left of the
+    /// legend.
+    fn bars(svg: &str, area: &Area) -> Vec<(f64, f64, f64, f64, String)> {
+        let palette: Vec<String> = PALETTE.iter().map(|&c| hex(c)).collect();
+        elements(svg, "rect")
+            .into_iter()
+            .filter(|e| palette.iter().any(|c| c == attr(e, "fill")))
             .map(|e| {
+                let (x, y) = (num(e, "x"), num(e, "y"));
                 (
-                    attr(e, "x"),
-                    attr(e, "y"),
-                    attr(e, "width"),
-                    attr(e, "height"),
+                    x,
+                    y,
+                    num(e, "width"),
+                    num(e, "height"),
+                    attr(e, "fill").to_string(),
                 )
             })
+            .filter(|b| b.0 < f64::from(area.0.end))
             .collect()
     }
 
-    /// (x, text) of every value label.
+    /// (x, text) of every value label, in document order.
     fn value_labels(svg: &str) -> Vec<(f64, String)> {
-        svg.split(r#"<text class="value""#)
-            .skip(1)
-            .map(|e| {
-                let text = &e[e.find('>').unwrap() + 1..e.find("</text>").unwrap()];
-                (attr(e, "x"), text.to_string())
-            })
+        let size = format!("{}", VALUE_FONT * 1.24 / 1.24);
+        texts(svg)
+            .into_iter()
+            .filter(|t| attr(t.0, "font-size") == size)
+            .map(|t| (num(t.0, "x"), t.1.to_string()))
             .collect()
-    }
-
-    /// Every tag is closed in order, text holds no raw `<` or `>`, every `&` starts an entity,
-    /// and the document is one `<svg>` element.
-    fn assert_well_formed(svg: &str) {
-        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
-        assert!(svg.ends_with("</svg>\n"));
-        let mut open: Vec<&str> = Vec::new();
-        for (i, chunk) in svg.split('<').skip(1).enumerate() {
-            let (tag, text) = chunk.split_once('>').expect("unclosed tag");
-            assert!(!text.contains('>'), "raw '>' in text after <{tag}>");
-            for entity in text.split('&').skip(1) {
-                let name = entity.split(';').next().unwrap();
-                assert!(
-                    ["amp", "lt", "gt", "quot", "apos"].contains(&name),
-                    "&{entity}"
-                );
-            }
-            if let Some(name) = tag.strip_prefix('/') {
-                assert_eq!(open.pop(), Some(name), "</{name}> closes the wrong element");
-            } else if !tag.ends_with('/') {
-                assert!(i == 0 || !open.is_empty(), "a second root element <{tag}>");
-                open.push(tag.split(' ').next().unwrap());
-            }
-        }
-        assert!(open.is_empty(), "unclosed: {open:?}");
     }
 
     #[test]
@@ -442,11 +339,18 @@ mod tests {
             .reference("x > y", 2.0)
             .to_svg();
         assert_well_formed(&svg);
-        assert!(svg.contains(">Decode &lt;speed&gt; &amp; &quot;friends&quot;</text>"));
-        assert!(svg.contains(">&lt;b&gt;</text>") && svg.contains(">a&amp;b</text>"));
-        assert!(svg.contains(">x &gt; y</text>"));
+        let texts: Vec<&str> = texts(&svg).into_iter().map(|t| t.1).collect();
+        for text in [
+            "Decode &lt;speed&gt; &amp; &quot;friends&quot;",
+            "&lt;b&gt;",
+            "a&amp;b",
+            "x &gt; y",
+            "tokens/s",
+            "bf16 / F16",
+        ] {
+            assert!(texts.contains(&text), "{text} missing from {texts:?}");
+        }
         assert!(!svg.contains("<speed>") && !svg.contains("<b>") && !svg.contains("a&b"));
-        assert!(svg.contains(">tokens/s</text>") && svg.contains(">bf16 / F16</text>"));
     }
 
     #[test]
@@ -462,67 +366,75 @@ mod tests {
                 .width(300)
                 .group("a long group name", &[("a", 999.9)]),
         ] {
-            let (left, top, right, bottom) = chart.area();
-            let svg = chart.to_svg();
-            let bars = bars(&svg);
-            let labels = value_labels(&svg);
-            assert!(!bars.is_empty());
-            for (x, y, w, h) in bars {
-                // Coordinates are printed with two decimals.
-                let (left, top, right, bottom) =
-                    (left - 0.01, top - 0.01, right + 0.01, bottom + 0.01);
-                assert!(x >= left && x + w <= right, "bar [{x}, {}] outside", x + w);
+            let (svg, area) = chart.render().unwrap();
+            let (xs, ys) = (&area.0, &area.1);
+            let bars = bars(&svg, &area);
+            let drawable = chart
+                .groups
+                .iter()
+                .flat_map(|g| &g.bars)
+                .filter(|b| shown(b.1));
+            assert_eq!(bars.len(), drawable.count());
+            for (x, y, w, h, _) in bars {
+                assert_eq!(x as i32, xs.start, "a bar starts at 0, the left edge");
                 assert!(
-                    y >= top && y + h <= bottom,
-                    "bar [{y}, {}] outside [{top}, {bottom}]",
-                    y + h
+                    (x + w) as i32 <= xs.end,
+                    "bar [{x}, {}] outside {xs:?}",
+                    x + w
+                );
+                assert!(
+                    y as i32 >= ys.start && (y + h) as i32 <= ys.end,
+                    "bar {y} outside {ys:?}"
                 );
             }
-            for (x, text) in labels {
-                let end = x + text_width(text.len(), VALUE_FONT);
-                assert!(end <= right + 0.01, "label {text} ends at {end} > {right}");
+            let value_font = font(VALUE_FONT);
+            let mut scratch = String::new();
+            let root = SVGBackend::with_string(&mut scratch, (1, 1)).into_drawing_area();
+            for (x, text) in value_labels(&svg) {
+                let end = x as i32 + root.estimate_text_size(&text, &value_font).unwrap().0 as i32;
+                assert!(end <= xs.end, "label {text} ends at {end}, past {xs:?}");
             }
-            for element in svg.split(r#"<line class="reference""#).skip(1) {
-                let x = attr(element, "x1");
-                assert!(x >= left - 0.01 && x <= right + 0.01);
+            // Reference lines: in the plot, or (their legend swatch) right of it.
+            let palette: Vec<String> = PALETTE.iter().map(|&c| hex(c)).collect();
+            for line in elements(&svg, "polyline") {
+                if !palette.iter().any(|c| c == attr(line, "stroke")) {
+                    continue; // an axis
+                }
+                for pair in attr(line, "points").split_whitespace() {
+                    let x: i32 = pair.split_once(',').unwrap().0.parse().unwrap();
+                    assert!(xs.contains(&x) || x >= xs.end + 10, "a dash at {x}, {xs:?}");
+                }
             }
         }
     }
 
     #[test]
     fn every_bar_has_its_value_label_and_colour() {
-        let svg = sample().to_svg();
+        let (svg, area) = sample().render().unwrap();
         let texts: Vec<String> = value_labels(&svg).into_iter().map(|l| l.1).collect();
         assert_eq!(texts, ["31.2", "8.50", "28.0", "50.1", "15.0", "43.0"]);
-        assert_eq!(bars(&svg).len(), 6);
-        // The same label has the same colour in both groups: kiln, transformers, llama.cpp.
-        let fills: Vec<&str> = svg
-            .split(r#"<rect class="bar""#)
-            .skip(1)
-            .map(|e| {
-                e.split("fill=\"")
-                    .nth(1)
-                    .unwrap()
-                    .split('"')
-                    .next()
-                    .unwrap()
-            })
+        // One series per label, in order of first appearance: kiln, transformers, llama.cpp,
+        // the same colour in both groups.
+        let fills: Vec<String> = bars(&svg, &area).into_iter().map(|b| b.4).collect();
+        let expected: Vec<String> = [0, 0, 1, 1, 2, 2]
+            .iter()
+            .map(|&i| hex(PALETTE[i]))
             .collect();
-        assert_eq!(fills[..3], fills[3..]);
-        assert_eq!(fills[..3], PALETTE[..3]);
-        // Legend: three swatches, then the reference line in the next colour.
-        assert!(svg.contains(&format!("stroke=\"{}\"", PALETTE[3])));
+        assert_eq!(fills, expected);
+        // The reference line is in the next colour.
+        let reference = format!("stroke=\"{}\"", hex(PALETTE[3]));
+        assert!(svg.contains(&reference));
     }
 
     #[test]
     fn bar_length_is_proportional_to_value_from_zero() {
-        let svg = BarChart::new("p")
-            .group("g", &[("a", 10.0), ("b", 20.0), ("c", 0.0)])
-            .to_svg();
-        let widths: Vec<f64> = bars(&svg).iter().map(|b| b.2).collect();
-        assert!((widths[1] - 2.0 * widths[0]).abs() < 0.02, "{widths:?}");
+        let chart = BarChart::new("p").group("g", &[("a", 10.0), ("b", 20.0), ("c", 0.0)]);
+        let (svg, area) = chart.render().unwrap();
+        let widths: Vec<f64> = bars(&svg, &area).iter().map(|b| b.2).collect();
+        assert!((widths[1] - 2.0 * widths[0]).abs() <= 1.0, "{widths:?}");
         assert_eq!(widths[2], 0.0);
-        assert!(svg.contains(">0</text>"), "the axis starts at 0");
+        let texts: Vec<&str> = texts(&svg).into_iter().map(|t| t.1).collect();
+        assert!(texts.contains(&"0"), "the axis starts at 0");
     }
 
     #[test]
@@ -539,14 +451,26 @@ mod tests {
             )
             .reference("r", f64::NAN)
             .reference("s", -3.0);
-        let svg = chart.to_svg();
-        assert_eq!(bars(&svg).len(), 1);
+        let (svg, area) = chart.render().unwrap();
+        let bars = bars(&svg, &area);
+        assert_eq!(bars.len(), 1);
         assert_eq!(value_labels(&svg).len(), 1);
-        assert!(!svg.contains("NaN") && !svg.contains("inf") && !svg.contains("=\"-"));
-        assert!(!svg.contains(r#"<line class="reference""#));
+        assert!(!svg.contains("NaN") && !svg.contains("inf") && !svg.contains("width=\"-"));
+        // No reference line in the plot: the only dashes are the legend's, right of it.
+        let dashes = elements(&svg, "polyline").into_iter();
+        let dashes: Vec<&str> = dashes.filter(|l| attr(l, "stroke") != "#000000").collect();
+        assert!(!dashes.is_empty());
+        for line in dashes {
+            let x: i32 = attr(line, "points")
+                .split(',')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(x > area.0.end, "a dash at {x}");
+        }
         // The kept bar still has the colour of its label's position (the 4th label).
-        let (_, svg_bar) = svg.split_once(r#"<rect class="bar""#).unwrap();
-        assert!(svg_bar.contains(&format!("fill=\"{}\"", PALETTE[3])));
+        assert_eq!(bars[0].4, hex(PALETTE[3]));
     }
 
     #[test]
@@ -555,9 +479,9 @@ mod tests {
             BarChart::new("empty"),
             BarChart::new("empty group").group::<&str>("g", &[]),
         ] {
-            let svg = chart.to_svg();
+            let (svg, area) = chart.render().unwrap();
             assert_well_formed(&svg);
-            assert!(bars(&svg).is_empty());
+            assert!(bars(&svg, &area).is_empty());
             assert!(!svg.contains("NaN") && !svg.contains("inf"));
         }
     }

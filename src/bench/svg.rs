@@ -1,4 +1,5 @@
-//! A small SVG line-plot writer: every benchmark plot in the book is drawn by this file.
+//! Line plots, drawn by plotters' SVG backend: every benchmark plot in the book but the bar
+//! charts ([`bars`](super::bars)) comes from this file.
 //!
 //! ```text
 //! LinePlot::new("title")
@@ -8,34 +9,46 @@
 //!     .to_svg()                                            -> String
 //! ```
 //!
-//! The output is deterministic (same plot, same bytes): fixed palette, fixed layout, coordinates
-//! printed with two decimals. The axis ranges cover every point of every series, so every point
-//! lands inside the plot area. Points that an axis cannot show (non-finite values, and values
-//! `<= 0` on a log axis) are skipped.
+//! The output is deterministic (same plot, same bytes): fixed palette, fixed layout, no fonts
+//! read (plotters estimates text sizes). The axis ranges cover every point of every series, so
+//! every point lands inside the plot area. Points that an axis cannot show (non-finite values,
+//! and values `<= 0` on a log axis) are skipped. The legend sits right of the plot, so it never
+//! hides a point.
 
-use std::fmt::Write;
+use std::ops::Range;
 
-/// How values map to pixels along one axis.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scale {
-    Linear,
-    /// Base-10 logarithmic; only positive values are shown.
-    Log,
-}
+use plotters::coord::Shift;
+use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Style {
-    /// Solid line with a marker on every point: measured data.
-    Measured,
-    /// Dashed line without markers: a guide such as "slope 2".
-    Reference,
-}
+/// Line (and bar) colours, in the order series are added (then repeating).
+pub(super) const PALETTE: [RGBColor; 8] = [
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0xe3, 0x77, 0xc2),
+    RGBColor(0x7f, 0x7f, 0x7f),
+];
+/// The legend's column, right of the plot: at least this wide, wider for long names.
+pub(super) const LEGEND_WIDTH: u32 = 200;
+/// Grid lines.
+pub(super) const GRID: RGBColor = RGBColor(0xe5, 0xe5, 0xe5);
+
+/// The plot area in pixels: (x range, y range), as plotters laid it out.
+pub(super) type Area = (Range<i32>, Range<i32>);
 
 #[derive(Debug, Clone)]
 struct Series {
     name: String,
     points: Vec<(f64, f64)>,
-    style: Style,
+    /// A guide such as "slope 2": dashed, no markers. Otherwise measured: solid, with markers.
+    reference: bool,
 }
 
 /// A line plot with a title, axis labels, linear or log axes and a legend.
@@ -44,21 +57,11 @@ pub struct LinePlot {
     title: String,
     x_label: String,
     y_label: String,
-    x_scale: Scale,
-    y_scale: Scale,
-    width: f64,
-    height: f64,
+    log_x: bool,
+    log_y: bool,
+    size: (u32, u32),
     series: Vec<Series>,
 }
-
-/// Line colours, in the order series are added (then repeating).
-pub(super) const PALETTE: [&str; 8] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-];
-const MARGIN_LEFT: f64 = 80.0;
-pub(super) const MARGIN_RIGHT: f64 = 200.0; // the legend lives here
-pub(super) const MARGIN_TOP: f64 = 50.0;
-pub(super) const MARGIN_BOTTOM: f64 = 60.0;
 
 impl LinePlot {
     /// An empty 760 × 460 plot with linear axes.
@@ -67,10 +70,9 @@ impl LinePlot {
             title: title.into(),
             x_label: String::new(),
             y_label: String::new(),
-            x_scale: Scale::Linear,
-            y_scale: Scale::Linear,
-            width: 760.0,
-            height: 460.0,
+            log_x: false,
+            log_y: false,
+            size: (760, 460),
             series: Vec::new(),
         }
     }
@@ -86,350 +88,261 @@ impl LinePlot {
     }
 
     pub fn log_x(mut self) -> Self {
-        self.x_scale = Scale::Log;
+        self.log_x = true;
         self
     }
 
     pub fn log_y(mut self) -> Self {
-        self.y_scale = Scale::Log;
+        self.log_y = true;
         self
     }
 
     /// Overall size in pixels, legend included (default 760 × 460).
     pub fn size(mut self, width: u32, height: u32) -> Self {
-        self.width = f64::from(width.max(MARGIN_LEFT as u32 + MARGIN_RIGHT as u32 + 50));
-        self.height = f64::from(height.max(MARGIN_TOP as u32 + MARGIN_BOTTOM as u32 + 50));
+        self.size = (width.max(LEGEND_WIDTH + 200), height.max(200));
         self
     }
 
     /// Adds measured data: a solid line with a marker on each point, in the next palette colour.
     pub fn series(self, name: impl Into<String>, points: &[(f64, f64)]) -> Self {
-        self.push(name.into(), points, Style::Measured)
+        self.push(name.into(), points, false)
     }
 
     /// Adds a guide line (for example `y ∝ x²`): dashed, no markers.
     pub fn reference(self, name: impl Into<String>, points: &[(f64, f64)]) -> Self {
-        self.push(name.into(), points, Style::Reference)
+        self.push(name.into(), points, true)
     }
 
-    fn push(mut self, name: String, points: &[(f64, f64)], style: Style) -> Self {
+    fn push(mut self, name: String, points: &[(f64, f64)], reference: bool) -> Self {
         self.series.push(Series {
             name,
             points: points.to_vec(),
-            style,
+            reference,
         });
         self
     }
 
-    /// The plot area: (left, top, right, bottom) in pixels.
-    fn area(&self) -> (f64, f64, f64, f64) {
-        (
-            MARGIN_LEFT,
-            MARGIN_TOP,
-            self.width - MARGIN_RIGHT,
-            self.height - MARGIN_BOTTOM,
-        )
-    }
-
-    /// The x and y axes fitted to every drawable point.
-    fn axes(&self) -> (Axis, Axis) {
-        let (left, top, right, bottom) = self.area();
-        let drawable = |p: &&(f64, f64)| shown(self.x_scale, p.0) && shown(self.y_scale, p.1);
-        let points: Vec<(f64, f64)> = self
-            .series
-            .iter()
-            .flat_map(|s| s.points.iter().filter(drawable).copied())
-            .collect();
-        let xs: Vec<f64> = points.iter().map(|p| p.0).collect();
-        let ys: Vec<f64> = points.iter().map(|p| p.1).collect();
-        (
-            Axis::fit(self.x_scale, &xs, left, right),
-            Axis::fit(self.y_scale, &ys, bottom, top), // pixel y grows downwards
-        )
-    }
-
     /// Renders the plot as a standalone SVG document.
     pub fn to_svg(&self) -> String {
-        let (w, h) = (self.width, self.height);
-        let (left, top, right, bottom) = self.area();
-        let (x_axis, y_axis) = self.axes();
-        let mut s = String::new();
-        // Writing into a String cannot fail, so the `fmt::Result`s below are ignored.
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(s, r#"<rect width="{w:.0}" height="{h:.0}" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.2}" y="28" text-anchor="middle" font-size="16" font-weight="bold">{}</text>"#,
-            (left + right) / 2.0,
-            escape(&self.title)
-        );
+        self.render().expect("drawing into a String cannot fail").0
+    }
 
-        // Grid lines and tick labels.
-        let _ = writeln!(s, r#"<g class="x-ticks">"#);
-        for tick in x_axis.ticks() {
-            let x = x_axis.to_px(tick);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{x:.2}" y1="{top:.2}" x2="{x:.2}" y2="{bottom:.2}" stroke="#e5e5e5"/>"##
-            );
-            let _ = writeln!(
-                s,
-                r##"<line x1="{x:.2}" y1="{bottom:.2}" x2="{x:.2}" y2="{:.2}" stroke="black"/>"##,
-                bottom + 5.0
-            );
-            let _ = writeln!(
-                s,
-                r#"<text x="{x:.2}" y="{:.2}" text-anchor="middle">{}</text>"#,
-                bottom + 19.0,
-                format_tick(tick)
-            );
+    /// The points an axis can show, of one series or (`None`) of all.
+    fn drawable(&self, series: Option<&Series>) -> Vec<(f64, f64)> {
+        let all = series.map_or(&self.series[..], std::slice::from_ref);
+        all.iter()
+            .flat_map(|s| &s.points)
+            .filter(|&&(x, y)| shown(self.log_x, x) && shown(self.log_y, y))
+            .copied()
+            .collect()
+    }
+
+    /// The document and where its plot area is.
+    fn render(&self) -> anyhow::Result<(String, Area)> {
+        let points = self.drawable(None);
+        let x = fit(self.log_x, points.iter().map(|p| p.0));
+        let y = fit(self.log_y, points.iter().map(|p| p.1));
+        let log = |r: Range<f64>| {
+            let ticks = log_ticks(&r);
+            r.log_scale().with_key_points(ticks)
+        };
+        match (self.log_x, self.log_y) {
+            (false, false) => self.draw(RangedCoordf64::from(x), RangedCoordf64::from(y)),
+            (true, false) => self.draw(log(x), RangedCoordf64::from(y)),
+            (false, true) => self.draw(RangedCoordf64::from(x), log(y)),
+            (true, true) => self.draw(log(x), log(y)),
         }
-        let _ = writeln!(s, "</g>");
-        let _ = writeln!(s, r#"<g class="y-ticks">"#);
-        for tick in y_axis.ticks() {
-            let y = y_axis.to_px(tick);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{left:.2}" y1="{y:.2}" x2="{right:.2}" y2="{y:.2}" stroke="#e5e5e5"/>"##
-            );
-            let _ = writeln!(
-                s,
-                r##"<line x1="{:.2}" y1="{y:.2}" x2="{left:.2}" y2="{y:.2}" stroke="black"/>"##,
-                left - 5.0
-            );
-            let _ = writeln!(
-                s,
-                r#"<text x="{:.2}" y="{:.2}" text-anchor="end">{}</text>"#,
-                left - 8.0,
-                y + 4.0,
-                format_tick(tick)
-            );
-        }
-        let _ = writeln!(s, "</g>");
-        let _ = writeln!(
-            s,
-            r#"<rect class="plot-area" x="{left:.2}" y="{top:.2}" width="{:.2}" height="{:.2}" fill="none" stroke="black"/>"#,
-            right - left,
-            bottom - top
-        );
+    }
 
-        // Axis labels.
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.2}" y="{:.2}" text-anchor="middle">{}</text>"#,
-            (left + right) / 2.0,
-            h - 16.0,
-            escape(&self.x_label)
-        );
-        let (label_x, label_y) = (20.0, (top + bottom) / 2.0);
-        let _ = writeln!(
-            s,
-            r#"<text x="{label_x:.2}" y="{label_y:.2}" text-anchor="middle" transform="rotate(-90 {label_x:.2} {label_y:.2})">{}</text>"#,
-            escape(&self.y_label)
-        );
-
-        // The series, then the legend.
+    fn draw<X, Y>(&self, x: X, y: Y) -> anyhow::Result<(String, Area)>
+    where
+        X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+        Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    {
+        let mut svg = String::new();
+        let root = SVGBackend::with_string(&mut svg, self.size).into_drawing_area();
+        root.fill(&WHITE)?;
+        let names = self.series.iter().map(|s| s.name.as_str());
+        let legend_w = legend_width(&root, names)?;
+        // The title across the figure, then the plot and the legend's column side by side.
+        let body = root.titled(&self.title, title_font())?;
+        let (plot, legend_column) = body.split_horizontally(self.size.0 - legend_w);
+        let mut chart = ChartBuilder::on(&plot)
+            .margin(10)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d(x, y)?;
+        let (plot_w, plot_h) = chart.plotting_area().dim_in_pixel();
+        chart
+            .configure_mesh()
+            .bold_line_style(GRID)
+            .max_light_lines(0)
+            .x_labels(tick_count(plot_w, 70))
+            .y_labels(tick_count(plot_h, 40))
+            .label_style(font(12.0))
+            .x_desc(&self.x_label)
+            .y_desc(&self.y_label)
+            .x_label_formatter(&|v| format_tick(*v))
+            .y_label_formatter(&|v| format_tick(*v))
+            .draw()?;
+        let mut entries = Vec::new();
         for (i, series) in self.series.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
-            let pixels: Vec<(f64, f64)> = series
-                .points
-                .iter()
-                .filter(|p| shown(self.x_scale, p.0) && shown(self.y_scale, p.1))
-                .map(|&(x, y)| (x_axis.to_px(x), y_axis.to_px(y)))
-                .collect();
-            let _ = writeln!(s, r#"<g class="series">"#);
-            let coords: Vec<String> = pixels
-                .iter()
-                .map(|(x, y)| format!("{x:.2},{y:.2}"))
-                .collect();
-            let dash = match series.style {
-                Style::Measured => "",
-                Style::Reference => r#" stroke-dasharray="6 4""#,
-            };
-            let _ = writeln!(
-                s,
-                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"{dash}/>"#,
-                coords.join(" ")
-            );
-            if series.style == Style::Measured {
-                for (x, y) in &pixels {
-                    let _ = writeln!(
-                        s,
-                        r#"<circle cx="{x:.2}" cy="{y:.2}" r="3.5" fill="{color}"/>"#
-                    );
-                }
+            let line = color.stroke_width(2);
+            let points = self.drawable(Some(series));
+            if series.reference {
+                chart.draw_series(DashedLineSeries::new(points, 6, 4, line))?;
+                entries.push((series.name.as_str(), Swatch::Dashed(color)));
+            } else {
+                chart.draw_series(LineSeries::new(points, line.filled()).point_size(3))?;
+                entries.push((series.name.as_str(), Swatch::Marked(color)));
             }
-            let _ = writeln!(s, "</g>");
         }
-        let _ = writeln!(s, r#"<g class="legend">"#);
-        for (i, series) in self.series.iter().enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
-            let y = top + 10.0 + 22.0 * i as f64;
-            let x = right + 16.0;
-            let dash = match series.style {
-                Style::Measured => "",
-                Style::Reference => r#" stroke-dasharray="6 4""#,
-            };
-            let _ = writeln!(
-                s,
-                r#"<line x1="{x:.2}" y1="{y:.2}" x2="{:.2}" y2="{y:.2}" stroke="{color}" stroke-width="2"{dash}/>"#,
-                x + 28.0
-            );
-            let _ = writeln!(
-                s,
-                r#"<text x="{:.2}" y="{:.2}">{}</text>"#,
-                x + 36.0,
-                y + 4.0,
-                escape(&series.name)
-            );
-        }
-        let _ = writeln!(s, "</g>");
-        s.push_str("</svg>\n");
-        s
+        let area = chart.plotting_area().get_pixel_range();
+        legend(&legend_column, area.1.start, &entries)?;
+        root.present()?;
+        drop((chart, plot, legend_column, body, root));
+        Ok((svg, area))
     }
 }
 
-/// Whether `v` can be drawn on an axis of this scale.
-fn shown(scale: Scale, v: f64) -> bool {
-    v.is_finite() && (scale == Scale::Linear || v > 0.0)
-}
-
-/// One axis: a value range mapped linearly (in value or log10-value space) onto a pixel range.
+/// How a legend entry shows its series.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Axis {
-    scale: Scale,
-    /// Range in transformed space (log10 of the value on a log axis).
-    lo: f64,
-    hi: f64,
-    /// Pixels of `lo` and `hi` (for y, `px_lo` is the bottom, the larger pixel value).
-    px_lo: f64,
-    px_hi: f64,
+pub(super) enum Swatch {
+    /// A solid line with a marker: measured data.
+    Marked(RGBColor),
+    /// A dashed line: a reference.
+    Dashed(RGBColor),
+    /// A bar's colour.
+    Bar(RGBColor),
 }
 
-impl Axis {
-    /// An axis that covers every value (all already drawable on `scale`).
-    pub(super) fn fit(scale: Scale, values: &[f64], px_lo: f64, px_hi: f64) -> Self {
-        let t = |v: f64| match scale {
-            Scale::Linear => v,
-            Scale::Log => v.log10(),
-        };
-        let min = values.iter().map(|&v| t(v)).fold(f64::INFINITY, f64::min);
-        let max = values
-            .iter()
-            .map(|&v| t(v))
-            .fold(f64::NEG_INFINITY, f64::max);
-        let (mut lo, mut hi) = if min.is_finite() {
-            (min, max)
-        } else {
-            (0.0, 1.0) // nothing to draw
-        };
-        if hi - lo < 1e-12 {
-            let pad = match scale {
-                Scale::Linear => lo.abs().max(1.0) * 0.1,
-                Scale::Log => 0.3, // a factor of 2 either side
-            };
-            (lo, hi) = (lo - pad, hi + pad);
-        }
-        match scale {
-            // Extend to whole tick steps, so the axis starts and ends on a labelled value.
-            Scale::Linear => {
-                let step = nice_step((hi - lo) / 5.0);
-                (lo, hi) = ((lo / step).floor() * step, (hi / step).ceil() * step);
+/// The legend, one row per entry from `top` (pixels from the figure's top) down, in the column
+/// right of the plot. (plotters' own legend is drawn inside the plot area, where it can hide
+/// data.)
+pub(super) fn legend(
+    column: &DrawingArea<SVGBackend, Shift>,
+    top: i32,
+    entries: &[(&str, Swatch)],
+) -> anyhow::Result<()> {
+    let text = font(12.0).pos(Pos::new(HPos::Left, VPos::Center));
+    for (row, &(name, swatch)) in entries.iter().enumerate() {
+        let (x, y) = (10, top - column.get_base_pixel().1 + 10 + 22 * row as i32);
+        let line = vec![(x, y), (x + 24, y)];
+        match swatch {
+            Swatch::Marked(c) => {
+                column.draw(&PathElement::new(line, c.stroke_width(2)))?;
+                column.draw(&Circle::new((x + 12, y), 3, c.filled()))?;
             }
-            // A little air around the extreme points.
-            Scale::Log => {
-                let pad = (hi - lo) * 0.04;
-                (lo, hi) = (lo - pad, hi + pad);
+            Swatch::Dashed(c) => {
+                column.draw(&DashedPathElement::new(line, 6, 4, c.stroke_width(2)))?
             }
+            Swatch::Bar(c) => column.draw(&Rectangle::new(
+                [(x + 2, y - 6), (x + 22, y + 6)],
+                c.filled(),
+            ))?,
         }
-        Axis {
-            scale,
-            lo,
-            hi,
-            px_lo,
-            px_hi,
-        }
+        column.draw(&Text::new(name, (x + 32, y), &text))?;
     }
-
-    /// Value → pixel.
-    pub(super) fn to_px(self, v: f64) -> f64 {
-        let t = match self.scale {
-            Scale::Linear => v,
-            Scale::Log => v.log10(),
-        };
-        self.px_lo + (t - self.lo) / (self.hi - self.lo) * (self.px_hi - self.px_lo)
-    }
-
-    /// Tick values inside the range, in increasing order.
-    pub(super) fn ticks(&self) -> Vec<f64> {
-        let eps = (self.hi - self.lo) * 1e-9;
-        match self.scale {
-            Scale::Linear => {
-                let step = nice_step((self.hi - self.lo) / 5.0);
-                let first = (self.lo / step - 1e-9).ceil() as i64;
-                let last = (self.hi / step + 1e-9).floor() as i64;
-                (first..=last).map(|i| i as f64 * step).collect()
-            }
-            Scale::Log => {
-                let first = (self.lo - eps).floor() as i32;
-                let last = (self.hi + eps).ceil() as i32;
-                let in_range = |mantissas: &[f64], every: i32| -> Vec<f64> {
-                    let mut ticks = Vec::new();
-                    for decade in (first..=last).filter(|d| d.rem_euclid(every) == 0) {
-                        for &m in mantissas {
-                            let v = m * 10f64.powi(decade);
-                            let t = v.log10();
-                            if t >= self.lo - eps && t <= self.hi + eps {
-                                ticks.push(v);
-                            }
-                        }
-                    }
-                    ticks
-                };
-                let decades = in_range(&[1.0], 1);
-                if decades.len() > 8 {
-                    let every = (decades.len() as i32 + 5) / 6;
-                    in_range(&[1.0], every)
-                } else if decades.len() >= 3 {
-                    decades
-                } else {
-                    let ticks = in_range(&[1.0, 2.0, 5.0], 1);
-                    if ticks.len() >= 3 {
-                        ticks
-                    } else {
-                        in_range(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 1)
-                    }
-                }
-            }
-        }
-    }
+    Ok(())
 }
 
-/// The smallest of 1, 2, 5 × 10^k that is at least `raw` (> 0).
-fn nice_step(raw: f64) -> f64 {
-    let raw = if raw.is_finite() && raw > 0.0 {
-        raw
+/// The legend column's width: [`LEGEND_WIDTH`], or more to fit the longest name, up to 45% of
+/// the figure.
+pub(super) fn legend_width<'a>(
+    root: &DrawingArea<SVGBackend, Shift>,
+    names: impl Iterator<Item = &'a str>,
+) -> anyhow::Result<u32> {
+    let mut longest = 0;
+    for name in names {
+        longest = longest.max(root.estimate_text_size(name, &font(12.0))?.0);
+    }
+    let width = root.dim_in_pixel().0;
+    Ok((longest + 52).clamp(LEGEND_WIDTH, (width * 45 / 100).max(LEGEND_WIDTH)))
+}
+
+/// How many ticks a linear axis of `pixels` gets: one per `spacing` pixels, 3 to 7.
+pub(super) fn tick_count(pixels: u32, spacing: u32) -> usize {
+    (pixels / spacing).clamp(3, 7) as usize
+}
+
+/// A sans-serif font whose SVG `font-size` is `px` (plotters writes a size divided by 1.24).
+pub(super) fn font(px: f64) -> TextStyle<'static> {
+    FontDesc::new(FontFamily::SansSerif, px * 1.24, FontStyle::Normal).into()
+}
+
+pub(super) fn title_font() -> TextStyle<'static> {
+    FontDesc::new(FontFamily::SansSerif, 16.0 * 1.24, FontStyle::Bold).into()
+}
+
+/// Whether `v` can be drawn on a (log) axis.
+fn shown(log: bool, v: f64) -> bool {
+    v.is_finite() && (!log || v > 0.0)
+}
+
+/// An axis range over `values` (all drawable), with 4% of the span to spare either side; a
+/// single value gets ±10% (a factor of 2 on a log axis), none gets 0..1 (1..10).
+fn fit(log: bool, values: impl Iterator<Item = f64>) -> Range<f64> {
+    let t = |v: f64| if log { v.log10() } else { v };
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(t(v)), hi.max(t(v)))
+    });
+    let (lo, hi) = if !lo.is_finite() {
+        (0.0, 1.0)
+    } else if hi - lo < 1e-12 {
+        let pad = if log { 0.3 } else { lo.abs().max(1.0) * 0.1 };
+        (lo - pad, hi + pad)
     } else {
-        1.0
+        let pad = (hi - lo) * 0.04;
+        (lo - pad, hi + pad)
     };
-    let magnitude = 10f64.powf(raw.log10().floor());
-    [1.0, 2.0, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * magnitude)
-        .find(|&step| step >= raw * (1.0 - 1e-9))
-        .unwrap_or(10.0 * magnitude)
+    if log {
+        10f64.powf(lo)..10f64.powf(hi)
+    } else {
+        lo..hi
+    }
+}
+
+/// Ticks for a log axis (plotters' own start at the first whole decade and skip what lies below
+/// it): every decade (every n-th past eight), or 1-2-5 (then 1…9) per decade when fewer than
+/// three decades show.
+fn log_ticks(range: &Range<f64>) -> Vec<f64> {
+    let (lo, hi) = (range.start.log10() - 1e-9, range.end.log10() + 1e-9);
+    let ticks = |mantissas: &[f64], every: i32| -> Vec<f64> {
+        let decades = (lo.floor() as i32..=hi.ceil() as i32).filter(|d| d.rem_euclid(every) == 0);
+        decades
+            .flat_map(|d| mantissas.iter().map(move |m| m * 10f64.powi(d)))
+            .filter(|v| (lo..=hi).contains(&v.log10()))
+            .collect()
+    };
+    let decades = ticks(&[1.0], 1);
+    if decades.len() > 8 {
+        return ticks(&[1.0], (decades.len() as i32 + 5) / 6);
+    }
+    if decades.len() >= 3 {
+        return decades;
+    }
+    let one_two_five = ticks(&[1.0, 2.0, 5.0], 1);
+    if one_two_five.len() >= 3 {
+        return one_two_five;
+    }
+    ticks(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 1)
 }
 
 /// A tick label: plain decimals with trailing zeros trimmed, scientific notation when very
 /// large or very small (`2e6`, `5e-5`).
 pub(super) fn format_tick(v: f64) -> String {
-    if v == 0.0 {
+    let trim = |s: String| {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s
+        }
+    };
+    let a = v.abs();
+    if a < 1e-12 {
         return "0".to_string();
     }
-    let a = v.abs();
     if !(1e-3..1e6).contains(&a) {
         let exp = a.log10().floor() as i32;
         let mantissa = trim(format!("{:.3}", v / 10f64.powi(exp)));
@@ -438,32 +351,75 @@ pub(super) fn format_tick(v: f64) -> String {
     trim(format!("{v:.6}"))
 }
 
-fn trim(s: String) -> String {
-    if s.contains('.') {
-        s.trim_end_matches('0').trim_end_matches('.').to_string()
-    } else {
-        s
+/// Reading plotters' SVG back, for the tests of both plot kinds.
+#[cfg(test)]
+pub(super) mod read {
+    /// The attributes of every `<tag …>` element, each from the space before the first.
+    pub fn elements<'a>(svg: &'a str, tag: &str) -> Vec<&'a str> {
+        let open = format!("<{tag} ");
+        svg.match_indices(&open)
+            .map(|(i, _)| &svg[i + open.len() - 1..])
+            .map(|e| &e[..e.find('>').unwrap()])
+            .collect()
     }
-}
 
-/// Escapes text for SVG element content and attribute values.
-pub(super) fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&apos;"),
-            c => out.push(c),
-        }
+    /// The value of attribute `name` in an element's attributes.
+    pub fn attr<'a>(element: &'a str, name: &str) -> &'a str {
+        let key = format!(" {name}=\"");
+        let start = element
+            .find(&key)
+            .unwrap_or_else(|| panic!("no {name} in {element}"));
+        let rest = &element[start + key.len()..];
+        &rest[..rest.find('"').unwrap()]
     }
-    out
+
+    pub fn num(element: &str, name: &str) -> f64 {
+        attr(element, name).parse().unwrap()
+    }
+
+    /// (attributes, text) of every `<text>`.
+    pub fn texts(svg: &str) -> Vec<(&str, &str)> {
+        svg.match_indices("<text ")
+            .map(|(i, open)| {
+                let (tag, rest) = svg[i + open.len() - 1..].split_once('>').unwrap();
+                (tag, rest[..rest.find("</text>").unwrap()].trim())
+            })
+            .collect()
+    }
+
+    /// `#RRGGBB`, as plotters writes a colour.
+    pub fn hex(c: plotters::style::RGBColor) -> String {
+        format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2)
+    }
+
+    /// One `<svg>` root, every tag closed in order, text holds no raw `<` or `>`, every `&`
+    /// starts an entity.
+    pub fn assert_well_formed(svg: &str) {
+        assert!(svg.starts_with("<svg ") && svg.contains(r#"xmlns="http://www.w3.org/2000/svg""#));
+        assert!(svg.ends_with("</svg>\n"));
+        let mut open: Vec<&str> = Vec::new();
+        for (i, chunk) in svg.split('<').skip(1).enumerate() {
+            let (tag, text) = chunk.split_once('>').expect("unclosed tag");
+            assert!(!text.contains('>'), "raw '>' in text after <{tag}>");
+            for entity in text.split('&').skip(1) {
+                let name = entity.split(';').next().unwrap();
+                let known = ["amp", "lt", "gt", "quot", "apos"].contains(&name);
+                assert!(known, "&{entity}");
+            }
+            if let Some(name) = tag.strip_prefix('/') {
+                assert_eq!(open.pop(), Some(name), "</{name}> closes the wrong element");
+            } else if !tag.ends_with('/') {
+                assert!(i == 0 || !open.is_empty(), "a second root element <{tag}>");
+                open.push(tag.split(' ').next().unwrap());
+            }
+        }
+        assert!(open.is_empty(), "unclosed: {open:?}");
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::read::*;
     use super::*;
 
     fn sample() -> LinePlot {
@@ -476,48 +432,51 @@ mod tests {
             .reference("slope 2", &[(16.0, 1.5), (512.0, 1.5 * 1024.0)])
     }
 
-    /// Every `points="..."` and `cx=/cy=` pair in the document.
-    fn drawn_points(svg: &str) -> Vec<(f64, f64)> {
-        let mut out = Vec::new();
-        for part in svg.split("points=\"").skip(1) {
-            let list = &part[..part.find('"').unwrap()];
-            for pair in list.split_whitespace() {
-                let (x, y) = pair.split_once(',').unwrap();
-                out.push((x.parse().unwrap(), y.parse().unwrap()));
+    /// Every vertex of every polyline in `color` and every marker centre, in the plot area;
+    /// the rest (the legend's swatch) must lie in the legend column, right of it.
+    fn drawn_points(svg: &str, area: &Area, color: RGBColor) -> [Vec<(i32, i32)>; 2] {
+        let (xs, ys) = area;
+        let inside = |&(x, y): &(i32, i32)| {
+            if x > xs.end {
+                assert!(
+                    x >= xs.end + 10,
+                    "({x}, {y}) in neither the plot nor the legend"
+                );
+                return false;
             }
-        }
-        for part in svg.split("<circle cx=\"").skip(1) {
-            let x: f64 = part[..part.find('"').unwrap()].parse().unwrap();
-            let rest = &part[part.find("cy=\"").unwrap() + 4..];
-            let y: f64 = rest[..rest.find('"').unwrap()].parse().unwrap();
-            out.push((x, y));
-        }
-        out
+            let fits = xs.start <= x && x <= xs.end && ys.start <= y && y <= ys.end;
+            assert!(fits, "({x}, {y}) outside the plot area {area:?}");
+            true
+        };
+        let lines = elements(svg, "polyline")
+            .into_iter()
+            .filter(|e| attr(e, "stroke") == hex(color))
+            .flat_map(|e| {
+                attr(e, "points").split_whitespace().map(|pair| {
+                    let (x, y) = pair.split_once(',').unwrap();
+                    (x.parse().unwrap(), y.parse().unwrap())
+                })
+            });
+        let markers = elements(svg, "circle")
+            .into_iter()
+            .filter(|e| attr(e, "fill") == hex(color))
+            .map(|e| (num(e, "cx") as i32, num(e, "cy") as i32));
+        [
+            lines.filter(inside).collect(),
+            markers.filter(inside).collect(),
+        ]
     }
 
     #[test]
-    fn document_is_well_formed() {
+    fn document_is_well_formed_and_text_escaped() {
         let svg = sample().to_svg();
-        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
-        assert!(svg.ends_with("</svg>\n"));
-        for tag in ["text", "g"] {
-            let open =
-                svg.matches(&format!("<{tag} ")).count() + svg.matches(&format!("<{tag}>")).count();
-            let close = svg.matches(&format!("</{tag}>")).count();
-            assert_eq!(open, close, "<{tag}> opened {open} times, closed {close}");
-        }
-        // Every other element is self-closing.
-        for tag in ["line", "rect", "polyline", "circle"] {
-            for element in svg.split(&format!("<{tag} ")).skip(1) {
-                let end = element.find('>').unwrap();
-                assert!(element[..end].ends_with('/'), "<{tag}> not self-closed");
-            }
-        }
-        // Text is escaped: no raw `<` or `&` from the title leaks into the markup.
-        assert!(svg.contains("Latency &lt;ch01&gt; &amp; friends"));
+        assert_well_formed(&svg);
+        let texts: Vec<&str> = texts(&svg).into_iter().map(|t| t.1).collect();
+        assert!(texts.contains(&"Latency &lt;ch01&gt; &amp; friends"));
         assert!(!svg.contains("<ch01>"));
-        assert!(svg.contains(">measured</text>") && svg.contains(">slope 2</text>"));
-        assert!(svg.contains(">sequence length T</text>") && svg.contains(">ms per token</text>"));
+        for label in ["measured", "slope 2", "sequence length T", "ms per token"] {
+            assert!(texts.contains(&label), "{label} missing from {texts:?}");
+        }
     }
 
     #[test]
@@ -526,7 +485,17 @@ mod tests {
     }
 
     #[test]
-    fn points_map_inside_the_plot_area() {
+    fn the_command_goes_right_after_the_svg_tag() {
+        // What `kiln figures` reads back (`write_figures` inserts it).
+        let svg = super::super::describe_svg(&sample().to_svg(), "kiln bench ch01 --x <y>");
+        let (tag, rest) = svg.split_once(">\n").unwrap();
+        assert!(tag.starts_with("<svg "), "{tag}");
+        assert!(rest.starts_with("<desc>command: kiln bench ch01 --x &lt;y&gt;</desc>\n"));
+        assert_well_formed(&svg);
+    }
+
+    #[test]
+    fn points_land_inside_the_plot_area() {
         for plot in [
             sample(),
             LinePlot::new("linear")
@@ -536,75 +505,83 @@ mod tests {
                 .log_x()
                 .log_y()
                 .series("a", &[(4.0, 4.0)]),
+            LinePlot::new("small")
+                .size(400, 200)
+                .series("a", &[(1e-6, 3e9), (2e-6, 1.0)]),
         ] {
-            let (left, top, right, bottom) = plot.area();
-            let points = drawn_points(&plot.to_svg());
-            assert!(!points.is_empty());
-            for (x, y) in points {
-                assert!(x >= left && x <= right, "x {x} outside [{left}, {right}]");
-                assert!(y >= top && y <= bottom, "y {y} outside [{top}, {bottom}]");
+            let (svg, area) = plot.render().unwrap();
+            for (i, series) in plot.series.iter().enumerate() {
+                let [line, markers] = drawn_points(&svg, &area, PALETTE[i]);
+                let expected = series.points.len();
+                assert!(line.len() >= expected, "{}: {line:?}", series.name);
+                assert_eq!(markers.len(), if series.reference { 0 } else { expected });
             }
         }
     }
 
     #[test]
     fn undrawable_points_are_skipped() {
-        let plot = LinePlot::new("log").log_y().series(
-            "a",
-            &[
-                (1.0, 0.0),
-                (2.0, -1.0),
-                (3.0, f64::NAN),
-                (4.0, 10.0),
-                (5.0, 100.0),
-            ],
-        );
-        assert_eq!(drawn_points(&plot.to_svg()).len(), 2 * 2); // polyline + circles
-        let empty = LinePlot::new("empty").series("a", &[]).to_svg();
-        assert!(empty.ends_with("</svg>\n"));
-    }
-
-    #[test]
-    fn log_scale_is_monotone_and_equal_ratios_are_equal_distances() {
-        let (x_axis, y_axis) = sample().axes();
-        let values = [16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
-        let xs: Vec<f64> = values.iter().map(|&v| x_axis.to_px(v)).collect();
-        let ys: Vec<f64> = values.iter().map(|&v| y_axis.to_px(v)).collect();
-        for w in xs.windows(2) {
-            assert!(w[1] > w[0], "x pixels must grow with the value");
-        }
-        for w in ys.windows(2) {
-            assert!(
-                w[1] < w[0],
-                "y pixels must go up (decrease) as the value grows"
-            );
-        }
-        // Each doubling moves the same distance.
-        let step = xs[1] - xs[0];
-        for w in xs.windows(2) {
-            assert!((w[1] - w[0] - step).abs() < 1e-9);
+        let points = [
+            (1.0, 0.0),
+            (2.0, -1.0),
+            (3.0, f64::NAN),
+            (4.0, 10.0),
+            (5.0, 100.0),
+        ];
+        let (svg, area) = LinePlot::new("log")
+            .log_y()
+            .series("a", &points)
+            .render()
+            .unwrap();
+        let [line, markers] = drawn_points(&svg, &area, PALETTE[0]);
+        assert_eq!((line.len(), markers.len()), (2, 2));
+        assert!(!svg.contains("NaN") && !svg.contains("inf"));
+        for empty in [
+            LinePlot::new("empty").series("a", &[]),
+            LinePlot::new("empty log")
+                .log_x()
+                .log_y()
+                .reference("r", &[(0.0, -1.0)]),
+        ] {
+            assert_well_formed(&empty.to_svg());
         }
     }
 
     #[test]
-    fn linear_scale_maps_proportionally() {
-        let axis = Axis::fit(Scale::Linear, &[0.0, 10.0], 100.0, 300.0);
-        assert_eq!((axis.lo, axis.hi), (0.0, 10.0));
-        assert!((axis.to_px(5.0) - 200.0).abs() < 1e-9);
-        assert_eq!(axis.ticks(), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+    fn log_axis_is_monotone_and_equal_ratios_are_equal_distances() {
+        // One point per doubling on both log axes: the markers are evenly spaced, rising.
+        let points: Vec<(f64, f64)> = (4..10).map(|i| (2f64.powi(i), 2f64.powi(i))).collect();
+        let plot = LinePlot::new("log").log_x().log_y().series("a", &points);
+        let (svg, area) = plot.render().unwrap();
+        let [_, markers] = drawn_points(&svg, &area, PALETTE[0]);
+        assert_eq!(markers.len(), points.len());
+        let step = (markers[1].0 - markers[0].0, markers[1].1 - markers[0].1);
+        assert!(step.0 > 0 && step.1 < 0, "right and up: {step:?}");
+        for w in markers.windows(2) {
+            let d = (w[1].0 - w[0].0, w[1].1 - w[0].1);
+            let even = (d.0 - step.0).abs() <= 1 && (d.1 - step.1).abs() <= 1;
+            assert!(even, "{markers:?}");
+        }
     }
 
     #[test]
     fn log_ticks_are_inside_the_range_and_increasing() {
-        let axis = Axis::fit(Scale::Log, &[16.0, 512.0], 0.0, 100.0);
-        let ticks = axis.ticks();
-        assert_eq!(ticks, vec![20.0, 50.0, 100.0, 200.0, 500.0]);
-        let wide = Axis::fit(Scale::Log, &[1e-3, 1e12], 0.0, 100.0).ticks();
+        assert_eq!(log_ticks(&(14.0..600.0)), [20.0, 50.0, 100.0, 200.0, 500.0]);
+        assert_eq!(log_ticks(&(1.5..8.0)), [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+        assert_eq!(log_ticks(&(0.9..2e4)), [1.0, 10.0, 100.0, 1e3, 1e4]);
+        let wide = log_ticks(&(1e-3..1e12));
         assert!(wide.len() >= 3 && wide.len() <= 8, "{wide:?}");
-        for axis_ticks in [ticks, wide] {
-            for w in axis_ticks.windows(2) {
-                assert!(w[1] > w[0]);
-            }
+        for w in wide.windows(2) {
+            assert!(w[1] > w[0]);
+        }
+        // And they are the ones drawn: each tick's label is on the axis.
+        let svg = sample().to_svg();
+        let labels: Vec<&str> = texts(&svg).into_iter().map(|t| t.1).collect();
+        for tick in ["20", "50", "100", "200", "500", "10", "1000"] {
+            assert!(
+                labels.contains(&tick),
+                "tick {tick} missing from {labels:?}"
+            );
         }
     }
 
