@@ -18,15 +18,14 @@ use std::time::{Duration, Instant};
 pub enum Op {
     Embed,
     RmsNorm,
-    QProj,
-    KProj,
-    VProj,
+    /// q, k and v, one parallel region.
+    QkvProj,
     Rope,
     Attention,
     OProj,
     Residual,
-    GateProj,
-    UpProj,
+    /// gate and up, one parallel region.
+    GateUpProj,
     SiluMul,
     DownProj,
     FinalNorm,
@@ -36,18 +35,15 @@ pub enum Op {
 
 impl Op {
     /// Every op, in step order.
-    pub const ALL: [Op; 16] = [
+    pub const ALL: [Op; 13] = [
         Op::Embed,
         Op::RmsNorm,
-        Op::QProj,
-        Op::KProj,
-        Op::VProj,
+        Op::QkvProj,
         Op::Rope,
         Op::Attention,
         Op::OProj,
         Op::Residual,
-        Op::GateProj,
-        Op::UpProj,
+        Op::GateUpProj,
         Op::SiluMul,
         Op::DownProj,
         Op::FinalNorm,
@@ -60,15 +56,12 @@ impl Op {
         match self {
             Op::Embed => "embed",
             Op::RmsNorm => "rms_norm",
-            Op::QProj => "q_proj",
-            Op::KProj => "k_proj",
-            Op::VProj => "v_proj",
+            Op::QkvProj => "qkv_proj",
             Op::Rope => "rope",
             Op::Attention => "attention",
             Op::OProj => "o_proj",
             Op::Residual => "residual",
-            Op::GateProj => "gate_proj",
-            Op::UpProj => "up_proj",
+            Op::GateUpProj => "gate_up_proj",
             Op::SiluMul => "silu_mul",
             Op::DownProj => "down_proj",
             Op::FinalNorm => "final_norm",

@@ -188,7 +188,7 @@ struct Fp8Scratch {
 }
 
 thread_local! {
-    static SCRATCH: std::cell::RefCell<Fp8Scratch> = std::cell::RefCell::new(Fp8Scratch::default());
+    static SCRATCH: crate::scratch::Spares<Fp8Scratch> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn with_scratch<R>(f: impl FnOnce(&mut Fp8Scratch) -> R) -> R {

@@ -34,7 +34,7 @@ use crate::kernels::{Isa, KernelError, QuantMatrix, Scratch, has_kernel, linear}
 
 thread_local! {
     /// Each calling thread's kernel scratch, grown once to its largest call.
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    static SCRATCH: crate::scratch::Spares<Scratch> = const { RefCell::new(Vec::new()) };
 }
 
 fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {

@@ -4,14 +4,19 @@
 use std::cell::RefCell;
 use std::thread::LocalKey;
 
-/// Runs `f` with this thread's `T` from `key`; a re-entrant call on the same thread (a rayon
-/// worker that picked up another layer's forward while waiting) gets a fresh `T` instead.
+/// A thread's spare buffers of one kind: one per level of nesting reached so far.
+pub(crate) type Spares<T> = RefCell<Vec<T>>;
+
+/// Runs `f` with one of this thread's `T`s from `key`, given back afterwards. A call nested in
+/// another on the same thread (a rayon worker that picked up a second projection of the layer,
+/// chapter 2's joined q/k/v, while waiting for its own tasks) takes the next one: the first
+/// time a thread nests that deep it makes a new `T`, and from then on reuses it.
 pub(crate) fn with_local<T: Default, R>(
-    key: &'static LocalKey<RefCell<T>>,
+    key: &'static LocalKey<Spares<T>>,
     f: impl FnOnce(&mut T) -> R,
 ) -> R {
-    key.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut scratch) => f(&mut scratch),
-        Err(_) => f(&mut T::default()),
-    })
+    let mut buffer = key.with(|spares| spares.borrow_mut().pop()).unwrap_or_default();
+    let result = f(&mut buffer);
+    key.with(|spares| spares.borrow_mut().push(buffer));
+    result
 }

@@ -45,3 +45,4 @@ fn decode_steps_allocate_nothing() {
         );
     }
 }
+

@@ -806,7 +806,7 @@ fn rows_times_tokens(
 
 thread_local! {
     /// Each thread's buffer for one row in the file's layout (the portable kernels').
-    static ROW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    static ROW: crate::scratch::Spares<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Output rows one task computes: enough to amortise the task, few enough to balance the cores;

@@ -316,7 +316,7 @@ struct W8A8Scratch {
 }
 
 thread_local! {
-    static SCRATCH: RefCell<W8A8Scratch> = RefCell::new(W8A8Scratch::default());
+    static SCRATCH: crate::scratch::Spares<W8A8Scratch> = const { RefCell::new(Vec::new()) };
 }
 
 fn with_scratch<R>(f: impl FnOnce(&mut W8A8Scratch) -> R) -> R {
