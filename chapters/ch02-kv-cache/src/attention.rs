@@ -12,6 +12,8 @@
 use ch01::attention::{AttentionShape, softmax_in_place};
 use rayon::prelude::*;
 
+use crate::decode_attention::{Stored, decode_attention};
+use crate::kernels::Isa;
 use crate::kernels::vector::dot;
 
 /// Query rows one task handles when several are attended at once.
@@ -20,7 +22,7 @@ const ROWS_PER_TASK: usize = 4;
 /// Score scratch [`cached_attention`] needs for `n` queries against `context_len` positions.
 pub fn scratch_len(n: usize, context_len: usize, shape: AttentionShape) -> usize {
     if n == 1 {
-        shape.num_heads * context_len // one score row per head, heads in parallel
+        crate::decode_attention::scratch_len(context_len, shape) // chunks of positions in parallel
     } else {
         n.div_ceil(ROWS_PER_TASK) * context_len // one score row per task, tasks in parallel
     }
@@ -33,8 +35,8 @@ pub struct ScoreScratch(Vec<f32>);
 
 impl ScoreScratch {
     /// Room for one decode step against `capacity` positions.
-    pub fn for_decode(num_heads: usize, capacity: usize) -> Self {
-        ScoreScratch(vec![0.0; num_heads * capacity])
+    pub fn for_decode(shape: AttentionShape, capacity: usize) -> Self {
+        ScoreScratch(vec![0.0; scratch_len(1, capacity, shape)])
     }
 
     /// Scratch for `n` queries against `context_len` positions ([`scratch_len`] elements).
@@ -88,13 +90,8 @@ pub fn cached_attention_mapped<R: Fn(usize) -> usize + Sync>(
         shape,
     };
     if n == 1 {
-        // Decode: heads in parallel, each with its own score row.
-        out.par_chunks_mut(shape.head_dim)
-            .zip(scores.par_chunks_mut(context_len))
-            .enumerate()
-            .for_each(|(h, (out_h, s))| {
-                attend_head_fastest(&stored, q, h, first_pos, out_h, s);
-            });
+        // Decode: chunks of positions in parallel, every head in each.
+        decode_attention(Isa::detect(), &stored, q, context_len, out, scores);
     } else if n >= crate::prefill_attention::MIN_QUERIES {
         // A prompt chunk: two matrix products per head.
         crate::prefill_attention::prefill_attention(q, k, v, row_of, context_len, shape, out);
@@ -115,13 +112,24 @@ pub fn cached_attention_mapped<R: Fn(usize) -> usize + Sync>(
     }
 }
 
-/// A layer's stored keys and values as attention reads them: position `pos` is row
-/// `row_of(pos)` of `k` and `v` (rows of `num_kv_heads · head_dim`).
-struct Stored<'a, R> {
-    k: &'a [f32],
-    v: &'a [f32],
-    row_of: &'a R,
-    shape: AttentionShape,
+/// Decode as this chapter first did it, kept for comparison (`examples/attention_speed.rs`):
+/// one query row `q` [num_heads · d] at position `context_len − 1`, its heads in parallel, each
+/// head a task reading its positions one at a time. `scores`: at least
+/// `num_heads · context_len` elements.
+pub fn decode_by_heads<R: Fn(usize) -> usize + Sync>(
+    stored: &Stored<R>,
+    q: &[f32],
+    context_len: usize,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let shape = stored.shape;
+    out.par_chunks_mut(shape.head_dim)
+        .zip(scores[..shape.num_heads * context_len].par_chunks_mut(context_len))
+        .enumerate()
+        .for_each(|(h, (out_h, s))| {
+            attend_head_fastest(stored, q, h, context_len - 1, out_h, s);
+        });
 }
 
 /// One query row (position `pos`), head `h`: `out_h` [head_dim] = softmax(q_h Kᵀ/√d) V.

@@ -13,6 +13,7 @@
 //! | [`kv_store`]   | the [`KvStore`] seam: where K/V live and how queries read them             |
 //! | [`contiguous`] | [`ContiguousKvCache`]: one preallocated `[max_len, kv_dim]` buffer per layer |
 //! | [`attention`]  | attention of new queries against stored K/V, into reused buffers             |
+//! | [`decode_attention`] | one decode row against the cache: chunks of positions in parallel, merged |
 //! | [`cached`]     | the forward pass over new tokens only, and generation with a cache         |
 //! | [`kernels`]    | our matrix-vector and matrix-matrix products: threaded, vectorised, f32/bf16 |
 //! | [`elementwise`]| the row-wise ops between the products (norms, RoPE, residuals, SiLU), threaded when big enough |
@@ -25,6 +26,7 @@
 pub mod attention;
 pub mod cached;
 pub mod contiguous;
+pub mod decode_attention;
 pub mod elementwise;
 pub mod fast_linear;
 pub mod kernels;

@@ -80,3 +80,64 @@ fn cached_attention_equals_the_oracle_for_decode_and_prefill() {
         })
         .unwrap();
 }
+
+/// Decode attention split into chunks of positions (several chunks from 33 positions on, a
+/// last chunk of any length) equals the oracle, on every instruction set of this CPU, with the
+/// stored rows in any order.
+#[test]
+fn decode_attention_equals_the_oracle_across_chunks_on_every_isa() {
+    use ch02_kv_cache::decode_attention::{self, Stored, decode_attention};
+    use ch02_kv_cache::kernels::Isa;
+    let cases = (1usize..4, 1usize..4, 1usize..20, 1usize..300).prop_flat_map(
+        |(num_kv_heads, group, head_dim, context_len)| {
+            let shape = AttentionShape {
+                num_heads: num_kv_heads * group,
+                num_kv_heads,
+                head_dim,
+            };
+            let kv_len = context_len * num_kv_heads * head_dim;
+            (
+                Just((shape, context_len)),
+                values(shape.num_heads * head_dim),
+                values(kv_len),
+                values(kv_len),
+                Just((0..context_len).collect::<Vec<usize>>()).prop_shuffle(),
+            )
+        },
+    );
+    seeded_runner(120, 22)
+        .run(&cases, |((shape, context_len), q, k, v, rows)| {
+            let kv_dim = shape.num_kv_heads * shape.head_dim;
+            let row_of = |pos: usize| rows[pos];
+            let in_order = |stored: &[f32]| {
+                let data: Vec<f32> = (0..context_len)
+                    .flat_map(|pos| stored[row_of(pos) * kv_dim..][..kv_dim].to_vec())
+                    .collect();
+                Array2::from_shape_vec((context_len, kv_dim), data).unwrap()
+            };
+            let q_row = Array2::from_shape_vec((1, q.len()), q.clone()).unwrap();
+            let expected =
+                causal_attention(q_row.view(), in_order(&k).view(), in_order(&v).view(), shape);
+            let stored = Stored {
+                k: &k,
+                v: &v,
+                row_of: &row_of,
+                shape,
+            };
+            for isa in Isa::available() {
+                let mut out = vec![f32::NAN; q.len()];
+                let mut scratch =
+                    vec![f32::NAN; decode_attention::scratch_len(context_len, shape)];
+                decode_attention(isa, &stored, &q, context_len, &mut out, &mut scratch);
+                assert_close_shaped(
+                    &format!("{isa:?}, {shape:?}, one query against {context_len} positions"),
+                    &out,
+                    expected.as_slice().unwrap(),
+                    &[1, q.len()],
+                    Tolerance::F32,
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+}

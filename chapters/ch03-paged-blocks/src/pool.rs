@@ -107,7 +107,7 @@ impl<K: KvElement> KvPool<K> {
             num_kv_heads,
             head_dim,
             scores: ScoreScratch::for_decode(
-                config.num_attention_heads,
+                ch02::contiguous::full_shape(config),
                 config.max_position_embeddings,
             ),
         })

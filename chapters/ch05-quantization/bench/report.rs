@@ -97,7 +97,8 @@ impl Report<'_> {
             table.to_markdown(),
             self.caption(&format!(
                 "tokens/s: decode of {} tokens after a {}-token prompt at batch 1, prefill of \
-                 the {}-token prompt (llama-bench: `-n {} -d {}` and `-p {}`)",
+                 the {}-token prompt (llama-bench: `-n {} -d {}` and `-p {}`); the KV cache in \
+                 f32 for kiln, F16 for llama.cpp (each one's default)",
                 self.decode, self.prompt, self.prompt, self.decode, self.prompt, self.prompt
             ))
         )
