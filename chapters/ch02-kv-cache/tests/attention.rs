@@ -13,20 +13,38 @@ fn values(len: usize) -> impl Strategy<Value = Vec<f32>> {
     proptest::collection::vec(-2.0f32..2.0, len)
 }
 
-#[test]
-fn cached_attention_equals_the_oracle_for_decode_and_prefill() {
-    let shapes = (1usize..4, 1usize..4, 1usize..20, 1usize..40).prop_flat_map(
+/// A GQA shape (1–3 KV heads, groups of 1–3 query heads, head_dim 1–19) and a context length
+/// below `max_context`.
+fn shapes(max_context: usize) -> impl Strategy<Value = (AttentionShape, usize)> {
+    (1usize..4, 1usize..4, 1usize..20, 1..max_context).prop_map(
         |(num_kv_heads, group, head_dim, context_len)| {
             let shape = AttentionShape {
                 num_heads: num_kv_heads * group,
                 num_kv_heads,
                 head_dim,
             };
-            // Decode (one query) half the time, else a chunk of the last positions.
-            let n = prop_oneof![Just(1), 1..=context_len];
-            (Just(shape), Just(context_len), n, 0usize..8)
+            (shape, context_len)
         },
-    );
+    )
+}
+
+/// What the oracle sees: rows `rows[0..context_len]` of `stored`, in position order.
+/// [context_len, kv_dim]
+fn in_order(stored: &[f32], rows: &[usize], context_len: usize, kv_dim: usize) -> Array2<f32> {
+    let data: Vec<f32> = rows[..context_len]
+        .iter()
+        .flat_map(|&row| stored[row * kv_dim..][..kv_dim].to_vec())
+        .collect();
+    Array2::from_shape_vec((context_len, kv_dim), data).unwrap()
+}
+
+#[test]
+fn cached_attention_equals_the_oracle_for_decode_and_prefill() {
+    let shapes = shapes(40).prop_flat_map(|(shape, context_len)| {
+        // Decode (one query) half the time, else a chunk of the last positions.
+        let n = prop_oneof![Just(1), 1..=context_len];
+        (Just(shape), Just(context_len), n, 0usize..8)
+    });
     let cases = shapes.prop_flat_map(|(shape, context_len, n, spare)| {
         let kv_dim = shape.num_kv_heads * shape.head_dim;
         let rows = context_len + spare; // storage with rows no position uses
@@ -59,16 +77,12 @@ fn cached_attention_equals_the_oracle_for_decode_and_prefill() {
                 &mut scores,
             );
 
-            // The oracle sees the keys and values in position order.
-            let in_order = |stored: &[f32]| {
-                let data: Vec<f32> = (0..context_len)
-                    .flat_map(|pos| stored[row_of(pos) * kv_dim..][..kv_dim].to_vec())
-                    .collect();
-                Array2::from_shape_vec((context_len, kv_dim), data).unwrap()
-            };
             let q = Array2::from_shape_vec((n, q_dim), q).unwrap();
-            let expected =
-                causal_attention(q.view(), in_order(&k).view(), in_order(&v).view(), shape);
+            let (k_in_order, v_in_order) = (
+                in_order(&k, &rows, context_len, kv_dim),
+                in_order(&v, &rows, context_len, kv_dim),
+            );
+            let expected = causal_attention(q.view(), k_in_order.view(), v_in_order.view(), shape);
             assert_close_shaped(
                 &format!("{shape:?}, {n} queries at the end of {context_len} positions"),
                 &out,
@@ -88,36 +102,27 @@ fn cached_attention_equals_the_oracle_for_decode_and_prefill() {
 fn decode_attention_equals_the_oracle_across_chunks_on_every_isa() {
     use ch02_kv_cache::decode_attention::{self, Stored, decode_attention};
     use ch02_kv_cache::kernels::Isa;
-    let cases = (1usize..4, 1usize..4, 1usize..20, 1usize..300).prop_flat_map(
-        |(num_kv_heads, group, head_dim, context_len)| {
-            let shape = AttentionShape {
-                num_heads: num_kv_heads * group,
-                num_kv_heads,
-                head_dim,
-            };
-            let kv_len = context_len * num_kv_heads * head_dim;
-            (
-                Just((shape, context_len)),
-                values(shape.num_heads * head_dim),
-                values(kv_len),
-                values(kv_len),
-                Just((0..context_len).collect::<Vec<usize>>()).prop_shuffle(),
-            )
-        },
-    );
+    let cases = shapes(300).prop_flat_map(|(shape, context_len)| {
+        let kv_len = context_len * shape.num_kv_heads * shape.head_dim;
+        (
+            Just((shape, context_len)),
+            values(shape.num_heads * shape.head_dim),
+            values(kv_len),
+            values(kv_len),
+            Just((0..context_len).collect::<Vec<usize>>()).prop_shuffle(),
+        )
+    });
     seeded_runner(120, 22)
         .run(&cases, |((shape, context_len), q, k, v, rows)| {
             let kv_dim = shape.num_kv_heads * shape.head_dim;
             let row_of = |pos: usize| rows[pos];
-            let in_order = |stored: &[f32]| {
-                let data: Vec<f32> = (0..context_len)
-                    .flat_map(|pos| stored[row_of(pos) * kv_dim..][..kv_dim].to_vec())
-                    .collect();
-                Array2::from_shape_vec((context_len, kv_dim), data).unwrap()
-            };
             let q_row = Array2::from_shape_vec((1, q.len()), q.clone()).unwrap();
+            let (k_in_order, v_in_order) = (
+                in_order(&k, &rows, context_len, kv_dim),
+                in_order(&v, &rows, context_len, kv_dim),
+            );
             let expected =
-                causal_attention(q_row.view(), in_order(&k).view(), in_order(&v).view(), shape);
+                causal_attention(q_row.view(), k_in_order.view(), v_in_order.view(), shape);
             let stored = Stored {
                 k: &k,
                 v: &v,
