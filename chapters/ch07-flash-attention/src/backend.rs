@@ -130,8 +130,9 @@ impl std::str::FromStr for AttentionKind {
 /// The rule of `--attention-backend auto`: a step whose longest sequence has at least
 /// [`AutoAttention::FLASH_FROM`] positions runs flash attention, a shorter one chapter 4's.
 /// The threshold is the shortest prompt at which `kiln bench ch07` measured flash ahead
-/// (1.5× at 128 positions, 1.9× to 2.9× from 256 to 16k); in decode the two measured even from
-/// 256 to 32k. Below 128 nothing was measured, so chapter 4's kernel stays.
+/// (1.24× at 128 positions, 1.56× to 2.24× from 256 to 16k, in the run of 2026-12-03); in
+/// decode, flash's split-K ran 1.6× to 2.0× as fast as chapter 4's kernel from 1k to 32k
+/// positions and even at 256. Below 128 nothing was measured, so chapter 4's kernel stays.
 #[derive(Default)]
 pub struct AutoAttention {
     naive: BatchAttention,
