@@ -21,7 +21,11 @@ fn main() {
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
-    let lengths = if lengths.is_empty() { vec![64, 160, 512, 2048] } else { lengths };
+    let lengths = if lengths.is_empty() {
+        vec![64, 160, 512, 2048]
+    } else {
+        lengths
+    };
     let threads = std::env::var("THREADS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -197,7 +197,11 @@ pub fn decoder_layer_reduced<E>(
     // q, k and v read the same input: one parallel region for the three (see the doc above).
     timed(Op::QkvProj, || {
         let h = ws.h.slice(rows);
-        let (q, k, v) = (ws.q.slice_mut(rows), ws.k.slice_mut(rows), ws.v.slice_mut(rows));
+        let (q, k, v) = (
+            ws.q.slice_mut(rows),
+            ws.k.slice_mut(rows),
+            ws.v.slice_mut(rows),
+        );
         rayon::join(
             || attn.q_proj.forward_into(h, q), // [n, q_dim]
             || {

@@ -236,7 +236,10 @@ fn merge(shape: AttentionShape, partials: &[f32], out: &mut [f32]) {
             let weight = exp(m_of(part) - top);
             total += weight * l_of(part);
             let o_h = &part[h * d..][..d];
-            out_h.iter_mut().zip(o_h).for_each(|(out, o)| *out += weight * o);
+            out_h
+                .iter_mut()
+                .zip(o_h)
+                .for_each(|(out, o)| *out += weight * o);
         }
         let inv = 1.0 / total;
         out_h.iter_mut().for_each(|out| *out *= inv);

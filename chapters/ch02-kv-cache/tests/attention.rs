@@ -131,8 +131,7 @@ fn decode_attention_equals_the_oracle_across_chunks_on_every_isa() {
             };
             for isa in Isa::available() {
                 let mut out = vec![f32::NAN; q.len()];
-                let mut scratch =
-                    vec![f32::NAN; decode_attention::scratch_len(context_len, shape)];
+                let mut scratch = vec![f32::NAN; decode_attention::scratch_len(context_len, shape)];
                 decode_attention(isa, &stored, &q, context_len, &mut out, &mut scratch);
                 assert_close_shaped(
                     &format!("{isa:?}, {shape:?}, one query against {context_len} positions"),

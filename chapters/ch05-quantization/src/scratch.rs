@@ -15,7 +15,9 @@ pub(crate) fn with_local<T: Default, R>(
     key: &'static LocalKey<Spares<T>>,
     f: impl FnOnce(&mut T) -> R,
 ) -> R {
-    let mut buffer = key.with(|spares| spares.borrow_mut().pop()).unwrap_or_default();
+    let mut buffer = key
+        .with(|spares| spares.borrow_mut().pop())
+        .unwrap_or_default();
     let result = f(&mut buffer);
     key.with(|spares| spares.borrow_mut().push(buffer));
     result

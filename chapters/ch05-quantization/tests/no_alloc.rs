@@ -45,4 +45,3 @@ fn decode_steps_allocate_nothing() {
         );
     }
 }
-
