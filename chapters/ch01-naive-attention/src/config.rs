@@ -13,6 +13,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::attention::AttentionShape;
 use crate::error::{Error, Result};
 
 /// How RoPE frequencies are adjusted for long contexts.
@@ -113,6 +114,16 @@ struct RawConfig {
 }
 
 impl LlamaConfig {
+    /// The whole model's attention shape (a tensor-parallel rank's layers hold fewer heads:
+    /// see `SelfAttention::shape`).
+    pub fn attention_shape(&self) -> AttentionShape {
+        AttentionShape {
+            num_heads: self.num_attention_heads,
+            num_kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     /// Reads and validates `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");

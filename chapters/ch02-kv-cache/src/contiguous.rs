@@ -29,7 +29,7 @@ impl ContiguousKvCache {
             keys: (0..config.num_hidden_layers).map(|_| buffer()).collect(),
             values: (0..config.num_hidden_layers).map(|_| buffer()).collect(),
             len: 0,
-            scores: ScoreScratch::for_decode(full_shape(config), capacity),
+            scores: ScoreScratch::for_decode(config.attention_shape(), capacity),
         }
     }
 
@@ -126,15 +126,5 @@ impl KvStore for ContiguousKvCache {
     fn commit(&mut self, new_len: usize) {
         debug_assert!(new_len <= self.capacity_rows());
         self.len = new_len;
-    }
-}
-
-/// The attention shape of the whole model (a tensor-parallel rank's is smaller): what a decode
-/// step's score scratch is sized for.
-pub fn full_shape(config: &LlamaConfig) -> AttentionShape {
-    AttentionShape {
-        num_heads: config.num_attention_heads,
-        num_kv_heads: config.num_key_value_heads,
-        head_dim: config.head_dim,
     }
 }

@@ -107,7 +107,7 @@ impl<K: KvElement> KvPool<K> {
             num_kv_heads,
             head_dim,
             scores: ScoreScratch::for_decode(
-                ch02::contiguous::full_shape(config),
+                config.attention_shape(),
                 config.max_position_embeddings,
             ),
         })
