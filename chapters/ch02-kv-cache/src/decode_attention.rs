@@ -27,10 +27,7 @@ use ch01::attention::AttentionShape;
 use rayon::prelude::*;
 
 use crate::kernels::Isa;
-use crate::kernels::vector::{exp, exp_shifted_sum, max};
-
-/// Positions scored together: eight vector accumulators per head.
-const KEYS: usize = 8;
+use crate::kernels::vector::{KEYS, axpy8, dot8, exp, exp_shifted_sum, max};
 /// The fewest positions a chunk has (unless the context is shorter): below this a task's
 /// hand-off costs more than its work.
 const MIN_CHUNK: usize = 32;
@@ -167,57 +164,6 @@ fn attend_chunk<'a, R: Fn(usize) -> usize>(
             let mut w = [0.0; KEYS];
             w[..p_h.len()].copy_from_slice(p_h);
             axpy8(&w, &heads_of, o_h);
-        }
-    }
-}
-
-/// `s[p] = q · k[p]` for eight keys of `q.len()` elements each: eight accumulators of eight
-/// lanes, one per key, so the eight dot products advance together instead of each waiting on
-/// its own additions.
-#[inline(always)]
-fn dot8(q: &[f32], k: &[&[f32]; KEYS]) -> [f32; KEYS] {
-    const LANES: usize = 8;
-    let (q8, q_tail) = q.as_chunks::<LANES>();
-    let k8: [&[[f32; LANES]]; KEYS] = std::array::from_fn(|p| k[p].as_chunks::<LANES>().0);
-    let mut acc = [[0.0f32; LANES]; KEYS];
-    for (c, q8) in q8.iter().enumerate() {
-        for p in 0..KEYS {
-            let k8 = &k8[p][c];
-            for l in 0..LANES {
-                acc[p][l] += q8[l] * k8[l];
-            }
-        }
-    }
-    let mut s = [0.0; KEYS];
-    for p in 0..KEYS {
-        let tail = &k[p][q8.len() * LANES..];
-        let tail: f32 = q_tail.iter().zip(tail).map(|(a, b)| a * b).sum();
-        s[p] = acc[p].iter().sum::<f32>() + tail;
-    }
-    s
-}
-
-/// `o += Σ_p w[p] · v[p]`, for eight rows `v[p]` of `o.len()` elements: each 8-lane part of
-/// `o` is loaded once, takes its eight products in a register, and is stored once.
-#[inline(always)]
-fn axpy8(w: &[f32; KEYS], v: &[&[f32]; KEYS], o: &mut [f32]) {
-    const LANES: usize = 8;
-    let v8: [&[[f32; LANES]]; KEYS] = std::array::from_fn(|p| v[p].as_chunks::<LANES>().0);
-    let (o8, o_tail) = o.as_chunks_mut::<LANES>();
-    for (c, o8) in o8.iter_mut().enumerate() {
-        let mut acc = *o8;
-        for p in 0..KEYS {
-            let v8 = &v8[p][c];
-            for l in 0..LANES {
-                acc[l] += w[p] * v8[l];
-            }
-        }
-        *o8 = acc;
-    }
-    let body = o8.len() * LANES;
-    for (i, o) in o_tail.iter_mut().enumerate() {
-        for p in 0..KEYS {
-            *o += w[p] * v[p][body + i];
         }
     }
 }

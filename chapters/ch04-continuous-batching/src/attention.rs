@@ -17,7 +17,11 @@
 //!   table lookup per block instead of a division per position, and a task reads each
 //!   position's K (then V) row, every head of it, as one contiguous run;
 //! - **a vectorised softmax**: [`exp`](ch02::kernels::vector::exp) instead of a library call per
-//!   score.
+//!   score;
+//! - **eight positions at a time** ([`dot8`], [`axpy8`], as chapter 2's decode attention): eight
+//!   independent dot products per head keep eight vector accumulators busy, where one at a time
+//!   waits on its own additions. Each score and each output element is the same chain of
+//!   operations as one position at a time, so the results do not change by a bit.
 //!
 //! K/V are stored as the pool's element type (f32 or bf16, see [`KvElement`]) and widened to
 //! f32 as they are read; the arithmetic is f32 throughout. An 8-bit pool (chapter 5) stores
@@ -30,7 +34,7 @@
 
 use ch01::attention::AttentionShape;
 use ch02::kernels::Isa;
-use ch02::kernels::vector::{axpy, dot, exp_shifted_sum, max};
+use ch02::kernels::vector::{KEYS, axpy8, dot8, exp_shifted_sum, max};
 use ch03::{BlockId, KvElement, KvPool, KvScales};
 use ndarray::ArrayView2;
 use rayon::prelude::*;
@@ -178,21 +182,31 @@ fn attend_row<K: KvElement>(
         num_kv_heads,
         head_dim: d,
     } = kv.shape;
-    let group = num_heads / num_kv_heads; // query heads per KV head (GQA)
+    let group_size = num_heads / num_kv_heads; // query heads per KV head (GQA)
     let kv_dim = num_kv_heads * d;
     let len = row.pos + 1; // positions this row sees
     let scale = 1.0 / (d as f32).sqrt();
     scores.clear();
     scores.resize(num_heads * len, 0.0);
 
-    // s[h][j] = q_h · k_j / √d, reading each position's K row once for every head; an 8-bit
-    // row is codes times the head's scale (1 for f32 and bf16, an exact product).
-    for (j, slot) in slots(row.blocks, kv.block_size, len).enumerate() {
-        let k_j = &kv.keys[slot * kv_dim..][..kv_dim];
+    // s[h][j] = q_h · k_j / √d, eight positions at a time, reading each position's K row once
+    // for every head; an 8-bit row is codes times the head's scale (1 for f32 and bf16, an
+    // exact product). A last group short of eight repeats its last slot (scored, then dropped;
+    // weighted by zero in the V pass).
+    let mut group = [0usize; KEYS]; // the pool slots of positions j..j + 8
+    let mut heads_of: [&[K]; KEYS] = [&[]; KEYS]; // one head's part of each row, [d]
+    let mut all_slots = slots(row.blocks, kv.block_size, len);
+    for j in (0..len).step_by(KEYS) {
+        let n = next_group(&mut all_slots, &mut group);
         for (h, q_h) in q_r.chunks_exact(d).enumerate() {
-            let kv_head = h / group;
-            let k_scale = scale * kv.scales.key(slot, kv_head);
-            scores[h * len + j] = dot(q_h, &k_j[kv_head * d..][..d]) * k_scale;
+            let kv_head = h / group_size;
+            for (part, &slot) in heads_of.iter_mut().zip(&group) {
+                *part = &kv.keys[slot * kv_dim + kv_head * d..][..d];
+            }
+            let s = dot8(q_h, &heads_of);
+            for p in 0..n {
+                scores[h * len + j + p] = s[p] * (scale * kv.scales.key(group[p], kv_head));
+            }
         }
     }
     // p[h] = softmax(s[h])
@@ -201,14 +215,21 @@ fn attend_row<K: KvElement>(
         let inv = 1.0 / sum;
         s_h.iter_mut().for_each(|p| *p *= inv);
     }
-    // out_h = Σ_j p[h][j] · v_j
+    // out_h = Σ_j p[h][j] · v_j, eight positions at a time
     out_r.fill(0.0);
-    for (j, slot) in slots(row.blocks, kv.block_size, len).enumerate() {
-        let v_j = &kv.values[slot * kv_dim..][..kv_dim];
+    let mut all_slots = slots(row.blocks, kv.block_size, len);
+    for j in (0..len).step_by(KEYS) {
+        let n = next_group(&mut all_slots, &mut group);
         for (h, out_h) in out_r.chunks_exact_mut(d).enumerate() {
-            let kv_head = h / group;
-            let p = scores[h * len + j] * kv.scales.value(slot, kv_head);
-            axpy(p, &v_j[kv_head * d..][..d], out_h);
+            let kv_head = h / group_size;
+            let mut w = [0.0; KEYS];
+            for (p, (part, &slot)) in heads_of.iter_mut().zip(&group).enumerate() {
+                *part = &kv.values[slot * kv_dim + kv_head * d..][..d];
+                if p < n {
+                    w[p] = scores[h * len + j + p] * kv.scales.value(slot, kv_head);
+                }
+            }
+            axpy8(&w, &heads_of, out_h);
         }
     }
 }
@@ -226,6 +247,20 @@ fn slots(blocks: &[BlockId], block_size: usize, len: usize) -> impl Iterator<Ite
             base..base + block_size
         })
         .take(len)
+}
+
+/// Fills `group` with the next (up to) eight slots of `slots`; returns how many it took (at
+/// least 1 while any remain), the rest of `group` repeating the last one taken.
+#[inline(always)]
+fn next_group(slots: &mut impl Iterator<Item = usize>, group: &mut [usize; KEYS]) -> usize {
+    let mut n = 0;
+    for slot in slots.take(KEYS) {
+        group[n] = slot;
+        n += 1;
+    }
+    let last = group[n.saturating_sub(1)];
+    group[n..].fill(last);
+    n
 }
 
 /// [`attend_row`] compiled for AVX2 + FMA when `isa` says the CPU has them (the same Rust,

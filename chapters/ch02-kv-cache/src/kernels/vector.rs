@@ -1,6 +1,6 @@
 //! Small loops over f32 slices, written without branches or library calls so that the compiler
-//! vectorises them (8 lanes wide inside an `avx2,fma` function): a dot product, `y += a·x`, a
-//! fast `exp`, and the MLP's `silu(gate) · up`.
+//! vectorises them (8 lanes wide inside an `avx2,fma` function): a dot product and `y += a·x`
+//! (also eight rows at a time), a fast `exp`, a softmax, and the MLP's `silu(gate) · up`.
 //!
 //! `f32::exp` is a call into the C library per element, ~20 cycles; the step's softmaxes and
 //! SiLUs make millions of them. [`exp`] is the textbook range reduction with a polynomial, a
@@ -55,6 +55,62 @@ pub fn axpy<X: ToF32>(a: f32, x: &[X], y: &mut [f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x.to_f32());
 }
 
+/// Keys [`dot8`] scores together, rows [`axpy8`] adds together.
+pub const KEYS: usize = 8;
+
+/// `s[p] = q · k[p]` for eight keys of `q.len()` elements each (widened to f32 as they are
+/// read), with the arithmetic of [`dot`] for each key: eight accumulators of eight
+/// lanes, one per key, so the eight dot products advance together instead of each waiting on
+/// its own additions.
+#[inline(always)]
+pub fn dot8<K: ToF32>(q: &[f32], k: &[&[K]; KEYS]) -> [f32; KEYS] {
+    const LANES: usize = 8;
+    let (q8, q_tail) = q.as_chunks::<LANES>();
+    let k8: [&[[K; LANES]]; KEYS] = std::array::from_fn(|p| k[p].as_chunks::<LANES>().0);
+    let mut acc = [[0.0f32; LANES]; KEYS];
+    for (c, q8) in q8.iter().enumerate() {
+        for p in 0..KEYS {
+            let k8 = &k8[p][c];
+            for l in 0..LANES {
+                acc[p][l] += q8[l] * k8[l].to_f32();
+            }
+        }
+    }
+    let mut s = [0.0; KEYS];
+    for p in 0..KEYS {
+        let tail = &k[p][q8.len() * LANES..];
+        let tail: f32 = q_tail.iter().zip(tail).map(|(a, b)| a * b.to_f32()).sum();
+        s[p] = acc[p].iter().sum::<f32>() + tail;
+    }
+    s
+}
+
+/// `o += Σ_p w[p] · v[p]`, for eight rows `v[p]` of `o.len()` elements, each element's additions
+/// in [`axpy`]'s order, row after row: each 8-lane part of
+/// `o` is loaded once, takes its eight products in a register, and is stored once.
+#[inline(always)]
+pub fn axpy8<V: ToF32>(w: &[f32; KEYS], v: &[&[V]; KEYS], o: &mut [f32]) {
+    const LANES: usize = 8;
+    let v8: [&[[V; LANES]]; KEYS] = std::array::from_fn(|p| v[p].as_chunks::<LANES>().0);
+    let (o8, o_tail) = o.as_chunks_mut::<LANES>();
+    for (c, o8) in o8.iter_mut().enumerate() {
+        let mut acc = *o8;
+        for p in 0..KEYS {
+            let v8 = &v8[p][c];
+            for l in 0..LANES {
+                acc[l] += w[p] * v8[l].to_f32();
+            }
+        }
+        *o8 = acc;
+    }
+    let body = o8.len() * LANES;
+    for (i, o) in o_tail.iter_mut().enumerate() {
+        for p in 0..KEYS {
+            *o += w[p] * v[p][body + i].to_f32();
+        }
+    }
+}
+
 /// The largest element (−∞ for an empty slice), 8 running maxima at a time.
 #[inline(always)]
 pub fn max(x: &[f32]) -> f32 {
@@ -85,7 +141,8 @@ pub fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to the nearest integer
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let shifted = x * std::f32::consts::LOG2_E + ROUND; // 1.5 · 2^23 + n, exactly
+    let n = shifted - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0 / 720.0;
     let p = p * r + 1.0 / 120.0;
@@ -94,7 +151,10 @@ pub fn exp(x: f32) -> f32 {
     let p = p * r + 0.5;
     let p = p * r + 1.0;
     let p = p * r + 1.0;
-    let two_n = f32::from_bits(((n as i32 + 127) << 23) as u32); // n in [−126, 127]: normal
+    // n in [−126, 127] (so 2^n is normal) is also the low bits of `shifted`: integer steps on
+    // its bits build 2^n, where `n as i32` would not vectorise (its saturation is per lane).
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    let two_n = f32::from_bits(n_bits.wrapping_add(127) << 23);
     p * two_n
 }
 // ANCHOR_END: exp
@@ -117,6 +177,31 @@ pub fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
         tail += *v;
     }
     acc.iter().sum::<f32>() + tail
+}
+
+/// `x = softmax(scale · x)`: the scaled row less its maximum through [`exp`], then times the
+/// reciprocal of the sum (chapter 1's `softmax_in_place` on `scale · x`, to a few ulp).
+#[inline(always)]
+pub fn scaled_softmax(x: &mut [f32], scale: f32) {
+    x.iter_mut().for_each(|v| *v *= scale);
+    let sum = exp_shifted_sum(x, max(x));
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// [`scaled_softmax`] compiled for AVX2 + FMA when the CPU has them.
+pub fn scaled_softmax_fastest(x: &mut [f32], scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if let super::Isa::Avx2Fma(_) = super::Isa::detect() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(x: &mut [f32], scale: f32) {
+            scaled_softmax(x, scale)
+        }
+        // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA on
+        // this CPU; `avx2` is safe Rust otherwise.
+        return unsafe { avx2(x, scale) };
+    }
+    scaled_softmax(x, scale)
 }
 
 /// `gate[i] = silu(gate[i]) · up[i]`, the MLP's activation, with silu(x) = x / (1 + e^−x).
