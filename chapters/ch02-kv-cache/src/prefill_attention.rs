@@ -10,17 +10,21 @@
 //! ```
 //! The row-at-a-time loop of [`cached_attention`](crate::attention::cached_attention) does the
 //! same arithmetic one dot product and one multiply-add row at a time; here each `k` of the
-//! micro-kernel's inner loop feeds a whole tile of outputs. The products compute the masked
-//! upper triangle too (at most twice the multiply-adds of the causal part), which costs less
-//! than what the tiles save. K and V are packed once per KV head and shared by its query heads
-//! (GQA). Only prefill chunks of at least [`MIN_QUERIES`] queries come here: packing every
+//! micro-kernel's inner loop feeds a whole tile of outputs. The queries go through the products
+//! in blocks of at most [`CAUSAL_BLOCK`], and a block's products stop at the position its last
+//! query sees ([`matmul_part`]): of the masked upper triangle only each block's own corner is
+//! computed (zeros, which change no sum), instead of the whole triangle, which doubles the
+//! multiply-adds of a prompt against itself. The softmax runs on the vectorised
+//! [`exp`](crate::kernels::vector::exp). K and V are packed once per KV head and shared by its
+//! query heads (GQA). Only prefill chunks of at least [`MIN_QUERIES`] queries come here: packing every
 //! stored key and value for a handful of rows is work the row loop does not do (the threshold
 //! is a choice, not a measured crossover).
 
-use ch01::attention::{AttentionShape, softmax_in_place};
+use ch01::attention::AttentionShape;
 use rayon::prelude::*;
 
-use crate::kernels::{Isa, PackedWeight, matmul};
+use crate::kernels::vector::scaled_softmax_fastest;
+use crate::kernels::{Gemm, Isa, PackedWeight, matmul_part};
 
 /// The fewest queries of a chunk that go through the products.
 pub const MIN_QUERIES: usize = 8;
@@ -29,6 +33,11 @@ pub const MIN_QUERIES: usize = 8;
 /// the products in blocks of `SCORE_BUDGET / context_len` (at least [`MIN_QUERIES`]), so a long
 /// prompt's scores are never a whole `[n, ctx]` matrix per head.
 const SCORE_BUDGET: usize = 1 << 18;
+
+/// The most queries of one block: each block computes up to its last query's position, so the
+/// wasted corner is at most this wide per row. A multiple of every micro-kernel's tile height
+/// (6 and 12), so that blocks fill whole tiles.
+pub const CAUSAL_BLOCK: usize = 48;
 
 /// `out` [n, num_heads · d] = causal attention of the `n` queries `q` [n, num_heads · d] (the
 /// last `n` of `context_len` positions) against the stored K/V: position `pos` in row
@@ -42,7 +51,7 @@ pub fn prefill_attention<R: Fn(usize) -> usize + Sync>(
     shape: AttentionShape,
     out: &mut [f32],
 ) {
-    let block = (SCORE_BUDGET / context_len).max(MIN_QUERIES);
+    let block = (SCORE_BUDGET / context_len).clamp(MIN_QUERIES, CAUSAL_BLOCK);
     prefill_attention_in_blocks(q, k, v, row_of, context_len, shape, out, block);
 }
 
@@ -63,7 +72,7 @@ fn prefill_attention_in_blocks<R: Fn(usize) -> usize + Sync>(
     let n = q.len() / q_dim;
     assert!(n >= 1 && n <= context_len, "queries are the last positions");
     assert_eq!(out.len(), q.len(), "out is [n, num_heads · head_dim]");
-    let isa = Isa::detect();
+    let gemm = Gemm::fastest(Isa::detect());
     // Per KV head: K_g as [ctx outputs][d inputs], V_gᵀ as [d outputs][ctx inputs].
     let packed: Vec<(PackedWeight<f32>, PackedWeight<f32>)> = (0..shape.num_kv_heads)
         .into_par_iter()
@@ -86,38 +95,40 @@ fn prefill_attention_in_blocks<R: Fn(usize) -> usize + Sync>(
     let group = shape.num_heads / shape.num_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let first_pos = context_len - n;
-    // Each head's output [n, d], computed in parallel, then put in its columns of `out`.
+    // One task per (head, block of queries): its output [rows, d], then put in its place in
+    // `out`. A block's products are small, so each runs on its task's thread.
+    let blocks = n.div_ceil(block);
     // ANCHOR: head_products
-    let heads: Vec<Vec<f32>> = (0..shape.num_heads)
+    let parts: Vec<Vec<f32>> = (0..shape.num_heads * blocks)
         .into_par_iter()
-        .map(|h| {
+        .map(|task| {
+            let (h, b) = (task / blocks, task % blocks);
             let (k_g, v_t) = &packed[h / group];
-            let mut o_h = vec![0.0f32; n * d]; // [n, d]
-            let mut s = vec![0.0f32; block.min(n) * context_len]; // [block, ctx]
-            for (b, o_block) in o_h.chunks_mut(block * d).enumerate() {
-                let rows = b * block..b * block + o_block.len() / d;
-                let q_h: Vec<f32> = rows
-                    .clone()
-                    .flat_map(|i| &q[i * q_dim + h * d..][..d])
-                    .copied()
-                    .collect(); // [rows, d]
-                let s = &mut s[..rows.len() * context_len];
-                matmul(isa, k_g, &q_h, s, rows.len());
-                for (i, row) in rows.clone().zip(s.chunks_exact_mut(context_len)) {
-                    let (seen, masked) = row.split_at_mut(first_pos + i + 1);
-                    seen.iter_mut().for_each(|x| *x *= scale);
-                    softmax_in_place(seen);
-                    masked.fill(0.0);
-                }
-                matmul(isa, v_t, s, o_block, rows.len());
+            let rows = b * block..(b * block + block).min(n);
+            let q_h: Vec<f32> = rows
+                .clone()
+                .flat_map(|i| &q[i * q_dim + h * d..][..d])
+                .copied()
+                .collect(); // [rows, d]
+            // The block's last query sees positions 0..seen; the others fewer.
+            let seen = first_pos + rows.end;
+            let mut s = vec![0.0f32; rows.len() * seen]; // [rows, seen]
+            matmul_part(gemm, k_g, seen, d, &q_h, &mut s, rows.len());
+            for (i, row) in rows.clone().zip(s.chunks_exact_mut(seen)) {
+                let (visible, masked) = row.split_at_mut(first_pos + i + 1);
+                scaled_softmax_fastest(visible, scale);
+                masked.fill(0.0);
             }
-            o_h
+            let mut o = vec![0.0f32; rows.len() * d]; // [rows, d]
+            matmul_part(gemm, v_t, d, seen, &s, &mut o, rows.len());
+            o
         })
         .collect();
     // ANCHOR_END: head_products
-    for (h, o_h) in heads.iter().enumerate() {
-        for (i, o) in o_h.chunks_exact(d).enumerate() {
-            out[i * q_dim + h * d..][..d].copy_from_slice(o);
+    for (task, o) in parts.iter().enumerate() {
+        let (h, b) = (task / blocks, task % blocks);
+        for (r, o_r) in o.chunks_exact(d).enumerate() {
+            out[(b * block + r) * q_dim + h * d..][..d].copy_from_slice(o_r);
         }
     }
 }

@@ -283,3 +283,45 @@ fn every_prefill_micro_kernel_equals_the_naive_product_and_avx512_equals_avx2() 
         })
         .unwrap();
 }
+
+/// `matmul_part` (causal attention's products) against the naive product of the corner it
+/// names: `outputs` of the rows and `inputs` of the columns of a packed weight, any corner
+/// (partial panels, a prefix of `k` that ends inside an unroll), every micro-kernel, f32 weights.
+#[test]
+fn matmul_part_equals_the_naive_product_of_its_corner() {
+    use ch02_kv_cache::kernels::{Gemm, PackedWeight, matmul_part};
+    let shapes = (1usize..70, 1usize..40, 1usize..31);
+    let inputs = shapes.prop_flat_map(|(out_f, in_f, tokens)| {
+        (
+            proptest::collection::vec(-1.0f32..1.0, out_f * in_f)
+                .prop_map(move |w| Array2::from_shape_vec((out_f, in_f), w).unwrap()),
+            1..=out_f,
+            1..=in_f,
+            proptest::collection::vec(-2.0f32..2.0, tokens * in_f),
+        )
+    });
+    runner(200)
+        .run(&inputs, |(w, outputs, in_used, x)| {
+            let (out_f, in_f) = w.dim();
+            let tokens = x.len() / in_f;
+            let x =
+                Array2::from_shape_vec((tokens, in_used), x[..tokens * in_used].to_vec()).unwrap();
+            let corner = w.slice(ndarray::s![..outputs, ..in_used]).to_owned();
+            let expected = naive(&corner, &None, &x, WeightDtype::F32);
+            let packed = PackedWeight::<f32>::pack(w.as_slice().unwrap(), out_f, in_f);
+            for gemm in Gemm::available() {
+                let mut y = vec![f32::NAN; tokens * outputs];
+                let xs = x.as_slice().unwrap();
+                matmul_part(gemm, &packed, outputs, in_used, xs, &mut y, tokens);
+                assert_close_shaped(
+                    &format!("{gemm:?}: W {:?}, corner {outputs} × {in_used}", w.dim()),
+                    &y,
+                    &expected,
+                    &[tokens, outputs],
+                    Tolerance::F32,
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+}

@@ -222,7 +222,6 @@ pub fn matmul<W: WeightElement>(
 }
 
 /// [`matmul`] on the micro-kernel `gemm`.
-// ANCHOR: matmul
 pub fn matmul_with<W: WeightElement>(
     gemm: Gemm,
     w: &PackedWeight<W>,
@@ -230,22 +229,51 @@ pub fn matmul_with<W: WeightElement>(
     y: &mut [f32],
     tokens: usize,
 ) {
-    let (k, n) = (w.in_features(), w.out_features());
+    matmul_part(gemm, w, w.out_features(), w.in_features(), x, y, tokens);
+}
+
+/// Below this many multiply-adds a product runs on the calling thread: handing its tasks to
+/// other threads costs microseconds, about what such a product takes (chapter 2's prefill
+/// attention runs many of them, already one per task).
+const SERIAL_MACS: usize = 1 << 20;
+
+// ANCHOR: matmul
+/// [`matmul_with`] on the top-left corner of `w`: outputs `0..outputs` over inputs `0..inputs`,
+/// `y[t, o] = Σ_{k < inputs} x[t, k] · W[o, k]`. `x`: [tokens, inputs], `y`: [tokens, outputs].
+/// Each output is the same chain of multiply-adds as [`matmul_with`]'s, cut after `inputs`
+/// terms (causal attention: a block of queries sees only a prefix of the positions).
+pub fn matmul_part<W: WeightElement>(
+    gemm: Gemm,
+    w: &PackedWeight<W>,
+    outputs: usize,
+    inputs: usize,
+    x: &[f32],
+    y: &mut [f32],
+    tokens: usize,
+) {
+    let (k, n) = (inputs, outputs);
+    assert!(
+        n <= w.out_features() && k <= w.in_features(),
+        "a corner of w"
+    );
     assert_eq!(x.len(), tokens * k, "x is [tokens, in]");
     assert_eq!(y.len(), tokens * n, "y is [tokens, out]");
-    if tokens == 0 {
+    if tokens == 0 || n == 0 {
         return; // nothing to compute (an engine step whose sequences all want no logits)
     }
     let mr = gemm.tile_rows();
     let tiles = tokens.div_ceil(mr);
     let out = SharedOut::new(y);
-    let mut per_task = panels_per_task(w.num_panels());
+    let num_panels = n.div_ceil(NR);
+    let mut per_task = panels_per_task(num_panels);
     if gemm.pairs_panels() {
         per_task = per_task.next_multiple_of(2); // whole pairs, but for the very last panel
     }
-    let tasks = w.num_panels().div_ceil(per_task);
-    (0..tasks).into_par_iter().for_each(|task| {
-        let panels = task * per_task..((task + 1) * per_task).min(w.num_panels());
+    let tasks = num_panels.div_ceil(per_task);
+    // Panel p's first k inputs: [k][NR].
+    let panel = |p: usize| &w.panel(p)[..k * NR];
+    let task = |task: usize| {
+        let panels = task * per_task..((task + 1) * per_task).min(num_panels);
         let mut c = [0.0f32; MAX_MR * 2 * NR]; // [mr][width · NR] one tile's outputs
         // One or two weight panels at a time, so they stay in cache while every token tile
         // uses them.
@@ -261,10 +289,10 @@ pub fn matmul_with<W: WeightElement>(
                 let rows = tile * mr..((tile + 1) * mr).min(tokens); // so may the last tile
                 let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
                 if width == 2 {
-                    tile_matmul_pair(gemm, rows.len(), x_tile, w.panel(p), w.panel(p + 1), &mut c);
+                    tile_matmul_pair(gemm, rows.len(), x_tile, panel(p), panel(p + 1), &mut c);
                 } else {
                     let single = (&mut c[..MAX_MR * NR]).try_into().expect("a prefix");
-                    tile_matmul(gemm, rows.len(), x_tile, w.panel(p), single);
+                    tile_matmul(gemm, rows.len(), x_tile, panel(p), single);
                 }
                 for (r, c_row) in rows.zip(c.chunks_exact(width * NR)) {
                     // SAFETY: elements `r * n + cols` are in row r and the columns of panels
@@ -276,7 +304,12 @@ pub fn matmul_with<W: WeightElement>(
             }
             p += width;
         }
-    });
+    };
+    if tokens * n * k < SERIAL_MACS {
+        (0..tasks).for_each(task);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
 }
 // ANCHOR_END: matmul
 
