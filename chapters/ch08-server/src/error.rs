@@ -145,6 +145,17 @@ impl IntoResponse for ApiError {
             self.to_json(),
         )
             .into_response();
+        // A 413 or 408 leaves the rest of the body unread: the connection cannot carry another
+        // request, so the client is told not to reuse it (else its next request on it may
+        // find it closed).
+        if matches!(
+            self.status,
+            StatusCode::PAYLOAD_TOO_LARGE | StatusCode::REQUEST_TIMEOUT
+        ) {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(wait) = self.retry_after {
             let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
             response

@@ -941,11 +941,13 @@ async fn malformed_bodies_and_unknown_paths_never_crash_the_server() {
         r#"{{"model": "{MODEL}", "prompt": "{}", "max_tokens": 1}}"#,
         "a".repeat(32 * 1024)
     );
-    let e = expect_error(
-        send("/v1/completions", big.into_bytes()).await.unwrap(),
-        StatusCode::PAYLOAD_TOO_LARGE,
-    )
-    .await;
+    let response = send("/v1/completions", big.into_bytes()).await.unwrap();
+    // The unread rest of the body makes the connection unusable: the client must not reuse it.
+    assert_eq!(
+        response.headers().get("connection").map(|v| v.as_bytes()),
+        Some(&b"close"[..])
+    );
+    let e = expect_error(response, StatusCode::PAYLOAD_TOO_LARGE).await;
     assert!(e["message"].as_str().unwrap().contains("too large"), "{e}");
 
     // 404 in JSON.
