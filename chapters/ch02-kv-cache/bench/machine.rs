@@ -37,6 +37,22 @@ impl Machine {
     }
 }
 
+impl Machine {
+    /// Each figure's best of two measurements, before and after the model's runs: this
+    /// machine's speed drifts within a run, and a probe taken in a slow moment alone would rate
+    /// the model against too low a limit.
+    pub fn best_with(self, other: Machine) -> Machine {
+        Machine {
+            read_gb_s: self.read_gb_s.max(other.read_gb_s),
+            copy_gb_s: self.copy_gb_s.max(other.copy_gb_s),
+            kiln_gemm_gflop_s: self.kiln_gemm_gflop_s.max(other.kiln_gemm_gflop_s),
+            reference_gemm_gflop_s: self
+                .reference_gemm_gflop_s
+                .max(other.reference_gemm_gflop_s),
+        }
+    }
+}
+
 /// Runs a probe `reps` times after one warm-up and keeps the best rate (the least disturbed run).
 fn best_of(reps: usize, probe: impl Fn() -> f64) -> f64 {
     probe();

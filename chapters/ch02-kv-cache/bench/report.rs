@@ -126,8 +126,9 @@ impl Report<'_> {
         let m = &m.machine;
         let mut text = format!(
             "{}\nBatch 1; prefill of {} prompt tokens, then {} decode steps. MB read per token: \
-             the projection and output-head weights one decode step streams. Machine, same run: \
-             read bandwidth **{:.1} GB/s** (sum over 1 GiB), copy {:.1} GB/s (read + write), \
+             the projection and output-head weights one decode step streams. Machine, same run \
+             (each probe's best, before and after kiln's runs): read bandwidth **{:.1} GB/s** \
+             (sum over 1 GiB), copy {:.1} GB/s (read + write), \
              so f32 decode cannot exceed {:.1} tokens/s and bf16 {:.1}.\n",
             table.to_markdown(),
             self.prompt,
