@@ -9,23 +9,16 @@
 
 use std::time::Instant;
 
-use ch01::attention::AttentionShape;
 use ch02_kv_cache::attention::{decode_by_heads, scratch_len};
 use ch02_kv_cache::decode_attention::{Stored, decode_attention};
 use ch02_kv_cache::kernels::Isa;
 
-const LAYERS: usize = 30;
+mod support;
+
+use support::{LAYERS, SHAPE, value};
 
 fn main() {
-    let lengths: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let lengths = if lengths.is_empty() {
-        vec![64, 160, 512, 2048]
-    } else {
-        lengths
-    };
+    let lengths = support::lengths(&[64, 160, 512, 2048]);
     let threads = std::env::var("THREADS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -34,22 +27,12 @@ fn main() {
         .num_threads(threads)
         .build()
         .unwrap();
-    let shape = AttentionShape {
-        num_heads: 9,
-        num_kv_heads: 3,
-        head_dim: 64,
-    };
-    let (q_dim, kv_dim) = (9 * 64, 3 * 64);
-    let value = |i: usize| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0;
+    let shape = SHAPE;
+    let q_dim = shape.num_heads * shape.head_dim;
     println!("| T | by heads µs/token | GB/s | chunks µs/token | GB/s | speed-up |");
     println!("|---:|---:|---:|---:|---:|---:|");
     for t in lengths {
-        let layers: Vec<(Vec<f32>, Vec<f32>)> = (0..LAYERS)
-            .map(|l| {
-                let kv = |o: usize| (0..t * kv_dim).map(|i| value(i + o)).collect();
-                (kv(l * 7), kv(l * 11 + 3))
-            })
-            .collect();
+        let layers = support::layers(t);
         let q: Vec<f32> = (0..q_dim).map(|i| value(i * 3) * 4.0).collect();
         let mut out = vec![0.0; q_dim];
         let mut scores = vec![0.0; scratch_len(1, t, shape)];
@@ -75,6 +58,7 @@ fn main() {
                 }
             }
         });
+        let kv_dim = shape.num_kv_heads * shape.head_dim;
         let bytes = (LAYERS * t * 2 * kv_dim * 4) as f64;
         let [heads, chunks] = best.map(|s| (s * 1e6, bytes / s / 1e9));
         println!(

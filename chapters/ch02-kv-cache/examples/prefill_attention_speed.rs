@@ -7,37 +7,20 @@
 
 use std::time::Instant;
 
-use ch01::attention::AttentionShape;
 use ch02_kv_cache::prefill_attention::prefill_attention;
 
-const LAYERS: usize = 30;
+mod support;
+
+use support::{LAYERS, SHAPE, value};
 
 fn main() {
-    let lengths: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let lengths = if lengths.is_empty() {
-        vec![128, 512]
-    } else {
-        lengths
-    };
-    let shape = AttentionShape {
-        num_heads: 9,
-        num_kv_heads: 3,
-        head_dim: 64,
-    };
-    let (q_dim, kv_dim) = (9 * 64, 3 * 64);
-    let value = |i: usize| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0;
+    let lengths = support::lengths(&[128, 512]);
+    let shape = SHAPE;
+    let q_dim = shape.num_heads * shape.head_dim;
     println!("| T | ms per prompt | GFLOP/s (causal part) |");
     println!("|---:|---:|---:|");
     for t in lengths {
-        let layers: Vec<(Vec<f32>, Vec<f32>)> = (0..LAYERS)
-            .map(|l| {
-                let kv = |o: usize| (0..t * kv_dim).map(|i| value(i + o)).collect();
-                (kv(l * 7), kv(l * 11 + 3))
-            })
-            .collect();
+        let layers = support::layers(t);
         let q: Vec<f32> = (0..t * q_dim).map(|i| value(i * 3) * 4.0).collect();
         let mut out = vec![0.0; t * q_dim];
         let mut best = f64::INFINITY;
