@@ -129,10 +129,15 @@ impl std::str::FromStr for AttentionKind {
 // ANCHOR: auto
 /// The rule of `--attention-backend auto`: a step whose longest sequence has at least
 /// [`AutoAttention::FLASH_FROM`] positions runs flash attention, a shorter one chapter 4's.
-/// The threshold is the shortest prompt at which `kiln bench ch07` measured flash ahead
-/// (1.24× at 128 positions, 1.56× to 2.24× from 256 to 16k, in the run of 2026-12-03); in
-/// decode, flash's split-K ran 1.6× to 2.0× as fast as chapter 4's kernel from 1k to 32k
-/// positions and even at 256. Below 128 nothing was measured, so chapter 4's kernel stays.
+/// The threshold is the shortest prompt at which `kiln bench ch07` measured flash ahead in
+/// prefill (first run of 2026-12-03: 1.24× at 128 positions, 1.56× to 2.24× from 256 to 16k;
+/// after chapter 4's kernel took eight positions at a time, later that day: 1.07× at 128,
+/// 1.39× to 2.64× from 256 to 16k). In decode the later run measured chapter 4's kernel ahead
+/// of one flash partition at every length to 16k, and flash's split-K ahead of both from 1k
+/// (1.42× and 1.55× chapter 4's kernel at 1k and 4k), which a step gets only when its decode
+/// rows are fewer than the partitions the threads want; a rule that looks at that is not
+/// measured yet.
+/// Below 128 nothing was measured, so chapter 4's kernel stays.
 #[derive(Default)]
 pub struct AutoAttention {
     naive: BatchAttention,
