@@ -448,6 +448,55 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
     ]);
     assert!(output.status.success(), "{}", stderr(&output));
 
+    // `--dequantize`: the same file's weights decoded, multiplied in f32: not the integer
+    // kernels' bits (their activations are rounded to 8 bits), but close to them.
+    let dequantized = tmp.path().join("dequantized.safetensors");
+    let output = kiln(&[
+        "forward",
+        "--model",
+        out_path,
+        "--dequantize",
+        "--prompt",
+        "ROMEO.",
+        "--out",
+        dequantized.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let read = |path: &std::path::Path| -> Vec<f32> {
+        let bytes = std::fs::read(path).unwrap();
+        let tensors = SafeTensors::deserialize(&bytes).unwrap();
+        let logits = tensors.tensor("logits").unwrap();
+        logits
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let (integer, exact) = (read(&logits), read(&dequantized));
+    assert_eq!(integer.len(), exact.len());
+    assert!(
+        integer.iter().zip(&exact).any(|(a, b)| a != b),
+        "the same path"
+    );
+    let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| x * x).sum::<f32>().sqrt();
+    let distance = norm(&mut integer.iter().zip(&exact).map(|(a, b)| a - b));
+    let relative = distance / norm(&mut exact.iter().copied());
+    assert!(relative < 0.05, "relative L2 {relative}");
+    let unused = dequantized.to_str().unwrap();
+    assert_fails_with(
+        &[
+            "forward",
+            "--model",
+            model,
+            "--dequantize",
+            "--prompt",
+            "a",
+            "--out",
+            unused,
+        ],
+        "--dequantize applies to a GGUF file",
+    );
+
     assert_fails_with(
         &[
             "quantize", "--model", model, "--type", "q2_k", "--out", out_path,

@@ -35,6 +35,11 @@ pub struct ModelArgs {
     /// A GGUF file's quantized tensors are always used as stored.
     #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "q6_k", "q5_k", "q4_k"])]
     pub quantization: Option<String>,
+    /// Decode every weight of a GGUF file to dense projections (stored as `--dtype` says) and
+    /// multiply in floating point: the file's exact values, without the integer kernels'
+    /// rounding of the activations (chapter 5 measures what that rounding costs).
+    #[arg(long)]
+    pub dequantize: bool,
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N (chapter 7, part 2). A GPU that is
     /// not there is an error, never a silent fall-back to the CPU.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
@@ -70,6 +75,7 @@ impl ModelArgs {
             model,
             dtype: "f32".into(),
             quantization: None,
+            dequantize: false,
             device: DeviceSpec::Cpu,
         }
     }
@@ -126,6 +132,12 @@ impl ModelArgs {
             return Ok(Box::new(ch05::Fp8Loader {
                 static_activations: fp8.static_activations,
             }));
+        }
+        if self.dequantize {
+            if !self.is_gguf() || self.quantization.is_some() {
+                bail!("--dequantize applies to a GGUF file, without --quantization");
+            }
+            return Ok(Box::new(ch02::FastLoader { dtype }));
         }
         Ok(match &self.quantization {
             Some(name) => {
