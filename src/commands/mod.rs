@@ -106,6 +106,12 @@ impl ModelArgs {
     /// The kind of projection `--dtype` and `--quantization` ask for.
     pub fn loader(&self) -> anyhow::Result<Box<dyn LinearLoader + Send + Sync>> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
+        if self.dequantize {
+            if !self.is_gguf() || self.quantization.is_some() {
+                bail!("--dequantize applies to a GGUF file, without --quantization");
+            }
+            return Ok(Box::new(ch02::FastLoader { dtype }));
+        }
         if let Some(config) = self.hf_quant()? {
             // A GPTQ / AWQ directory (chapter 5 part 2): its projections as stored; dense
             // weights (the head) as `--quantization` / `--dtype` say.
@@ -132,12 +138,6 @@ impl ModelArgs {
             return Ok(Box::new(ch05::Fp8Loader {
                 static_activations: fp8.static_activations,
             }));
-        }
-        if self.dequantize {
-            if !self.is_gguf() || self.quantization.is_some() {
-                bail!("--dequantize applies to a GGUF file, without --quantization");
-            }
-            return Ok(Box::new(ch02::FastLoader { dtype }));
         }
         Ok(match &self.quantization {
             Some(name) => {

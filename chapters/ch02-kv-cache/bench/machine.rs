@@ -35,9 +35,7 @@ impl Machine {
             reference_gemm_gflop_s: best_of(reps, || gemm_probe(false)),
         }
     }
-}
 
-impl Machine {
     /// Each figure's best of two measurements, before and after the model's runs: this
     /// machine's speed drifts within a run, and a probe taken in a slow moment alone would rate
     /// the model against too low a limit.

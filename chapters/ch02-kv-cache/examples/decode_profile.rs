@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use ch02_kv_cache::profile::{self, Op};
+use ch02_kv_cache::profile;
 use ch02_kv_cache::{CachedSession, ContiguousKvCache, WeightDtype, load_fast};
 
 const PROMPT: usize = 128;
@@ -51,7 +51,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("{:12} {:7.3} ms", "other", ms - sum);
             println!("{:12} {ms:7.3} ms ({:.1} tok/s)", "step", 1e3 / ms);
         }
-        let _ = Op::ALL;
     }
     Ok(())
 }

@@ -16,9 +16,9 @@
 //! computed (zeros, which change no sum), instead of the whole triangle, which doubles the
 //! multiply-adds of a prompt against itself. The softmax runs on the vectorised
 //! [`exp`](crate::kernels::vector::exp). K and V are packed once per KV head and shared by its
-//! query heads (GQA). Only prefill chunks of at least [`MIN_QUERIES`] queries come here: packing every
-//! stored key and value for a handful of rows is work the row loop does not do (the threshold
-//! is a choice, not a measured crossover).
+//! query heads (GQA). Only prefill chunks of at least [`MIN_QUERIES`] queries come here:
+//! packing every stored key and value for a handful of rows is work the row loop does not do
+//! (the threshold is a choice, not a measured crossover).
 
 use ch01::attention::AttentionShape;
 use rayon::prelude::*;

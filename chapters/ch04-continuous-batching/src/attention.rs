@@ -34,7 +34,7 @@
 
 use ch01::attention::AttentionShape;
 use ch02::kernels::Isa;
-use ch02::kernels::vector::{KEYS, axpy8, dot8, exp_shifted_sum, max};
+use ch02::kernels::vector::{KEYS, axpy8, dot8, softmax};
 use ch03::{BlockId, KvElement, KvPool, KvScales};
 use ndarray::ArrayView2;
 use rayon::prelude::*;
@@ -210,11 +210,7 @@ fn attend_row<K: KvElement>(
         }
     }
     // p[h] = softmax(s[h])
-    for s_h in scores.chunks_exact_mut(len) {
-        let sum = exp_shifted_sum(s_h, max(s_h));
-        let inv = 1.0 / sum;
-        s_h.iter_mut().for_each(|p| *p *= inv);
-    }
+    scores.chunks_exact_mut(len).for_each(softmax);
     // out_h = Σ_j p[h][j] · v_j, eight positions at a time
     out_r.fill(0.0);
     let mut all_slots = slots(row.blocks, kv.block_size, len);

@@ -179,14 +179,20 @@ pub fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `x = softmax(scale · x)`: the scaled row less its maximum through [`exp`], then times the
-/// reciprocal of the sum (chapter 1's `softmax_in_place` on `scale · x`, to a few ulp).
+/// `x = softmax(x)`: the row less its maximum through [`exp`], then times the reciprocal of
+/// the sum (chapter 1's `softmax_in_place`, to a few ulp).
 #[inline(always)]
-pub fn scaled_softmax(x: &mut [f32], scale: f32) {
-    x.iter_mut().for_each(|v| *v *= scale);
+pub fn softmax(x: &mut [f32]) {
     let sum = exp_shifted_sum(x, max(x));
     let inv = 1.0 / sum;
     x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// `x = softmax(scale · x)`.
+#[inline(always)]
+pub fn scaled_softmax(x: &mut [f32], scale: f32) {
+    x.iter_mut().for_each(|v| *v *= scale);
+    softmax(x);
 }
 
 /// [`scaled_softmax`] compiled for AVX2 + FMA when the CPU has them.
