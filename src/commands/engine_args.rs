@@ -86,7 +86,7 @@ pub struct AttentionArgs {
     /// Attention in the engine's executor: naive (chapter 4's batch attention), flash (chapter
     /// 7's tiled flash attention and split-K decode), or auto: flash for a step whose longest
     /// sequence has at least 128 positions (where `kiln bench ch07` measured flash ahead in
-    /// prefill and even in decode), naive below.
+    /// prefill), naive below.
     #[arg(long, value_enum, default_value_t = AttentionBackend::Auto)]
     pub attention_backend: AttentionBackend,
 }

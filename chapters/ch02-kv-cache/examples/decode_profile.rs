@@ -13,6 +13,14 @@ const PROMPT: usize = 128;
 const STEPS: usize = 64;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // On a worker of the pool, as `kiln` runs every command: parallel loops queue on the
+    // worker's own deque instead of waking the pool from outside.
+    let pool = rayon::ThreadPoolBuilder::new().build()?;
+    pool.install(profile_decode)
+        .map_err(|e| e as Box<dyn std::error::Error>)
+}
+
+fn profile_decode() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut args = std::env::args().skip(1);
     let dir = args
         .next()

@@ -137,6 +137,20 @@ impl<K: KvElement> KvPool<K> {
         self.num_blocks
     }
 
+    /// Backs every page of the pool with memory now instead of at each block's first write,
+    /// which otherwise takes a page fault (and the system's zeroing of the page) in the middle
+    /// of a step. A server does this at start-up, where a pool that does not fit in memory fails
+    /// at once rather than under load; llama.cpp's context creation does the same when it clears
+    /// its KV buffers. The contents stay zeros. Advice only: where the system does not offer it
+    /// (Linux before 5.14, other systems), nothing happens and the pages fault lazily as before.
+    /// Returns whether every buffer was populated.
+    pub fn populate(&mut self) -> bool {
+        let (keys, values) = (self.keys.iter(), self.values.iter());
+        let elements = keys.chain(values).all(|b| populate_pages(b));
+        let scales = (self.key_scales.iter().chain(&self.value_scales)).all(|b| populate_pages(b));
+        elements && scales
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -314,6 +328,30 @@ fn zeroed<K: KvElement>(len: usize) -> Option<Vec<K>> {
     advise_huge_pages(&buffer);
     Some(buffer)
 }
+
+/// Asks Linux to fault in every page of `buffer` for writing (`MADV_POPULATE_WRITE`): the
+/// memory is allocated and zeroed now; the contents do not change. Returns whether the system
+/// did it (an empty buffer: yes; elsewhere than Linux: no).
+fn populate_pages<T>(buffer: &[T]) -> bool {
+    if buffer.is_empty() || size_of::<T>() == 0 {
+        return true;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        let start = buffer.as_ptr() as usize;
+        let first = start / PAGE * PAGE;
+        let len = start + std::mem::size_of_val(buffer) - first;
+        // SAFETY: the pages `first..first + len` hold `buffer`, which this process owns (the
+        // first and last may hold other memory of the allocator's too, also this process's);
+        // MADV_POPULATE_WRITE faults pages in without changing any byte.
+        unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    false
+}
+
+/// Bytes of a base page (x86-64 and most Linux systems): `madvise` takes page-aligned ranges.
+const PAGE: usize = 4096;
 
 /// Bytes of a transparent huge page (x86-64 and most Linux systems).
 const HUGE_PAGE: usize = 2 << 20;

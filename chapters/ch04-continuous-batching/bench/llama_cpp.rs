@@ -3,8 +3,10 @@
 //!
 //! ```text
 //! work:    B sequences, each a prompt of P tokens that then generates G tokens, all at once
-//! kiln:    the engine at max_num_seqs B, 512 tokens a step (chunked prefill), f32 weights
-//! llama:   llama-batched-bench -npl B -npp P -ntg G -ub 512 on the F32 GGUF (the same weights)
+//! kiln:    the engine at max_num_seqs B, 512 tokens a step (chunked prefill), f32 weights,
+//!          an f32 KV pool, then a bf16 one
+//! llama:   llama-batched-bench -npl B -npp P -ntg G -ub 512 on the F32 GGUF (the same weights),
+//!          its default F16 KV cache
 //! figure:  output tokens / wall time, prefill included, for both
 //! ```
 //!
@@ -16,7 +18,9 @@ use ch01::Llama;
 use ch04::EngineConfig;
 use ch07::AttentionKind;
 
-use super::serve;
+use half::bf16;
+
+use super::serve::{self, Summary};
 use super::static_batch::WallClock;
 use super::{measured, pool_for, workload};
 use crate::bench::bars::BarChart;
@@ -73,10 +77,24 @@ pub fn run(
         max_num_batched_tokens: 512,
         ..EngineConfig::default()
     };
-    let kiln = measured("kiln, continuous batching", reps, || {
+    // The pool is made (and its memory backed) before each run's clock starts, as llama.cpp
+    // makes and clears its KV buffers before its timer.
+    let kiln = measured("kiln, continuous batching, f32 KV", reps, || {
+        let pool = pool_for::<f32>(model, block_size, &arrivals)?;
         serve::continuous(
             model,
-            pool_for::<f32>(model, block_size, &arrivals)?,
+            pool,
+            config,
+            attention,
+            &arrivals,
+            &WallClock::start(),
+        )
+    })?;
+    let kiln_bf16 = measured("kiln, continuous batching, bf16 KV", reps, || {
+        let pool = pool_for::<bf16>(model, block_size, &arrivals)?;
+        serve::continuous(
+            model,
+            pool,
             config,
             attention,
             &arrivals,
@@ -131,18 +149,24 @@ pub fn run(
         Ok(l) => format!("{:.2}×", tok_s / l.output_tok_s()),
         Err(_) => "-".into(),
     };
-    table.row([
-        format!(
-            "kiln, continuous batching (max_num_seqs {})",
-            shape.sequences
-        ),
-        work.clone(),
-        format!("{:.2}", kiln.makespan),
-        format!("{:.1}", kiln.throughput),
-        "-".into(),
-        against(kiln.throughput),
-    ]);
-    let mut bars = vec![("kiln, continuous batching".to_string(), kiln.throughput)];
+    let kilns = [("f32", &kiln), ("bf16", &kiln_bf16)];
+    for (kv, run) in kilns {
+        table.row([
+            format!(
+                "kiln, continuous batching (max_num_seqs {}), {kv} KV",
+                shape.sequences
+            ),
+            work.clone(),
+            format!("{:.2}", run.makespan),
+            format!("{:.1}", run.throughput),
+            "-".into(),
+            against(run.throughput),
+        ]);
+    }
+    let mut bars: Vec<(String, f64)> = kilns
+        .iter()
+        .map(|(kv, run)| (format!("kiln, {kv} KV"), run.throughput))
+        .collect();
     let verdict = match &llama {
         Ok(l) => {
             table.row([
@@ -153,12 +177,14 @@ pub fn run(
                 format!("{:.1}", l.decode_tok_s),
                 "1.00×".into(),
             ]);
-            bars.push(("llama.cpp, llama-batched-bench".into(), l.output_tok_s()));
-            let ratio = kiln.throughput / l.output_tok_s();
+            bars.push(("llama.cpp, F16 KV".into(), l.output_tok_s()));
+            let ratio = |run: &Summary| run.throughput / l.output_tok_s();
+            let (f32_kv, bf16_kv) = (ratio(&kiln), ratio(&kiln_bf16));
             format!(
-                "kiln served **{ratio:.2}×** llama.cpp's output tokens per second on the same \
-                 work (target: at least 1.5×, {}).",
-                if ratio >= 1.5 { "met" } else { "not met" }
+                "kiln served **{bf16_kv:.2}×** llama.cpp's output tokens per second on the same \
+                 work with a 16-bit KV cache like llama.cpp's, and {f32_kv:.2}× with an f32 one \
+                 (target: at least 1.5×, {}).",
+                if bf16_kv >= 1.5 { "met" } else { "not met" }
             )
         }
         Err(why) => format!("llama.cpp was not measured: {why}."),
@@ -170,8 +196,10 @@ pub fn run(
          submission to the last token, prefill included, for both engines. Decode-phase tok/s: \
          llama-batched-bench's S_TG, its lock-step decode after every prompt is in. \
          llama.cpp runs the F32 GGUF of the same weights with `-npl {b} -npp {p} -ntg {g} -ub \
-         512` and as many threads as kiln; kiln its engine with max_num_seqs {b} and 512 tokens \
-         a step. {verdict}\n\n{caption}\n",
+         512` and as many threads as kiln, with its default F16 KV cache; kiln its engine with \
+         max_num_seqs {b} and 512 tokens a step, once with an f32 KV pool and once with a bf16 \
+         one (the weights f32 in both). Each engine makes its KV memory before its clock starts \
+         (llama.cpp clears its buffers, kiln populates its pool). {verdict}\n\n{caption}\n",
         table.to_markdown(),
     );
     let svg = BarChart::new(format!(

@@ -177,12 +177,36 @@ pub fn cpu_executor<'m>(
     cache: &CacheConfig,
     attention: AttentionKind,
 ) -> Result<Box<dyn Executor + Send + 'm>, PoolError> {
+    executor_with(model, cache, attention, false)
+}
+
+/// [`cpu_executor`] with its pool's memory backed at once ([`KvPool::populate`]): a server's,
+/// made at start-up, whose steps then never stop on the first write of a block (and whose pool,
+/// if the memory is not there, fails now rather than under load).
+pub fn populated_cpu_executor<'m>(
+    model: &'m Llama,
+    cache: &CacheConfig,
+    attention: AttentionKind,
+) -> Result<Box<dyn Executor + Send + 'm>, PoolError> {
+    executor_with(model, cache, attention, true)
+}
+
+fn executor_with<'m>(
+    model: &'m Llama,
+    cache: &CacheConfig,
+    attention: AttentionKind,
+    populate: bool,
+) -> Result<Box<dyn Executor + Send + 'm>, PoolError> {
     fn boxed<'m, K: KvElement>(
         model: &'m Llama,
         cache: &CacheConfig,
         attention: AttentionKind,
+        populate: bool,
     ) -> Result<Box<dyn Executor + Send + 'm>, PoolError> {
-        let pool = KvPool::<K>::with_budget(&model.config, cache.block_size, cache.memory)?;
+        let mut pool = KvPool::<K>::with_budget(&model.config, cache.block_size, cache.memory)?;
+        if populate {
+            pool.populate();
+        }
         Ok(Box::new(CpuExecutor::with_backend(
             model,
             pool,
@@ -190,9 +214,9 @@ pub fn cpu_executor<'m>(
         )))
     }
     match cache.dtype {
-        KvDtype::F32 => boxed::<f32>(model, cache, attention),
-        KvDtype::Bf16 => boxed::<half::bf16>(model, cache, attention),
-        KvDtype::Fp8E4M3 => boxed::<ch05::fp8::F8E4M3>(model, cache, attention),
-        KvDtype::Int8 => boxed::<ch05::kv_cache::KvInt8>(model, cache, attention),
+        KvDtype::F32 => boxed::<f32>(model, cache, attention, populate),
+        KvDtype::Bf16 => boxed::<half::bf16>(model, cache, attention, populate),
+        KvDtype::Fp8E4M3 => boxed::<ch05::fp8::F8E4M3>(model, cache, attention, populate),
+        KvDtype::Int8 => boxed::<ch05::kv_cache::KvInt8>(model, cache, attention, populate),
     }
 }

@@ -35,6 +35,8 @@ pub mod traffic;
 pub use attention::{
     FlashParams, ParamError, Partitions, Scratch, TileSizes, flash_attention_paged,
 };
-pub use backend::{AttentionKind, AutoAttention, FlashAttention, cpu_executor};
+pub use backend::{
+    AttentionKind, AutoAttention, FlashAttention, cpu_executor, populated_cpu_executor,
+};
 pub use dense::{ShapeError, flash_attention, flash_attention_with, naive_attention};
 pub use tile::LayerKv;

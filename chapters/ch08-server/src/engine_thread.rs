@@ -251,7 +251,8 @@ struct Route {
     events: mpsc::UnboundedSender<Event>,
 }
 
-/// The engine over a CPU executor with the KV memory `cache` and the `attention` backend.
+/// The engine over a CPU executor with the KV memory `cache` (backed at start-up: see
+/// [`ch07::populated_cpu_executor`]) and the `attention` backend.
 fn start_engine<'m>(
     model: &'m Llama,
     cache: &CacheConfig,
@@ -261,7 +262,7 @@ fn start_engine<'m>(
 ) -> Result<Engine<'m>, EngineError> {
     let executor = match executor {
         Some(factory) => (factory.0)(model, cache).map_err(EngineError::Config)?,
-        None => ch07::cpu_executor(model, cache, attention)?,
+        None => ch07::populated_cpu_executor(model, cache, attention)?,
     };
     let engine = Engine::boxed(executor, config)?;
     Ok(match speculator {
