@@ -68,7 +68,8 @@ pub fn measure(model: &Llama, tokens: &[u32], reps: usize) -> anyhow::Result<Pro
     Ok(Profile { prefill, decode })
 }
 
-/// An engine whose pool holds `seqs` sequences of `len` positions each, with room to spare.
+/// An engine whose pool holds `seqs` sequences of `len` positions each, with room to spare, its
+/// memory backed.
 fn engine(
     model: &Llama,
     seqs: usize,
@@ -76,7 +77,8 @@ fn engine(
     step_tokens: usize,
 ) -> anyhow::Result<Engine<'_>> {
     let blocks = seqs * len.div_ceil(BLOCK_SIZE);
-    let pool = KvPool::<f32>::new(&model.config, BLOCK_SIZE, blocks + blocks / 10 + 4)?;
+    let mut pool = KvPool::<f32>::new(&model.config, BLOCK_SIZE, blocks + blocks / 10 + 4)?;
+    pool.populate(); // backed before any step is timed, as a server's is at start-up
     let config = EngineConfig {
         max_num_seqs: seqs,
         max_num_batched_tokens: step_tokens,

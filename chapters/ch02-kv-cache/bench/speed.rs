@@ -13,14 +13,22 @@ pub struct Speed {
     pub decode_tok_s: f64,
 }
 
+/// A cache of `capacity` positions whose memory is backed before any clock starts
+/// ([`ContiguousKvCache::populate`]), as llama.cpp makes and clears its KV buffers before its
+/// benchmarks' timers.
+fn backed_cache(model: &Llama, capacity: usize) -> ContiguousKvCache {
+    let mut cache = ContiguousKvCache::new(&model.config, capacity);
+    cache.populate();
+    cache
+}
+
 /// Median over `reps` runs of: prefill `tokens[..prompt]` into a fresh cache, then decode the
 /// next `decode` tokens one by one (fed, not sampled: the cost is the same).
 pub fn measure(model: &Llama, tokens: &[u32], prompt: usize, decode: usize, reps: usize) -> Speed {
     let mut prefill = Vec::new();
     let mut decode_times = Vec::new();
     for _ in 0..reps.max(1) {
-        let cache = ContiguousKvCache::new(&model.config, prompt + decode);
-        let mut session = CachedSession::new(model, cache);
+        let mut session = CachedSession::new(model, backed_cache(model, prompt + decode));
         let start = Instant::now();
         session
             .prefill(&tokens[..prompt])
@@ -44,7 +52,7 @@ pub fn measure(model: &Llama, tokens: &[u32], prompt: usize, decode: usize, reps
 pub fn prefill_seconds(model: &Llama, tokens: &[u32], len: usize, reps: usize) -> f64 {
     let times = (0..=reps.max(1)) // the first run is a warm-up
         .map(|_| {
-            let mut session = CachedSession::new(model, ContiguousKvCache::new(&model.config, len));
+            let mut session = CachedSession::new(model, backed_cache(model, len));
             let start = Instant::now();
             session
                 .prefill(&tokens[..len])
@@ -78,7 +86,7 @@ pub fn latency(
     reps: usize,
 ) -> Vec<LatencyRow> {
     let longest = *lengths.last().expect("at least one length");
-    let mut session = CachedSession::new(fast, ContiguousKvCache::new(&fast.config, longest + 2));
+    let mut session = CachedSession::new(fast, backed_cache(fast, longest + 2));
     let mut steps = Vec::with_capacity(longest + 2);
     for &token in tokens.iter().take((longest + 2).min(tokens.len())) {
         let start = Instant::now();

@@ -48,6 +48,16 @@ impl ContiguousKvCache {
             .sum()
     }
 
+    /// Backs the reserved memory at once ([`populate`](crate::memory::populate)), so that no
+    /// step stops on a page fault at its first write of a page; nothing stored changes. Returns
+    /// whether the system did it.
+    pub fn populate(&mut self) -> bool {
+        let buffers = self.keys.iter().chain(&self.values);
+        buffers
+            .map(|b| crate::memory::populate(b.as_slice().expect("a fresh buffer is contiguous")))
+            .fold(true, |all, done| all & done)
+    }
+
     /// Forgets every position; the memory stays reserved.
     pub fn clear(&mut self) {
         self.len = 0;

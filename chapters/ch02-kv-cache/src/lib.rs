@@ -31,6 +31,7 @@ pub mod elementwise;
 pub mod fast_linear;
 pub mod kernels;
 pub mod kv_store;
+pub mod memory;
 pub mod prefill_attention;
 pub mod profile;
 pub mod workload;

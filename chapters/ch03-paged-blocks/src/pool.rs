@@ -3,6 +3,7 @@
 use ch01::LlamaConfig;
 use ch01::attention::AttentionShape;
 use ch02::attention::{ScoreScratch, cached_attention_mapped};
+use ch02::memory::populate;
 use std::borrow::Cow;
 
 use ndarray::ArrayView1;
@@ -146,9 +147,10 @@ impl<K: KvElement> KvPool<K> {
     /// Returns whether every buffer was populated.
     pub fn populate(&mut self) -> bool {
         let (keys, values) = (self.keys.iter(), self.values.iter());
-        let elements = keys.chain(values).all(|b| populate_pages(b));
-        let scales = (self.key_scales.iter().chain(&self.value_scales)).all(|b| populate_pages(b));
-        elements && scales
+        let elements = keys.chain(values).map(|b| populate(b));
+        let scales = (self.key_scales.iter().chain(&self.value_scales)).map(|b| populate(b));
+        // Every buffer is asked, even after one refusal.
+        elements.chain(scales).fold(true, |all, done| all & done)
     }
 
     pub fn block_size(&self) -> usize {
@@ -328,30 +330,6 @@ fn zeroed<K: KvElement>(len: usize) -> Option<Vec<K>> {
     advise_huge_pages(&buffer);
     Some(buffer)
 }
-
-/// Asks Linux to fault in every page of `buffer` for writing (`MADV_POPULATE_WRITE`): the
-/// memory is allocated and zeroed now; the contents do not change. Returns whether the system
-/// did it (an empty buffer: yes; elsewhere than Linux: no).
-fn populate_pages<T>(buffer: &[T]) -> bool {
-    if buffer.is_empty() || size_of::<T>() == 0 {
-        return true;
-    }
-    #[cfg(target_os = "linux")]
-    {
-        let start = buffer.as_ptr() as usize;
-        let first = start / PAGE * PAGE;
-        let len = start + std::mem::size_of_val(buffer) - first;
-        // SAFETY: the pages `first..first + len` hold `buffer`, which this process owns (the
-        // first and last may hold other memory of the allocator's too, also this process's);
-        // MADV_POPULATE_WRITE faults pages in without changing any byte.
-        unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 }
-    }
-    #[cfg(not(target_os = "linux"))]
-    false
-}
-
-/// Bytes of a base page (x86-64 and most Linux systems): `madvise` takes page-aligned ranges.
-const PAGE: usize = 4096;
 
 /// Bytes of a transparent huge page (x86-64 and most Linux systems).
 const HUGE_PAGE: usize = 2 << 20;
