@@ -84,9 +84,10 @@ pub struct EngineArgs {
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct AttentionArgs {
     /// Attention in the engine's executor: naive (chapter 4's batch attention), flash (chapter
-    /// 7's tiled flash attention and split-K decode), or auto: flash for a step whose longest
-    /// sequence has at least 128 positions (where `kiln bench ch07` measured flash ahead in
-    /// prefill), naive below.
+    /// 7's tiled flash attention and split-K decode), or auto: for a step with a prompt chunk,
+    /// flash if its longest sequence has at least 128 positions (where `kiln bench ch07`
+    /// measured flash ahead in prefill), naive below; for a step of decodes only, flash where
+    /// split-K cuts the longest row into partitions (few rows, long contexts), naive otherwise.
     #[arg(long, value_enum, default_value_t = AttentionBackend::Auto)]
     pub attention_backend: AttentionBackend,
 }

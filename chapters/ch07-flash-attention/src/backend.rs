@@ -127,17 +127,18 @@ impl std::str::FromStr for AttentionKind {
 }
 
 // ANCHOR: auto
-/// The rule of `--attention-backend auto`: a step whose longest sequence has at least
-/// [`AutoAttention::FLASH_FROM`] positions runs flash attention, a shorter one chapter 4's.
-/// The threshold is the shortest prompt at which `kiln bench ch07` measured flash ahead in
-/// prefill (first run of 2026-12-03: 1.24× at 128 positions, 1.56× to 2.24× from 256 to 16k;
-/// after chapter 4's kernel took eight positions at a time, later that day: 1.07× at 128,
-/// 1.39× to 2.64× from 256 to 16k). In decode the later run measured chapter 4's kernel ahead
-/// of one flash partition at every length to 16k, and flash's split-K ahead of both from 1k
-/// (1.42× and 1.55× chapter 4's kernel at 1k and 4k), which a step gets only when its decode
-/// rows are fewer than the partitions the threads want; a rule that looks at that is not
-/// measured yet.
-/// Below 128 nothing was measured, so chapter 4's kernel stays.
+/// The rule of `--attention-backend auto`, from what `kiln bench ch07` measured:
+/// - a step with a prompt chunk runs flash attention if its longest sequence has at least
+///   [`AutoAttention::FLASH_FROM`] positions, chapter 4's kernel below (first run of 2026-12-03:
+///   flash 1.24× at 128 positions, 1.56× to 2.24× from 256 to 16k; after chapter 4's kernel took
+///   eight positions at a time, 1.07× at 128, 1.39× to 2.64× from 256 to 16k; below 128 nothing
+///   was measured, so chapter 4's kernel stays);
+/// - a step of decode rows only (one row per sequence) runs flash attention only if its split-K
+///   would cut the longest row into more than one partition ([`Partitions::count`](crate::Partitions::count): few rows,
+///   long context), chapter 4's kernel otherwise: one decode row through chapter 4's kernel took
+///   0.021 ms at 256 positions against 0.034 for one flash partition and was ahead of one
+///   partition to 16k, while split-K won from 1k (0.059 against 0.084 ms; `kiln bench ch07`,
+///   2026-12-03).
 #[derive(Default)]
 pub struct AutoAttention {
     naive: BatchAttention,
@@ -145,8 +146,21 @@ pub struct AutoAttention {
 }
 
 impl AutoAttention {
-    /// Context length (positions) from which flash attention is faster.
+    /// Context length (positions) from which flash attention is faster in prefill.
     pub const FLASH_FROM: usize = 128;
+
+    /// Whether a step of `rows` runs flash attention.
+    pub fn runs_flash(&self, rows: &[QueryRow]) -> bool {
+        let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
+        // Rows of one sequence are consecutive and share its block table.
+        let same_sequence = |w: &[QueryRow]| std::ptr::eq(w[0].blocks, w[1].blocks);
+        let decode_only = !rows.windows(2).any(same_sequence);
+        if decode_only {
+            self.flash.params.partitions.count(longest, rows.len()) > 1
+        } else {
+            longest >= Self::FLASH_FROM
+        }
+    }
 }
 // ANCHOR_END: auto
 
@@ -160,8 +174,7 @@ impl<K: KvElement> AttentionBackend<K> for AutoAttention {
         shape: AttentionShape,
         out: &mut [f32],
     ) {
-        let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
-        if longest >= Self::FLASH_FROM {
+        if self.runs_flash(rows) {
             self.flash.attend(pool, layer, rows, q, shape, out);
         } else {
             self.naive.attend(pool, layer, rows, q, shape, out);
@@ -218,5 +231,42 @@ fn executor_with<'m>(
         KvDtype::Bf16 => boxed::<half::bf16>(model, cache, attention, populate),
         KvDtype::Fp8E4M3 => boxed::<ch05::fp8::F8E4M3>(model, cache, attention, populate),
         KvDtype::Int8 => boxed::<ch05::kv_cache::KvInt8>(model, cache, attention, populate),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ch03::BlockId;
+
+    fn rows<'a>(sequences: &'a [Vec<BlockId>], positions: &[(usize, usize)]) -> Vec<QueryRow<'a>> {
+        // (sequence, pos) per row
+        positions
+            .iter()
+            .map(|&(s, pos)| QueryRow {
+                blocks: &sequences[s],
+                pos,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn auto_sends_decode_steps_to_split_k_only_where_it_partitions() {
+        let auto = AutoAttention::default();
+        let tables: Vec<Vec<BlockId>> = (0..32).map(|s| vec![s as BlockId; 256]).collect();
+        // 32 decodes at 200 positions: one partition each, chapter 4's kernel.
+        let batch: Vec<_> = (0..32).map(|s| (s, 199)).collect();
+        assert!(!auto.runs_flash(&rows(&tables, &batch)));
+        // One decode at 4000 positions: split-K cuts it.
+        assert!(auto.runs_flash(&rows(&tables, &[(0, 3999)])));
+        // One short decode: nothing to cut.
+        assert!(!auto.runs_flash(&rows(&tables, &[(0, 99)])));
+        // A prompt chunk of 130 positions (with a decode beside it): flash.
+        let mut chunk: Vec<_> = (0..130).map(|p| (1, p)).collect();
+        chunk.push((2, 50));
+        assert!(auto.runs_flash(&rows(&tables, &chunk)));
+        // A prompt chunk shorter than FLASH_FROM: chapter 4's kernel.
+        let short: Vec<_> = (0..20).map(|p| (1, p)).collect();
+        assert!(!auto.runs_flash(&rows(&tables, &short)));
     }
 }
