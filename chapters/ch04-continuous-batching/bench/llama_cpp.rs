@@ -20,12 +20,14 @@ use ch07::AttentionKind;
 
 use half::bf16;
 
+use super::Run;
 use super::serve::{self, Summary};
-use super::static_batch::WallClock;
+use super::static_batch::{Arrival, WallClock};
 use super::{measured, pool_for, workload};
 use crate::bench::bars::BarChart;
 use crate::bench::ch02::references::{BatchedRun, fixtures, llama_batched_bench};
 use crate::bench::table::{Align, Table};
+use ch03::KvElement;
 
 /// The work both engines do.
 #[derive(Debug, Clone, Copy)]
@@ -79,27 +81,28 @@ pub fn run(
     };
     // The pool is made (and its memory backed) before each run's clock starts, as llama.cpp
     // makes and clears its KV buffers before its timer.
-    let kiln = measured("kiln, continuous batching, f32 KV", reps, || {
-        let pool = pool_for::<f32>(model, block_size, &arrivals)?;
+    fn engine<K: KvElement>(
+        model: &Llama,
+        block_size: usize,
+        arrivals: &[Arrival],
+        config: EngineConfig,
+        attention: AttentionKind,
+    ) -> anyhow::Result<Run> {
+        let pool = pool_for::<K>(model, block_size, arrivals)?;
         serve::continuous(
             model,
             pool,
             config,
             attention,
-            &arrivals,
+            arrivals,
             &WallClock::start(),
         )
+    }
+    let kiln = measured("kiln, continuous batching, f32 KV", reps, || {
+        engine::<f32>(model, block_size, &arrivals, config, attention)
     })?;
     let kiln_bf16 = measured("kiln, continuous batching, bf16 KV", reps, || {
-        let pool = pool_for::<bf16>(model, block_size, &arrivals)?;
-        serve::continuous(
-            model,
-            pool,
-            config,
-            attention,
-            &arrivals,
-            &WallClock::start(),
-        )
+        engine::<bf16>(model, block_size, &arrivals, config, attention)
     })?;
     let llama = if model_name.starts_with("SmolLM2-135M") {
         let gguf = fixtures().join(".cache/llama.cpp/SmolLM2-135M-Instruct-F32.gguf");
