@@ -112,6 +112,34 @@ pub struct FlashParams {
     pub partitions: Partitions,
 }
 
+/// Whether row `b` continues row `a`'s group: the same sequence (rows of one sequence share its
+/// block table), the next position.
+fn continues(a: &QueryRow, b: &QueryRow) -> bool {
+    std::ptr::eq(a.blocks, b.blocks) && b.pos == a.pos + 1
+}
+
+/// The end of the group that starts at row `r`: consecutive rows of one sequence at consecutive
+/// positions.
+fn group_end(rows: &[QueryRow], r: usize) -> usize {
+    let mut end = r + 1;
+    while end < rows.len() && continues(&rows[end - 1], &rows[end]) {
+        end += 1;
+    }
+    end
+}
+
+/// How many of the step's groups are one row (decodes, which split-K may partition).
+pub fn decode_rows(rows: &[QueryRow]) -> usize {
+    let mut decodes = 0;
+    let mut r = 0;
+    while r < rows.len() {
+        let end = group_end(rows, r);
+        decodes += usize::from(end - r == 1);
+        r = end;
+    }
+    decodes
+}
+
 /// What phase 2 does for one row.
 #[derive(Debug, Clone, Copy)]
 enum RowPlan {
@@ -152,26 +180,12 @@ impl Scratch {
         self.plans.clear();
         self.prefill.clear();
         self.decode.clear();
-        let same_seq =
-            |a: &QueryRow, b: &QueryRow| std::ptr::eq(a.blocks, b.blocks) && b.pos == a.pos + 1;
         // First count the decode rows, to know how many share the cores.
-        let mut decodes = 0;
-        let mut r = 0;
-        while r < rows.len() {
-            let mut end = r + 1;
-            while end < rows.len() && same_seq(&rows[end - 1], &rows[end]) {
-                end += 1;
-            }
-            decodes += usize::from(end - r == 1);
-            r = end;
-        }
+        let decodes = decode_rows(rows);
         let kv_heads = shape.num_kv_heads;
         let mut r = 0;
         while r < rows.len() {
-            let mut end = r + 1;
-            while end < rows.len() && same_seq(&rows[end - 1], &rows[end]) {
-                end += 1;
-            }
+            let end = group_end(rows, r);
             if end - r == 1 {
                 let len = rows[r].pos + 1;
                 let parts = params.partitions.count(len, decodes);

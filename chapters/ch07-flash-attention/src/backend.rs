@@ -14,7 +14,7 @@ use ch03::{KvDtype, KvElement, KvPool, PoolError};
 use ch04::attention::{AttentionBackend, BatchAttention, QueryRow};
 use ch04::{CacheConfig, CpuExecutor, Executor};
 
-use crate::attention::{FlashParams, Scratch, flash_attention_paged};
+use crate::attention::{FlashParams, Scratch, decode_rows, flash_attention_paged};
 use crate::tile::LayerKv;
 
 // ANCHOR: backend
@@ -134,8 +134,9 @@ impl std::str::FromStr for AttentionKind {
 ///   eight positions at a time, 1.07× at 128, 1.39× to 2.64× from 256 to 16k; below 128 nothing
 ///   was measured, so chapter 4's kernel stays);
 /// - a step of decode rows only (one row per sequence) runs flash attention only if its split-K
-///   would cut the longest row into more than one partition ([`Partitions::count`](crate::Partitions::count): few rows,
-///   long context), chapter 4's kernel otherwise: one decode row through chapter 4's kernel took
+///   would cut the longest row into more than one partition
+///   ([`Partitions::count`](crate::Partitions::count): few rows, long context), chapter 4's
+///   kernel otherwise: one decode row through chapter 4's kernel took
 ///   0.021 ms at 256 positions against 0.034 for one flash partition and was ahead of one
 ///   partition to 16k, while split-K won from 1k (0.059 against 0.084 ms; `kiln bench ch07`,
 ///   2026-12-03).
@@ -152,10 +153,7 @@ impl AutoAttention {
     /// Whether a step of `rows` runs flash attention.
     pub fn runs_flash(&self, rows: &[QueryRow]) -> bool {
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
-        // Rows of one sequence are consecutive and share its block table.
-        let same_sequence = |w: &[QueryRow]| std::ptr::eq(w[0].blocks, w[1].blocks);
-        let decode_only = !rows.windows(2).any(same_sequence);
-        if decode_only {
+        if decode_rows(rows) == rows.len() {
             self.flash.params.partitions.count(longest, rows.len()) > 1
         } else {
             longest >= Self::FLASH_FROM
