@@ -27,7 +27,9 @@ use ch01::attention::AttentionShape;
 use rayon::prelude::*;
 
 use crate::kernels::Isa;
-use crate::kernels::vector::{KEYS, axpy8, dot8, exp, exp_shifted_sum, max};
+use crate::kernels::vector::{
+    KEYS, PREFETCH_POSITIONS, axpy8, dot8, exp, exp_shifted_sum, max, prefetch_l2,
+};
 /// The fewest positions a chunk has (unless the context is shorter): below this a task's
 /// hand-off costs more than its work.
 const MIN_CHUNK: usize = 32;
@@ -126,11 +128,22 @@ fn attend_chunk<'a, R: Fn(usize) -> usize>(
             *row = &stored[(kv.row_of)(pos) * kv_dim..][..kv_dim];
         }
     };
+    // Asks for the rows of the eight positions from `j` on (none past the chunk), to be read
+    // `PREFETCH_POSITIONS` later.
+    let prefetch_rows = |stored: &[f32], j: usize| {
+        for p in j..(j + KEYS).min(len) {
+            prefetch_l2(&stored[(kv.row_of)(positions.start + p) * kv_dim..][..kv_dim]);
+        }
+    };
     let mut rows: [&[f32]; KEYS] = [&[]; KEYS];
     let mut heads_of = [&[][..]; KEYS]; // one head's part of each row, [d]
 
     // s[h][j] = q_h · k_j / √d
+    for j in (0..PREFETCH_POSITIONS).step_by(KEYS) {
+        prefetch_rows(kv.k, j);
+    }
     for j in (0..len).step_by(KEYS) {
+        prefetch_rows(kv.k, j + PREFETCH_POSITIONS);
         rows_at(kv.k, j, &mut rows);
         for (h, q_h) in q.chunks_exact(d).enumerate() {
             let at = (h / group) * d;
@@ -144,6 +157,9 @@ fn attend_chunk<'a, R: Fn(usize) -> usize>(
             }
         }
     }
+    for j in (0..PREFETCH_POSITIONS).step_by(KEYS) {
+        prefetch_rows(kv.v, j); // while the softmax computes
+    }
     // m[h], l[h], and the scores become e^(s − m)
     let (o, ml) = partial.split_at_mut(heads * d);
     let (m, l) = ml.split_at_mut(heads);
@@ -154,6 +170,7 @@ fn attend_chunk<'a, R: Fn(usize) -> usize>(
     // o[h] = Σ_j e^(s[h][j] − m[h]) · v_j
     o.fill(0.0);
     for j in (0..len).step_by(KEYS) {
+        prefetch_rows(kv.v, j + PREFETCH_POSITIONS);
         rows_at(kv.v, j, &mut rows);
         for (h, o_h) in o.chunks_exact_mut(d).enumerate() {
             let at = (h / group) * d;

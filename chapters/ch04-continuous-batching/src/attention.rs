@@ -34,7 +34,7 @@
 
 use ch01::attention::AttentionShape;
 use ch02::kernels::Isa;
-use ch02::kernels::vector::{KEYS, axpy8, dot8, softmax};
+use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, axpy8, dot8, prefetch_l2, softmax};
 use ch03::{BlockId, KvElement, KvPool, KvScales};
 use ndarray::ArrayView2;
 use rayon::prelude::*;
@@ -196,7 +196,10 @@ fn attend_row<K: KvElement>(
     let mut group = [0usize; KEYS]; // the pool slots of positions j..j + 8
     let mut heads_of: [&[K]; KEYS] = [&[]; KEYS]; // one head's part of each row, [d]
     let mut all_slots = slots(row.blocks, kv.block_size, len);
+    let mut ahead = slots(row.blocks, kv.block_size, len); // the slots asked for in advance
+    prefetch_rows(kv.keys, &mut ahead, PREFETCH_POSITIONS, kv_dim);
     for j in (0..len).step_by(KEYS) {
+        prefetch_rows(kv.keys, &mut ahead, KEYS, kv_dim);
         let n = next_group(&mut all_slots, &mut group);
         for (h, q_h) in q_r.chunks_exact(d).enumerate() {
             let kv_head = h / group_size;
@@ -209,12 +212,15 @@ fn attend_row<K: KvElement>(
             }
         }
     }
+    let mut ahead = slots(row.blocks, kv.block_size, len);
+    prefetch_rows(kv.values, &mut ahead, PREFETCH_POSITIONS, kv_dim); // while the softmax computes
     // p[h] = softmax(s[h])
     scores.chunks_exact_mut(len).for_each(softmax);
     // out_h = Σ_j p[h][j] · v_j, eight positions at a time
     out_r.fill(0.0);
     let mut all_slots = slots(row.blocks, kv.block_size, len);
     for j in (0..len).step_by(KEYS) {
+        prefetch_rows(kv.values, &mut ahead, KEYS, kv_dim);
         let n = next_group(&mut all_slots, &mut group);
         for (h, out_h) in out_r.chunks_exact_mut(d).enumerate() {
             let kv_head = h / group_size;
@@ -243,6 +249,20 @@ fn slots(blocks: &[BlockId], block_size: usize, len: usize) -> impl Iterator<Ite
             base..base + block_size
         })
         .take(len)
+}
+
+/// Asks for the rows of the next (up to) `n` slots of `slots` in `stored` [slots, kv_dim], to be
+/// read [`PREFETCH_POSITIONS`] positions later ([`prefetch_l2`]: decode finds K/V in memory).
+#[inline(always)]
+fn prefetch_rows<K>(
+    stored: &[K],
+    slots: &mut impl Iterator<Item = usize>,
+    n: usize,
+    kv_dim: usize,
+) {
+    for slot in slots.take(n) {
+        prefetch_l2(&stored[slot * kv_dim..][..kv_dim]);
+    }
 }
 
 /// Fills `group` with the next (up to) eight slots of `slots`; returns how many it took (at
