@@ -25,6 +25,8 @@ use crate::source::WeightSource;
 use crate::weights::Weights;
 
 /// Root-mean-square normalisation: `x / sqrt(mean(x²) + eps) * weight`, row by row.
+/// Invariant: `weight` is contiguous, so the row loops read it as a slice (which the compiler
+/// vectorises; an ndarray iterator it does not).
 pub struct RmsNorm {
     weight: Array1<f32>, // [hidden]
     eps: f32,
@@ -33,7 +35,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn new(weight: Array1<f32>, eps: f64) -> Self {
         RmsNorm {
-            weight,
+            weight: weight.as_standard_layout().into_owned(),
             eps: eps as f32,
         }
     }
@@ -84,7 +86,8 @@ impl RmsNorm {
         mean_square: f32,
     ) {
         let inv_rms = 1.0 / (mean_square + self.eps).sqrt();
-        for ((o, &v), &w) in out.zip(x).zip(&self.weight) {
+        let weight = self.weight.as_slice().expect("the weight is contiguous");
+        for ((o, &v), &w) in out.zip(x).zip(weight) {
             *o = v * inv_rms * w;
         }
     }
