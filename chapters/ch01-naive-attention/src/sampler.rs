@@ -355,15 +355,37 @@ fn softmax_weight(logit: f32, max_logit: f32) -> f32 {
 }
 
 /// Step 4: the first index of the largest unmasked logit, or `None` if all are masked.
+///
+/// Two passes that the compiler vectorises, where one pass keeping (index, logit) does not:
+/// the largest logit (a comparison is false for NaN, and −∞ never wins, so masked logits are
+/// passed over), then the first index holding a value equal to it. Equal values (`0.0` and
+/// `-0.0` included) tie to the lower id, as one pass with a strict `>` would.
 fn argmax(logits: &[f32]) -> Option<u32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (token, &logit) in logits.iter().enumerate() {
-        // Strictly greater: on a tie the earlier (lower) token id stays.
-        if is_unmasked(logit) && best.is_none_or(|(_, best_logit)| logit > best_logit) {
-            best = Some((token, logit));
+    const LANES: usize = 8;
+    let (chunks, tail) = logits.as_chunks::<LANES>();
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for chunk in chunks {
+        for (best, &logit) in lanes.iter_mut().zip(chunk) {
+            *best = if logit > *best { logit } else { *best };
         }
     }
-    best.map(|(token, _)| token as u32)
+    let largest =
+        lanes
+            .into_iter()
+            .chain(tail.iter().copied())
+            .fold(
+                f32::NEG_INFINITY,
+                |best, logit| if logit > best { logit } else { best },
+            );
+    if largest == f32::NEG_INFINITY {
+        return None; // every logit is NaN or −∞
+    }
+    let first = chunks
+        .iter()
+        .position(|chunk| chunk.contains(&largest))
+        .map_or(chunks.len() * LANES, |c| c * LANES);
+    let token = first + logits[first..].iter().position(|&l| l == largest)?;
+    Some(token as u32)
 }
 
 /// Step 11, inverse-CDF sampling: the first candidate whose cumulative probability exceeds

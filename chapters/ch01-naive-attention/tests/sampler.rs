@@ -390,6 +390,35 @@ proptest! {
     }
 
     #[test]
+    fn greedy_returns_the_first_largest_unmasked_logit(
+        mut logits in masked_logits(), copy_at in any::<prop::sample::Index>(),
+        zeros in prop::collection::vec((any::<prop::sample::Index>(), any::<bool>()), 0..4),
+    ) {
+        // The largest value again somewhere, so that it often ties; and some signed zeros
+        // (0.0 and -0.0 are equal, but not the same bits).
+        let largest = logits.iter().copied().filter(|l| !l.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+        let at = copy_at.index(logits.len());
+        logits[at] = largest;
+        for (at, negative) in zeros {
+            let at = at.index(logits.len());
+            logits[at] = if negative { -0.0 } else { 0.0 };
+        }
+        // One pass, a strict `>`: the specification of step 4.
+        let mut expected: Option<(usize, f32)> = None;
+        for (token, &logit) in logits.iter().enumerate() {
+            let unmasked = !logit.is_nan() && logit != f32::NEG_INFINITY;
+            if unmasked && expected.is_none_or(|(_, best)| logit > best) {
+                expected = Some((token, logit));
+            }
+        }
+        let mut sampler = Sampler::new(SamplingParams::greedy()).unwrap();
+        match expected {
+            Some((token, _)) => prop_assert_eq!(sampler.sample(&logits, &[], &[]), Ok(token as u32)),
+            None => prop_assert!(sampler.sample(&logits, &[], &[]).is_err()),
+        }
+    }
+
+    #[test]
     fn temperature_zero_returns_the_argmax_whatever_the_seed(
         logits in logits(), top_k in 0usize..300, top_p in top_p(), min_p in min_p(),
         seed in any::<u64>(),
