@@ -86,4 +86,27 @@ impl Rope {
         // ANCHOR_END: task_1_3
     }
     // ANCHOR_END: rope_rotate
+
+    /// `(cos, sin)` of every pair's angle at `pos` into `out` [head_dim / 2], computed as
+    /// [`rotate`](Self::rotate) computes them: a step can compute them once for all layers.
+    pub fn cos_sin(&self, pos: usize, out: &mut [(f32, f32)]) {
+        assert_eq!(out.len(), self.inv_freq.len(), "out is [head_dim / 2]");
+        for (out, &freq) in out.iter_mut().zip(&self.inv_freq) {
+            let (sin, cos) = ((pos as f32) * (freq as f32)).sin_cos();
+            *out = (cos, sin);
+        }
+    }
+
+    /// [`rotate`](Self::rotate) with the angles [`cos_sin`](Self::cos_sin) gave for the
+    /// token's position: the same bits. `x`: [num_heads * head_dim], `cos_sin`: [head_dim / 2].
+    pub fn rotate_with(&self, x: &mut [f32], cos_sin: &[(f32, f32)]) {
+        let half = self.inv_freq.len();
+        assert_eq!(cos_sin.len(), half, "cos_sin is [head_dim / 2]");
+        for head in x.chunks_exact_mut(2 * half) {
+            let (a, b) = head.split_at_mut(half);
+            for ((a, b), &(cos, sin)) in a.iter_mut().zip(b).zip(cos_sin) {
+                (*a, *b) = (*a * cos - *b * sin, *b * cos + *a * sin);
+            }
+        }
+    }
 }

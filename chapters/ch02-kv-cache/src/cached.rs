@@ -24,16 +24,18 @@ use crate::{Error, Result};
 /// the first `n` rows of each.
 pub struct Workspace {
     rows: usize,
-    x: Array2<f32>,        // [rows, hidden]        the residual stream
-    h: Array2<f32>,        // [rows, hidden]        normed input, then a block's output
-    q: Array2<f32>,        // [rows, num_heads * head_dim]
-    k: Array2<f32>,        // [rows, num_kv_heads * head_dim]
-    v: Array2<f32>,        // [rows, num_kv_heads * head_dim]
-    attn: Array2<f32>,     // [rows, num_heads * head_dim]
-    gate: Array2<f32>,     // [rows, intermediate]
-    up: Array2<f32>,       // [rows, intermediate]
-    logits: Array2<f32>,   // [1, vocab]                the last position's logits
-    positions: Vec<usize>, // [n]                     each row's position, for RoPE
+    x: Array2<f32>,               // [rows, hidden]        the residual stream
+    h: Array2<f32>,               // [rows, hidden]        normed input, then a block's output
+    q: Array2<f32>,               // [rows, num_heads * head_dim]
+    k: Array2<f32>,               // [rows, num_kv_heads * head_dim]
+    v: Array2<f32>,               // [rows, num_kv_heads * head_dim]
+    attn: Array2<f32>,            // [rows, num_heads * head_dim]
+    gate: Array2<f32>,            // [rows, intermediate]
+    up: Array2<f32>,              // [rows, intermediate]
+    logits: Array2<f32>,          // [1, vocab]                the last position's logits
+    positions: Vec<usize>,        // [n]                     each row's position, for RoPE
+    rope_angles: Vec<(f32, f32)>, // [n, head_dim / 2]  (cos, sin) at each row's position
+    angles_of: Vec<usize>,        // [n]                     the positions `rope_angles` is for
 }
 
 impl Workspace {
@@ -56,6 +58,8 @@ impl Workspace {
             up: buffer(c.intermediate_size),
             logits: Array2::zeros((1, c.vocab_size)),
             positions: Vec::with_capacity(rows),
+            rope_angles: Vec::with_capacity(rows * c.head_dim / 2),
+            angles_of: Vec::with_capacity(rows),
         }
     }
 
@@ -72,6 +76,22 @@ impl Workspace {
         self.reserve(&model.config, tokens.len());
         let x = used_mut(&mut self.x, tokens.len()); // [n, hidden]
         gather_rows(model.embed_tokens.view(), tokens, x);
+    }
+
+    /// Computes RoPE's angles for `positions` unless they are those of the layer before: every
+    /// layer of a step rotates the same positions, so the sines and cosines are computed once.
+    fn update_rope_angles(&mut self, rope: &Rope) {
+        if self.angles_of == self.positions {
+            return;
+        }
+        let half = rope.head_dim() / 2; // > 0: the config checks head_dim is even, non-zero
+        self.rope_angles
+            .resize(self.positions.len() * half, (0.0, 0.0));
+        let rows = self.rope_angles.chunks_exact_mut(half);
+        for (&pos, angles) in self.positions.iter().zip(rows) {
+            rope.cos_sin(pos, angles);
+        }
+        self.angles_of.clone_from(&self.positions);
     }
 
     /// The residual stream: row `t` is token `t`'s hidden state. [rows, hidden]
@@ -190,6 +210,7 @@ pub fn decoder_layer_reduced<E>(
     let inter = ws.up.ncols();
     ws.positions.clear();
     ws.positions.extend((0..n).map(position)); // [n], within capacity after the first step
+    ws.update_rope_angles(rope);
     timed(Op::RmsNorm, || {
         let norm = &layer.input_layernorm;
         rms_norm_rows(norm, used(&ws.x, n), used_mut(&mut ws.h, n), hidden)
@@ -213,8 +234,8 @@ pub fn decoder_layer_reduced<E>(
         );
     });
     timed(Op::Rope, || {
-        rope_rows(rope, used_mut(&mut ws.q, n), q_dim, &ws.positions);
-        rope_rows(rope, used_mut(&mut ws.k, n), kv_dim, &ws.positions);
+        rope_rows(rope, used_mut(&mut ws.q, n), q_dim, &ws.rope_angles);
+        rope_rows(rope, used_mut(&mut ws.k, n), kv_dim, &ws.rope_angles);
     });
     timed(Op::Attention, || {
         attend(

@@ -125,8 +125,13 @@ fn rope_rows_equals_rotating_each_row() {
             for (row, &pos) in expected.chunks_exact_mut(width).zip(&positions) {
                 rope.rotate(row, pos);
             }
+            // The angles as a step computes them, once per row for every layer.
+            let mut angles = vec![(0.0, 0.0); n * head_dim / 2];
+            for (angles, &pos) in angles.chunks_exact_mut(head_dim / 2).zip(&positions) {
+                rope.cos_sin(pos, angles);
+            }
             let mut out = x.clone();
-            pool().install(|| rope_rows(&rope, &mut out, width, &positions));
+            pool().install(|| rope_rows(&rope, &mut out, width, &angles));
             prop_assert_eq!(out, expected, "[{}, {}]", n, width);
             Ok(())
         })
