@@ -48,6 +48,12 @@ pub struct QueryRow<'a> {
 }
 
 impl QueryRow<'_> {
+    /// Whether `other` is a row of the same sequence: a step's rows of one sequence share its
+    /// block table (the same slice, not an equal copy).
+    pub fn same_sequence(&self, other: &QueryRow) -> bool {
+        std::ptr::eq(self.blocks, other.blocks)
+    }
+
     /// The pool slot of this row's own position: where its K/V go.
     pub fn slot(&self, block_size: usize) -> usize {
         self.blocks[self.pos / block_size] as usize * block_size + self.pos % block_size
@@ -159,9 +165,16 @@ pub fn batch_attention<K: KvElement>(
     };
     out.par_chunks_mut(q_dim)
         .zip(q.par_chunks(q_dim))
-        .zip(rows.par_iter())
-        .for_each_init(Vec::new, |scores, ((out_r, q_r), &row)| {
-            attend_row_fastest(isa, &kv, row, q_r, out_r, scores);
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (r, (out_r, q_r))| {
+            let row = rows[r];
+            // A decode, its sequence's only row in the step, finds its K/V in memory (a model's
+            // weights pass through the caches between two layers' attention), so it asks for
+            // them ahead. The rows of a prompt chunk share theirs, which stay in cache from row
+            // to row: asking again would only cost.
+            let shares = |other: Option<&QueryRow>| other.is_some_and(|o| o.same_sequence(&row));
+            let prefetch = !shares(r.checked_sub(1).map(|p| &rows[p])) && !shares(rows.get(r + 1));
+            attend_row_fastest(isa, &kv, row, prefetch, q_r, out_r, scores);
         });
 }
 // ANCHOR_END: batch_attention
@@ -173,6 +186,7 @@ pub fn batch_attention<K: KvElement>(
 fn attend_row<K: KvElement>(
     kv: &LayerKv<K>,
     row: QueryRow,
+    prefetch: bool,
     q_r: &[f32],
     out_r: &mut [f32],
     scores: &mut Vec<f32>,
@@ -196,7 +210,8 @@ fn attend_row<K: KvElement>(
     let mut group = [0usize; KEYS]; // the pool slots of positions j..j + 8
     let mut heads_of: [&[K]; KEYS] = [&[]; KEYS]; // one head's part of each row, [d]
     let mut all_slots = slots(row.blocks, kv.block_size, len);
-    let mut ahead = slots(row.blocks, kv.block_size, len); // the slots asked for in advance
+    // The slots whose rows are asked for in advance (none when `prefetch` is off).
+    let mut ahead = slots(row.blocks, kv.block_size, if prefetch { len } else { 0 });
     prefetch_rows(kv.keys, &mut ahead, PREFETCH_POSITIONS, kv_dim);
     for j in (0..len).step_by(KEYS) {
         prefetch_rows(kv.keys, &mut ahead, KEYS, kv_dim);
@@ -212,7 +227,7 @@ fn attend_row<K: KvElement>(
             }
         }
     }
-    let mut ahead = slots(row.blocks, kv.block_size, len);
+    let mut ahead = slots(row.blocks, kv.block_size, if prefetch { len } else { 0 });
     prefetch_rows(kv.values, &mut ahead, PREFETCH_POSITIONS, kv_dim); // while the softmax computes
     // p[h] = softmax(s[h])
     scores.chunks_exact_mut(len).for_each(softmax);
@@ -285,27 +300,29 @@ fn attend_row_fastest<K: KvElement>(
     isa: Isa,
     kv: &LayerKv<K>,
     row: QueryRow,
+    prefetch: bool,
     q_r: &[f32],
     out_r: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
     match isa {
-        Isa::Portable => attend_row(kv, row, q_r, out_r, scores),
+        Isa::Portable => attend_row(kv, row, prefetch, q_r, out_r, scores),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma(_) => {
             #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2<K: KvElement>(
                 kv: &LayerKv<K>,
                 row: QueryRow,
+                prefetch: bool,
                 q_r: &[f32],
                 out_r: &mut [f32],
                 scores: &mut Vec<f32>,
             ) {
-                attend_row(kv, row, q_r, out_r, scores)
+                attend_row(kv, row, prefetch, q_r, out_r, scores)
             }
             // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA
             // on this CPU (its proof field is private); `avx2` is safe Rust otherwise.
-            unsafe { avx2(kv, row, q_r, out_r, scores) }
+            unsafe { avx2(kv, row, prefetch, q_r, out_r, scores) }
         }
     }
 }

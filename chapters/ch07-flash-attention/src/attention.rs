@@ -115,7 +115,7 @@ pub struct FlashParams {
 /// Whether row `b` continues row `a`'s group: the same sequence (rows of one sequence share its
 /// block table), the next position.
 fn continues(a: &QueryRow, b: &QueryRow) -> bool {
-    std::ptr::eq(a.blocks, b.blocks) && b.pos == a.pos + 1
+    a.same_sequence(b) && b.pos == a.pos + 1
 }
 
 /// The end of the group that starts at row `r`: consecutive rows of one sequence at consecutive
