@@ -140,7 +140,8 @@ impl std::str::FromStr for AttentionKind {
 ///   0.021 ms at 256 positions against 0.034 for one flash partition and was ahead of one
 ///   partition to 16k, while split-K won from 1k (0.059 against 0.084 ms; `kiln bench ch07`,
 ///   2026-12-03); with its K/V prefetched, 0.027 against 0.035 at 256 and ahead at every length
-///   to 32k, split-K winning from 1k (0.061 against 0.101 ms; 2026-12-04).
+///   to 32k, split-K winning from 1k (0.061 against 0.101 ms; first run of 2026-12-04; the
+///   second run had it behind at 4k only, 0.550 against 0.487, and split-K behind from 8k).
 #[derive(Default)]
 pub struct AutoAttention {
     naive: BatchAttention,
