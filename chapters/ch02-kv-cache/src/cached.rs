@@ -35,7 +35,6 @@ pub struct Workspace {
     logits: Array2<f32>,          // [1, vocab]                the last position's logits
     positions: Vec<usize>,        // [n]                     each row's position, for RoPE
     rope_angles: Vec<(f32, f32)>, // [n, head_dim / 2]  (cos, sin) at each row's position
-    angles_of: Vec<usize>,        // [n]                     the positions `rope_angles` is for
 }
 
 impl Workspace {
@@ -59,7 +58,6 @@ impl Workspace {
             logits: Array2::zeros((1, c.vocab_size)),
             positions: Vec::with_capacity(rows),
             rope_angles: Vec::with_capacity(rows * c.head_dim / 2),
-            angles_of: Vec::with_capacity(rows),
         }
     }
 
@@ -78,20 +76,21 @@ impl Workspace {
         gather_rows(model.embed_tokens.view(), tokens, x);
     }
 
-    /// Computes RoPE's angles for `positions` unless they are those of the layer before: every
-    /// layer of a step rotates the same positions, so the sines and cosines are computed once.
-    fn update_rope_angles(&mut self, rope: &Rope) {
-        if self.angles_of == self.positions {
+    /// Sets the positions of the `n` rows and RoPE's angles for them, unless they are those of
+    /// the layer before: every layer of a step rotates the same positions, so the sines and
+    /// cosines are computed once per step.
+    fn set_positions(&mut self, rope: &Rope, n: usize, position: &dyn Fn(usize) -> usize) {
+        if self.positions.iter().copied().eq((0..n).map(position)) {
             return;
         }
+        self.positions.clear();
+        self.positions.extend((0..n).map(position)); // within capacity after the first step
         let half = rope.head_dim() / 2; // > 0: the config checks head_dim is even, non-zero
-        self.rope_angles
-            .resize(self.positions.len() * half, (0.0, 0.0));
+        self.rope_angles.resize(n * half, (0.0, 0.0));
         let rows = self.rope_angles.chunks_exact_mut(half);
         for (&pos, angles) in self.positions.iter().zip(rows) {
             rope.cos_sin(pos, angles);
         }
-        self.angles_of.clone_from(&self.positions);
     }
 
     /// The residual stream: row `t` is token `t`'s hidden state. [rows, hidden]
@@ -208,9 +207,7 @@ pub fn decoder_layer_reduced<E>(
     let (attn, mlp) = (&layer.self_attn, &layer.mlp);
     let (hidden, q_dim, kv_dim) = (ws.x.ncols(), ws.q.ncols(), ws.k.ncols());
     let inter = ws.up.ncols();
-    ws.positions.clear();
-    ws.positions.extend((0..n).map(position)); // [n], within capacity after the first step
-    ws.update_rope_angles(rope);
+    ws.set_positions(rope, n, position); // [n], and their angles [n, head_dim / 2]
     timed(Op::RmsNorm, || {
         let norm = &layer.input_layernorm;
         rms_norm_rows(norm, used(&ws.x, n), used_mut(&mut ws.h, n), hidden)

@@ -211,7 +211,8 @@ fn attend_row<K: KvElement>(
     let mut heads_of: [&[K]; KEYS] = [&[]; KEYS]; // one head's part of each row, [d]
     let mut all_slots = slots(row.blocks, kv.block_size, len);
     // The slots whose rows are asked for in advance (none when `prefetch` is off).
-    let mut ahead = slots(row.blocks, kv.block_size, if prefetch { len } else { 0 });
+    let ahead_len = if prefetch { len } else { 0 };
+    let mut ahead = slots(row.blocks, kv.block_size, ahead_len);
     prefetch_rows(kv.keys, &mut ahead, PREFETCH_POSITIONS, kv_dim);
     for j in (0..len).step_by(KEYS) {
         prefetch_rows(kv.keys, &mut ahead, KEYS, kv_dim);
@@ -227,7 +228,7 @@ fn attend_row<K: KvElement>(
             }
         }
     }
-    let mut ahead = slots(row.blocks, kv.block_size, if prefetch { len } else { 0 });
+    let mut ahead = slots(row.blocks, kv.block_size, ahead_len);
     prefetch_rows(kv.values, &mut ahead, PREFETCH_POSITIONS, kv_dim); // while the softmax computes
     // p[h] = softmax(s[h])
     scores.chunks_exact_mut(len).for_each(softmax);
