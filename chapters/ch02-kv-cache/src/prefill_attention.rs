@@ -73,62 +73,61 @@ fn prefill_attention_in_blocks<R: Fn(usize) -> usize + Sync>(
     assert!(n >= 1 && n <= context_len, "queries are the last positions");
     assert_eq!(out.len(), q.len(), "out is [n, num_heads · head_dim]");
     let gemm = Gemm::fastest(Isa::detect());
-    // Per KV head: K_g as [ctx outputs][d inputs], V_gᵀ as [d outputs][ctx inputs].
+    // Per KV head: K_g as [ctx outputs][d inputs], V_gᵀ as [d outputs][ctx inputs], packed
+    // straight from the stored rows (position `pos` of head `g`: `d` values in its row).
     let packed: Vec<(PackedWeight<f32>, PackedWeight<f32>)> = (0..shape.num_kv_heads)
         .into_par_iter()
         .map(|g| {
-            let mut k_g = Vec::with_capacity(context_len * d); // [ctx, d]
-            let mut v_t = vec![0.0f32; d * context_len]; // [d, ctx]
-            for pos in 0..context_len {
-                let row = row_of(pos) * kv_dim + g * d;
-                k_g.extend_from_slice(&k[row..][..d]);
-                for (c, &value) in v[row..][..d].iter().enumerate() {
-                    v_t[c * context_len + pos] = value;
-                }
-            }
+            let at = |pos: usize| row_of(pos) * kv_dim + g * d;
             (
-                PackedWeight::pack(&k_g, context_len, d),
-                PackedWeight::pack(&v_t, d, context_len),
+                PackedWeight::pack_rows(context_len, d, |pos| &k[at(pos)..][..d]),
+                PackedWeight::pack_columns(d, context_len, |pos| &v[at(pos)..][..d]),
             )
         })
         .collect();
     let group = shape.num_heads / shape.num_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let first_pos = context_len - n;
-    // One task per (head, block of queries): its output [rows, d], then put in its place in
-    // `out`. A block's products are small, so each runs on its task's thread.
+    // One task per (head, block of queries), each writing its output [rows, d] into its own
+    // chunk of `parts`, then put in its place in `out`. A block's products are small, so each
+    // runs on its task's thread, in scratch buffers that live as long as the worker's share of
+    // the tasks: a block's queries and scores are written whole before they are read, so they
+    // are zeroed once, when they grow, not once per task.
     let blocks = n.div_ceil(block);
+    let mut parts = vec![0.0f32; shape.num_heads * blocks * block * d]; // [task][block, d]
     // ANCHOR: head_products
-    let parts: Vec<Vec<f32>> = (0..shape.num_heads * blocks)
-        .into_par_iter()
-        .map(|task| {
+    parts.par_chunks_mut(block * d).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(q_h, scores), (task, o)| {
             let (h, b) = (task / blocks, task % blocks);
             let (k_g, v_t) = &packed[h / group];
             let rows = b * block..(b * block + block).min(n);
-            let q_h: Vec<f32> = rows
-                .clone()
-                .flat_map(|i| &q[i * q_dim + h * d..][..d])
-                .copied()
-                .collect(); // [rows, d]
+            q_h.clear();
+            for i in rows.clone() {
+                q_h.extend_from_slice(&q[i * q_dim + h * d..][..d]); // [rows, d]
+            }
             // The block's last query sees positions 0..seen; the others fewer.
             let seen = first_pos + rows.end;
-            let mut s = vec![0.0f32; rows.len() * seen]; // [rows, seen]
-            matmul_part(gemm, k_g, seen, d, &q_h, &mut s, rows.len());
+            if scores.len() < rows.len() * seen {
+                scores.resize(rows.len() * seen, 0.0);
+            }
+            let s = &mut scores[..rows.len() * seen]; // [rows, seen]
+            matmul_part(gemm, k_g, seen, d, q_h, s, rows.len());
             for (i, row) in rows.clone().zip(s.chunks_exact_mut(seen)) {
                 let (visible, masked) = row.split_at_mut(first_pos + i + 1);
                 scaled_softmax_fastest(visible, scale);
                 masked.fill(0.0);
             }
-            let mut o = vec![0.0f32; rows.len() * d]; // [rows, d]
-            matmul_part(gemm, v_t, d, seen, &s, &mut o, rows.len());
-            o
-        })
-        .collect();
+            let o = &mut o[..rows.len() * d]; // [rows, d]
+            matmul_part(gemm, v_t, d, seen, s, o, rows.len());
+        },
+    );
     // ANCHOR_END: head_products
-    for (task, o) in parts.iter().enumerate() {
+    for (task, o) in parts.chunks_exact(block * d).enumerate() {
         let (h, b) = (task / blocks, task % blocks);
-        for (r, o_r) in o.chunks_exact(d).enumerate() {
-            out[(b * block + r) * q_dim + h * d..][..d].copy_from_slice(o_r);
+        let rows = b * block..(b * block + block).min(n);
+        for (r, o_r) in rows.zip(o.chunks_exact(d)) {
+            out[r * q_dim + h * d..][..d].copy_from_slice(o_r);
         }
     }
 }

@@ -325,3 +325,54 @@ fn matmul_part_equals_the_naive_product_of_its_corner() {
         })
         .unwrap();
 }
+
+/// A weight packed from its columns (`pack_columns`: prefill attention's values, one column per
+/// stored position) or from rows lying anywhere (`pack_rows`) is the weight `pack` makes from the
+/// row-major matrix, bit for bit, in both element types, on sizes that leave a partial last
+/// panel.
+#[test]
+fn packing_from_rows_or_columns_equals_packing_the_matrix() {
+    use ch02_kv_cache::kernels::{PackedWeight, WeightElement};
+    fn bits<W: WeightElement>(w: &PackedWeight<W>) -> Vec<u32> {
+        let panels = (0..w.num_panels()).flat_map(|p| w.panel(p));
+        panels.map(|v| v.to_f32().to_bits()).collect()
+    }
+    fn check<W: WeightElement>(w: &Array2<f32>) -> Result<(), TestCaseError> {
+        let (out_f, in_f) = w.dim();
+        let whole = PackedWeight::<W>::pack(w.as_slice().unwrap(), out_f, in_f);
+        // Rows stored in reverse, as a KV store may hold positions.
+        let reversed: Vec<f32> = w.rows().into_iter().rev().flatten().copied().collect();
+        let from_rows = PackedWeight::<W>::pack_rows(out_f, in_f, |o| {
+            &reversed[(out_f - 1 - o) * in_f..][..in_f]
+        });
+        let transposed = w.t().as_standard_layout().to_owned(); // [in, out]
+        let columns = transposed.as_slice().unwrap();
+        let from_columns =
+            PackedWeight::<W>::pack_columns(out_f, in_f, |k| &columns[k * out_f..][..out_f]);
+        prop_assert_eq!(
+            bits(&from_rows),
+            bits(&whole),
+            "pack_rows, {} × {}",
+            out_f,
+            in_f
+        );
+        prop_assert_eq!(
+            bits(&from_columns),
+            bits(&whole),
+            "pack_columns, {} × {}",
+            out_f,
+            in_f
+        );
+        Ok(())
+    }
+    let weights = (1usize..70, 1usize..40).prop_flat_map(|(out_f, in_f)| {
+        proptest::collection::vec(-1.0f32..1.0, out_f * in_f)
+            .prop_map(move |w| Array2::from_shape_vec((out_f, in_f), w).unwrap())
+    });
+    runner(200)
+        .run(&weights, |w| {
+            check::<f32>(&w)?;
+            check::<u16>(&w)
+        })
+        .unwrap();
+}

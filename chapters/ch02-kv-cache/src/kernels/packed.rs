@@ -103,12 +103,51 @@ impl<W: WeightElement> PackedWeight<W> {
     /// Packs row-major `w` [out, in].
     pub fn pack(w: &[f32], out_features: usize, in_features: usize) -> Self {
         assert_eq!(w.len(), out_features * in_features, "w is [out, in]");
-        let panels = out_features.div_ceil(NR);
-        let mut data = vec![W::default(); panels * in_features * NR];
-        for (o, row) in w.chunks_exact(in_features.max(1)).enumerate() {
+        Self::pack_rows(out_features, in_features, |o| {
+            &w[o * in_features..][..in_features]
+        })
+    }
+
+    /// Packs `W` [out, in] whose output row `o` is `row(o)` [in], wherever each row lies (a
+    /// head's keys, one per stored position, inside rows of every KV head).
+    pub fn pack_rows<'w>(
+        out_features: usize,
+        in_features: usize,
+        row: impl Fn(usize) -> &'w [f32],
+    ) -> Self {
+        let mut data = vec![W::default(); out_features.div_ceil(NR) * in_features * NR];
+        for o in 0..out_features {
+            let row = row(o);
+            assert_eq!(row.len(), in_features, "row {o} is [in]");
             let panel = &mut data[(o / NR) * in_features * NR..][..in_features * NR];
             for (k, &v) in row.iter().enumerate() {
                 panel[k * NR + W::slot(o % NR)] = W::from_f32(v);
+            }
+        }
+        PackedWeight {
+            data,
+            in_features,
+            out_features,
+        }
+    }
+
+    /// Packs `W` [out, in] given by its columns: `column(k)` [out] holds input `k`'s weight for
+    /// every output (a head's values, one per stored position, as the weight whose outputs are
+    /// the head's channels). A panel row is a run of [`NR`] consecutive elements of a column.
+    pub fn pack_columns<'w>(
+        out_features: usize,
+        in_features: usize,
+        column: impl Fn(usize) -> &'w [f32],
+    ) -> Self {
+        let mut data = vec![W::default(); out_features.div_ceil(NR) * in_features * NR];
+        for k in 0..in_features {
+            let column = column(k);
+            assert_eq!(column.len(), out_features, "column {k} is [out]");
+            for (p, outputs) in column.chunks(NR).enumerate() {
+                let panel_row = &mut data[(p * in_features + k) * NR..][..NR];
+                for (j, &v) in outputs.iter().enumerate() {
+                    panel_row[W::slot(j)] = W::from_f32(v);
+                }
             }
         }
         PackedWeight {
