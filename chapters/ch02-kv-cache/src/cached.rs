@@ -169,6 +169,10 @@ pub type Attend<'a, E> = dyn FnMut(ArrayView2<f32>, ArrayView2<f32>, ArrayView2<
 /// partial outputs of o_proj and down_proj.
 pub type Reduce<'a, E> = dyn FnMut(ArrayViewMut2<f32>) -> Result<(), E> + 'a;
 
+/// Tokens of a step from which [`decoder_layer_reduced`] runs q's product on its own rather than
+/// beside k's and v's (a choice between the measured 16, where the two orders tie, and 32).
+pub const Q_ALONE_FROM: usize = 24;
+
 /// One decoder layer over the `n` tokens in the residual stream `ws.x[..n]`, in place: chapter
 /// 1's layer with the attention supplied by the caller (one sequence's [`KvStore`] here, a
 /// batch of sequences over paged blocks in chapter 4). Token `t` is at position `position(t)`.
@@ -192,7 +196,10 @@ pub fn decoder_layer<E>(
 /// gate and up) run as one parallel region (`rayon::join` of the three, each splitting its own
 /// rows): a thread that finishes its part of one takes tasks of the next instead of waiting at
 /// a join between them, which for a decode step of a few microseconds per product is much of
-/// the step. Each op runs in a [`profile`](crate::profile) span.
+/// the step. From [`Q_ALONE_FROM`] tokens on, q runs first and k and v (joined) after it:
+/// measured on SmolLM2's shapes (`examples/product_order`), the three joined took 7-14% longer
+/// at 124 and 32 tokens, the same at 16, and less at 1 to 8 (gate and up joined stayed 1-2%
+/// faster at every size). Each op runs in a [`profile`](crate::profile) span.
 // ANCHOR: decoder_layer
 pub fn decoder_layer_reduced<E>(
     layer: &DecoderLayer,
@@ -220,15 +227,18 @@ pub fn decoder_layer_reduced<E>(
             ws.k.slice_mut(rows),
             ws.v.slice_mut(rows),
         );
-        rayon::join(
-            || attn.q_proj.forward_into(h, q), // [n, q_dim]
-            || {
-                rayon::join(
-                    || attn.k_proj.forward_into(h, k), // [n, kv_dim]
-                    || attn.v_proj.forward_into(h, v), // [n, kv_dim]
-                )
-            },
-        );
+        let kv = || {
+            rayon::join(
+                || attn.k_proj.forward_into(h, k), // [n, kv_dim]
+                || attn.v_proj.forward_into(h, v), // [n, kv_dim]
+            )
+        };
+        if n < Q_ALONE_FROM {
+            rayon::join(|| attn.q_proj.forward_into(h, q), kv); // [n, q_dim]
+        } else {
+            attn.q_proj.forward_into(h, q); // [n, q_dim]
+            kv();
+        }
     });
     timed(Op::Rope, || {
         rope_rows(rope, used_mut(&mut ws.q, n), q_dim, &ws.rope_angles);
