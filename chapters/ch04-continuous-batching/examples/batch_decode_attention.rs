@@ -1,0 +1,124 @@
+//! A batch-32 decode step's attention as the engine runs it: 32 sequences of `T` cached
+//! positions each, one query row per sequence, in each of SmolLM2-135M's 30 layers (9 query
+//! heads sharing 3 KV heads of 64), through chapter 4's `batch_attention`, with f32 and bf16
+//! pools. A step reads every layer's K/V once, far more than the caches hold, so they come from
+//! memory as in the engine. Prints the median and the fastest of `ROUNDS` steps: ms per step,
+//! GB/s of K/V read and GFLOP/s (`2 · 2 · d` FLOPs per query head and position).
+//!
+//! `cargo run --release -p ch04-continuous-batching --example batch_decode_attention [T...]`
+
+use std::path::Path;
+use std::time::Instant;
+
+use ch01::LlamaConfig;
+use ch01::attention::AttentionShape;
+use ch02::kernels::Isa;
+use ch03::{BlockId, KvElement, KvPool};
+use ch04_continuous_batching::attention::{QueryRow, batch_attention};
+use half::bf16;
+use ndarray::ArrayView1;
+
+const LAYERS: usize = 30;
+const SEQUENCES: usize = 32;
+const BLOCK_SIZE: usize = 16;
+const ROUNDS: usize = 30;
+const SHAPE: AttentionShape = AttentionShape {
+    num_heads: 9,
+    num_kv_heads: 3,
+    head_dim: 64,
+};
+
+fn config() -> LlamaConfig {
+    let json = format!(
+        r#"{{"model_type": "llama", "vocab_size": 8, "hidden_size": 576,
+            "intermediate_size": 8, "num_hidden_layers": {LAYERS}, "num_attention_heads": 9,
+            "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0}}"#
+    );
+    LlamaConfig::from_json(&json, Path::new("example/config.json")).expect("a valid config")
+}
+
+/// A deterministic value in [−1, 1) for index `i`.
+fn value(i: usize) -> f32 {
+    ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0
+}
+
+/// (median, fastest) seconds of one step over every layer.
+fn time_steps<K: KvElement>(t: usize) -> (f64, f64) {
+    let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
+    let q_dim = SHAPE.num_heads * SHAPE.head_dim;
+    let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
+    let mut pool = KvPool::<K>::new(&config(), BLOCK_SIZE, SEQUENCES * blocks_per_seq)
+        .expect("a pool this size");
+    // Sequence s holds blocks s, s + 32, s + 64, ...: interleaved, as a pool's free list
+    // hands them out to sequences that grow together.
+    let tables: Vec<Vec<BlockId>> = (0..SEQUENCES)
+        .map(|s| {
+            (0..blocks_per_seq)
+                .map(|b| (b * SEQUENCES + s) as BlockId)
+                .collect()
+        })
+        .collect();
+    let row: Vec<f32> = (0..kv_dim).map(value).collect();
+    for layer in 0..LAYERS {
+        for table in &tables {
+            for pos in 0..t {
+                let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
+                let k: Vec<f32> = row.iter().map(|v| v * value(slot + layer)).collect();
+                pool.write(layer, slot, ArrayView1::from(&k), ArrayView1::from(&row));
+            }
+        }
+    }
+    let rows: Vec<QueryRow> = tables
+        .iter()
+        .map(|blocks| QueryRow { blocks, pos: t - 1 })
+        .collect();
+    let q: Vec<f32> = (0..SEQUENCES * q_dim).map(|i| value(i * 3) * 4.0).collect();
+    let mut out = vec![0.0; q.len()];
+    let isa = Isa::detect();
+    let mut steps: Vec<f64> = (0..ROUNDS + 2)
+        .map(|_| {
+            let start = Instant::now();
+            for layer in 0..LAYERS {
+                batch_attention(isa, &pool, layer, &rows, &q, SHAPE, &mut out);
+            }
+            start.elapsed().as_secs_f64()
+        })
+        .skip(2) // warm-up
+        .collect();
+    steps.sort_by(f64::total_cmp);
+    (steps[ROUNDS / 2], steps[0])
+}
+
+fn main() {
+    let lengths: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let lengths = if lengths.is_empty() {
+        vec![192]
+    } else {
+        lengths
+    };
+    println!("| T | pool | median ms/step | GB/s | GFLOP/s | fastest ms/step | GB/s | GFLOP/s |");
+    println!("|---:|:---|---:|---:|---:|---:|---:|---:|");
+    for t in lengths {
+        let flops = (LAYERS * SEQUENCES * SHAPE.num_heads * t * 4 * SHAPE.head_dim) as f64;
+        let positions = (LAYERS * SEQUENCES * t * 2 * SHAPE.num_kv_heads * SHAPE.head_dim) as f64;
+        for (name, (median, best), bytes) in [
+            ("f32", time_steps::<f32>(t), 4.0),
+            ("bf16", time_steps::<bf16>(t), 2.0),
+        ] {
+            let gb = positions * bytes / 1e9;
+            println!(
+                "| {t} | {name} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} |",
+                median * 1e3,
+                gb / median,
+                flops / median / 1e9,
+                best * 1e3,
+                gb / best,
+                flops / best / 1e9
+            );
+        }
+    }
+}
