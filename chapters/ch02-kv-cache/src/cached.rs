@@ -198,7 +198,7 @@ pub fn decoder_layer<E>(
 /// a join between them, which for a decode step of a few microseconds per product is much of
 /// the step. From [`Q_ALONE_FROM`] tokens on, q runs first and k and v (joined) after it:
 /// measured on SmolLM2's shapes (`examples/product_order`), the three joined took 7-14% longer
-/// at 124 and 32 tokens, the same at 16, and less at 1 to 8 (gate and up joined stayed 1-2%
+/// at 124 and 32 tokens, the same at 16, and less at 1 to 8 (gate and up joined stayed 0.5-8%
 /// faster at every size). Each op runs in a [`profile`](crate::profile) span.
 // ANCHOR: decoder_layer
 pub fn decoder_layer_reduced<E>(
