@@ -1,0 +1,240 @@
+//! One task of [`batch_attention`](super::batch_attention) with AVX2 + FMA intrinsics, for the
+//! head sizes 64 and 128 (SmolLM2's and Llama's): the arithmetic of
+//! [`attend_row`](super::attend_row), with three costs of the portable loops removed.
+//!
+//! - **Fused multiply-adds.** Rust does not fuse `a += b · c` by itself (it would change
+//!   results), so the portable loops issue a multiply and an add per lane; here one
+//!   `vfmadd` does both, rounding once.
+//! - **One horizontal sum for eight scores.** A score is the sum of the 8 lanes of its
+//!   accumulator. Reducing eight accumulators one at a time costs more instructions than the
+//!   products (d = 64: 64 fused multiply-adds per eight positions, ~120 instructions of lane
+//!   sums); three rounds of pairwise horizontal adds reduce all eight at once ([`lane_sums`]).
+//! - **K/V rows located once per KV head.** The `G` query heads that share a KV head read the
+//!   same eight rows one after the other while they sit in L1.
+//!
+//! ```text
+//! for each group of 8 positions, for each KV head g, for each of g's query heads h:
+//!     acc[p] (8 lanes)  += q_h[c..c+8] ⊙ k_p[c..c+8]       c = 0, 8, ..., d − 8   (FMA)
+//!     s[h][j..j+8]       = lane_sums(acc) · (1/√d · key scale)
+//! softmax per head
+//! for each group of 8 positions, for each KV head g, for each of g's query heads h:
+//!     out_h[c..c+8]     += Σ_p p[h][j+p] · value scale · v_p[c..c+8]                  (FMA)
+//! ```
+//! Sums are grouped differently from the portable loops (a tree across lanes, one rounding
+//! per product and addition), so results agree with them and with the naive attention to a
+//! few ulp rather than bit for bit; every row of a step computes the same way whichever batch
+//! it is in.
+
+use std::arch::x86_64::*;
+
+use ch02::kernels::Avx2Fma;
+use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, prefetch_l2, softmax};
+use ch03::KvElement;
+
+use super::{LayerKv, QueryRow, RowScratch, slots as slots_of};
+
+/// Lanes per vector.
+const LANES: usize = 8;
+
+/// The head sizes this path is compiled for (each its own copy of the loops, unrolled).
+pub(super) const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// `out_r` [num_heads · d] = the attention of the query row `q_r` [num_heads · d] at `row.pos`,
+/// as [`attend_row`](super::attend_row) computes it, in the thread's `scratch`.
+///
+/// Panics unless `d` (`kv.shape.head_dim`) is one of [`HEAD_DIMS`] and `q_r`, `out_r` hold
+/// `num_heads · d` values.
+pub(super) fn attend_row<K: KvElement>(
+    _cpu: Avx2Fma,
+    kv: &LayerKv<K>,
+    row: QueryRow,
+    prefetch: bool,
+    q_r: &[f32],
+    out_r: &mut [f32],
+    scratch: &mut RowScratch,
+) {
+    let q_dim = kv.shape.num_heads * kv.shape.head_dim;
+    assert_eq!(
+        (q_r.len(), out_r.len()),
+        (q_dim, q_dim),
+        "rows are [num_heads · d]"
+    );
+    // SAFETY: `_cpu` proves the CPU has AVX2 and FMA.
+    unsafe {
+        match kv.shape.head_dim {
+            64 => attend_row_avx2::<K, 8>(kv, row, prefetch, q_r, out_r, scratch),
+            128 => attend_row_avx2::<K, 16>(kv, row, prefetch, q_r, out_r, scratch),
+            d => panic!("head size {d} is not one of {HEAD_DIMS:?}"),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
+    kv: &LayerKv<K>,
+    row: QueryRow,
+    prefetch: bool,
+    q_r: &[f32],
+    out_r: &mut [f32],
+    scratch: &mut RowScratch,
+) {
+    let d = kv.shape.head_dim;
+    let group_size = kv.shape.num_heads / kv.shape.num_kv_heads; // query heads per KV head
+    let kv_dim = kv.shape.num_kv_heads * d;
+    let len = row.pos + 1; // positions this row sees
+    let stride = len.next_multiple_of(KEYS); // positions padded to whole groups
+    let scale = 1.0 / (d as f32).sqrt();
+    debug_assert_eq!(d, CHUNKS * LANES);
+    // The pool slots of positions 0..len, then the last one repeated up to `stride`: a last
+    // group short of eight reads its last row again (scored into the padding, weighted by zero).
+    let RowScratch { scores, slots } = scratch;
+    slots.clear();
+    slots.extend(slots_of(row.blocks, kv.block_size, len));
+    slots.resize(stride, slots[len - 1]);
+    scores.clear();
+    scores.resize(kv.shape.num_heads * stride, 0.0); // [num_heads, stride]
+    let slots = &slots[..];
+    // The slots whose rows group `j` asks for: those PREFETCH_POSITIONS positions ahead.
+    let ahead = |j: usize| {
+        &slots[(j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len)]
+    };
+    let first_rows = &slots[..PREFETCH_POSITIONS.min(len)];
+
+    // ANCHOR: scores
+    // s[h][j..j+8] = q_h · k_{j..j+8} / √d, times K's scale (1 unless the pool is 8-bit).
+    if prefetch {
+        prefetch_slots(kv.keys, first_rows, kv_dim);
+    }
+    for j in (0..len).step_by(KEYS) {
+        if prefetch {
+            prefetch_slots(kv.keys, ahead(j), kv_dim);
+        }
+        let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
+        for g in 0..kv.shape.num_kv_heads {
+            let k: [&[[K; LANES]; CHUNKS]; KEYS] =
+                std::array::from_fn(|p| head_row(kv.keys, group[p] * kv_dim + g * d));
+            let key_scale: [f32; KEYS] =
+                std::array::from_fn(|p| scale * kv.scales.key(group[p], g));
+            for h in g * group_size..(g + 1) * group_size {
+                let q_h: &[[f32; LANES]; CHUNKS] = head_row(q_r, h * d);
+                let mut acc = [_mm256_setzero_ps(); KEYS];
+                for c in 0..CHUNKS {
+                    let q_c = load(&q_h[c]);
+                    for p in 0..KEYS {
+                        acc[p] = _mm256_fmadd_ps(q_c, widen(&k[p][c]), acc[p]);
+                    }
+                }
+                let s = _mm256_mul_ps(lane_sums(acc), load(&key_scale));
+                store(
+                    s,
+                    (&mut scores[h * stride + j..][..KEYS]).try_into().unwrap(),
+                );
+            }
+        }
+    }
+    // ANCHOR_END: scores
+    if prefetch {
+        // V's first rows, while the softmax computes.
+        prefetch_slots(kv.values, first_rows, kv_dim);
+    }
+    // p[h] = softmax(s[h]) over the positions the row sees, not the padding.
+    for s_h in scores.chunks_exact_mut(stride) {
+        softmax(&mut s_h[..len]);
+    }
+
+    // out_h += Σ_p p[h][j+p] · (V's scale) · v_{j+p}, eight positions at a time.
+    out_r.fill(0.0);
+    for j in (0..len).step_by(KEYS) {
+        if prefetch {
+            prefetch_slots(kv.values, ahead(j), kv_dim);
+        }
+        let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
+        let n = (len - j).min(KEYS); // positions of this group the row sees
+        for g in 0..kv.shape.num_kv_heads {
+            let v: [&[[K; LANES]; CHUNKS]; KEYS] =
+                std::array::from_fn(|p| head_row(kv.values, group[p] * kv_dim + g * d));
+            for h in g * group_size..(g + 1) * group_size {
+                let p_h = &scores[h * stride + j..][..KEYS];
+                let w: [__m256; KEYS] = std::array::from_fn(|p| {
+                    let w = if p < n {
+                        p_h[p] * kv.scales.value(group[p], g)
+                    } else {
+                        0.0
+                    };
+                    _mm256_set1_ps(w)
+                });
+                let out_h: &mut [[f32; LANES]; CHUNKS] =
+                    out_r[h * d..][..d].as_chunks_mut().0.try_into().unwrap();
+                for (c, o) in out_h.iter_mut().enumerate() {
+                    let mut acc = load(o);
+                    for p in 0..KEYS {
+                        acc = _mm256_fmadd_ps(w[p], widen(&v[p][c]), acc);
+                    }
+                    store(acc, o);
+                }
+            }
+        }
+    }
+}
+
+/// The head row starting at `at` in `stored`, as `CHUNKS` groups of 8 (checked once here, so
+/// that the loops index it without checks).
+#[inline]
+fn head_row<T, const CHUNKS: usize>(stored: &[T], at: usize) -> &[[T; LANES]; CHUNKS] {
+    stored[at..][..CHUNKS * LANES]
+        .as_chunks()
+        .0
+        .try_into()
+        .unwrap()
+}
+
+/// Asks for the rows of `slots` in `stored` [slots, kv_dim] ([`prefetch_l2`]).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn prefetch_slots<K>(stored: &[K], slots: &[usize], kv_dim: usize) {
+    for &slot in slots {
+        prefetch_l2(&stored[slot * kv_dim..][..kv_dim]);
+    }
+}
+
+// ANCHOR: lane_sums
+/// `[Σ a[0], Σ a[1], ..., Σ a[7]]`, each the sum of one vector's 8 lanes: two rounds of
+/// pairwise horizontal adds leave each vector's sum in two halves, one per 128-bit lane, and
+/// one exchange of halves adds them.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn lane_sums(a: [__m256; KEYS]) -> __m256 {
+    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
+    let a01 = _mm256_hadd_ps(a[0], a[1]);
+    let a23 = _mm256_hadd_ps(a[2], a[3]);
+    let a45 = _mm256_hadd_ps(a[4], a[5]);
+    let a67 = _mm256_hadd_ps(a[6], a[7]);
+    // [Σ0..3 of a0, a1, a2, a3 | Σ4..7 of a0, a1, a2, a3], and the same for a4..a7
+    let a0123 = _mm256_hadd_ps(a01, a23);
+    let a4567 = _mm256_hadd_ps(a45, a67);
+    let low = _mm256_permute2f128_ps::<0x20>(a0123, a4567); // the lanes' first halves
+    let high = _mm256_permute2f128_ps::<0x31>(a0123, a4567); // their second halves
+    _mm256_add_ps(low, high)
+}
+// ANCHOR_END: lane_sums
+
+/// Eight stored K/V elements widened to f32 (exact for every [`KvElement`]).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn widen<K: ToF32>(x: &[K; LANES]) -> __m256 {
+    load(&x.map(K::to_f32))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn load(x: &[f32; LANES]) -> __m256 {
+    // SAFETY: `x` is 8 readable f32 (an unaligned load).
+    unsafe { _mm256_loadu_ps(x.as_ptr()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn store(v: __m256, x: &mut [f32; LANES]) {
+    // SAFETY: `x` is 8 writable f32 (an unaligned store).
+    unsafe { _mm256_storeu_ps(x.as_mut_ptr(), v) }
+}
