@@ -2,123 +2,242 @@
 // context, the context cut into partitions that run as separate thread blocks, merged by
 // log-sum-exp. The CPU twin: ch07's split-K decode (`Partitions`, then the merge).
 //
-// Pass 1, one block per (KV head, sequence, partition): the block reads each K and V row of its
-// partition once for every query head of the group that shares that KV head. Its 4 warps take
-// keys in turn; for each key a warp's lanes split the head dimension, sum the dot products,
-// and update the running max m, denominator l and output of every head of the group. The warps'
-// states are then merged and written as the partition's (m, l, unnormalised output).
+// Pass 1, one block per (KV head, sequence, partition of at most PART_MAX keys). Decode reads
+// every K and V row once and does little arithmetic with it, so the block is built to keep many
+// loads in flight, in three phases over its partition:
+//   scores  each thread takes whole keys: it reads a K row in chunks of CH elements (16 bytes of
+//           bf16 where the head size allows) and scores it against every query head of the
+//           group, which all share that KV head;
+//   softmax a warp per head: the partition's max m and the sum l of exp(s − m), over scores
+//           held in shared memory (no rescaling per key);
+//   values  each thread takes one chunk of the head dimension for a strided set of keys and
+//           adds p · V for every head of the group; the key sets are then summed in order.
+// It writes the partition's (m, l, unnormalised output).
 // Pass 2, one block per (query head, sequence): out = Σ_p exp(m_p − m) · o_p / Σ_p exp(m_p − m) · l_p.
 #include "common.cuh"
 
-#define WARPS 4
+#define THREADS 128
 #define HEAD_DIM_MAX 128
-#define GROUP_MAX 8  // query heads per KV head; the host refuses more
+#define GROUP_MAX 8   // query heads per KV head; the host refuses more
+#define PART_MAX 256  // keys per partition; the host refuses more
 
-// q, out: [rows, num_heads · head_dim]; rows: [num_seqs] (the q/out row of each sequence);
+// CH (8, 4 or 2) consecutive elements of a K/V row from element i (i a multiple of CH, so the
+// load is aligned), widened to f32: one 16-byte load for 8 bf16, two for 8 f32.
+template <int CH>
+__device__ __forceinline__ void load_chunk(const bf16_bits* p, long i, float* out) {
+    if (CH == 8) {
+        uint4 u = *reinterpret_cast<const uint4*>(p + i);
+        u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            out[2 * e] = __uint_as_float(w[e] << 16);
+            out[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+        }
+    } else if (CH == 4) {
+        uint2 u = *reinterpret_cast<const uint2*>(p + i);
+        out[0] = __uint_as_float(u.x << 16), out[1] = __uint_as_float(u.x & 0xffff0000u);
+        out[2] = __uint_as_float(u.y << 16), out[3] = __uint_as_float(u.y & 0xffff0000u);
+    } else {
+        u32 w = *reinterpret_cast<const u32*>(p + i);
+        out[0] = __uint_as_float(w << 16);
+        out[1] = __uint_as_float(w & 0xffff0000u);
+    }
+}
+
+template <int CH>
+__device__ __forceinline__ void load_chunk(const float* p, long i, float* out) {
+    if (CH == 8) {
+        float4 a = *reinterpret_cast<const float4*>(p + i), b = *reinterpret_cast<const float4*>(p + i + 4);
+        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+        out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+    } else if (CH == 4) {
+        float4 a = *reinterpret_cast<const float4*>(p + i);
+        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+    } else {
+        float2 a = *reinterpret_cast<const float2*>(p + i);
+        out[0] = a.x, out[1] = a.y;
+    }
+}
+
+// q: [rows, num_heads · head_dim]; rows: [num_seqs] (the q row of each sequence);
 // context_lens: [num_seqs]; block_tables: [num_seqs, max_blocks];
 // partial_o: [num_seqs, num_heads, num_partitions, head_dim]; partial_ml: [..., num_partitions, 2].
-// Grid: (num_kv_heads, num_seqs, num_partitions); block: 32 · WARPS.
-template <typename T>
-__device__ void paged_decode(const float* q, const T* k_cache, const T* v_cache, const u32* rows,
-                             const u32* context_lens, const u32* block_tables, float* partial_o,
-                             float* partial_ml, int max_blocks, int block_size, int num_heads,
-                             int num_kv_heads, int head_dim, int partition_size, float scale) {
-    __shared__ float warp_o[WARPS][GROUP_MAX][HEAD_DIM_MAX];
-    __shared__ float warp_ml[WARPS][GROUP_MAX][2];
+// Grid: (num_kv_heads, num_seqs, num_partitions); block: THREADS. CH divides head_dim.
+struct __align__(16) DecodeShared {
+    float q[GROUP_MAX][HEAD_DIM_MAX];  // the group's queries, times 1/√d
+    float p[GROUP_MAX][PART_MAX];      // scores, then exp(s − m)
+    float o[GROUP_MAX][HEAD_DIM_MAX];  // the partition's output, summed over key sets
+    float ml[GROUP_MAX][2];
+};
+
+template <typename T, int CH>
+__device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache, const T* v_cache,
+                             const u32* rows, const u32* context_lens, const u32* block_tables,
+                             float* partial_o, float* partial_ml, int max_blocks, int block_size,
+                             int num_heads, int num_kv_heads, int head_dim, int partition_size,
+                             float scale) {
+    float(&q_s)[GROUP_MAX][HEAD_DIM_MAX] = sh.q;
+    float(&p_s)[GROUP_MAX][PART_MAX] = sh.p;
+    float(&o_s)[GROUP_MAX][HEAD_DIM_MAX] = sh.o;
+    float(&ml_s)[GROUP_MAX][2] = sh.ml;
 
     int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z, num_parts = gridDim.z;
     int group = num_heads / num_kv_heads;
     int ctx = (int)context_lens[seq];
-    int begin = part * partition_size, end = min(ctx, begin + partition_size);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int begin = part * partition_size, n = max(0, min(ctx, begin + partition_size) - begin);
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32* table = block_tables + (long)seq * max_blocks;
     long q_row = (long)rows[seq] * num_heads * head_dim;
-    int kv_stride = num_kv_heads * head_dim;
+    int kv_stride = num_kv_heads * head_dim, chunks = head_dim / CH;
 
-    float qx[GROUP_MAX][HEAD_DIM_MAX / 32], acc[GROUP_MAX][HEAD_DIM_MAX / 32], m[GROUP_MAX], l[GROUP_MAX];
-    for (int g = 0; g < GROUP_MAX; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int t = 0; t < HEAD_DIM_MAX / 32; t++) {
-            int d = lane + 32 * t, head = kv_head * group + g;
-            qx[g][t] = g < group && d < head_dim ? q[q_row + head * head_dim + d] * scale : 0.0f;
-            acc[g][t] = 0.0f;
-        }
+    for (int i = tid; i < group * head_dim; i += THREADS) {
+        int g = i / head_dim, d = i % head_dim;
+        q_s[g][d] = q[q_row + (kv_head * group + g) * head_dim + d] * scale;
     }
+    __syncthreads();
 
     // ANCHOR: key_loop
-    for (int key = begin + warp; key < end; key += WARPS) {
-        long slot = (long)table[key / block_size] * block_size + key % block_size;
-        long at = slot * kv_stride + kv_head * head_dim;
-        float kx[HEAD_DIM_MAX / 32], vx[HEAD_DIM_MAX / 32];
-        for (int t = 0; t < HEAD_DIM_MAX / 32; t++) {
-            int d = lane + 32 * t;
-            kx[t] = d < head_dim ? load_f32(k_cache, at + d) : 0.0f;
-            vx[t] = d < head_dim ? load_f32(v_cache, at + d) : 0.0f;
+    // Scores: thread t scores keys t, t + THREADS, ... against every head of the group.
+    for (int j = tid; j < n; j += THREADS) {
+        int key = begin + j;
+        long at = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +
+                  (long)kv_head * head_dim;
+        float s[GROUP_MAX];
+#pragma unroll
+        for (int g = 0; g < GROUP_MAX; g++) s[g] = 0.0f;
+#pragma unroll 4
+        for (int c = 0; c < chunks; c++) {
+            float k[CH];
+            load_chunk<CH>(k_cache, at + c * CH, k);
+#pragma unroll
+            for (int g = 0; g < GROUP_MAX; g++) {
+                if (g < group) {
+                    float qc[CH];  // q_s[g][c·CH ..], in 16-byte reads where CH allows
+                    if (CH % 4 == 0) {
+#pragma unroll
+                        for (int e = 0; e < CH; e += 4) {
+                            float4 x = *reinterpret_cast<const float4*>(&q_s[g][c * CH + e]);
+                            qc[e] = x.x, qc[e + 1] = x.y, qc[e + 2] = x.z, qc[e + 3] = x.w;
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < CH; e++) qc[e] = q_s[g][c * CH + e];
+                    }
+#pragma unroll
+                    for (int e = 0; e < CH; e++) s[g] += qc[e] * k[e];
+                }
+            }
         }
-        for (int g = 0; g < group; g++) {
-            float s = 0.0f;
-            for (int t = 0; t < HEAD_DIM_MAX / 32; t++) s += qx[g][t] * kx[t];
-            s = warp_sum(s);
-            float m_new = fmaxf(m[g], s);
-            float correction = expf(m[g] - m_new), p = expf(s - m_new);
-            l[g] = l[g] * correction + p;
-            for (int t = 0; t < HEAD_DIM_MAX / 32; t++) acc[g][t] = acc[g][t] * correction + p * vx[t];
-            m[g] = m_new;
-        }
-    }
-
-    // ANCHOR_END: key_loop
-    for (int g = 0; g < group; g++) {
-        for (int t = 0; t < HEAD_DIM_MAX / 32; t++) {
-            int d = lane + 32 * t;
-            if (d < head_dim) warp_o[warp][g][d] = acc[g][t];
-        }
-        if (lane == 0) {
-            warp_ml[warp][g][0] = m[g];
-            warp_ml[warp][g][1] = l[g];
+#pragma unroll
+        for (int g = 0; g < GROUP_MAX; g++) {
+            if (g < group) p_s[g][j] = s[g];
         }
     }
     __syncthreads();
 
-    // Merge the warps: thread i takes (head g, dim d) pairs of the group.
-    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) {
-        int g = i / head_dim, d = i % head_dim;
-        float m_all = -INFINITY;
-        for (int w = 0; w < WARPS; w++) m_all = fmaxf(m_all, warp_ml[w][g][0]);
-        float o = 0.0f, l_all = 0.0f;
-        if (m_all != -INFINITY) {
-            for (int w = 0; w < WARPS; w++) {
-                float c = expf(warp_ml[w][g][0] - m_all);  // 0 for a warp that saw no key
-                o += c * warp_o[w][g][d];
-                l_all += c * warp_ml[w][g][1];
+    // Softmax statistics: warp w takes heads w, w + 4, ...
+    for (int g = warp; g < group; g += THREADS / 32) {
+        float m = -INFINITY;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, p_s[g][j]);
+        m = warp_max(m);
+        float l = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            float p = expf(p_s[g][j] - m);
+            p_s[g][j] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            ml_s[g][0] = m;  // −∞ for a partition past the end of this context (n = 0)
+            ml_s[g][1] = l;
+        }
+    }
+    __syncthreads();
+
+    // Values: thread t takes chunk t % v_chunks of every key of set t / v_chunks (keys set, set +
+    // sets, ...); the sets are then added into o_s one after another, in order.
+    // Chunks of CV = 4 elements here where K's were 8: 8 bytes of bf16 per lane still reads a whole
+    // row per warp, and half the accumulators leave room for more blocks on each multiprocessor.
+    constexpr int CV = CH == 8 ? 4 : CH;
+    int v_chunks = head_dim / CV;
+    int sets = THREADS / v_chunks, set = tid / v_chunks, c = tid % v_chunks;
+    bool active = set < sets;
+    float acc[GROUP_MAX][CV];
+#pragma unroll
+    for (int g = 0; g < GROUP_MAX; g++) {
+#pragma unroll
+        for (int e = 0; e < CV; e++) acc[g][e] = 0.0f;
+    }
+    if (active) {
+#pragma unroll 2
+        for (int j = set; j < n; j += sets) {
+            int key = begin + j;
+            long at = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +
+                      (long)kv_head * head_dim + c * CV;
+            float v[CV];
+            load_chunk<CV>(v_cache, at, v);
+#pragma unroll
+            for (int g = 0; g < GROUP_MAX; g++) {
+                if (g < group) {
+                    float p = p_s[g][j];
+#pragma unroll
+                    for (int e = 0; e < CV; e++) acc[g][e] += p * v[e];
+                }
             }
         }
+    }
+    // ANCHOR_END: key_loop
+    for (int r = 0; r < sets; r++) {
+        if (active && set == r) {
+#pragma unroll
+            for (int g = 0; g < GROUP_MAX; g++) {
+                if (g < group) {
+#pragma unroll
+                    for (int e = 0; e < CV; e++) {
+                        float before = r == 0 ? 0.0f : o_s[g][c * CV + e];
+                        o_s[g][c * CV + e] = before + acc[g][e];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    for (int i = tid; i < group * head_dim; i += THREADS) {
+        int g = i / head_dim, d = i % head_dim;
         long at = (((long)seq * num_heads + kv_head * group + g) * num_parts + part);
-        partial_o[at * head_dim + d] = o;
+        partial_o[at * head_dim + d] = o_s[g][d];
         if (d == 0) {
-            partial_ml[2 * at] = m_all;
-            partial_ml[2 * at + 1] = l_all;
+            partial_ml[2 * at] = ml_s[g][0];
+            partial_ml[2 * at + 1] = ml_s[g][1];
         }
     }
 }
 
-extern "C" __global__ void paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
-                                            const u32* rows, const u32* context_lens, const u32* block_tables,
-                                            float* partial_o, float* partial_ml, int max_blocks, int block_size,
-                                            int num_heads, int num_kv_heads, int head_dim, int partition_size,
-                                            float scale) {
-    paged_decode(q, k_cache, v_cache, rows, context_lens, block_tables, partial_o, partial_ml, max_blocks,
-                 block_size, num_heads, num_kv_heads, head_dim, partition_size, scale);
+// Chunks of 8 elements where the head size is a multiple of 8 (16-byte loads of bf16), else of 2
+// (head sizes are even). The choice is uniform across the grid.
+#define PAGED_DECODE_ARGS                                                                           \
+    sh, q, k_cache, v_cache, rows, context_lens, block_tables, partial_o, partial_ml, max_blocks,       \
+        block_size, num_heads, num_kv_heads, head_dim, partition_size, scale
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    paged_decode_f32(const float* q, const float* k_cache, const float* v_cache, const u32* rows,
+                     const u32* context_lens, const u32* block_tables, float* partial_o, float* partial_ml,
+                     int max_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim,
+                     int partition_size, float scale) {
+    __shared__ DecodeShared sh;
+    if (head_dim % 8 == 0) paged_decode<float, 8>(PAGED_DECODE_ARGS);
+    else paged_decode<float, 2>(PAGED_DECODE_ARGS);
 }
 
-extern "C" __global__ void paged_decode_bf16(const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache,
-                                             const u32* rows, const u32* context_lens, const u32* block_tables,
-                                             float* partial_o, float* partial_ml, int max_blocks, int block_size,
-                                             int num_heads, int num_kv_heads, int head_dim, int partition_size,
-                                             float scale) {
-    paged_decode(q, k_cache, v_cache, rows, context_lens, block_tables, partial_o, partial_ml, max_blocks,
-                 block_size, num_heads, num_kv_heads, head_dim, partition_size, scale);
+extern "C" __global__ void __launch_bounds__(THREADS)
+    paged_decode_bf16(const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache, const u32* rows,
+                      const u32* context_lens, const u32* block_tables, float* partial_o, float* partial_ml,
+                      int max_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim,
+                      int partition_size, float scale) {
+    __shared__ DecodeShared sh;
+    if (head_dim % 8 == 0) paged_decode<bf16_bits, 8>(PAGED_DECODE_ARGS);
+    else paged_decode<bf16_bits, 2>(PAGED_DECODE_ARGS);
 }
 
 // Pass 2. Grid: (num_heads, num_seqs); block: any (threads take dimensions d).

@@ -19,10 +19,9 @@ use ch07_flash_attention::cuda::device::driver_present;
 use ch07_flash_attention::cuda::{CudaExecutor, GpuDevice};
 use ndarray::{Array2, ArrayView2};
 
+/// A fixture model (`$KILN_FIXTURES` when set: a binary built here runs on a GPU box).
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
+    ch01::fixtures_dir().join(name)
 }
 
 /// Runs each step on both executors and keeps the largest difference of their logits.

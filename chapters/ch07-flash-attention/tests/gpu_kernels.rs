@@ -1,6 +1,7 @@
 //! Every CUDA kernel against its CPU twin, on random shapes that are not multiples of the
-//! kernels' tiles (rows of 16, keys of 32, warps of 32 lanes), random block tables and block
-//! sizes, f32 and bf16 caches.
+//! kernels' tiles (rows of 16 and 64, keys of 32 and 64, warps of 32 lanes), random block tables
+//! and block sizes, f32 and bf16 caches: within 1e-5, or 1e-2 for the tensor-core prefill (bf16
+//! cache, head sizes 64 and 128), which rounds its inputs to bf16.
 //!
 //! Needs a GPU: without a CUDA driver each test prints that it skipped, unless
 //! `KILN_REQUIRE_GPU=1` (set by `just gpu-check`), which turns a missing GPU into a failure.
@@ -9,7 +10,7 @@ use ch01::attention::AttentionShape;
 use ch01::config::RopeScaling;
 use ch01::rope::Rope;
 use ch07_flash_attention::cuda::device::driver_present;
-use ch07_flash_attention::cuda::{GpuDevice, HeadShape, SeqRows};
+use ch07_flash_attention::cuda::{GpuDevice, HeadShape, SeqRows, prefill_on_tensor_cores};
 use ch07_flash_attention::naive_attention;
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -218,7 +219,17 @@ fn check_attention(
         if cache_bf16 { "bf16" } else { "f32" },
         case.seqs.len()
     );
-    assert_close(&what, &download(dev, &out), &case.expected(round), 1e-5);
+    // The tensor-core prefill rounds q and the softmax weights to bf16 (relative error 2⁻⁹ each);
+    // with |q|, |k|, |v| < 1 an output, a weighted mean of values, moves by well under 1e-2.
+    let tensor_cores =
+        decode_partition.is_none() && cache_bf16 && prefill_on_tensor_cores::<bf16>(case.heads);
+    let tolerance = if tensor_cores { 1e-2 } else { 1e-5 };
+    assert_close(
+        &what,
+        &download(dev, &out),
+        &case.expected(round),
+        tolerance,
+    );
 }
 
 #[test]
@@ -240,7 +251,7 @@ fn paged_decode_equals_naive_attention() {
             &(
                 any::<u64>(),
                 any::<bool>(),
-                prop::sample::select(vec![7usize, 64, 256, 1000]),
+                prop::sample::select(vec![7usize, 64, 100, 256]),
             ),
             |(seed, bf16_cache, part)| {
                 check_attention(&dev, &random_case(seed, true), bf16_cache, Some(part));

@@ -38,6 +38,10 @@ pub const KERNELS: &[KernelSource] = &[
         ["flash_prefill_f32", "flash_prefill_bf16"]
     ),
     kernel!(
+        "flash_prefill_tc.cu",
+        ["flash_prefill_tc_bf16_d64", "flash_prefill_tc_bf16_d128"]
+    ),
+    kernel!(
         "paged_decode.cu",
         [
             "paged_decode_f32",

@@ -26,7 +26,9 @@ pub use compile::{Arch, compile_kernel};
 pub use device::{DeviceSpec, GpuDevice};
 pub use executor::CudaExecutor;
 pub use kernels::{KERNELS, KernelSource};
-pub use ops::{DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows};
+pub use ops::{
+    DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows, prefill_on_tensor_cores,
+};
 
 /// Why the GPU path could not start or run.
 #[derive(Debug, thiserror::Error)]

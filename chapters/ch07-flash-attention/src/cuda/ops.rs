@@ -119,6 +119,18 @@ fn i32_arg(name: &str, value: usize) -> Result<i32, CudaError> {
 pub const HEAD_DIM_MAX: usize = 128;
 /// The largest GQA group the decode kernel takes.
 pub const GROUP_MAX: usize = 8;
+/// The most keys in one split-K partition of the decode kernel (its scores sit in shared memory).
+pub const PARTITION_MAX: usize = 256;
+
+/// Query rows per thread block of the tensor-core prefill kernel.
+const TC_QUERY_ROWS: usize = 64;
+
+/// Whether [`GpuDevice::flash_prefill`] runs on tensor cores for a cache of `T` and these heads:
+/// a bf16 cache and a head size of 64 or 128. It rounds the queries and the softmax weights to
+/// bf16 for the tensor cores, so its results agree with the f32 kernel's to about 1e-2.
+pub fn prefill_on_tensor_cores<T: DeviceScalar>(heads: HeadShape) -> bool {
+    T::SUFFIX == bf16::SUFFIX && matches!(heads.head_dim, 64 | 128)
+}
 
 /// The attention shape of one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -393,7 +405,8 @@ impl GpuDevice {
 
     // ANCHOR: flash_prefill_launch
     /// Causal attention of every query row of the batch over its sequence's paged K/V
-    /// (FlashAttention-2 tiles). q, out: `[rows, num_heads·head_dim]`.
+    /// (FlashAttention-2 tiles). q, out: `[rows, num_heads·head_dim]`. On tensor cores where
+    /// [`prefill_on_tensor_cores`] says so, else on the f32 kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_prefill<T: DeviceScalar>(
         &self,
@@ -405,6 +418,9 @@ impl GpuDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
+        if prefill_on_tensor_cores::<T>(heads) {
+            return self.flash_prefill_tc(batch, heads, q, k_cache, v_cache, out);
+        }
         let config = LaunchConfig {
             grid_dim: (
                 u32_arg("query tiles", batch.max_rows.div_ceil(16))?,
@@ -436,6 +452,45 @@ impl GpuDevice {
     }
     // ANCHOR_END: flash_prefill_launch
 
+    /// [`Self::flash_prefill`] on tensor cores (`kernels/flash_prefill_tc.cu`), its arguments
+    /// already checked.
+    fn flash_prefill_tc<T: DeviceScalar>(
+        &self,
+        batch: &PagedBatch,
+        heads: HeadShape,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<T>,
+        v_cache: &CudaSlice<T>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let config = LaunchConfig {
+            grid_dim: (
+                u32_arg("query tiles", batch.max_rows.div_ceil(TC_QUERY_ROWS))?,
+                u32_arg("heads", heads.num_heads)?,
+                u32_arg("sequences", batch.num_seqs)?,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = self.attention_args(batch, heads)?;
+        let name = format!("flash_prefill_tc_bf16_d{}", heads.head_dim);
+        let mut launch = self.stream.launch_builder(self.function(&name));
+        launch.arg(q).arg(k_cache).arg(v_cache).arg(out);
+        launch
+            .arg(&batch.row_start)
+            .arg(&batch.start_pos)
+            .arg(&batch.block_tables);
+        launch.arg(&args.max_blocks).arg(&args.block_size);
+        launch.arg(&args.num_heads).arg(&args.num_kv_heads);
+        launch.arg(&args.scale);
+        // SAFETY: as flash_prefill (check_attention and PagedBatch's invariants bound every row,
+        // slot and block id); T is bf16 and head_dim is the kernel's D (prefill_on_tensor_cores),
+        // so every K/V row holds whole 16-byte chunks at 16-byte-aligned offsets; blockDim is
+        // 128, the kernel's 4 warps of 16 rows = TC_QUERY_ROWS.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
     /// Split-K decode attention: every sequence of the batch has one row, its context cut in
     /// partitions of `partition_size` keys merged by log-sum-exp.
     #[allow(clippy::too_many_arguments)]
@@ -450,10 +505,11 @@ impl GpuDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
-        if !batch.all_single_rows || partition_size == 0 {
-            return Err(shape(
-                "split-K decode takes one row per sequence and partitions ≥ 1",
-            ));
+        if !batch.all_single_rows || !(1..=PARTITION_MAX).contains(&partition_size) {
+            return Err(shape(format!(
+                "split-K decode takes one row per sequence and partitions of 1 to \
+                 {PARTITION_MAX} keys (got {partition_size})"
+            )));
         }
         let num_parts = batch.max_context.div_ceil(partition_size);
         let partials = batch.num_seqs * heads.num_heads * num_parts;
@@ -485,7 +541,9 @@ impl GpuDevice {
             .arg(&args.head_dim);
         launch.arg(&part).arg(&args.scale);
         // SAFETY: as flash_prefill; the partial buffers hold seqs·heads·partitions entries;
-        // the group is at most GROUP_MAX (HeadShape::check).
+        // the group is at most GROUP_MAX (HeadShape::check) and a partition at most
+        // PARTITION_MAX keys (checked above), the sizes of the kernel's shared arrays; blockDim
+        // is 128, the kernel's THREADS.
         unsafe { launch.launch(config) }?;
 
         let parts = i32_arg("partitions", num_parts)?;

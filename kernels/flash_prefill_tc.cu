@@ -1,0 +1,217 @@
+// FlashAttention-2 on tensor cores, for a bf16 KV cache and head sizes 64 and 128: the same
+// algorithm as flash_prefill.cu (query tiles outside, K/V tiles inside, running max and
+// denominator, causal skipping), with both products done by mma.sync (bf16 in, f32
+// accumulate). The CPU twin: ch07's `flash_attention`.
+//
+// One thread block takes BR = 64 query rows of one sequence for one query head; each of its 4
+// warps owns 16 rows. For every tile of BC = 64 keys, gathered through the block table into
+// shared memory (K as rows, V transposed), a warp computes
+//   S (16 x 64) = Q (16 x D) · Kᵀ      as 8 x D/16 mma of shape m16n8k16,
+// updates its rows' running max m and denominator l, rescales its output O (16 x D), and adds
+//   O += P (16 x 64) · V (64 x D)      as D/8 x 4 mma,
+// taking P's fragments straight from S's accumulators (the two layouts line up).
+// Queries and the softmax weights P are rounded to bf16 for the tensor cores (8 significant
+// bits), so results agree with the f32 kernels to about 1e-2, not 1e-5; f32 caches and other head
+// sizes run flash_prefill.cu.
+//
+// Fragment layouts of mma.m16n8k16 (lane = 4·g + t, g = lane / 4, t = lane % 4), each register
+// holding two consecutive columns (lower column in the lower half):
+//   A (16 x 16, rows x k):  a0 = (g, 2t..), a1 = (g + 8, 2t..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..)
+//   B (16 x 8, k x cols):   b0 = (2t.., g), b1 = (2t + 8.., g)   (two consecutive k)
+//   C (16 x 8, f32):        c0, c1 = (g, 2t), (g, 2t + 1);  c2, c3 = (g + 8, 2t), (g + 8, 2t + 1)
+#include "common.cuh"
+
+#define TC_BR 64
+#define TC_BC 64
+#define TC_WARPS 4
+#define TC_PAD 8  // bf16 elements of padding per shared row: fragment reads hit 32 banks
+
+// Two f32 rounded to bf16 (nearest, ties to even), `lo` in the lower half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+
+// d (16 x 8, f32) += a (16 x 16, bf16) · b (16 x 8, bf16).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// q, out: [rows, num_heads · D] f32; k_cache, v_cache: [slots, num_kv_heads · D] bf16; the other
+// arrays as flash_prefill.cu. Grid: (ceil(max rows of a sequence / TC_BR), num_heads, num_seqs);
+// block: 32 · TC_WARPS.
+template <int D>
+__device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache,
+                                 float* out, const u32* row_start, const u32* start_pos,
+                                 const u32* block_tables, int max_blocks, int block_size,
+                                 int num_heads, int num_kv_heads, float scale) {
+    __shared__ __align__(16) bf16_bits k_s[TC_BC][D + TC_PAD];   // K tile, a key per row
+    __shared__ __align__(16) bf16_bits vt_s[D][TC_BC + TC_PAD];  // V tile transposed, a dim per row
+
+    int seq = blockIdx.z, head = blockIdx.y;
+    int kv_head = head / (num_heads / num_kv_heads);
+    int seq_rows = (int)(row_start[seq + 1] - row_start[seq]);
+    int first = blockIdx.x * TC_BR;
+    if (first >= seq_rows) return;
+    int tile_rows = min(TC_BR, seq_rows - first);
+    long row0 = (long)row_start[seq] + first;
+    int pos0 = (int)start_pos[seq] + first;
+    int kv_len = pos0 + tile_rows;  // keys 0..kv_len are visible to some row of the tile
+    int q_stride = num_heads * D, kv_stride = num_kv_heads * D;
+    const u32* table = block_tables + (long)seq * max_blocks;
+
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int r_lo = warp * 16 + g, r_hi = r_lo + 8;  // this thread's two rows within the tile
+
+    // Q's A fragments, scaled by 1/√d · log2(e) (the softmax then uses exp2), rounded to bf16.
+    const float q_scale = scale * 1.4426950408889634f;
+    u32 qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = (i & 1) ? r_hi : r_lo, col = kk * 16 + 2 * t + ((i & 2) ? 8 : 0);
+            float x0 = 0.0f, x1 = 0.0f;
+            if (r < tile_rows) {
+                const float* src = q + (row0 + r) * q_stride + head * D + col;
+                x0 = src[0] * q_scale;
+                x1 = src[1] * q_scale;
+            }
+            qa[kk][i] = pack_bf16(x0, x1);
+        }
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows r_lo, r_hi (l: this thread's share)
+
+    // ANCHOR: tc_tile_loop
+    for (int key0 = 0; key0 < kv_len; key0 += TC_BC) {
+        __syncthreads();  // the previous tile is no longer read
+        // Gather the tile: 16 bytes (8 elements) of one key's row per thread and step;
+        // consecutive threads take consecutive keys, so the transposed V stores spread over banks.
+        for (int i = threadIdx.x; i < TC_BC * (D / 8); i += 32 * TC_WARPS) {
+            int j = i % TC_BC, c = i / TC_BC, key = key0 + j;
+            uint4 kx = {0, 0, 0, 0}, vx = {0, 0, 0, 0};
+            if (key < kv_len) {
+                long slot = (long)table[key / block_size] * block_size + key % block_size;
+                long at = slot * kv_stride + (long)kv_head * D + c * 8;
+                kx = *reinterpret_cast<const uint4*>(k_cache + at);
+                vx = *reinterpret_cast<const uint4*>(v_cache + at);
+            }
+            *reinterpret_cast<uint4*>(&k_s[j][c * 8]) = kx;
+            u32 w[4] = {vx.x, vx.y, vx.z, vx.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                vt_s[c * 8 + 2 * e][j] = (bf16_bits)(w[e] & 0xffffu);
+                vt_s[c * 8 + 2 * e + 1][j] = (bf16_bits)(w[e] >> 16);
+            }
+        }
+        __syncthreads();
+
+        // S = Q · Kᵀ for this warp's 16 rows and the tile's 64 keys (8 column blocks of 8 keys).
+        float s[TC_BC / 8][4];
+#pragma unroll
+        for (int n = 0; n < TC_BC / 8; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                u32 b[2];
+                b[0] = *reinterpret_cast<const u32*>(&k_s[n * 8 + g][kk * 16 + 2 * t]);
+                b[1] = *reinterpret_cast<const u32*>(&k_s[n * 8 + g][kk * 16 + 2 * t + 8]);
+                mma_16816(s[n], qa[kk], b);
+            }
+        }
+
+        // Causal mask (and keys past the tile's last row), then the online softmax per row.
+        // Each row's 64 scores lie in the 4 threads of its quad: reduce over them with shuffles.
+        float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < TC_BC / 8; n++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int r = (i & 2) ? r_hi : r_lo, key = key0 + n * 8 + 2 * t + (i & 1);
+                if (key > pos0 + r) s[n][i] = -INFINITY;
+                row_max[i >> 1] = fmaxf(row_max[i >> 1], s[n][i]);
+            }
+        }
+        float correction[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+            // Key 0 is visible to every row, so from the first tile on m is finite.
+            float m_new = fmaxf(m[h], row_max[h]);
+            correction[h] = exp2f(m[h] - m_new);  // 0 on the first tile (m = −∞)
+            m[h] = m_new;
+            l[h] *= correction[h];
+        }
+#pragma unroll
+        for (int n = 0; n < TC_BC / 8; n++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float p = exp2f(s[n][i] - m[i >> 1]);  // 0 where masked
+                s[n][i] = p;
+                l[i >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[n][0] *= correction[0];
+            o[n][1] *= correction[0];
+            o[n][2] *= correction[1];
+            o[n][3] *= correction[1];
+        }
+
+        // O += P · V: P's A fragment for keys 16·kk.. is S's column blocks 2·kk and 2·kk + 1.
+#pragma unroll
+        for (int kk = 0; kk < TC_BC / 16; kk++) {
+            u32 pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                         pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                         pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                u32 b[2];
+                b[0] = *reinterpret_cast<const u32*>(&vt_s[n * 8 + g][kk * 16 + 2 * t]);
+                b[1] = *reinterpret_cast<const u32*>(&vt_s[n * 8 + g][kk * 16 + 2 * t + 8]);
+                mma_16816(o[n], pa, b);
+            }
+        }
+    }
+    // ANCHOR_END: tc_tile_loop
+
+    // The denominators: each thread holds a quarter of its rows' sums.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = h ? r_hi : r_lo;
+        if (r >= tile_rows) continue;
+        float inv_l = 1.0f / l[h];
+        float* dst = out + (row0 + r) * q_stride + head * D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            dst[n * 8] = o[n][2 * h] * inv_l;
+            dst[n * 8 + 1] = o[n][2 * h + 1] * inv_l;
+        }
+    }
+}
+
+#define FLASH_PREFILL_TC(D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) flash_prefill_tc_bf16_d##D(          \
+        const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache, float* out,            \
+        const u32* row_start, const u32* start_pos, const u32* block_tables, int max_blocks,       \
+        int block_size, int num_heads, int num_kv_heads, float scale) {                            \
+        flash_prefill_tc<D>(q, k_cache, v_cache, out, row_start, start_pos, block_tables,          \
+                            max_blocks, block_size, num_heads, num_kv_heads, scale);               \
+    }
+
+FLASH_PREFILL_TC(64)
+FLASH_PREFILL_TC(128)
