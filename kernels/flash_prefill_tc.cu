@@ -5,11 +5,12 @@
 //
 // One thread block takes BR = 64 query rows of one sequence for one query head; each of its 4
 // warps owns 16 rows. For every tile of BC = 64 keys, gathered through the block table into
-// shared memory (K as rows, V transposed), a warp computes
+// shared memory (a key per row), a warp computes
 //   S (16 x 64) = Q (16 x D) · Kᵀ      as 8 x D/16 mma of shape m16n8k16,
 // updates its rows' running max m and denominator l, rescales its output O (16 x D), and adds
 //   O += P (16 x 64) · V (64 x D)      as D/8 x 4 mma,
-// taking P's fragments straight from S's accumulators (the two layouts line up).
+// taking P's fragments straight from S's accumulators (the two layouts line up), and the K and
+// V fragments from shared memory with ldmatrix (V's transposed on the way: .trans).
 // Queries and the softmax weights P are rounded to bf16 for the tensor cores (8 significant
 // bits), so results agree with the f32 kernels to about 1e-2, not 1e-5; f32 caches and other head
 // sizes run flash_prefill.cu.
@@ -31,6 +32,23 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
+// The four 8 x 8 bf16 matrices whose rows lanes 0-7, 8-15, 16-23 and 24-31 point at, one
+// register each, in the B layout above (lane 4g + t: row g, columns 2t, 2t + 1); with .trans,
+// transposed (row 2t and 2t + 1, column g).
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16_bits* row) {
+    u32 at = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16_bits* row) {
+    u32 at = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+
 // d (16 x 8, f32) += a (16 x 16, bf16) · b (16 x 8, bf16).
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
     asm volatile(
@@ -48,8 +66,8 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
                                  float* out, const u32* row_start, const u32* start_pos,
                                  const u32* block_tables, int max_blocks, int block_size,
                                  int num_heads, int num_kv_heads, float scale) {
-    __shared__ __align__(16) bf16_bits k_s[TC_BC][D + TC_PAD];   // K tile, a key per row
-    __shared__ __align__(16) bf16_bits vt_s[D][TC_BC + TC_PAD];  // V tile transposed, a dim per row
+    __shared__ __align__(16) bf16_bits k_s[TC_BC][D + TC_PAD];  // K tile, a key per row
+    __shared__ __align__(16) bf16_bits v_s[TC_BC][D + TC_PAD];  // V tile, a key per row
 
     int seq = blockIdx.z, head = blockIdx.y;
     int kv_head = head / (num_heads / num_kv_heads);
@@ -92,8 +110,7 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
     // ANCHOR: tc_tile_loop
     for (int key0 = 0; key0 < kv_len; key0 += TC_BC) {
         __syncthreads();  // the previous tile is no longer read
-        // Gather the tile: 16 bytes (8 elements) of one key's row per thread and step;
-        // consecutive threads take consecutive keys, so the transposed V stores spread over banks.
+        // Gather the tile: 16 bytes (8 elements) of one key's row per thread and step.
         for (int i = threadIdx.x; i < TC_BC * (D / 8); i += 32 * TC_WARPS) {
             int j = i % TC_BC, c = i / TC_BC, key = key0 + j;
             uint4 kx = {0, 0, 0, 0}, vx = {0, 0, 0, 0};
@@ -104,26 +121,24 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
                 vx = *reinterpret_cast<const uint4*>(v_cache + at);
             }
             *reinterpret_cast<uint4*>(&k_s[j][c * 8]) = kx;
-            u32 w[4] = {vx.x, vx.y, vx.z, vx.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                vt_s[c * 8 + 2 * e][j] = (bf16_bits)(w[e] & 0xffffu);
-                vt_s[c * 8 + 2 * e + 1][j] = (bf16_bits)(w[e] >> 16);
-            }
+            *reinterpret_cast<uint4*>(&v_s[j][c * 8]) = vx;
         }
         __syncthreads();
 
-        // S = Q · Kᵀ for this warp's 16 rows and the tile's 64 keys (8 column blocks of 8 keys).
+        // S = Q · Kᵀ for this warp's 16 rows and the tile's 64 keys (8 column blocks of 8 keys),
+        // two column blocks per ldmatrix: lanes 0-15 point at block n's keys (dims kk·16.. and
+        // kk·16 + 8..), lanes 16-31 at block n + 1's.
         float s[TC_BC / 8][4];
 #pragma unroll
-        for (int n = 0; n < TC_BC / 8; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int n = 0; n < TC_BC / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < TC_BC / 8; n += 2) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) {
-                u32 b[2];
-                b[0] = *reinterpret_cast<const u32*>(&k_s[n * 8 + g][kk * 16 + 2 * t]);
-                b[1] = *reinterpret_cast<const u32*>(&k_s[n * 8 + g][kk * 16 + 2 * t + 8]);
+                u32 b[4];
+                ldmatrix_x4(b, &k_s[(n + (lane >> 4)) * 8 + (lane & 7)][kk * 16 + (lane & 8)]);
                 mma_16816(s[n], qa[kk], b);
+                mma_16816(s[n + 1], qa[kk], b + 2);
             }
         }
 
@@ -167,18 +182,20 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
             o[n][3] *= correction[1];
         }
 
-        // O += P · V: P's A fragment for keys 16·kk.. is S's column blocks 2·kk and 2·kk + 1.
+        // O += P · V: P's A fragment for keys 16·kk.. is S's column blocks 2·kk and 2·kk + 1;
+        // V's fragments come transposed by ldmatrix, two blocks of 8 dims at a time: lanes 0-15
+        // point at keys 16·kk.. (rows of dims n·8..), lanes 16-31 at the same keys for dims (n+1)·8..
 #pragma unroll
         for (int kk = 0; kk < TC_BC / 16; kk++) {
             u32 pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                          pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                          pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-            for (int n = 0; n < D / 8; n++) {
-                u32 b[2];
-                b[0] = *reinterpret_cast<const u32*>(&vt_s[n * 8 + g][kk * 16 + 2 * t]);
-                b[1] = *reinterpret_cast<const u32*>(&vt_s[n * 8 + g][kk * 16 + 2 * t + 8]);
+            for (int n = 0; n < D / 8; n += 2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, &v_s[kk * 16 + (lane & 15)][(n + (lane >> 4)) * 8]);
                 mma_16816(o[n], pa, b);
+                mma_16816(o[n + 1], pa, b + 2);
             }
         }
     }

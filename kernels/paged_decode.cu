@@ -105,7 +105,7 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
         float s[GROUP_MAX];
 #pragma unroll
         for (int g = 0; g < GROUP_MAX; g++) s[g] = 0.0f;
-#pragma unroll 4
+#pragma unroll 8
         for (int c = 0; c < chunks; c++) {
             float k[CH];
             load_chunk<CH>(k_cache, at + c * CH, k);
@@ -169,7 +169,7 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
         for (int e = 0; e < CV; e++) acc[g][e] = 0.0f;
     }
     if (active) {
-#pragma unroll 2
+#pragma unroll 8
         for (int j = set; j < n; j += sets) {
             int key = begin + j;
             long at = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +

@@ -1,5 +1,6 @@
 //! The CUDA attention kernels timed on GPU 0, for chapter 7's second page: FlashAttention-2
-//! prefill (causal, bf16 K/V read through block tables, f32 queries and arithmetic) in TFLOP/s,
+//! prefill (causal, K/V read through block tables; bf16 K/V on tensor cores, f32 K/V on CUDA
+//! cores) in TFLOP/s,
 //! split-K paged decode in GB/s of K/V read, and the device's own copy bandwidth beside them.
 //! `fixtures/scripts/gpu_sdpa_bench.py` times torch's SDPA on the same shapes in the same run.
 //!
@@ -113,10 +114,40 @@ fn main() -> Result<()> {
             // Causal: half of the 2 · 2 · T² · d multiply-adds of QKᵀ and PV, per head.
             let flops = 2.0 * (num_seqs * 32) as f64 * (context as f64).powi(2) * head_dim as f64;
             println!(
-                "| flash_prefill bf16 K/V | {num_seqs} x 32 heads x {context} tokens, d {head_dim} | {ms:.3} | {:.1} TFLOP/s |",
+                "| flash_prefill bf16 K/V (tensor cores) | {num_seqs} x 32 heads x {context} tokens, d {head_dim} | {ms:.3} | {:.1} TFLOP/s |",
                 flops / ms / 1e9
             );
         }
+    }
+
+    // The same prefill over an f32 cache: the CUDA-core kernel (flash_prefill.cu), for scale.
+    for head_dim in [64, 128] {
+        let context = 4096;
+        let heads = HeadShape {
+            num_heads: 32,
+            num_kv_heads: 32,
+            head_dim,
+        };
+        let num_seqs = 4;
+        let (seqs, num_blocks) = sequences(num_seqs, context, context);
+        let batch = dev.upload_batch(&seqs, BLOCK_SIZE, num_blocks)?;
+        let kv_len = num_blocks * BLOCK_SIZE * heads.kv_dim();
+        let host = pattern(kv_len);
+        let (k, v) = (dev.stream.clone_htod(&host)?, dev.stream.clone_htod(&host)?);
+        let q = dev
+            .stream
+            .clone_htod(&pattern(batch.num_rows * heads.q_dim()))?;
+        let mut out = dev
+            .stream
+            .alloc_zeros::<f32>(batch.num_rows * heads.q_dim())?;
+        let ms = time_ms(&dev, || {
+            Ok(dev.flash_prefill(&batch, heads, &q, &k, &v, &mut out)?)
+        })?;
+        let flops = 2.0 * (num_seqs * 32) as f64 * (context as f64).powi(2) * head_dim as f64;
+        println!(
+            "| flash_prefill f32 K/V (CUDA cores) | {num_seqs} x 32 heads x {context} tokens, d {head_dim} | {ms:.3} | {:.1} TFLOP/s |",
+            flops / ms / 1e9
+        );
     }
 
     // Decode: 64 sequences of 4096 positions, 32 query heads sharing 8 KV heads of 128.
