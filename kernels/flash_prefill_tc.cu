@@ -5,7 +5,8 @@
 //
 // One thread block takes BR = 64 query rows of one sequence for one query head; each of its 4
 // warps owns 16 rows. For every tile of BC = 64 keys, gathered through the block table into
-// shared memory (a key per row), a warp computes
+// shared memory (a key per row; the next tile arrives by cp.async while this one is computed
+// on), a warp computes
 //   S (16 x 64) = Q (16 x D) · Kᵀ      as 8 x D/16 mma of shape m16n8k16,
 // updates its rows' running max m and denominator l, rescales its output O (16 x D), and adds
 //   O += P (16 x 64) · V (64 x D)      as D/8 x 4 mma,
@@ -49,6 +50,46 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16_bits* row) 
                  : "r"(at));
 }
 
+// Starts an asynchronous copy of 16 bytes from global `src` to shared `dst` (cp.async, sm_80 and
+// later): `src_bytes` = 0 reads nothing and fills zeros.
+__device__ __forceinline__ void cp_async_16(bf16_bits* dst, const bf16_bits* src, int src_bytes) {
+    u32 at = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src), "r"(src_bytes));
+}
+
+// The K/V tiles, in dynamic shared memory: two buffers (the tile computed on and the next one,
+// arriving), each K then V, [TC_BC][D + TC_PAD] bf16. The host asks for their size,
+// 2 · 2 · TC_BC · (D + TC_PAD) · 2 bytes.
+extern __shared__ __align__(16) bf16_bits tc_smem[];
+
+template <int D>
+__device__ __forceinline__ bf16_bits (*tc_tile(int buf, int kv))[D + TC_PAD] {
+    return reinterpret_cast<bf16_bits(*)[D + TC_PAD]>(tc_smem + (buf * 2 + kv) * TC_BC * (D + TC_PAD));
+}
+
+// Starts copying the K and V rows of keys key0 .. key0 + TC_BC into buffer `buf`, 16 bytes (8
+// elements) of one key's row per thread and step, keys past kv_len as zeros; one commit group.
+template <int D>
+__device__ __forceinline__ void stage_tile(int buf, int key0, int kv_len, const bf16_bits* k_cache,
+                                           const bf16_bits* v_cache, const u32* table,
+                                           int block_size, int kv_stride, int kv_head) {
+    bf16_bits(*k_s)[D + TC_PAD] = tc_tile<D>(buf, 0);
+    bf16_bits(*v_s)[D + TC_PAD] = tc_tile<D>(buf, 1);
+    for (int i = threadIdx.x; i < TC_BC * (D / 8); i += 32 * TC_WARPS) {
+        int j = i % TC_BC, c = i / TC_BC, key = key0 + j;
+        long at = 0;
+        int bytes = 0;
+        if (key < kv_len) {
+            long slot = (long)table[key / block_size] * block_size + key % block_size;
+            at = slot * kv_stride + (long)kv_head * D + c * 8;
+            bytes = 16;
+        }
+        cp_async_16(&k_s[j][c * 8], k_cache + at, bytes);
+        cp_async_16(&v_s[j][c * 8], v_cache + at, bytes);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
 // d (16 x 8, f32) += a (16 x 16, bf16) · b (16 x 8, bf16).
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
     asm volatile(
@@ -66,9 +107,6 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
                                  float* out, const u32* row_start, const u32* start_pos,
                                  const u32* block_tables, int max_blocks, int block_size,
                                  int num_heads, int num_kv_heads, float scale) {
-    __shared__ __align__(16) bf16_bits k_s[TC_BC][D + TC_PAD];  // K tile, a key per row
-    __shared__ __align__(16) bf16_bits v_s[TC_BC][D + TC_PAD];  // V tile, a key per row
-
     int seq = blockIdx.z, head = blockIdx.y;
     int kv_head = head / (num_heads / num_kv_heads);
     int seq_rows = (int)(row_start[seq + 1] - row_start[seq]);
@@ -108,22 +146,22 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows r_lo, r_hi (l: this thread's share)
 
     // ANCHOR: tc_tile_loop
-    for (int key0 = 0; key0 < kv_len; key0 += TC_BC) {
-        __syncthreads();  // the previous tile is no longer read
-        // Gather the tile: 16 bytes (8 elements) of one key's row per thread and step.
-        for (int i = threadIdx.x; i < TC_BC * (D / 8); i += 32 * TC_WARPS) {
-            int j = i % TC_BC, c = i / TC_BC, key = key0 + j;
-            uint4 kx = {0, 0, 0, 0}, vx = {0, 0, 0, 0};
-            if (key < kv_len) {
-                long slot = (long)table[key / block_size] * block_size + key % block_size;
-                long at = slot * kv_stride + (long)kv_head * D + c * 8;
-                kx = *reinterpret_cast<const uint4*>(k_cache + at);
-                vx = *reinterpret_cast<const uint4*>(v_cache + at);
-            }
-            *reinterpret_cast<uint4*>(&k_s[j][c * 8]) = kx;
-            *reinterpret_cast<uint4*>(&v_s[j][c * 8]) = vx;
+    // Tile it + 1 is copied in (cp.async) while tile it is computed on.
+    int tiles = (kv_len + TC_BC - 1) / TC_BC;
+    stage_tile<D>(0, 0, kv_len, k_cache, v_cache, table, block_size, kv_stride, kv_head);
+    for (int it = 0; it < tiles; it++) {
+        int key0 = it * TC_BC, buf = it & 1;
+        __syncthreads();  // every warp is done with buffer buf ^ 1 (tile it − 1)
+        if (it + 1 < tiles) {
+            stage_tile<D>(buf ^ 1, key0 + TC_BC, kv_len, k_cache, v_cache, table, block_size,
+                          kv_stride, kv_head);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's copies of tile it are in
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         }
-        __syncthreads();
+        __syncthreads();  // and every thread's
+        bf16_bits(*k_s)[D + TC_PAD] = tc_tile<D>(buf, 0);
+        bf16_bits(*v_s)[D + TC_PAD] = tc_tile<D>(buf, 1);
 
         // S = Q · Kᵀ for this warp's 16 rows and the tile's 64 keys (8 column blocks of 8 keys),
         // two column blocks per ldmatrix: lanes 0-15 point at block n's keys (dims kk·16.. and

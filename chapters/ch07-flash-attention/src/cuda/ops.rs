@@ -3,6 +3,7 @@
 //! buffer: token ids and slots are uploaded through types that checked them
 //! ([`DeviceTokens`], [`PagedBatch`]), and lengths are checked against the shapes given.
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use half::bf16;
 
@@ -124,6 +125,12 @@ pub const PARTITION_MAX: usize = 256;
 
 /// Query rows per thread block of the tensor-core prefill kernel.
 const TC_QUERY_ROWS: usize = 64;
+
+/// The tensor-core prefill's dynamic shared memory for head size `d`: two buffers of a K and a V
+/// tile of 64 keys, each row `d + 8` bf16 (`tc_smem` in `kernels/flash_prefill_tc.cu`).
+fn tc_shared_bytes(d: usize) -> u32 {
+    (2 * 2 * 64 * (d + 8) * 2) as u32
+}
 
 /// Whether [`GpuDevice::flash_prefill`] runs on tensor cores for a cache of `T` and these heads:
 /// a bf16 cache and a head size of 64 or 128. It rounds the queries and the softmax weights to
@@ -470,11 +477,17 @@ impl GpuDevice {
                 u32_arg("sequences", batch.num_seqs)?,
             ),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: tc_shared_bytes(heads.head_dim),
         };
         let args = self.attention_args(batch, heads)?;
-        let name = format!("flash_prefill_tc_bf16_d{}", heads.head_dim);
-        let mut launch = self.stream.launch_builder(self.function(&name));
+        let function = self.function(&format!("flash_prefill_tc_bf16_d{}", heads.head_dim));
+        // Above 48 KiB of dynamic shared memory a kernel must ask for it (every GPU from sm_80 on
+        // has at least 99 KiB per block).
+        function.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            config.shared_mem_bytes as i32,
+        )?;
+        let mut launch = self.stream.launch_builder(function);
         launch.arg(q).arg(k_cache).arg(v_cache).arg(out);
         launch
             .arg(&batch.row_start)
@@ -486,7 +499,8 @@ impl GpuDevice {
         // SAFETY: as flash_prefill (check_attention and PagedBatch's invariants bound every row,
         // slot and block id); T is bf16 and head_dim is the kernel's D (prefill_on_tensor_cores),
         // so every K/V row holds whole 16-byte chunks at 16-byte-aligned offsets; blockDim is
-        // 128, the kernel's 4 warps of 16 rows = TC_QUERY_ROWS.
+        // 128, the kernel's 4 warps of 16 rows = TC_QUERY_ROWS; the dynamic shared memory is
+        // the size its two tile buffers take for D.
         unsafe { launch.launch(config) }?;
         Ok(())
     }
