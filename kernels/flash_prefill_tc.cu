@@ -262,14 +262,18 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
 // At least 3 blocks per multiprocessor: registers capped at 65536 / (3 · 128) = 170 a thread.
 // Uncapped the compiler took 174, which with the 70 KB of tiles (d = 128) left room for 2 blocks,
 // 8 warps: 12.5% occupancy, too few to hide the loads (Nsight Compute on the H200).
-#define FLASH_PREFILL_TC(D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * TC_WARPS, 3) flash_prefill_tc_bf16_d##D(        \
-        const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache, float* out,            \
-        const u32* row_start, const u32* start_pos, const u32* block_tables, int max_blocks,       \
-        int block_size, int num_heads, int num_kv_heads, float scale) {                            \
-        flash_prefill_tc<D>(q, k_cache, v_cache, out, row_start, start_pos, block_tables,          \
-                            max_blocks, block_size, num_heads, num_kv_heads, scale);               \
-    }
+extern "C" __global__ void __launch_bounds__(32 * TC_WARPS, 3) flash_prefill_tc_bf16_d64(
+    const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache, float* out, const u32* row_start,
+    const u32* start_pos, const u32* block_tables, int max_blocks, int block_size, int num_heads, int num_kv_heads,
+    float scale) {
+    flash_prefill_tc<64>(q, k_cache, v_cache, out, row_start, start_pos, block_tables, max_blocks,
+                         block_size, num_heads, num_kv_heads, scale);
+}
 
-FLASH_PREFILL_TC(64)
-FLASH_PREFILL_TC(128)
+extern "C" __global__ void __launch_bounds__(32 * TC_WARPS, 3) flash_prefill_tc_bf16_d128(
+    const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache, float* out, const u32* row_start,
+    const u32* start_pos, const u32* block_tables, int max_blocks, int block_size, int num_heads, int num_kv_heads,
+    float scale) {
+    flash_prefill_tc<128>(q, k_cache, v_cache, out, row_start, start_pos, block_tables, max_blocks,
+                          block_size, num_heads, num_kv_heads, scale);
+}

@@ -220,21 +220,19 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
     sh, q, k_cache, v_cache, rows, context_lens, block_tables, partial_o, partial_ml, max_blocks,       \
         block_size, num_heads, num_kv_heads, head_dim, partition_size, scale
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    paged_decode_f32(const float* q, const float* k_cache, const float* v_cache, const u32* rows,
-                     const u32* context_lens, const u32* block_tables, float* partial_o, float* partial_ml,
-                     int max_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim,
-                     int partition_size, float scale) {
+extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_f32(
+    const float* q, const float* k_cache, const float* v_cache, const u32* rows, const u32* context_lens,
+    const u32* block_tables, float* partial_o, float* partial_ml, int max_blocks, int block_size, int num_heads,
+    int num_kv_heads, int head_dim, int partition_size, float scale) {
     __shared__ DecodeShared sh;
     if (head_dim % 8 == 0) paged_decode<float, 8>(PAGED_DECODE_ARGS);
     else paged_decode<float, 2>(PAGED_DECODE_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    paged_decode_bf16(const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache, const u32* rows,
-                      const u32* context_lens, const u32* block_tables, float* partial_o, float* partial_ml,
-                      int max_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim,
-                      int partition_size, float scale) {
+extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_bf16(
+    const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache, const u32* rows, const u32* context_lens,
+    const u32* block_tables, float* partial_o, float* partial_ml, int max_blocks, int block_size, int num_heads,
+    int num_kv_heads, int head_dim, int partition_size, float scale) {
     __shared__ DecodeShared sh;
     if (head_dim % 8 == 0) paged_decode<bf16_bits, 8>(PAGED_DECODE_ARGS);
     else paged_decode<bf16_bits, 2>(PAGED_DECODE_ARGS);
