@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use ch07_flash_attention::cuda::{GpuDevice, HeadShape, SeqRows};
+use ch07_flash_attention::cuda::{DeviceScalar, GpuDevice, HeadShape, SeqRows};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -73,6 +73,45 @@ fn bf16_cache(dev: &GpuDevice, n: usize) -> Result<CudaSlice<bf16>> {
     Ok(dev.stream.clone_htod(&host)?)
 }
 
+fn f32_cache(dev: &GpuDevice, n: usize) -> Result<CudaSlice<f32>> {
+    Ok(dev.stream.clone_htod(&pattern(n))?)
+}
+
+/// Times the causal prefill of 4 sequences of `context` tokens, 32 heads of `head_dim` (as many
+/// KV heads), over K/V caches that `cache` makes, and prints its row in TFLOP/s.
+fn prefill_row<T: DeviceScalar>(
+    dev: &GpuDevice,
+    label: &str,
+    head_dim: usize,
+    context: usize,
+    cache: fn(&GpuDevice, usize) -> Result<CudaSlice<T>>,
+) -> Result<()> {
+    let heads = HeadShape {
+        num_heads: 32,
+        num_kv_heads: 32,
+        head_dim,
+    };
+    let num_seqs = 4;
+    let (seqs, num_blocks) = sequences(num_seqs, context, context);
+    let batch = dev.upload_batch(&seqs, BLOCK_SIZE, num_blocks)?;
+    let kv_len = num_blocks * BLOCK_SIZE * heads.kv_dim();
+    let (k, v) = (cache(dev, kv_len)?, cache(dev, kv_len)?);
+    let q = f32_cache(dev, batch.num_rows * heads.q_dim())?;
+    let mut out = dev
+        .stream
+        .alloc_zeros::<f32>(batch.num_rows * heads.q_dim())?;
+    let ms = time_ms(dev, || {
+        Ok(dev.flash_prefill(&batch, heads, &q, &k, &v, &mut out)?)
+    })?;
+    // Causal: half of the 2 · 2 · T² · d multiply-adds of QKᵀ and PV, per head.
+    let flops = 2.0 * (num_seqs * 32) as f64 * (context as f64).powi(2) * head_dim as f64;
+    println!(
+        "| flash_prefill {label} | {num_seqs} x 32 heads x {context} tokens, d {head_dim} | {ms:.3} | {:.1} TFLOP/s |",
+        flops / ms / 1e9
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let dev = GpuDevice::open(0)?;
     println!("{} ({:?})", dev.name, dev.arch);
@@ -89,65 +128,21 @@ fn main() -> Result<()> {
     println!("| copy (device to device) | 1 GiB | {ms:.3} | {copy_gbs:.0} GB/s (read + written) |");
     drop((src, dst));
 
-    // Prefill: 4 sequences of T tokens, 32 heads (as many KV heads), causal.
+    // Prefill: 4 sequences of T tokens, 32 heads (as many KV heads), causal; over a bf16 cache
+    // (tensor cores), then over an f32 one (the CUDA-core kernel, flash_prefill.cu) for scale.
     for head_dim in [64, 128] {
         for context in [1024, 4096, 16384] {
-            let heads = HeadShape {
-                num_heads: 32,
-                num_kv_heads: 32,
+            prefill_row(
+                &dev,
+                "bf16 K/V (tensor cores)",
                 head_dim,
-            };
-            let num_seqs = 4;
-            let (seqs, num_blocks) = sequences(num_seqs, context, context);
-            let batch = dev.upload_batch(&seqs, BLOCK_SIZE, num_blocks)?;
-            let kv_len = num_blocks * BLOCK_SIZE * heads.kv_dim();
-            let (k, v) = (bf16_cache(&dev, kv_len)?, bf16_cache(&dev, kv_len)?);
-            let q = dev
-                .stream
-                .clone_htod(&pattern(batch.num_rows * heads.q_dim()))?;
-            let mut out = dev
-                .stream
-                .alloc_zeros::<f32>(batch.num_rows * heads.q_dim())?;
-            let ms = time_ms(&dev, || {
-                Ok(dev.flash_prefill(&batch, heads, &q, &k, &v, &mut out)?)
-            })?;
-            // Causal: half of the 2 · 2 · T² · d multiply-adds of QKᵀ and PV, per head.
-            let flops = 2.0 * (num_seqs * 32) as f64 * (context as f64).powi(2) * head_dim as f64;
-            println!(
-                "| flash_prefill bf16 K/V (tensor cores) | {num_seqs} x 32 heads x {context} tokens, d {head_dim} | {ms:.3} | {:.1} TFLOP/s |",
-                flops / ms / 1e9
-            );
+                context,
+                bf16_cache,
+            )?;
         }
     }
-
-    // The same prefill over an f32 cache: the CUDA-core kernel (flash_prefill.cu), for scale.
     for head_dim in [64, 128] {
-        let context = 4096;
-        let heads = HeadShape {
-            num_heads: 32,
-            num_kv_heads: 32,
-            head_dim,
-        };
-        let num_seqs = 4;
-        let (seqs, num_blocks) = sequences(num_seqs, context, context);
-        let batch = dev.upload_batch(&seqs, BLOCK_SIZE, num_blocks)?;
-        let kv_len = num_blocks * BLOCK_SIZE * heads.kv_dim();
-        let host = pattern(kv_len);
-        let (k, v) = (dev.stream.clone_htod(&host)?, dev.stream.clone_htod(&host)?);
-        let q = dev
-            .stream
-            .clone_htod(&pattern(batch.num_rows * heads.q_dim()))?;
-        let mut out = dev
-            .stream
-            .alloc_zeros::<f32>(batch.num_rows * heads.q_dim())?;
-        let ms = time_ms(&dev, || {
-            Ok(dev.flash_prefill(&batch, heads, &q, &k, &v, &mut out)?)
-        })?;
-        let flops = 2.0 * (num_seqs * 32) as f64 * (context as f64).powi(2) * head_dim as f64;
-        println!(
-            "| flash_prefill f32 K/V (CUDA cores) | {num_seqs} x 32 heads x {context} tokens, d {head_dim} | {ms:.3} | {:.1} TFLOP/s |",
-            flops / ms / 1e9
-        );
+        prefill_row(&dev, "f32 K/V (CUDA cores)", head_dim, 4096, f32_cache)?;
     }
 
     // Decode: 64 sequences of 4096 positions, 32 query heads sharing 8 KV heads of 128.
@@ -160,7 +155,7 @@ fn main() -> Result<()> {
     let (seqs, num_blocks) = sequences(num_seqs, context, 1);
     let batch = dev.upload_batch(&seqs, BLOCK_SIZE, num_blocks)?;
     let kv_len = num_blocks * BLOCK_SIZE * heads.kv_dim();
-    let q = dev.stream.clone_htod(&pattern(num_seqs * heads.q_dim()))?;
+    let q = f32_cache(&dev, num_seqs * heads.q_dim())?;
     let mut out = dev.stream.alloc_zeros::<f32>(num_seqs * heads.q_dim())?;
     let (k, v) = (bf16_cache(&dev, kv_len)?, bf16_cache(&dev, kv_len)?);
     let ms = time_ms(&dev, || {
@@ -172,8 +167,7 @@ fn main() -> Result<()> {
         100.0 * gbs / copy_gbs
     );
     drop((k, v));
-    let host = pattern(kv_len);
-    let (k, v) = (dev.stream.clone_htod(&host)?, dev.stream.clone_htod(&host)?);
+    let (k, v) = (f32_cache(&dev, kv_len)?, f32_cache(&dev, kv_len)?);
     let ms = time_ms(&dev, || {
         Ok(dev.paged_decode(&batch, heads, PARTITION, &q, &k, &v, &mut out)?)
     })?;

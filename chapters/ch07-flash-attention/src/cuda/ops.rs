@@ -123,6 +123,25 @@ pub const GROUP_MAX: usize = 8;
 /// The most keys in one split-K partition of the decode kernel (its scores sit in shared memory).
 pub const PARTITION_MAX: usize = 256;
 
+/// The launch of a prefill kernel: one block of 128 threads per `rows_per_block` query rows of a
+/// sequence, per head, per sequence, with `shared` bytes of dynamic shared memory.
+fn prefill_grid(
+    batch: &PagedBatch,
+    heads: HeadShape,
+    rows_per_block: usize,
+    shared: u32,
+) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (
+            u32_arg("query tiles", batch.max_rows.div_ceil(rows_per_block))?,
+            u32_arg("heads", heads.num_heads)?,
+            u32_arg("sequences", batch.num_seqs)?,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: shared,
+    })
+}
+
 /// Query rows per thread block of the tensor-core prefill kernel.
 const TC_QUERY_ROWS: usize = 64;
 
@@ -428,15 +447,7 @@ impl GpuDevice {
         if prefill_on_tensor_cores::<T>(heads) {
             return self.flash_prefill_tc(batch, heads, q, k_cache, v_cache, out);
         }
-        let config = LaunchConfig {
-            grid_dim: (
-                u32_arg("query tiles", batch.max_rows.div_ceil(16))?,
-                u32_arg("heads", heads.num_heads)?,
-                u32_arg("sequences", batch.num_seqs)?,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = prefill_grid(batch, heads, 16, 0)?;
         let args = self.attention_args(batch, heads)?;
         let function = self.function(&format!("flash_prefill_{}", T::SUFFIX));
         let mut launch = self.stream.launch_builder(function);
@@ -470,15 +481,7 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let config = LaunchConfig {
-            grid_dim: (
-                u32_arg("query tiles", batch.max_rows.div_ceil(TC_QUERY_ROWS))?,
-                u32_arg("heads", heads.num_heads)?,
-                u32_arg("sequences", batch.num_seqs)?,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: tc_shared_bytes(heads.head_dim),
-        };
+        let config = prefill_grid(batch, heads, TC_QUERY_ROWS, tc_shared_bytes(heads.head_dim))?;
         let args = self.attention_args(batch, heads)?;
         let function = self.function(&format!("flash_prefill_tc_bf16_d{}", heads.head_dim));
         // Above 48 KiB of dynamic shared memory a kernel must ask for it (every GPU from sm_80 on
