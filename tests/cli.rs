@@ -559,7 +559,16 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
             ],
             "the CUDA driver library (libcuda.so) was not found",
         );
+        // The server too: it fails as it starts, saying why, rather than serving on the CPU.
+        assert_fails_with(
+            &["serve", "--port", "0", "--device", "cuda"],
+            "the CUDA driver library (libcuda.so) was not found",
+        );
     }
+    assert_fails_with(
+        &["serve", "--device", "cuda", "--tensor-parallel-size", "2"],
+        "tensor parallelism and speculative decoding run on the CPU only so far",
+    );
 }
 
 /// `--tensor-parallel-size` (chapter 8): greedy completions of the demo prompts on 2 and 4

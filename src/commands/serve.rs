@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use ch07::cuda::DeviceSpec;
 use ch08::access_log::{AccessLog, AccessRecord};
 use ch08::auth::ApiKeys;
 use ch08::chat_template::ChatTemplate;
@@ -114,7 +115,16 @@ fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {
 }
 
 pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
-    let loaded = pool.install(|| args.model.load())?;
+    // On a GPU the host keeps the tokenizer and the configuration (and, for now, a host copy of
+    // the weights); the engine thread's executor reads the weights again, onto the device.
+    let on_gpu = matches!(args.model.device, DeviceSpec::Cuda(_));
+    let loaded = pool.install(|| {
+        if on_gpu {
+            args.model.load_on_host()
+        } else {
+            args.model.load()
+        }
+    })?;
     let path = &args.model.model;
     let chat_template = match &loaded.format {
         ModelFormat::HfDir => ChatTemplate::from_model_dir(path),
@@ -169,7 +179,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
             }))
         }),
         speculator: speculator_factory(&args, &loaded.model, cache.block_size)?,
-        executor: executor_factory(&args),
+        executor: executor_factory(&args)?,
         allowed_origins: args.allowed_origins.clone(),
         ..ServerConfig::default()
     };
@@ -288,16 +298,32 @@ async fn shutdown_signal() {
     eprintln!("kiln serve: shutting down: no new requests; in-flight ones get the grace period");
 }
 
-/// `--tensor-parallel-size N > 1`: the engine thread builds its executor over N ranks.
-fn executor_factory(args: &Args) -> Option<ExecutorFactory> {
+/// The engine thread's executor when it is not the CPU executor over the served model:
+/// `--device cuda:N` builds chapter 7's GPU executor (weights read from `--model` onto the
+/// device), `--tensor-parallel-size N > 1` one over N ranks. A GPU that is not there fails the
+/// start, with the reason.
+fn executor_factory(args: &Args) -> anyhow::Result<Option<ExecutorFactory>> {
     let tp = args.tensor_parallel;
+    if let DeviceSpec::Cuda(_) = args.model.device {
+        anyhow::ensure!(
+            !tp.is_parallel() && args.speculative.method()?.is_none(),
+            "--device {}: tensor parallelism and speculative decoding run on the CPU only so far",
+            args.model.device
+        );
+        let model = args.model.clone();
+        return Ok(Some(ExecutorFactory(Arc::new(move |whole, cache| {
+            model
+                .gpu_executor(&whole.config, cache)
+                .map_err(|e| format!("{e:#}"))
+        }))));
+    }
     if !tp.is_parallel() {
-        return None;
+        return Ok(None);
     }
     let model = args.model.clone();
     let attention = args.attention.kind();
-    Some(ExecutorFactory(Arc::new(move |_whole, cache| {
+    Ok(Some(ExecutorFactory(Arc::new(move |_whole, cache| {
         tp.tensor_parallel_executor(&model, cache, attention)
             .map_err(|e| format!("{e:#}"))
-    })))
+    }))))
 }
