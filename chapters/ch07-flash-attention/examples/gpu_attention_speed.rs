@@ -77,6 +77,38 @@ fn f32_cache(dev: &GpuDevice, n: usize) -> Result<CudaSlice<f32>> {
     Ok(dev.stream.clone_htod(&pattern(n))?)
 }
 
+/// Times split-K decode of 64 sequences of 4096 cached positions, 32 query heads sharing 8 KV
+/// heads of 128, over K/V caches that `cache` makes, and prints its row in GB/s of K/V read
+/// (and as a share of the device's copy bandwidth, `copy_gbs`).
+fn decode_row<T: DeviceScalar>(
+    dev: &GpuDevice,
+    label: &str,
+    copy_gbs: f64,
+    cache: fn(&GpuDevice, usize) -> Result<CudaSlice<T>>,
+) -> Result<()> {
+    let heads = HeadShape {
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+    };
+    let (num_seqs, context) = (64, 4096);
+    let (seqs, num_blocks) = sequences(num_seqs, context, 1);
+    let batch = dev.upload_batch(&seqs, BLOCK_SIZE, num_blocks)?;
+    let kv_len = num_blocks * BLOCK_SIZE * heads.kv_dim();
+    let q = f32_cache(dev, num_seqs * heads.q_dim())?;
+    let mut out = dev.stream.alloc_zeros::<f32>(num_seqs * heads.q_dim())?;
+    let (k, v) = (cache(dev, kv_len)?, cache(dev, kv_len)?);
+    let ms = time_ms(dev, || {
+        Ok(dev.paged_decode(&batch, heads, PARTITION, &q, &k, &v, &mut out)?)
+    })?;
+    let gbs = (2 * kv_len * std::mem::size_of::<T>()) as f64 / ms / 1e6;
+    println!(
+        "| paged_decode {label} | {num_seqs} x {context} positions, 32 / 8 heads, d 128 | {ms:.3} | {gbs:.0} GB/s of K/V ({:.0}% of the copy) |",
+        100.0 * gbs / copy_gbs
+    );
+    Ok(())
+}
+
 /// Times the causal prefill of 4 sequences of `context` tokens, 32 heads of `head_dim` (as many
 /// KV heads), over K/V caches that `cache` makes, and prints its row in TFLOP/s.
 fn prefill_row<T: DeviceScalar>(
@@ -146,35 +178,7 @@ fn main() -> Result<()> {
     }
 
     // Decode: 64 sequences of 4096 positions, 32 query heads sharing 8 KV heads of 128.
-    let heads = HeadShape {
-        num_heads: 32,
-        num_kv_heads: 8,
-        head_dim: 128,
-    };
-    let (num_seqs, context) = (64, 4096);
-    let (seqs, num_blocks) = sequences(num_seqs, context, 1);
-    let batch = dev.upload_batch(&seqs, BLOCK_SIZE, num_blocks)?;
-    let kv_len = num_blocks * BLOCK_SIZE * heads.kv_dim();
-    let q = f32_cache(&dev, num_seqs * heads.q_dim())?;
-    let mut out = dev.stream.alloc_zeros::<f32>(num_seqs * heads.q_dim())?;
-    let (k, v) = (bf16_cache(&dev, kv_len)?, bf16_cache(&dev, kv_len)?);
-    let ms = time_ms(&dev, || {
-        Ok(dev.paged_decode(&batch, heads, PARTITION, &q, &k, &v, &mut out)?)
-    })?;
-    let gbs = (2 * kv_len * 2) as f64 / ms / 1e6;
-    println!(
-        "| paged_decode bf16 K/V | {num_seqs} x 4096 positions, 32 / 8 heads, d 128 | {ms:.3} | {gbs:.0} GB/s of K/V ({:.0}% of the copy) |",
-        100.0 * gbs / copy_gbs
-    );
-    drop((k, v));
-    let (k, v) = (f32_cache(&dev, kv_len)?, f32_cache(&dev, kv_len)?);
-    let ms = time_ms(&dev, || {
-        Ok(dev.paged_decode(&batch, heads, PARTITION, &q, &k, &v, &mut out)?)
-    })?;
-    let gbs = (2 * kv_len * 4) as f64 / ms / 1e6;
-    println!(
-        "| paged_decode f32 K/V | {num_seqs} x 4096 positions, 32 / 8 heads, d 128 | {ms:.3} | {gbs:.0} GB/s of K/V ({:.0}% of the copy) |",
-        100.0 * gbs / copy_gbs
-    );
+    decode_row(&dev, "bf16 K/V", copy_gbs, bf16_cache)?;
+    decode_row(&dev, "f32 K/V", copy_gbs, f32_cache)?;
     Ok(())
 }

@@ -28,10 +28,10 @@
 use std::arch::x86_64::*;
 
 use ch02::kernels::Avx2Fma;
-use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, prefetch_l2, softmax};
+use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, softmax};
 use ch03::KvElement;
 
-use super::{LayerKv, QueryRow, RowScratch, slots as slots_of};
+use super::{LayerKv, QueryRow, RowScratch, prefetch_rows, slots as slots_of};
 
 /// Lanes per vector.
 const LANES: usize = 8;
@@ -103,11 +103,16 @@ fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
     // ANCHOR: scores
     // s[h][j..j+8] = q_h · k_{j..j+8} / √d, times K's scale (1 unless the pool is 8-bit).
     if prefetch {
-        prefetch_slots(kv.keys, first_rows, kv_dim);
+        prefetch_rows(
+            kv.keys,
+            &mut first_rows.iter().copied(),
+            PREFETCH_POSITIONS,
+            kv_dim,
+        );
     }
     for j in (0..len).step_by(KEYS) {
         if prefetch {
-            prefetch_slots(kv.keys, ahead(j), kv_dim);
+            prefetch_rows(kv.keys, &mut ahead(j).iter().copied(), KEYS, kv_dim);
         }
         let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
         for g in 0..kv.shape.num_kv_heads {
@@ -135,7 +140,12 @@ fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
     // ANCHOR_END: scores
     if prefetch {
         // V's first rows, while the softmax computes.
-        prefetch_slots(kv.values, first_rows, kv_dim);
+        prefetch_rows(
+            kv.values,
+            &mut first_rows.iter().copied(),
+            PREFETCH_POSITIONS,
+            kv_dim,
+        );
     }
     // p[h] = softmax(s[h]) over the positions the row sees, not the padding.
     for s_h in scores.chunks_exact_mut(stride) {
@@ -146,7 +156,7 @@ fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
     out_r.fill(0.0);
     for j in (0..len).step_by(KEYS) {
         if prefetch {
-            prefetch_slots(kv.values, ahead(j), kv_dim);
+            prefetch_rows(kv.values, &mut ahead(j).iter().copied(), KEYS, kv_dim);
         }
         let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
         let n = (len - j).min(KEYS); // positions of this group the row sees
@@ -186,15 +196,6 @@ fn head_row<T, const CHUNKS: usize>(stored: &[T], at: usize) -> &[[T; LANES]; CH
         .0
         .try_into()
         .unwrap()
-}
-
-/// Asks for the rows of `slots` in `stored` [slots, kv_dim] ([`prefetch_l2`]).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn prefetch_slots<K>(stored: &[K], slots: &[usize], kv_dim: usize) {
-    for &slot in slots {
-        prefetch_l2(&stored[slot * kv_dim..][..kv_dim]);
-    }
 }
 
 // ANCHOR: lane_sums
