@@ -82,13 +82,15 @@ impl GpuDevice {
                 functions.insert(function, module.load_function(function)?);
             }
         }
-        Ok(GpuDevice {
+        let device = GpuDevice {
             stream: context.default_stream(),
             name: context.name()?,
             context,
             arch,
             functions,
-        })
+        };
+        device.allow_tensor_core_prefill()?;
+        Ok(device)
     }
 
     /// A loaded kernel function.

@@ -145,6 +145,14 @@ fn prefill_grid(
 /// Query rows per thread block of the tensor-core prefill kernel.
 const TC_QUERY_ROWS: usize = 64;
 
+/// The head sizes the tensor-core prefill kernel is compiled for.
+const TC_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The tensor-core prefill kernel for head size `d` (one of [`TC_HEAD_DIMS`]).
+fn tc_prefill_name(d: usize) -> String {
+    format!("flash_prefill_tc_bf16_d{d}")
+}
+
 /// The tensor-core prefill's dynamic shared memory for head size `d`: two buffers of a K and a V
 /// tile of 64 keys, each row `d + 8` bf16 (`tc_smem` in `kernels/flash_prefill_tc.cu`).
 fn tc_shared_bytes(d: usize) -> u32 {
@@ -155,7 +163,7 @@ fn tc_shared_bytes(d: usize) -> u32 {
 /// a bf16 cache and a head size of 64 or 128. It rounds the queries and the softmax weights to
 /// bf16 for the tensor cores, so its results agree with the f32 kernel's to about 1e-2.
 pub fn prefill_on_tensor_cores<T: DeviceScalar>(heads: HeadShape) -> bool {
-    T::SUFFIX == bf16::SUFFIX && matches!(heads.head_dim, 64 | 128)
+    T::SUFFIX == bf16::SUFFIX && TC_HEAD_DIMS.contains(&heads.head_dim)
 }
 
 /// The attention shape of one layer.
@@ -483,13 +491,7 @@ impl GpuDevice {
     ) -> Result<(), CudaError> {
         let config = prefill_grid(batch, heads, TC_QUERY_ROWS, tc_shared_bytes(heads.head_dim))?;
         let args = self.attention_args(batch, heads)?;
-        let function = self.function(&format!("flash_prefill_tc_bf16_d{}", heads.head_dim));
-        // Above 48 KiB of dynamic shared memory a kernel must ask for it (every GPU from sm_80 on
-        // has at least 99 KiB per block).
-        function.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            config.shared_mem_bytes as i32,
-        )?;
+        let function = self.function(&tc_prefill_name(heads.head_dim));
         let mut launch = self.stream.launch_builder(function);
         launch.arg(q).arg(k_cache).arg(v_cache).arg(out);
         launch
@@ -503,8 +505,22 @@ impl GpuDevice {
         // slot and block id); T is bf16 and head_dim is the kernel's D (prefill_on_tensor_cores),
         // so every K/V row holds whole 16-byte chunks at 16-byte-aligned offsets; blockDim is
         // 128, the kernel's 4 warps of 16 rows = TC_QUERY_ROWS; the dynamic shared memory is
-        // the size its two tile buffers take for D.
+        // the size its two tile buffers take for D, which the kernel was allowed when the device
+        // opened (allow_tensor_core_prefill).
         unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
+    /// Lets each tensor-core prefill kernel take the dynamic shared memory it launches with:
+    /// above 48 KiB a kernel must ask for it (every GPU from sm_80 on has at least 99 KiB per
+    /// block). Once, when the device opens.
+    pub(super) fn allow_tensor_core_prefill(&self) -> Result<(), CudaError> {
+        for d in TC_HEAD_DIMS {
+            self.function(&tc_prefill_name(d)).set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                tc_shared_bytes(d) as i32,
+            )?;
+        }
         Ok(())
     }
 
