@@ -16,6 +16,13 @@ pub enum Error {
         error: std::io::Error,
     },
 
+    /// Writing a file (a random checkpoint: see `random_model`).
+    #[error("cannot write {path}: {error}")]
+    Write {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+
     #[error("invalid config {path}: {message}")]
     Config { path: PathBuf, message: String },
 

@@ -17,6 +17,7 @@
 //! | [`sampler`]   | greedy, temperature, top-k/top-p/min-p, penalties, seeded                       |
 //! | [`generate`]  | the generation loop that recomputes the whole sequence for every token          |
 //! | [`perplexity`]| llama.cpp-style perplexity over a text                                          |
+//! | [`random_model`] | a Llama checkpoint with random weights (benchmark and test shapes), seeded   |
 //!
 //! Generation here is deliberately wasteful: each new token runs the whole sequence through
 //! the model again, so the cost of token `t` grows like `t²`. Chapter 2 fixes that with a KV
@@ -30,6 +31,7 @@ pub mod linear;
 pub mod model;
 pub mod output_text;
 pub mod perplexity;
+pub mod random_model;
 pub mod rope;
 pub mod sampler;
 pub mod shard;
@@ -44,6 +46,7 @@ pub use generate::{FinishReason, GenerateOptions, Generation, generate, generate
 pub use linear::{DenseLinear, Linear, LinearLoader, LinearSpec};
 pub use model::Llama;
 pub use output_text::{OutputText, TextDelta};
+pub use random_model::{RandomDtype, RandomModelSpec, write_random_model};
 pub use sampler::{Sampler, SamplingParams};
 pub use shard::{ShardError, ShardSpec, Split, TensorParallel};
 pub use source::{RawTensor, TensorDtype, WeightSource};
