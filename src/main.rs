@@ -6,6 +6,7 @@
 //! kiln forward    --prompt TEXT --out FILE logits of every position as safetensors
 //! kiln perplexity --file TEXT --ctx 512    llama.cpp-style perplexity
 //! kiln quantize   --type q4_0 --out F.gguf a Hugging Face checkpoint → GGUF (kiln and llama.cpp load it)
+//! kiln random-model --out DIR              a Llama checkpoint with random weights (llama-1b, tiny-d64)
 //! kiln serve     --port 8000              the OpenAI-compatible server (chapter 8)
 //! kiln bench ch01 [--quick]                a chapter's benchmark: table + SVG plot for the book
 //! kiln exercise new 1 | check 1 [k]        the learner's copy with chapter 1's tasks as todo!; its tests
@@ -56,6 +57,9 @@ enum Command {
     Perplexity(commands::perplexity::Args),
     /// Write a Hugging Face checkpoint as a GGUF file in one of llama.cpp's types (f32 ... q6_k).
     Quantize(commands::quantize::Args),
+    /// Write a Hugging Face Llama checkpoint with random weights (Llama-3.2-1B's shape or a tiny
+    /// head_dim-64 model), for benchmarks and tests.
+    RandomModel(commands::random_model::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics).
     Serve(commands::serve::Args),
     /// Run a chapter's benchmark: print a markdown table, write it and an SVG plot for the book.
@@ -92,6 +96,7 @@ fn main() -> anyhow::Result<()> {
         Command::Forward(args) => commands::forward::run(args),
         Command::Perplexity(args) => commands::perplexity::run(args),
         Command::Quantize(args) => commands::quantize::run(args),
+        Command::RandomModel(args) => commands::random_model::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Exercise(args) => exercise::run(args),
         Command::TpWorker(args) => commands::tensor_parallel::run_worker(args),

@@ -543,10 +543,37 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
         "expected `cpu`, `cuda` or `cuda:N`",
     );
     assert_fails_with(
-        &["perplexity", "--file", "x.txt", "--device", "cuda"],
+        &["bench", "ch03", "--quick", "--device", "cuda"],
         "runs on the CPU only so far",
     );
     if !ch07::cuda::device::driver_present() {
+        let hamlet = fixtures_dir().join("corpus/hamlet.txt");
+        let hamlet = hamlet.to_str().unwrap();
+        for command in [
+            &[
+                "perplexity",
+                "--file",
+                hamlet,
+                "--chunks",
+                "1",
+                "--device",
+                "cuda",
+            ][..],
+            &[
+                "forward",
+                "--prompt",
+                "HAMLET.",
+                "--out",
+                "unused.safetensors",
+                "--device",
+                "cuda",
+            ],
+        ] {
+            assert_fails_with(
+                command,
+                "the CUDA driver library (libcuda.so) was not found",
+            );
+        }
         assert_fails_with(
             &[
                 "generate",
@@ -660,5 +687,40 @@ fn the_mpi_backend_needs_a_kiln_built_with_it() {
     assert_fails_with(
         &["tp-worker"],
         "kiln tp-worker: this kiln was built without MPI",
+    );
+}
+
+/// `kiln random-model` writes a checkpoint that `kiln generate` runs, and never writes into a
+/// directory that holds something.
+#[test]
+fn random_model_writes_a_checkpoint_that_kiln_generates_from() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tiny-d64");
+    let out = out.to_str().unwrap();
+    let output = kiln(&["random-model", "--preset", "tiny-d64", "--out", out]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("parameters"),
+        "{}",
+        stderr(&output)
+    );
+
+    let output = kiln(&[
+        "generate",
+        "--model",
+        out,
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(String::from_utf8_lossy(&output.stdout).starts_with("ROMEO:"));
+
+    assert_fails_with(
+        &["random-model", "--preset", "tiny-d64", "--out", out],
+        "is not empty",
     );
 }

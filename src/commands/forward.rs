@@ -6,7 +6,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use safetensors::{Dtype, tensor::TensorView};
 
+use ch07::cuda::DeviceSpec;
+
 use super::ModelArgs;
+use super::prompt_step::{cache_for, prompt_logits};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -21,9 +24,22 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let loaded = args.model.load()?;
+    let logits_on_gpu = matches!(args.model.device, DeviceSpec::Cuda(_));
+    let loaded = match logits_on_gpu {
+        false => args.model.load()?,
+        true => args.model.load_on_host()?,
+    };
     let tokens = loaded.tokenizer.encode(&args.prompt, true)?;
-    let logits = loaded.model.forward(&tokens)?; // [T, vocab]
+    let logits = match logits_on_gpu {
+        false => loaded.model.forward(&tokens)?, // [T, vocab]
+        true => {
+            // The prompt as one prefill step on the GPU executor, f32 K/V.
+            let config = &loaded.model.config;
+            let cache = cache_for(config, tokens.len(), ch03::KvDtype::F32);
+            let mut executor = args.model.gpu_executor(config, &cache)?;
+            prompt_logits(&mut *executor, &tokens)?
+        }
+    };
     let shape = vec![logits.nrows(), logits.ncols()];
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::F32, shape.clone(), &bytes)?;

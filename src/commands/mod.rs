@@ -4,8 +4,10 @@ pub mod engine_args;
 pub mod forward;
 pub mod generate;
 pub mod perplexity;
+pub mod prompt_step;
 pub mod quantize;
 pub mod quantize_hf;
+pub mod random_model;
 pub mod serve;
 pub mod speculative_args;
 pub mod tensor_parallel;
@@ -46,7 +48,8 @@ pub struct ModelArgs {
     pub device: DeviceSpec,
 }
 
-fn parse_device(text: &str) -> Result<DeviceSpec, String> {
+/// `--device`: `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(text: &str) -> Result<DeviceSpec, String> {
     text.parse()
         .map_err(|e: ch07::cuda::CudaError| e.to_string())
 }
@@ -84,13 +87,14 @@ impl ModelArgs {
     /// kernels, dense weights on chapter 2's (stored as `--dtype` says) or quantized on load
     /// (`--quantization`).
     ///
-    /// Refuses `--device cuda`: the commands that run on a GPU call [`ModelArgs::load_on_host`]
-    /// and build their executor with [`ModelArgs::gpu_executor`].
+    /// Refuses `--device cuda`: the commands that run on a GPU (generate, forward, perplexity,
+    /// serve) call [`ModelArgs::load_on_host`] and build their executor with
+    /// [`ModelArgs::gpu_executor`].
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
         if let DeviceSpec::Cuda(_) = self.device {
             anyhow::bail!(
-                "--device {}: this command runs on the CPU only so far; `kiln generate` runs \
-                 on the GPU (chapter 7, part 2)",
+                "--device {}: this command runs on the CPU only so far; generate, forward, \
+                 perplexity and serve run on the GPU (chapter 7, part 2)",
                 self.device
             );
         }
@@ -151,7 +155,7 @@ impl ModelArgs {
     }
 
     /// The executor of `--device cuda:N`: the weights read again from `--model` straight to the
-    /// GPU (f32), K/V memory as `cache` says.
+    /// GPU (stored as `--dtype` says), K/V memory as `cache` says.
     pub fn gpu_executor(
         &self,
         config: &ch01::LlamaConfig,
@@ -161,13 +165,14 @@ impl ModelArgs {
         let DeviceSpec::Cuda(ordinal) = self.device else {
             anyhow::bail!("gpu_executor needs --device cuda");
         };
-        if self.is_gguf() || self.quantization.is_some() || self.dtype != "f32" {
+        if self.is_gguf() || self.quantization.is_some() {
             anyhow::bail!(
-                "--device {}: the GPU path runs f32 weights from a Hugging Face directory so far \
-                 (no GGUF file, --quantization or --dtype bf16)",
+                "--device {}: the GPU path runs f32 or bf16 weights from a Hugging Face \
+                 directory so far (no GGUF file or --quantization)",
                 self.device
             );
         }
+        let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
         let device =
             GpuDevice::open(ordinal).with_context(|| format!("--device {}", self.device))?;
         eprintln!(
@@ -181,20 +186,22 @@ impl ModelArgs {
             device: GpuDevice,
             config: &ch01::LlamaConfig,
             weights: &ch01::Weights,
+            dtype: ch02::WeightDtype,
             cache: &ch04::CacheConfig,
         ) -> anyhow::Result<Box<dyn ch04::Executor + Send>> {
             let executor = CudaExecutor::<K>::new(
                 device,
                 config.clone(),
                 weights,
+                dtype,
                 cache.block_size,
                 cache.memory,
             )?;
             Ok(Box::new(executor))
         }
         match cache.dtype {
-            ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, cache),
-            ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, cache),
+            ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, dtype, cache),
+            ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, dtype, cache),
             dtype => anyhow::bail!(
                 "--device {}: a {dtype} KV cache does not run on the GPU yet",
                 self.device

@@ -7,10 +7,10 @@ use anyhow::Context;
 use ch01::Llama;
 use ch01::perplexity::{Perplexity, perplexity, perplexity_with};
 use ch03::KvDtype;
-use ch04::{CacheConfig, ScheduledSeq, SchedulerOutput};
-use ndarray::Array2;
+use ch07::cuda::DeviceSpec;
 
 use super::ModelArgs;
+use super::prompt_step::{cache_for, prompt_logits};
 use super::tensor_parallel::TensorParallelArgs;
 
 #[derive(clap::Args, Debug)]
@@ -30,13 +30,17 @@ pub struct Args {
     pub chunks: Option<usize>,
     /// Score through chapter 4's executor with a paged KV cache of this dtype (f32, bf16,
     /// fp8_e4m3 or int8): each chunk is one prefill that writes its K/V in that dtype and reads
-    /// them back. Without it, chapter 1's forward scores the chunks (no cache).
+    /// them back. Without it, chapter 1's forward scores the chunks (no cache); on a GPU
+    /// (`--device cuda`, f32 or bf16) the default is f32.
     #[arg(long, value_name = "DTYPE", value_parser = ["f32", "bf16", "fp8", "fp8_e4m3", "int8"])]
     pub kv_cache_dtype: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let loaded = args.model.load()?;
+    let loaded = match args.model.device {
+        DeviceSpec::Cpu => args.model.load()?,
+        DeviceSpec::Cuda(_) => args.model.load_on_host()?,
+    };
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     let tokens = loaded.tokenizer.encode(&text, false)?;
@@ -46,43 +50,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .then(|| loaded.tokenizer.bos_token_id())
         .flatten();
     let start = Instant::now();
-    let result = if args.tensor_parallel.is_parallel() {
-        // Each chunk is one prefill step on the ranks, every row's logits wanted.
-        let cache = ch04::CacheConfig {
-            memory: 1 << 30,
-            block_size: 16,
-            dtype: ch03::KvDtype::F32,
+    let on_gpu = args.model.device != DeviceSpec::Cpu;
+    let result = if args.tensor_parallel.is_parallel() || on_gpu {
+        // Each chunk is one prefill step on the ranks or the GPU, every row's logits wanted.
+        let config = &loaded.model.config;
+        let mut executor = if on_gpu {
+            anyhow::ensure!(
+                !args.tensor_parallel.is_parallel(),
+                "--device {}: tensor parallelism runs on the CPU only so far",
+                args.model.device
+            );
+            let dtype: KvDtype = args
+                .kv_cache_dtype
+                .as_deref()
+                .unwrap_or("f32")
+                .parse()
+                .map_err(anyhow::Error::msg)?;
+            let cache = cache_for(config, args.ctx, dtype);
+            eprintln!("kiln: scoring on {}, {dtype} KV cache", args.model.device);
+            args.model.gpu_executor(config, &cache)?
+        } else {
+            let cache = cache_for(config, args.ctx, KvDtype::F32);
+            args.tensor_parallel.tensor_parallel_executor(
+                &args.model,
+                &cache,
+                ch07::AttentionKind::Naive,
+            )?
         };
-        let mut executor = args.tensor_parallel.tensor_parallel_executor(
-            &args.model,
-            &cache,
-            ch07::AttentionKind::Naive,
-        )?;
-        let blocks = executor.kv_layout().num_blocks;
-        anyhow::ensure!(
-            blocks * 16 >= args.ctx,
-            "--ctx {} exceeds the KV memory",
-            args.ctx
-        );
-        let mut forward = |input: &[u32]| -> ch01::Result<ndarray::Array2<f32>> {
-            let c = &loaded.model.config;
-            ch01::model::check_tokens(input, c.vocab_size, c.max_position_embeddings)?;
-            let step = ch04::SchedulerOutput {
-                seqs: vec![ch04::ScheduledSeq {
-                    id: 0,
-                    tokens: input.to_vec(),
-                    start_pos: 0,
-                    block_table: (0..input.len().div_ceil(16) as u32).collect(),
-                    logit_rows: input.len(),
-                }],
-                ..Default::default()
-            };
-            let logits = executor
-                .execute(&step)
-                .map_err(|e| ch01::Error::InvalidArgument(e.to_string()))?;
-            Ok(logits.to_owned())
-        };
-        perplexity_with(&tokens, args.ctx, bos, args.chunks, &mut forward)?
+        perplexity_with(&tokens, args.ctx, bos, args.chunks, |chunk| {
+            prompt_logits(&mut *executor, chunk)
+        })?
     } else {
         match &args.kv_cache_dtype {
             None => perplexity(&loaded.model, &tokens, args.ctx, bos, args.chunks)?,
@@ -124,28 +121,10 @@ pub fn perplexity_through_kv(
     max_chunks: Option<usize>,
     dtype: KvDtype,
 ) -> anyhow::Result<Perplexity> {
-    const BLOCK_SIZE: usize = 16;
-    let blocks = ctx.div_ceil(BLOCK_SIZE);
-    let cache = CacheConfig {
-        memory: dtype.bytes_per_token(&model.config) * (blocks * BLOCK_SIZE) as u64,
-        block_size: BLOCK_SIZE,
-        dtype,
-    };
+    let cache = cache_for(&model.config, ctx, dtype);
     let mut executor = ch07::cpu_executor(model, &cache, ch07::AttentionKind::Auto)?;
-    let block_table: Vec<u32> = (0..blocks as u32).collect();
     perplexity_with(tokens, ctx, bos, max_chunks, |chunk| {
-        let step = SchedulerOutput {
-            seqs: vec![ScheduledSeq {
-                id: 0,
-                tokens: chunk.to_vec(),
-                start_pos: 0,
-                block_table: block_table.clone(),
-                logit_rows: chunk.len(),
-            }],
-            ..SchedulerOutput::default()
-        };
-        let logits: Array2<f32> = executor.execute(&step)?.to_owned(); // [ctx, vocab]
-        anyhow::Ok(logits)
+        prompt_logits(&mut *executor, chunk)
     })
 }
 // ANCHOR_END: perplexity_through_kv

@@ -86,6 +86,7 @@ fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
             GpuDevice::open(0).unwrap(),
             config,
             &weights,
+            ch02::WeightDtype::F32,
             block_size,
             memory,
         )
@@ -117,4 +118,98 @@ fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
         }
         println!("{name}: GPU equals CPU on every step");
     }
+}
+
+/// Relative L2 distance `‖a − b‖ / ‖b‖` of two logit rows.
+fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
+    let diff: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// bf16 weights (cuBLAS GemmEx, bf16 × bf16 → f32) and a bf16 KV cache on the GPU, against
+/// chapter 1's f32 forward on the CPU: a 90-token prefill, then 6 decode steps, every logit row
+/// within 1e-2 relative L2. The random head-size-64 model (written by `ch01::random_model`) puts
+/// the prefill on the tensor-core kernel (`prefill_on_tensor_cores`) inside the executor; the
+/// Shakespeare model (head size 32) on the CUDA-core kernel.
+#[test]
+fn bf16_weights_and_kv_on_the_gpu_stay_within_1e_2_of_the_cpu() {
+    if !driver_present() {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "KILN_REQUIRE_GPU is set but no CUDA driver can be loaded"
+        );
+        eprintln!("skipped: no CUDA driver on this machine");
+        return;
+    }
+    let random = std::env::temp_dir().join(format!("kiln-gpu-d64-{}", std::process::id()));
+    ch01::random_model::write_random_model(
+        &ch01::random_model::RandomModelSpec::tiny_d64(),
+        &random,
+    )
+    .unwrap();
+    for dir in [fixture("shakespeare-small"), random.clone()] {
+        let model = ch01::Llama::load(&dir).unwrap();
+        let config = LlamaConfig::from_dir(&dir).unwrap();
+        let weights = Weights::open(&dir).unwrap();
+        let vocab = config.vocab_size as u32;
+        let tokens: Vec<u32> = (0..96u32).map(|t| (t * 131 + 7) % vocab).collect();
+        let want = model.forward(&tokens).unwrap(); // [96, vocab]
+        let block_size = 16;
+        let memory = 8
+            * 2
+            * (config.num_hidden_layers
+                * block_size
+                * config.num_key_value_heads
+                * config.head_dim
+                * 2) as u64;
+        let mut gpu = CudaExecutor::<half::bf16>::new(
+            GpuDevice::open(0).unwrap(),
+            config,
+            &weights,
+            ch02::WeightDtype::Bf16,
+            block_size,
+            memory,
+        )
+        .unwrap();
+        let table: Vec<u32> = (0..7).collect();
+        let prefill = 90;
+        let mut worst = 0.0f64;
+        let mut check = |got: ArrayView2<f32>, first_row: usize| {
+            for (i, row) in got.rows().into_iter().enumerate() {
+                let expected = want.row(first_row + i);
+                let d = relative_l2(row.as_slice().unwrap(), expected.as_slice().unwrap());
+                assert!(
+                    d <= 1e-2,
+                    "{}: row {}: relative L2 {d}",
+                    dir.display(),
+                    first_row + i
+                );
+                worst = worst.max(d);
+            }
+        };
+        let step = |start: usize, end: usize| SchedulerOutput {
+            seqs: vec![ch04::ScheduledSeq {
+                id: 0,
+                tokens: tokens[start..end].to_vec(),
+                start_pos: start,
+                block_table: table.clone(),
+                logit_rows: end - start,
+            }],
+            ..SchedulerOutput::default()
+        };
+        check(gpu.execute(&step(0, prefill)).unwrap(), 0);
+        for p in prefill..tokens.len() {
+            check(gpu.execute(&step(p, p + 1)).unwrap(), p);
+        }
+        println!(
+            "{}: bf16 on the GPU within {worst:.2e} relative L2 of the CPU",
+            dir.display()
+        );
+    }
+    std::fs::remove_dir_all(&random).unwrap();
 }

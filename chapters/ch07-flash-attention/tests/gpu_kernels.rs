@@ -353,6 +353,87 @@ fn rope_equals_chapter_1() {
         .unwrap();
 }
 
+/// `y = x · Wᵀ + b` by cuBLAS, for f32 weights (SGEMM) and bf16 weights (GemmEx: bf16 inputs,
+/// f32 accumulation): against the product in f64 of the same values (for bf16, x and W rounded
+/// to bf16 first, as the device does), within 1e-5 relative. A bf16 projection given f32 input
+/// is an error.
+#[test]
+fn linear_equals_the_product_in_f32_and_bf16() {
+    use ch02::WeightDtype;
+    use ch07_flash_attention::cuda::ops::LinearInput;
+    use ch07_flash_attention::cuda::weights::{DeviceLinear, DeviceMatrix};
+    let Some(dev) = device() else { return };
+    let blas = cudarc::cublas::CudaBlas::new(dev.stream.clone()).unwrap();
+    runner(24)
+        .run(&any::<u64>(), |seed| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let (rows, in_f, out_f) = (
+                rng.random_range(1..40),
+                rng.random_range(1..300),
+                rng.random_range(1..300),
+            );
+            let (x, w, b) = (
+                random(&mut rng, rows * in_f),
+                random(&mut rng, out_f * in_f),
+                random(&mut rng, out_f),
+            );
+            let with_bias = rng.random_bool(0.5);
+            for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
+                let round = |v: &[f32]| -> Vec<f32> {
+                    match dtype {
+                        WeightDtype::F32 => v.to_vec(),
+                        WeightDtype::Bf16 => {
+                            v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect()
+                        }
+                    }
+                };
+                let (xr, wr) = (round(&x), round(&w));
+                let layer = DeviceLinear {
+                    weight: DeviceMatrix::upload(
+                        &dev,
+                        &Array2::from_shape_vec((out_f, in_f), w.clone()).unwrap(),
+                        dtype,
+                    )
+                    .unwrap(),
+                    bias: with_bias.then(|| dev.stream.clone_htod(&b).unwrap()),
+                    in_features: in_f,
+                    out_features: out_f,
+                };
+                let x_f32 = dev.stream.clone_htod(&x).unwrap();
+                let mut x_bf16 = dev.stream.alloc_zeros::<bf16>(rows * in_f).unwrap();
+                dev.round_to_bf16(&x_f32, &mut x_bf16).unwrap();
+                let input = match dtype {
+                    WeightDtype::F32 => LinearInput::F32(&x_f32),
+                    WeightDtype::Bf16 => LinearInput::Bf16(&x_bf16),
+                };
+                let mut y = dev.stream.alloc_zeros::<f32>(rows * out_f).unwrap();
+                dev.linear(&blas, input, rows, &layer, &mut y).unwrap();
+                let mut want = vec![0.0f32; rows * out_f];
+                for r in 0..rows {
+                    for o in 0..out_f {
+                        let dot: f64 = (0..in_f)
+                            .map(|i| xr[r * in_f + i] as f64 * wr[o * in_f + i] as f64)
+                            .sum();
+                        let bias = if with_bias { b[o] as f64 } else { 0.0 };
+                        want[r * out_f + o] = (dot + bias) as f32;
+                    }
+                }
+                assert_close(
+                    &format!("linear {dtype:?}"),
+                    &download(&dev, &y),
+                    &want,
+                    1e-5,
+                );
+                if dtype == WeightDtype::Bf16 {
+                    let wrong = dev.linear(&blas, LinearInput::F32(&x_f32), rows, &layer, &mut y);
+                    assert!(wrong.is_err(), "a bf16 projection took f32 input");
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
 #[test]
 fn add_rmsnorm_silu_mul_embedding_and_argmax_equal_their_definitions() {
     let Some(dev) = device() else { return };

@@ -12,7 +12,9 @@
 //! final norm, the logit rows gathered, cuBLAS(rows · Wheadᵀ) → host    [rows, vocab]
 //! ```
 //! Weights and K/V stay on the device; only the step's small arrays go up and the logit rows
-//! come back.
+//! come back. With bf16 weights each projection's input is rounded to bf16 once (one small
+//! kernel per input, shared by q/k/v and by gate/up) and cuBLAS multiplies bf16 by bf16 into
+//! f32 on the tensor cores.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -28,7 +30,7 @@ use ndarray::ArrayView2;
 
 use super::CudaError;
 use super::device::GpuDevice;
-use super::ops::{DeviceScalar, HeadShape, SeqRows};
+use super::ops::{DeviceScalar, HeadShape, LinearInput, SeqRows};
 use super::weights::DeviceWeights;
 
 /// Keys per split-K partition of the decode kernel.
@@ -67,12 +69,13 @@ pub struct CudaExecutor<K: DeviceKv = f32> {
 }
 
 impl<K: DeviceKv> CudaExecutor<K> {
-    /// Uploads the model from `source` to `dev` and allocates as many KV blocks of
-    /// `block_size` positions as `kv_memory` bytes hold.
+    /// Uploads the model from `source` to `dev` (projections and embedding in `weight_dtype`)
+    /// and allocates as many KV blocks of `block_size` positions as `kv_memory` bytes hold.
     pub fn new(
         dev: GpuDevice,
         config: LlamaConfig,
         source: &dyn WeightSource,
+        weight_dtype: ch02::WeightDtype,
         block_size: usize,
         kv_memory: u64,
     ) -> Result<Self, CudaError> {
@@ -93,7 +96,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
                 "a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes"
             )));
         }
-        let weights = DeviceWeights::load(&dev, &config, source)?;
+        let weights = DeviceWeights::load(&dev, &config, source, weight_dtype)?;
         let mut k_cache = Vec::with_capacity(config.num_hidden_layers);
         let mut v_cache = Vec::with_capacity(config.num_hidden_layers);
         for _ in 0..config.num_hidden_layers {
@@ -214,15 +217,26 @@ impl<K: DeviceKv> CudaExecutor<K> {
         let mut attn = zeros(n * heads.q_dim())?;
         let (mut gate, mut up) = (zeros(n * inter)?, zeros(n * inter)?);
         let mut act = zeros(n * inter)?;
-        dev.embedding(&self.weights.embed_tokens, hidden, &tokens, &mut residual)?;
+        // With bf16 weights, each projection input's bf16 rounding, made once per input.
+        let bf16_weights = self.weights.dtype == ch02::WeightDtype::Bf16;
+        let rounded = |len: usize| -> Result<Option<CudaSlice<half::bf16>>, CudaError> {
+            Ok(match bf16_weights {
+                true => Some(dev.stream.alloc_zeros(len)?),
+                false => None,
+            })
+        };
+        let (mut h16, mut attn16) = (rounded(n * hidden)?, rounded(n * heads.q_dim())?);
+        let mut act16 = rounded(n * inter)?;
+        dev.embed(&self.weights.embed_tokens, hidden, &tokens, &mut residual)?;
 
         for (l, layer) in self.weights.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (none before layer 0).
             let previous = (l > 0).then_some(&delta);
             dev.add_rmsnorm(&mut residual, previous, &layer.input_norm, eps, &mut h)?;
-            dev.linear(&self.blas, &h, n, &layer.q, &mut q)?;
-            dev.linear(&self.blas, &h, n, &layer.k, &mut k)?;
-            dev.linear(&self.blas, &h, n, &layer.v, &mut v)?;
+            let x = linear_input(dev, &h, &mut h16)?;
+            dev.linear(&self.blas, x, n, &layer.q, &mut q)?;
+            dev.linear(&self.blas, x, n, &layer.k, &mut k)?;
+            dev.linear(&self.blas, x, n, &layer.v, &mut v)?;
             dev.rope(&mut q, &mut k, &positions, &self.weights.inv_freq, heads)?;
             let (k_cache, v_cache) = (&mut self.k_cache[l], &mut self.v_cache[l]);
             dev.kv_write(&batch, &k, &v, heads.kv_dim(), k_cache, v_cache)?;
@@ -239,12 +253,15 @@ impl<K: DeviceKv> CudaExecutor<K> {
             } else {
                 dev.flash_prefill(&batch, heads, &q, k_cache, v_cache, &mut attn)?;
             }
-            dev.linear(&self.blas, &attn, n, &layer.o, &mut delta)?;
+            let x = linear_input(dev, &attn, &mut attn16)?;
+            dev.linear(&self.blas, x, n, &layer.o, &mut delta)?;
             dev.add_rmsnorm(&mut residual, Some(&delta), &layer.post_norm, eps, &mut h)?;
-            dev.linear(&self.blas, &h, n, &layer.gate, &mut gate)?;
-            dev.linear(&self.blas, &h, n, &layer.up, &mut up)?;
+            let x = linear_input(dev, &h, &mut h16)?;
+            dev.linear(&self.blas, x, n, &layer.gate, &mut gate)?;
+            dev.linear(&self.blas, x, n, &layer.up, &mut up)?;
             dev.silu_mul(&gate, &up, &mut act)?;
-            dev.linear(&self.blas, &act, n, &layer.down, &mut delta)?;
+            let x = linear_input(dev, &act, &mut act16)?;
+            dev.linear(&self.blas, x, n, &layer.down, &mut delta)?;
         }
         dev.add_rmsnorm(&mut residual, Some(&delta), &self.weights.norm, eps, &mut h)?;
 
@@ -263,9 +280,11 @@ impl<K: DeviceKv> CudaExecutor<K> {
         let mut gathered = zeros(wanted.len() * hidden)?;
         dev.embedding(&h, hidden, &wanted_dev, &mut gathered)?;
         let mut logits = zeros(wanted.len() * vocab)?;
+        let mut gathered16 = rounded(wanted.len() * hidden)?;
+        let x = linear_input(dev, &gathered, &mut gathered16)?;
         dev.linear(
             &self.blas,
-            &gathered,
+            x,
             wanted.len(),
             &self.weights.lm_head,
             &mut logits,
@@ -274,6 +293,24 @@ impl<K: DeviceKv> CudaExecutor<K> {
         Ok(())
     }
 }
+
+// ANCHOR: linear_input
+/// `x` as a projection reads it: itself when `rounded` is `None` (f32 weights), else its bf16
+/// rounding, written into `rounded` (which must hold as many elements as `x`).
+fn linear_input<'a>(
+    dev: &GpuDevice,
+    x: &'a CudaSlice<f32>,
+    rounded: &'a mut Option<CudaSlice<half::bf16>>,
+) -> Result<LinearInput<'a>, CudaError> {
+    Ok(match rounded {
+        None => LinearInput::F32(x),
+        Some(r) => {
+            dev.round_to_bf16(x, r)?;
+            LinearInput::Bf16(r)
+        }
+    })
+}
+// ANCHOR_END: linear_input
 
 impl<K: DeviceKv> Executor for CudaExecutor<K> {
     fn kv_layout(&self) -> KvLayout {

@@ -9,6 +9,7 @@ use half::bf16;
 
 use super::CudaError;
 use super::device::GpuDevice;
+use super::weights::{DeviceLinear, DeviceMatrix};
 
 /// An element type of weights or K/V on the device: f32, or bf16 for half the bytes.
 pub trait DeviceScalar:
@@ -39,6 +40,34 @@ impl DeviceTokens {
 
     pub fn is_empty(&self) -> bool {
         self.ids.len() == 0
+    }
+}
+
+/// A projection's input `[rows, in]` in its weights' dtype: the f32 activations, or their bf16
+/// rounding ([`GpuDevice::round_to_bf16`]).
+#[derive(Clone, Copy)]
+pub enum LinearInput<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<bf16>),
+}
+
+impl LinearInput<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            LinearInput::F32(x) => x.len(),
+            LinearInput::Bf16(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> ch02::WeightDtype {
+        match self {
+            LinearInput::F32(_) => ch02::WeightDtype::F32,
+            LinearInput::Bf16(_) => ch02::WeightDtype::Bf16,
+        }
     }
 }
 
@@ -312,6 +341,20 @@ impl GpuDevice {
         // out holds tokens·dim; the argument types match the kernel's signature.
         unsafe { launch.launch(config) }?;
         Ok(())
+    }
+
+    /// [`GpuDevice::embedding`] from a table in either weight dtype.
+    pub fn embed(
+        &self,
+        table: &DeviceMatrix,
+        dim: usize,
+        tokens: &DeviceTokens,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        match table {
+            DeviceMatrix::F32(t) => self.embedding(t, dim, tokens, out),
+            DeviceMatrix::Bf16(t) => self.embedding(t, dim, tokens, out),
+        }
     }
 
     /// `residual += delta` (when given), then `out = rmsnorm(residual) · weight`, row by row.
@@ -673,14 +716,35 @@ struct AttentionArgs {
 }
 
 impl GpuDevice {
-    /// `y = x · Wᵀ (+ bias)`: x `[rows, in]`, W `[out, in]` (row-major), y `[rows, out]`, by one
-    /// cuBLAS SGEMM. Row-major `y` is column-major `yᵀ = W · xᵀ`, so W is passed transposed.
+    /// `out = bf16(x)`, rounding to nearest even: the input of the bf16 projections, made once
+    /// for every projection that reads `x`. x and out: the same length.
+    pub fn round_to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        check_len("bf16 rounding output", out.len(), x.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let count = x.len() as i64;
+        let mut launch = self.stream.launch_builder(self.function("cast_f32_bf16"));
+        launch.arg(x).arg(out).arg(&count);
+        // SAFETY: both buffers hold `count` elements.
+        unsafe { launch.launch(grid_stride(x.len())) }?;
+        Ok(())
+    }
+
+    /// `y = x · Wᵀ (+ bias)`: x `[rows, in]`, W `[out, in]` (row-major), y `[rows, out]` f32, by
+    /// one cuBLAS GEMM: SGEMM for f32 weights; for bf16 weights GemmEx with bf16 x and W, f32
+    /// accumulation and an f32 y (the tensor cores' mode). Row-major `y` is column-major
+    /// `yᵀ = W · xᵀ`, so W is passed transposed. The input's dtype must be the weights'.
     pub fn linear(
         &self,
         blas: &cudarc::cublas::CudaBlas,
-        x: &CudaSlice<f32>,
+        x: LinearInput<'_>,
         rows: usize,
-        layer: &super::weights::DeviceLinear,
+        layer: &DeviceLinear,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
@@ -703,9 +767,23 @@ impl GpuDevice {
             beta: 0.0f32,
             ldc: i32_arg("out_features", out_f)?,
         };
-        // SAFETY: W is [out, in] (out·in elements), x [rows, in], y [rows, out], checked above;
-        // the leading dimensions are the row lengths of those row-major arrays.
-        unsafe { blas.gemm(config, &layer.weight, x, y) }.map_err(CudaError::Cublas)?;
+        match (&layer.weight, x) {
+            // SAFETY: W is [out, in] (out·in elements), x [rows, in], y [rows, out], checked
+            // above; the leading dimensions are the row lengths of those row-major arrays.
+            (DeviceMatrix::F32(w), LinearInput::F32(x)) => {
+                unsafe { blas.gemm(config, w, x, y) }.map_err(CudaError::Cublas)?
+            }
+            (DeviceMatrix::Bf16(w), LinearInput::Bf16(x)) => {
+                self.gemm_bf16_f32(blas, config, w, x, y)?
+            }
+            (w, x) => {
+                return Err(shape(format!(
+                    "a {:?} projection given {:?} input",
+                    w.dtype(),
+                    x.dtype()
+                )));
+            }
+        }
         if let Some(bias) = &layer.bias {
             check_len("bias", bias.len(), out_f)?;
             let (rows_arg, cols) = (rows as i64, i32_arg("out_features", out_f)?);
@@ -715,6 +793,51 @@ impl GpuDevice {
             unsafe { launch.launch(grid_stride(rows * out_f)) }?;
         }
         Ok(())
+    }
+
+    /// cuBLAS GemmEx with bf16 `a` and `b`, an f32 `c` and f32 accumulation (cudarc's bf16
+    /// `gemm` writes a bf16 `c`). The caller checked every length against `config`.
+    fn gemm_bf16_f32(
+        &self,
+        blas: &cudarc::cublas::CudaBlas,
+        config: cudarc::cublas::GemmConfig<f32>,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        c: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::{result, sys};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let (alpha, beta) = (config.alpha, config.beta);
+        let (a, _a_in_use) = a.device_ptr(&self.stream);
+        let (b, _b_in_use) = b.device_ptr(&self.stream);
+        let (c, _c_in_use) = c.device_ptr_mut(&self.stream);
+        // SAFETY: the three pointers are live device buffers on the handle's stream (the guards
+        // above record their use) whose lengths the caller checked against m, n, k and the
+        // leading dimensions; alpha and beta are f32, as CUBLAS_COMPUTE_32F reads them.
+        unsafe {
+            result::gemm_ex(
+                *blas.handle(),
+                config.transa,
+                config.transb,
+                config.m,
+                config.n,
+                config.k,
+                (&alpha) as *const f32 as *const _,
+                a as *const _,
+                sys::cudaDataType_t::CUDA_R_16BF,
+                config.lda,
+                b as *const _,
+                sys::cudaDataType_t::CUDA_R_16BF,
+                config.ldb,
+                (&beta) as *const f32 as *const _,
+                c as *mut _,
+                sys::cudaDataType_t::CUDA_R_32F,
+                config.ldc,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(CudaError::Cublas)
     }
 
     /// Copies block `from` to block `to` in one layer's K and V caches

@@ -1,17 +1,60 @@
-//! A Llama's weights in device memory, f32, read from any chapter 1 [`WeightSource`] under the
-//! Hugging Face names (the names `Llama::from_source` reads).
+//! A Llama's weights in device memory, f32 (exact, for the tests against the CPU) or bf16 (half
+//! the bytes each decode step streams), read from any chapter 1 [`WeightSource`] under the
+//! Hugging Face names (the names `Llama::from_source` reads). Norm weights and biases stay f32.
 
 use ch01::{DenseLinear, LinearSpec, LlamaConfig, WeightSource};
+use ch02::WeightDtype;
 use cudarc::driver::CudaSlice;
+use half::bf16;
 use ndarray::Array2;
 
 use super::CudaError;
 use super::device::GpuDevice;
 
+/// A matrix in device memory, in the dtype its weights were uploaded in.
+pub enum DeviceMatrix {
+    F32(CudaSlice<f32>),
+    /// Rounded to nearest even at upload; products accumulate in f32.
+    Bf16(CudaSlice<bf16>),
+}
+
+impl DeviceMatrix {
+    /// Uploads `m` (any layout) in `dtype`.
+    pub fn upload(dev: &GpuDevice, m: &Array2<f32>, dtype: WeightDtype) -> Result<Self, CudaError> {
+        let m = m.as_standard_layout();
+        let values = m.as_slice().expect("standard layout");
+        Ok(match dtype {
+            WeightDtype::F32 => DeviceMatrix::F32(dev.stream.clone_htod(values)?),
+            WeightDtype::Bf16 => {
+                let rounded: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+                DeviceMatrix::Bf16(dev.stream.clone_htod(&rounded)?)
+            }
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceMatrix::F32(m) => m.len(),
+            DeviceMatrix::Bf16(m) => m.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> WeightDtype {
+        match self {
+            DeviceMatrix::F32(_) => WeightDtype::F32,
+            DeviceMatrix::Bf16(_) => WeightDtype::Bf16,
+        }
+    }
+}
+
 /// One projection on the device. Invariant: `weight` holds `out_features · in_features` values
 /// (`[out, in]`, row-major, as Hugging Face stores it), `bias` `out_features` when present.
 pub struct DeviceLinear {
-    pub weight: CudaSlice<f32>,
+    pub weight: DeviceMatrix,
     pub bias: Option<CudaSlice<f32>>,
     pub in_features: usize,
     pub out_features: usize,
@@ -29,9 +72,11 @@ pub struct DeviceLayer {
     pub down: DeviceLinear,
 }
 
-/// Every weight of the model on one device.
+/// Every weight of the model on one device. Invariant: every projection and the embedding table
+/// are stored in `dtype`.
 pub struct DeviceWeights {
-    pub embed_tokens: CudaSlice<f32>, // [vocab, hidden]
+    pub dtype: WeightDtype,
+    pub embed_tokens: DeviceMatrix, // [vocab, hidden]
     pub layers: Vec<DeviceLayer>,
     pub norm: CudaSlice<f32>,
     pub lm_head: DeviceLinear, // hidden → vocab
@@ -39,20 +84,14 @@ pub struct DeviceWeights {
     pub inv_freq: CudaSlice<f32>,
 }
 
-fn upload_matrix(dev: &GpuDevice, m: &Array2<f32>) -> Result<CudaSlice<f32>, CudaError> {
-    let m = m.as_standard_layout();
-    Ok(dev
-        .stream
-        .clone_htod(m.as_slice().expect("standard layout"))?)
-}
-
 impl DeviceWeights {
-    /// Reads and uploads every weight. Errors: a missing or misshapen tensor (from the source),
-    /// a device allocation that fails.
+    /// Reads and uploads every weight, the projections and the embedding table in `dtype`.
+    /// Errors: a missing or misshapen tensor (from the source), a device allocation that fails.
     pub fn load(
         dev: &GpuDevice,
         config: &LlamaConfig,
         source: &dyn WeightSource,
+        dtype: WeightDtype,
     ) -> Result<DeviceWeights, CudaError> {
         let c = config;
         let load_err = |e: ch01::Error| CudaError::Weights(e.to_string());
@@ -65,7 +104,7 @@ impl DeviceWeights {
             let dense = DenseLinear::load(source, &LinearSpec::whole(name, in_f, out_f, bias))
                 .map_err(load_err)?;
             Ok::<_, CudaError>(DeviceLinear {
-                weight: upload_matrix(dev, dense.weight())?,
+                weight: DeviceMatrix::upload(dev, dense.weight(), dtype)?,
                 bias: match dense.bias() {
                     Some(b) => Some(dev.stream.clone_htod(b.as_slice().expect("contiguous"))?),
                     None => None,
@@ -109,7 +148,8 @@ impl DeviceWeights {
         let rope = ch01::rope::Rope::from_config(c);
         let inv_freq: Vec<f32> = rope.inv_freq().iter().map(|&f| f as f32).collect();
         Ok(DeviceWeights {
-            embed_tokens: upload_matrix(dev, &embed)?,
+            dtype,
+            embed_tokens: DeviceMatrix::upload(dev, &embed, dtype)?,
             layers,
             norm: norm("model.norm.weight")?,
             lm_head: linear(head, hidden, c.vocab_size, false)?,
