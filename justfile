@@ -167,7 +167,7 @@ serve *args:
 generate prompt="ROMEO." *args:
     cargo run --release -- generate --prompt "{{prompt}}" {{args}}
 
-# Chapter 7 part 2 on a GPU box: every CUDA kernel against its CPU twin, the engine on the GPU against the CPU, then the attention kernels timed beside torch's SDPA (skips, saying why, without a GPU). KILN_GPU_BINS=folder runs binaries built elsewhere.
+# Chapter 7 part 2 on a GPU box: every CUDA kernel against its CPU twin, the engine, forward and perplexity on the GPU against the CPU, the attention kernels timed beside torch's SDPA, the model end to end beside transformers and `kiln serve --device cuda` under load (skips, saying why, without a GPU). KILN_GPU_BINS=folder runs binaries built elsewhere; KILN_GPU_QUICK=1 skips the last two.
 gpu-check out="target/gpu-check":
     bash fixtures/scripts/gpu_check.sh {{out}}
 

@@ -14,7 +14,12 @@
 //! ```
 //! Writes `memory`, `traffic`, `prefill`, `decode` (`.md` + `.svg`; also `traffic-tiles.svg`)
 //! into `book/src/ch07/` (or `--out`).
+//!
+//! `--device cuda` runs the GPU part instead ([`gpu`]): the model end to end on the GPU beside
+//! transformers, written to `gpu-e2e` (the attention kernels' GPU timings are
+//! `just gpu-check`'s).
 
+mod gpu;
 mod measure;
 
 use ch07::traffic;
@@ -37,6 +42,14 @@ pub struct Args {
     /// Contexts of the decode part, comma-separated [default: 256 … 32768].
     #[arg(long, value_delimiter = ',', value_name = "T,..")]
     pub decode_lengths: Vec<usize>,
+    /// `cuda` or `cuda:N`: run the model end to end on that GPU (batch-1 decode, continuous
+    /// batching at 32 and 64) beside transformers, instead of the CPU parts.
+    #[arg(long, value_parser = crate::commands::parse_device)]
+    pub device: Option<ch07::cuda::DeviceSpec>,
+    /// The GPU part's Hugging Face checkpoint [default: target/llama-1b-random, a Llama-1B-shaped
+    /// random bf16 checkpoint, written when missing].
+    #[arg(long, value_name = "DIR", requires = "device")]
+    pub model: Option<std::path::PathBuf>,
 }
 
 /// A part of the benchmark.
@@ -98,6 +111,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         plan.prefill.iter().chain(&plan.decode).all(|&t| t >= 1),
         "lengths must be at least 1"
     );
+    if let Some(device) = args.device.filter(|d| *d != ch07::cuda::DeviceSpec::Cpu) {
+        let (markdown, svg) = gpu::run(device, args.model, args.output.quick, reps, &facts)?;
+        println!("{markdown}");
+        return write_figures(&out, &[("gpu-e2e", Some(&markdown), &svg)]);
+    }
     let threads = rayon::current_num_threads();
     let caption = format!(
         "_{}. Command: `{}`._",
