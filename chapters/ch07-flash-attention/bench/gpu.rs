@@ -125,17 +125,20 @@ pub fn run(
         "output tokens/s",
         "decode tokens/s (batch 1)",
     ]);
-    for &(batch, s) in &kiln {
-        table.row([
-            "kiln (chapter 7, CUDA)".to_string(),
+    let row = |table: &mut Table, engine: &str, batch: usize, s: Served| {
+        let decode = match batch {
+            1 => format!("{:.0}", s.decode_tok_s),
+            _ => "-".into(),
+        };
+        let cells = [
+            engine.to_string(),
             batch.to_string(),
             format!("{:.0}", s.output_tok_s),
-            if batch == 1 {
-                format!("{:.0}", s.decode_tok_s)
-            } else {
-                "-".into()
-            },
-        ]);
+        ];
+        table.row(cells.into_iter().chain([decode]));
+    };
+    for &(batch, s) in &kiln {
+        row(&mut table, "kiln (chapter 7, CUDA)", batch, s);
     }
     let mut verdicts = Vec::new();
     let kiln_b1 = kiln
@@ -151,16 +154,7 @@ pub fn run(
     match &peer {
         Ok(rows) => {
             for &(batch, s) in rows {
-                table.row([
-                    "transformers, static cache".to_string(),
-                    batch.to_string(),
-                    format!("{:.0}", s.output_tok_s),
-                    if batch == 1 {
-                        format!("{:.0}", s.decode_tok_s)
-                    } else {
-                        "-".into()
-                    },
-                ]);
+                row(&mut table, "transformers, static cache", batch, s);
             }
             let peer32 = rows
                 .iter()

@@ -24,6 +24,20 @@ fn fixture(name: &str) -> PathBuf {
     ch01::fixtures_dir().join(name)
 }
 
+/// Whether a CUDA driver is there; without one the test says it skipped, unless
+/// `KILN_REQUIRE_GPU` is set, which makes that a failure.
+fn gpu_present() -> bool {
+    if !driver_present() {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
+            "KILN_REQUIRE_GPU is set but no CUDA driver can be loaded"
+        );
+        eprintln!("skipped: no CUDA driver on this machine");
+        return false;
+    }
+    true
+}
+
 /// Runs each step on both executors and keeps the largest difference of their logits.
 struct Twin<'m> {
     cpu: CpuExecutor<'m, f32>,
@@ -63,12 +77,7 @@ impl Executor for Twin<'_> {
 
 #[test]
 fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
-    if !driver_present() {
-        assert!(
-            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
-            "KILN_REQUIRE_GPU is set but no CUDA driver can be loaded"
-        );
-        eprintln!("skipped: no CUDA driver on this machine");
+    if !gpu_present() {
         return;
     }
     for name in ["shakespeare-tiny", "shakespeare-small"] {
@@ -138,12 +147,7 @@ fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
 /// Shakespeare model (head size 32) on the CUDA-core kernel.
 #[test]
 fn bf16_weights_and_kv_on_the_gpu_stay_within_1e_2_of_the_cpu() {
-    if !driver_present() {
-        assert!(
-            std::env::var_os("KILN_REQUIRE_GPU").is_none(),
-            "KILN_REQUIRE_GPU is set but no CUDA driver can be loaded"
-        );
-        eprintln!("skipped: no CUDA driver on this machine");
+    if !gpu_present() {
         return;
     }
     let random = std::env::temp_dir().join(format!("kiln-gpu-d64-{}", std::process::id()));
