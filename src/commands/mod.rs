@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use ch01::linear::LinearLoader;
-use ch01::{Llama, Tokenizer};
+use ch01::{Llama, LlamaConfig, Tokenizer};
 use ch07::cuda::DeviceSpec;
 
 /// `--model DIR|FILE.gguf`, shared by every command that loads a model.
@@ -63,6 +63,27 @@ pub struct LoadedModel {
     pub format: ModelFormat,
 }
 
+/// What the host needs of a model whose weights run elsewhere (a GPU): no weights.
+pub struct HostSide {
+    pub config: LlamaConfig,
+    pub tokenizer: Tokenizer,
+    pub eos_token_ids: Vec<u32>,
+    pub format: ModelFormat,
+}
+
+impl LoadedModel {
+    /// The weights, and the rest.
+    pub fn into_parts(self) -> (Llama, HostSide) {
+        let host = HostSide {
+            config: self.model.config.clone(),
+            tokenizer: self.tokenizer,
+            eos_token_ids: self.eos_token_ids,
+            format: self.format,
+        };
+        (self.model, host)
+    }
+}
+
 /// How a model is stored on disk.
 pub enum ModelFormat {
     /// A Hugging Face directory; its chat template is in its files.
@@ -105,6 +126,27 @@ impl ModelArgs {
     /// host copy of the weights.
     pub fn load_on_host(&self) -> anyhow::Result<LoadedModel> {
         self.load_with(&*self.loader()?)
+    }
+
+    /// The configuration and tokenizer of a Hugging Face directory, reading none of its weights:
+    /// what the host keeps when an executor loads the weights onto a GPU.
+    pub fn load_host_side(&self) -> anyhow::Result<HostSide> {
+        let path = &self.model;
+        if self.is_gguf() {
+            bail!(
+                "{}: the GPU path reads a Hugging Face directory, not a GGUF file",
+                path.display()
+            );
+        }
+        let context = || format!("loading model from {}", path.display());
+        let config = LlamaConfig::from_dir(path).with_context(context)?;
+        let (tokenizer, eos_token_ids) = hf_tokenizer(path, &config).with_context(context)?;
+        Ok(HostSide {
+            config,
+            tokenizer,
+            eos_token_ids,
+            format: ModelFormat::HfDir,
+        })
     }
 
     /// The kind of projection `--dtype` and `--quantization` ask for.
@@ -255,13 +297,7 @@ impl ModelArgs {
             });
         }
         let model = Llama::load_with(path, loader).with_context(context)?;
-        let tokenizer = Tokenizer::from_dir(path).with_context(context)?;
-        let mut eos_token_ids = ch01::eos_token_ids(path, &model.config).with_context(context)?;
-        if let Some(eos) = tokenizer.eos_token_id()
-            && !eos_token_ids.contains(&eos)
-        {
-            eos_token_ids.push(eos);
-        }
+        let (tokenizer, eos_token_ids) = hf_tokenizer(path, &model.config).with_context(context)?;
         Ok(LoadedModel {
             model,
             tokenizer,
@@ -269,6 +305,22 @@ impl ModelArgs {
             format: ModelFormat::HfDir,
         })
     }
+}
+
+/// A Hugging Face directory's tokenizer, and the ids that end generation: the config's and
+/// generation config's, and the tokenizer's own EOS.
+fn hf_tokenizer(
+    path: &std::path::Path,
+    config: &LlamaConfig,
+) -> anyhow::Result<(Tokenizer, Vec<u32>)> {
+    let tokenizer = Tokenizer::from_dir(path)?;
+    let mut eos_token_ids = ch01::eos_token_ids(path, config)?;
+    if let Some(eos) = tokenizer.eos_token_id()
+        && !eos_token_ids.contains(&eos)
+    {
+        eos_token_ids.push(eos);
+    }
+    Ok((tokenizer, eos_token_ids))
 }
 
 /// Parses a memory size: a number of bytes, or a number with a unit: KB, MB, GB (powers of

@@ -12,7 +12,8 @@ use ch08::auth::ApiKeys;
 use ch08::chat_template::ChatTemplate;
 use ch08::rate_limit::RateLimit;
 use ch08::{
-    ConnectionLimits, ExecutorFactory, ServedModel, Server, ServerConfig, SpeculatorFactory,
+    ConnectionLimits, ExecutorFactory, ServedModel, ServedWeights, Server, ServerConfig,
+    SpeculatorFactory,
 };
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
@@ -115,28 +116,33 @@ fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {
 }
 
 pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
-    // On a GPU the host keeps the tokenizer and the configuration (and, for now, a host copy of
-    // the weights); the engine thread's executor reads the weights again, onto the device.
-    let on_gpu = matches!(args.model.device, DeviceSpec::Cuda(_));
-    let loaded = pool.install(|| {
-        if on_gpu {
-            args.model.load_on_host()
-        } else {
-            args.model.load()
-        }
+    // On a GPU the host keeps the tokenizer and the configuration only; the engine thread's
+    // executor reads the weights from --model straight onto the device.
+    let (host, weights) = pool.install(|| -> anyhow::Result<_> {
+        Ok(match args.model.device {
+            DeviceSpec::Cuda(_) => {
+                let host = args.model.load_host_side()?;
+                let config = host.config.clone();
+                (host, ServedWeights::Elsewhere(config))
+            }
+            DeviceSpec::Cpu => {
+                let (model, host) = args.model.load()?.into_parts();
+                (host, ServedWeights::Host(Arc::new(model)))
+            }
+        })
     })?;
     let path = &args.model.model;
-    let chat_template = match &loaded.format {
+    let chat_template = match &host.format {
         ModelFormat::HfDir => ChatTemplate::from_model_dir(path),
         ModelFormat::Gguf { chat_template } => chat_template
             .as_deref()
             .map(|source| {
                 let token =
-                    |id: Option<u32>| id.and_then(|id| loaded.tokenizer.inner().id_to_token(id));
+                    |id: Option<u32>| id.and_then(|id| host.tokenizer.inner().id_to_token(id));
                 ChatTemplate::from_source(
                     source,
-                    token(loaded.tokenizer.bos_token_id()),
-                    token(loaded.tokenizer.eos_token_id()),
+                    token(host.tokenizer.bos_token_id()),
+                    token(host.tokenizer.eos_token_id()),
                 )
             })
             .transpose(),
@@ -147,7 +153,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| args.model.name());
     let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
-    let cache = args.kv.cache(&loaded.model.config, &args.model.dtype)?;
+    let cache = args.kv.cache(weights.config(), &args.model.dtype)?;
     anyhow::ensure!(
         args.max_connections >= 1 && args.max_prompts_per_request >= 1,
         "--max-connections and --max-prompts-per-request must be at least 1"
@@ -178,17 +184,20 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
                 eprintln!("kiln serve: {record}");
             }))
         }),
-        speculator: speculator_factory(&args, &loaded.model, cache.block_size)?,
+        speculator: match &weights {
+            ServedWeights::Host(model) => speculator_factory(&args, model, cache.block_size)?,
+            ServedWeights::Elsewhere(_) => None, // refused by executor_factory
+        },
         executor: executor_factory(&args)?,
         allowed_origins: args.allowed_origins.clone(),
         ..ServerConfig::default()
     };
     let has_template = chat_template.is_some();
     let served = ServedModel {
-        model: Arc::new(loaded.model),
-        tokenizer: Arc::new(loaded.tokenizer),
+        weights,
+        tokenizer: Arc::new(host.tokenizer),
         chat_template,
-        eos_token_ids: loaded.eos_token_ids,
+        eos_token_ids: host.eos_token_ids,
     };
     let engine_pool = Arc::clone(&pool);
     let server = Server::new(served, cache, keys.clone(), config, move |f| {
@@ -311,9 +320,9 @@ fn executor_factory(args: &Args) -> anyhow::Result<Option<ExecutorFactory>> {
             args.model.device
         );
         let model = args.model.clone();
-        return Ok(Some(ExecutorFactory(Arc::new(move |whole, cache| {
+        return Ok(Some(ExecutorFactory(Arc::new(move |config, cache| {
             model
-                .gpu_executor(&whole.config, cache)
+                .gpu_executor(config, cache)
                 .map_err(|e| format!("{e:#}"))
         }))));
     }
@@ -322,7 +331,7 @@ fn executor_factory(args: &Args) -> anyhow::Result<Option<ExecutorFactory>> {
     }
     let model = args.model.clone();
     let attention = args.attention.kind();
-    Ok(Some(ExecutorFactory(Arc::new(move |_whole, cache| {
+    Ok(Some(ExecutorFactory(Arc::new(move |_config, cache| {
         tp.tensor_parallel_executor(&model, cache, attention)
             .map_err(|e| format!("{e:#}"))
     }))))

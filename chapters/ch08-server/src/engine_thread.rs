@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::dashboard::{EngineSnapshot, History};
 use crate::metrics::{EngineGauges, Metrics};
-use crate::server::{ExecutorFactory, SpeculatorFactory};
+use crate::server::{ExecutorFactory, ServedWeights, SpeculatorFactory};
 
 // ANCHOR: event
 /// What the engine sends a request's handler.
@@ -170,15 +170,23 @@ impl EngineThread {
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, EngineError> {
         Self::spawn_with(
-            model, cache, config, attention, None, None, metrics, install,
+            ServedWeights::Host(model),
+            cache,
+            config,
+            attention,
+            None,
+            None,
+            metrics,
+            install,
         )
     }
 
-    /// [`EngineThread::spawn`], with the speculator `speculator` builds (chapter 6) and the
-    /// executor `executor` builds (chapter 8's ranks).
+    /// [`EngineThread::spawn`] over `weights`, with the speculator `speculator` builds
+    /// (chapter 6) and the executor `executor` builds (chapter 8's ranks, chapter 7's GPU).
+    /// Weights not in host memory need an executor factory and no speculator.
     #[allow(clippy::too_many_arguments)]
     pub fn spawn_with(
-        model: Arc<Llama>,
+        weights: ServedWeights,
         cache: CacheConfig,
         config: EngineConfig,
         attention: AttentionKind,
@@ -197,7 +205,7 @@ impl EngineThread {
                 let _alive = guard;
                 install(Box::new(move || {
                     let factories = (speculator.as_ref(), executor.as_ref());
-                    match start_engine(&model, &cache, config, attention, factories) {
+                    match start_engine(&weights, &cache, config, attention, factories) {
                         Ok(engine) => {
                             let _ = started.send(Ok(engine.scheduler().max_request_tokens()));
                             run(engine, receiver, &metrics);
@@ -251,23 +259,35 @@ struct Route {
     events: mpsc::UnboundedSender<Event>,
 }
 
-/// The engine over a CPU executor with the KV memory `cache` (backed at start-up: see
-/// [`ch07::populated_cpu_executor`]) and the `attention` backend.
+/// The engine over the executor `executor` builds, else a CPU executor over the host weights,
+/// with the KV memory `cache` (backed at start-up: see [`ch07::populated_cpu_executor`]) and the
+/// `attention` backend.
 fn start_engine<'m>(
-    model: &'m Llama,
+    weights: &'m ServedWeights,
     cache: &CacheConfig,
     config: EngineConfig,
     attention: AttentionKind,
     (speculator, executor): (Option<&SpeculatorFactory>, Option<&ExecutorFactory>),
 ) -> Result<Engine<'m>, EngineError> {
-    let executor = match executor {
-        Some(factory) => (factory.0)(model, cache).map_err(EngineError::Config)?,
-        None => ch07::populated_cpu_executor(model, cache, attention)?,
+    let not_on_host = |what: &str| {
+        EngineError::Config(format!(
+            "{what} needs the weights in host memory; they were left to an executor factory"
+        ))
+    };
+    let executor = match (executor, weights) {
+        (Some(factory), _) => (factory.0)(weights.config(), cache).map_err(EngineError::Config)?,
+        (None, ServedWeights::Host(model)) => {
+            ch07::populated_cpu_executor(model, cache, attention)?
+        }
+        (None, ServedWeights::Elsewhere(_)) => return Err(not_on_host("the CPU executor")),
     };
     let engine = Engine::boxed(executor, config)?;
-    Ok(match speculator {
-        Some(factory) => engine.with_speculator((factory.0)(model).map_err(EngineError::Config)?),
-        None => engine,
+    Ok(match (speculator, weights) {
+        (Some(factory), ServedWeights::Host(model)) => {
+            engine.with_speculator((factory.0)(model).map_err(EngineError::Config)?)
+        }
+        (Some(_), ServedWeights::Elsewhere(_)) => return Err(not_on_host("a speculator")),
+        (None, _) => engine,
     })
 }
 

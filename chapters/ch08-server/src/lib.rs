@@ -55,5 +55,6 @@ pub mod tools;
 
 pub use connections::ConnectionLimits;
 pub use server::{
-    ExecutorFactory, ServedModel, Server, ServerConfig, ServerError, SpeculatorFactory,
+    ExecutorFactory, ServedModel, ServedWeights, Server, ServerConfig, ServerError,
+    SpeculatorFactory,
 };

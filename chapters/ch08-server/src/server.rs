@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{get, post};
-use ch01::{Llama, Tokenizer};
+use ch01::{Llama, LlamaConfig, Tokenizer};
 use ch04::{CacheConfig, EngineConfig, EngineError};
 use ch07::AttentionKind;
 use tokio::net::TcpListener;
@@ -24,9 +24,28 @@ use crate::rate_limit::{RateLimit, RateLimiter};
 use crate::routes::{self, unix_now};
 use crate::state::AppState;
 
+/// Where the served model's weights are.
+#[derive(Clone)]
+pub enum ServedWeights {
+    /// In host memory: the CPU executor runs them, and a speculator can draft with them.
+    Host(Arc<Llama>),
+    /// Not on the host: the server's [`ExecutorFactory`] loads them where they run (a GPU), and
+    /// the host keeps only the configuration rather than a second copy of the weights.
+    Elsewhere(LlamaConfig),
+}
+
+impl ServedWeights {
+    pub fn config(&self) -> &LlamaConfig {
+        match self {
+            ServedWeights::Host(model) => &model.config,
+            ServedWeights::Elsewhere(config) => config,
+        }
+    }
+}
+
 /// The model a server serves, loaded.
 pub struct ServedModel {
-    pub model: Arc<Llama>,
+    pub weights: ServedWeights,
     pub tokenizer: Arc<Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
     pub eos_token_ids: Vec<u32>,
@@ -48,16 +67,14 @@ impl std::fmt::Debug for SpeculatorFactory {
     }
 }
 
-/// Builds the engine's executor in the engine thread, instead of the CPU executor over the
-/// served model (chapter 8's tensor-parallel ranks; the server knows no ranks).
+/// Builds the engine's executor in the engine thread from the model's configuration, instead
+/// of the CPU executor over host weights (chapter 8's tensor-parallel ranks, chapter 7's GPU;
+/// the server knows neither). The executor owns whatever weights it loads.
 #[derive(Clone)]
 #[allow(clippy::type_complexity)]
 pub struct ExecutorFactory(
     pub  Arc<
-        dyn for<'m> Fn(
-                &'m Llama,
-                &CacheConfig,
-            ) -> Result<Box<dyn ch04::Executor + Send + 'm>, String>
+        dyn Fn(&LlamaConfig, &CacheConfig) -> Result<Box<dyn ch04::Executor + Send>, String>
             + Send
             + Sync,
     >,
@@ -184,7 +201,7 @@ impl Server {
         install: impl FnOnce(Box<dyn FnOnce() + Send>) + Send + 'static,
     ) -> Result<Self, ServerError> {
         // ANCHOR: startup_checks
-        let model_len = served.model.config.max_position_embeddings;
+        let model_len = served.weights.config().max_position_embeddings;
         let max_model_len = config.max_model_len.unwrap_or(model_len);
         if max_model_len > model_len || max_model_len == 0 {
             return Err(ServerError::MaxModelLen {
@@ -210,8 +227,9 @@ impl Server {
             });
         }
         let metrics = Arc::new(Metrics::new(&config.served_model_name));
+        let vocab_size = served.weights.config().vocab_size;
         let engine = EngineThread::spawn_with(
-            Arc::clone(&served.model),
+            served.weights,
             cache,
             config.engine,
             config.attention,
@@ -232,7 +250,7 @@ impl Server {
             limits: Limits {
                 max_model_len,
                 eos_token_ids: served.eos_token_ids,
-                vocab_size: served.model.config.vocab_size,
+                vocab_size,
                 max_prompts: config.max_prompts.max(1),
                 max_token_bytes: crate::params::max_token_bytes(&served.tokenizer),
             },

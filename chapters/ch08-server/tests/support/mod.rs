@@ -13,7 +13,7 @@ use ch04::{CacheConfig, CpuExecutor, Engine, EngineConfig, FinishReason, Request
 use ch08_server::auth::ApiKeys;
 use ch08_server::chat_template::ChatTemplate;
 use ch08_server::state::AppState;
-use ch08_server::{ServedModel, Server, ServerConfig, ServerError};
+use ch08_server::{ServedModel, ServedWeights, Server, ServerConfig, ServerError};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -143,7 +143,7 @@ pub fn build(setup: Setup) -> Result<Server, ServerError> {
     let mut config = setup.config;
     config.engine.enable_prefix_caching = setup.prefix_caching;
     let served = ServedModel {
-        model: Arc::clone(&loaded.model),
+        weights: ServedWeights::Host(Arc::clone(&loaded.model)),
         tokenizer: Arc::clone(&loaded.tokenizer),
         chat_template: ChatTemplate::from_model_dir(&dir).unwrap(),
         eos_token_ids: loaded.eos_token_ids.clone(),
