@@ -6,8 +6,6 @@ use std::path::PathBuf;
 use anyhow::Context;
 use safetensors::{Dtype, tensor::TensorView};
 
-use ch07::cuda::DeviceSpec;
-
 use super::ModelArgs;
 use super::prompt_step::{cache_for, prompt_logits};
 
@@ -24,19 +22,14 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let logits_on_gpu = matches!(args.model.device, DeviceSpec::Cuda(_));
-    let loaded = match logits_on_gpu {
-        false => args.model.load()?,
-        true => args.model.load_on_host()?,
-    };
-    let tokens = loaded.tokenizer.encode(&args.prompt, true)?;
-    let logits = match logits_on_gpu {
-        false => loaded.model.forward(&tokens)?, // [T, vocab]
-        true => {
-            // The prompt as one prefill step on the GPU executor, f32 K/V.
-            let config = &loaded.model.config;
-            let cache = cache_for(config, tokens.len(), ch03::KvDtype::F32);
-            let mut executor = args.model.gpu_executor(config, &cache)?;
+    let (host, model) = args.model.load_for_device()?;
+    let tokens = host.tokenizer.encode(&args.prompt, true)?;
+    let logits = match model {
+        Some(model) => model.forward(&tokens)?, // [T, vocab]
+        None => {
+            // On a GPU: the prompt as one prefill step through its executor, f32 K/V.
+            let cache = cache_for(&host.config, tokens.len(), ch03::KvDtype::F32);
+            let mut executor = args.model.gpu_executor(&host.config, &cache)?;
             prompt_logits(&mut *executor, &tokens)?
         }
     };

@@ -8,14 +8,14 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
-use ch01::{FinishReason, GenerateOptions, OutputText, SamplingParams};
+use ch01::{FinishReason, GenerateOptions, Llama, OutputText, SamplingParams};
 use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
 use super::speculative_args::{self, SpeculativeArgs};
 use super::tensor_parallel::TensorParallelArgs;
-use super::{LoadedModel, ModelArgs};
+use super::{HostSide, ModelArgs};
 use ch07::cuda::DeviceSpec;
 
 #[derive(clap::Args, Debug)]
@@ -100,7 +100,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous"
         );
     }
-    let loaded = args.model.load_on_host()?;
+    // On a GPU the host reads no weights: the executor loads them onto the device.
+    let (host, model) = args.model.load_for_device()?;
     let seed = args.seed.unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -121,20 +122,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
-        eos_token_ids: loaded.eos_token_ids.clone(),
+        eos_token_ids: host.eos_token_ids.clone(),
     };
     options.sampling.validate()?;
-    match (&args.prompt, prompts) {
+    let model = model.as_ref();
+    match (&args.prompt, prompts, model) {
         // Speculation, tensor parallelism and a GPU run on the engine, even for one prompt.
-        (Some(prompt), None)
-            if args.speculative.method()?.is_some()
-                || args.tensor_parallel.is_parallel()
-                || args.model.device != DeviceSpec::Cpu =>
+        (Some(prompt), None, Some(model))
+            if args.speculative.method()?.is_none() && !args.tensor_parallel.is_parallel() =>
         {
-            run_many(&args, std::slice::from_ref(prompt), &loaded, &options)
+            run_one(&args, prompt, model, &host, &options)
         }
-        (Some(prompt), None) => run_one(&args, prompt, &loaded, &options),
-        (None, Some(prompts)) => run_many(&args, &prompts, &loaded, &options),
+        (Some(prompt), None, _) => {
+            run_many(&args, std::slice::from_ref(prompt), model, &host, &options)
+        }
+        (None, Some(prompts), _) => run_many(&args, &prompts, model, &host, &options),
         _ => unreachable!("clap requires exactly one of --prompt and --prompts-file"),
     }
 }
@@ -143,11 +145,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 fn run_one(
     args: &Args,
     prompt: &str,
-    loaded: &LoadedModel,
+    model: &Llama,
+    host: &HostSide,
     options: &GenerateOptions,
 ) -> anyhow::Result<()> {
     let seed = options.sampling.seed;
-    let prompt_tokens = loaded.tokenizer.encode(prompt, true)?;
+    let prompt_tokens = host.tokenizer.encode(prompt, true)?;
     eprintln!(
         "kiln: {} | prompt {} tokens | seed {seed}",
         args.model.model.display(),
@@ -157,7 +160,7 @@ fn run_one(
     // Chapter 3's paged pool, checked before anything is printed.
     let mut paged = None;
     if !(args.recompute || args.contiguous) {
-        let config = &loaded.model.config;
+        let config = &model.config;
         // Chapter 3's pool stores f32, so `auto` means f32 here whatever the weights' dtype.
         let cache = args.kv.cache(config, "f32")?;
         if cache.dtype != KvDtype::F32 {
@@ -190,7 +193,7 @@ fn run_one(
             write_error.get_or_insert(e);
         }
     };
-    let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
+    let tokenizer = &host.tokenizer;
     let generation = if args.recompute {
         ch01::generate(model, tokenizer, &prompt_tokens, options, &mut on_text)?
     } else if args.contiguous {
@@ -254,32 +257,41 @@ fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
     Ok(prompts)
 }
 
-/// Every prompt at once through chapter 4's engine; the completions in line order.
+/// Every prompt at once through chapter 4's engine; the completions in line order. `model`:
+/// the host weights (`None` on a GPU, whose executor loads its own).
 fn run_many(
     args: &Args,
     prompts: &[String],
-    loaded: &LoadedModel,
+    model: Option<&Llama>,
+    host: &HostSide,
     options: &GenerateOptions,
 ) -> anyhow::Result<()> {
-    let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
-    let cache = args.kv.cache(&model.config, &args.model.dtype)?;
+    let tokenizer = &host.tokenizer;
+    let cache = args.kv.cache(&host.config, &args.model.dtype)?;
     let attention = args.attention.kind();
-    let executor = match args.model.device {
-        DeviceSpec::Cpu => args
-            .tensor_parallel
-            .executor(&args.model, model, &cache, attention)?,
-        DeviceSpec::Cuda(_)
+    let executor = match (args.model.device, model) {
+        (DeviceSpec::Cuda(_), _)
             if args.speculative.method()?.is_some() || args.tensor_parallel.is_parallel() =>
         {
             anyhow::bail!("speculative decoding and tensor parallelism do not run on the GPU yet")
         }
-        DeviceSpec::Cuda(_) => args.model.gpu_executor(&model.config, &cache)?,
+        (DeviceSpec::Cuda(_), _) => args.model.gpu_executor(&host.config, &cache)?,
+        (DeviceSpec::Cpu, Some(model)) => {
+            args.tensor_parallel
+                .executor(&args.model, model, &cache, attention)?
+        }
+        (DeviceSpec::Cpu, None) => anyhow::bail!("the CPU executor needs the host weights"),
     };
-    let draft = args.speculative.load_draft(&args.model.dtype, model)?;
+    // The draft model lives as long as the engine that borrows it.
+    let draft = match model {
+        Some(model) => args.speculative.load_draft(&args.model.dtype, model)?,
+        None => None,
+    };
     let mut engine = Engine::boxed(executor, args.engine.config())?;
-    if let Some(speculator) =
-        args.speculative
-            .speculator(model, draft.as_ref(), cache.block_size)?
+    if let Some(model) = model
+        && let Some(speculator) =
+            args.speculative
+                .speculator(model, draft.as_ref(), cache.block_size)?
     {
         engine = engine.with_speculator(speculator);
     }

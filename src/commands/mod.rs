@@ -109,7 +109,7 @@ impl ModelArgs {
     /// (`--quantization`).
     ///
     /// Refuses `--device cuda`: the commands that run on a GPU (generate, forward, perplexity,
-    /// serve) call [`ModelArgs::load_on_host`] and build their executor with
+    /// serve) call [`ModelArgs::load_for_device`] and build their executor with
     /// [`ModelArgs::gpu_executor`].
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
         if let DeviceSpec::Cuda(_) = self.device {
@@ -119,13 +119,20 @@ impl ModelArgs {
                 self.device
             );
         }
-        self.load_on_host()
+        self.load_with(&*self.loader()?)
     }
 
-    /// [`ModelArgs::load`] whatever `--device` says: the tokenizer, the configuration and the
-    /// host copy of the weights.
-    pub fn load_on_host(&self) -> anyhow::Result<LoadedModel> {
-        self.load_with(&*self.loader()?)
+    /// What `--device` needs on the host: the configuration and tokenizer, and the weights
+    /// (`Some`) unless a GPU runs the model, whose executor ([`ModelArgs::gpu_executor`]) reads
+    /// them onto the device itself.
+    pub fn load_for_device(&self) -> anyhow::Result<(HostSide, Option<Llama>)> {
+        Ok(match self.device {
+            DeviceSpec::Cpu => {
+                let (model, host) = self.load()?.into_parts();
+                (host, Some(model))
+            }
+            DeviceSpec::Cuda(_) => (self.load_host_side()?, None),
+        })
     }
 
     /// The configuration and tokenizer of a Hugging Face directory, reading none of its weights:

@@ -37,23 +37,29 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let loaded = match args.model.device {
-        DeviceSpec::Cpu => args.model.load()?,
-        DeviceSpec::Cuda(_) => args.model.load_on_host()?,
-    };
+    let (host, model) = args.model.load_for_device()?;
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let tokens = loaded.tokenizer.encode(&text, false)?;
-    let bos = loaded
+    let tokens = host.tokenizer.encode(&text, false)?;
+    let bos = host
         .tokenizer
         .adds_bos()
-        .then(|| loaded.tokenizer.bos_token_id())
+        .then(|| host.tokenizer.bos_token_id())
         .flatten();
     let start = Instant::now();
     let on_gpu = args.model.device != DeviceSpec::Cpu;
-    let result = if args.tensor_parallel.is_parallel() || on_gpu {
+    let result = if let (Some(model), false) = (&model, args.tensor_parallel.is_parallel()) {
+        match &args.kv_cache_dtype {
+            None => perplexity(model, &tokens, args.ctx, bos, args.chunks)?,
+            Some(dtype) => {
+                let dtype: KvDtype = dtype.parse().map_err(anyhow::Error::msg)?;
+                eprintln!("kiln: scoring through the engine's executor, {dtype} KV cache");
+                perplexity_through_kv(model, &tokens, args.ctx, bos, args.chunks, dtype)?
+            }
+        }
+    } else {
         // Each chunk is one prefill step on the ranks or the GPU, every row's logits wanted.
-        let config = &loaded.model.config;
+        let config = &host.config;
         let mut executor = if on_gpu {
             anyhow::ensure!(
                 !args.tensor_parallel.is_parallel(),
@@ -80,15 +86,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         perplexity_with(&tokens, args.ctx, bos, args.chunks, |chunk| {
             prompt_logits(&mut *executor, chunk)
         })?
-    } else {
-        match &args.kv_cache_dtype {
-            None => perplexity(&loaded.model, &tokens, args.ctx, bos, args.chunks)?,
-            Some(dtype) => {
-                let dtype: KvDtype = dtype.parse().map_err(anyhow::Error::msg)?;
-                eprintln!("kiln: scoring through the engine's executor, {dtype} KV cache");
-                perplexity_through_kv(&loaded.model, &tokens, args.ctx, bos, args.chunks, dtype)?
-            }
-        }
     };
     let running: Vec<String> = result
         .per_chunk

@@ -118,19 +118,11 @@ fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {
 pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
     // On a GPU the host keeps the tokenizer and the configuration only; the engine thread's
     // executor reads the weights from --model straight onto the device.
-    let (host, weights) = pool.install(|| -> anyhow::Result<_> {
-        Ok(match args.model.device {
-            DeviceSpec::Cuda(_) => {
-                let host = args.model.load_host_side()?;
-                let config = host.config.clone();
-                (host, ServedWeights::Elsewhere(config))
-            }
-            DeviceSpec::Cpu => {
-                let (model, host) = args.model.load()?.into_parts();
-                (host, ServedWeights::Host(Arc::new(model)))
-            }
-        })
-    })?;
+    let (host, model) = pool.install(|| args.model.load_for_device())?;
+    let weights = match model {
+        Some(model) => ServedWeights::Host(Arc::new(model)),
+        None => ServedWeights::Elsewhere(host.config.clone()),
+    };
     let path = &args.model.model;
     let chat_template = match &host.format {
         ModelFormat::HfDir => ChatTemplate::from_model_dir(path),
