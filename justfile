@@ -64,7 +64,10 @@ chapter n:
          quiet cargo run --release -q -- bench ch07 --quick
          echo "-- six prompts through the engine with --attention-backend flash"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 24 \
-           --temperature 0 --attention-backend flash ;;
+           --temperature 0 --attention-backend flash
+         echo "-- part 2, the CUDA suite: every kernel and the engine on the GPU against the CPU"
+         echo "   (on a machine without a GPU it says so and skips; just gpu-check runs everything)"
+         KILN_GPU_PARTS=suite bash fixtures/scripts/gpu_check.sh target/gpu-check ;;
       6) echo "-- greedy decoding with n-gram speculation (prompt lookup): each step verifies the last"
          echo "   token and up to 4 drafts in one forward; the output equals the target alone"
          cargo run --release -q -- generate --prompts-file fixtures/prompts/demo.txt --max-tokens 48 \
@@ -167,7 +170,7 @@ serve *args:
 generate prompt="ROMEO." *args:
     cargo run --release -- generate --prompt "{{prompt}}" {{args}}
 
-# Chapter 7 part 2 on a GPU box: every CUDA kernel against its CPU twin, the engine, forward and perplexity on the GPU against the CPU, the attention kernels timed beside torch's SDPA, the model end to end beside transformers and `kiln serve --device cuda` under load (skips, saying why, without a GPU). KILN_GPU_BINS=folder runs binaries built elsewhere; KILN_GPU_QUICK=1 skips the last two.
+# Chapter 7 part 2 on a GPU box: every CUDA kernel against its CPU twin, the engine, forward and perplexity on the GPU against the CPU, the attention kernels timed beside torch's SDPA, the model end to end beside transformers and `kiln serve --device cuda` under load (skips, saying why, without a GPU). KILN_GPU_BINS=folder runs binaries built elsewhere; KILN_GPU_PARTS=suite,attention,e2e,serve picks parts.
 gpu-check out="target/gpu-check":
     bash fixtures/scripts/gpu_check.sh {{out}}
 

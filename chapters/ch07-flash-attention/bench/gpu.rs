@@ -10,7 +10,8 @@
 //! measured  batch 1: decode tokens/s = (D − 1) / (time of the last token − time of the first)
 //!           every B: output tokens/s = B·D / wall time of the whole run (prefill included)
 //! peer      fixtures/scripts/bench_transformers_gpu.py: transformers' generate with a static
-//!           cache at B = 1 and 32, the same P, D and definitions (not run: the table says so)
+//!           cache at B = 1 and 32, the same P and D (its batch-1 decode: (D − 1) / (wall time −
+//!           one forward of the prompt)); when it cannot run, the table says why
 //! ```
 //! Writes `gpu-e2e.md` and `gpu-e2e.svg`.
 
@@ -73,6 +74,8 @@ pub fn run(
         true => (16, 8, &[1, 4]),
         false => (128, 128, &[1, 32, 64]),
     };
+    // The GPU first: without one, nothing is written.
+    let gpu = GpuDevice::open(ordinal).with_context(|| format!("--device {device}"))?;
     let dir = model.unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
     if !dir.join("config.json").exists() {
         let spec = match quick {
@@ -84,7 +87,6 @@ pub fn run(
     }
     let config = ch01::LlamaConfig::from_dir(&dir)?;
     let weights = ch01::Weights::open(&dir)?;
-    let gpu = GpuDevice::open(ordinal).with_context(|| format!("--device {device}"))?;
     let gpu_name = gpu.name.clone();
     let most = batches.iter().max().copied().unwrap_or(1);
     let kv_memory =
@@ -186,7 +188,8 @@ pub fn run(
          tokens/s = B·{output} / wall time, prefill included; batch-1 decode = ({output} − 1) / \
          time from the first token to the last. Median of {reps} runs after a warm-up. \
          transformers: `fixtures/scripts/bench_transformers_gpu.py`, `generate` with a static \
-         cache, same checkpoint, lengths and definitions, in the same run.\n\n_{}. Command: \
+         cache, same checkpoint and lengths, in the same run; its batch-1 decode is ({output} − \
+         1) / (wall time − one forward of the prompt).\n\n_{}. Command: \
          `{}`._\n",
         table.to_markdown(),
         verdicts
