@@ -78,6 +78,85 @@ fn start_up_refuses_what_cannot_serve_one_max_length_request() {
     assert!(build(unchunked).is_ok());
 }
 
+/// Weights left to an executor factory, as `kiln serve --device cuda` leaves them to the GPU:
+/// the host holds only the configuration, the factory's executor serves, and the answers are
+/// the engine's alone (greedy and seeded). Without a factory, or with a speculator, such a
+/// server refuses to start, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_held_by_the_executor_serve_the_same_answers() {
+    let elsewhere = || Setup {
+        weights_elsewhere: true,
+        ..Setup::default()
+    };
+    let server = start(elsewhere()).await;
+    let ids = loaded().tokenizer.encode(PROMPT, true).unwrap();
+    for (temperature, seed) in [(0.0, 0), (0.8, 7)] {
+        let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 32,
+                          "temperature": temperature, "seed": seed});
+        let got = server.json("/v1/completions", &body).await;
+        let (text, tokens, reason) = engine_alone(ids.clone(), temperature, seed, 32);
+        assert_eq!(
+            text_of(&got["choices"][0]),
+            text,
+            "temperature {temperature}"
+        );
+        assert_eq!(got["usage"]["completion_tokens"], tokens);
+        assert_eq!(got["choices"][0]["finish_reason"], reason);
+    }
+    server.stop().await;
+
+    let loaded = loaded();
+    let served = || ch08_server::ServedModel {
+        weights: ch08_server::ServedWeights::Elsewhere(loaded.model.config.clone()),
+        tokenizer: std::sync::Arc::clone(&loaded.tokenizer),
+        chat_template: None,
+        eos_token_ids: loaded.eos_token_ids.clone(),
+    };
+    let cache = ch04::CacheConfig {
+        memory: ch03::KvPool::<f32>::bytes_per_block(&loaded.model.config, 16) * 128,
+        block_size: 16,
+        dtype: ch03::KvDtype::F32,
+    };
+    let keys = || ch08_server::auth::ApiKeys::new(Vec::new());
+    let refused = ch08_server::Server::new(
+        served(),
+        cache,
+        keys(),
+        ch08_server::ServerConfig::default(),
+        |f| f(),
+    );
+    let message = refused
+        .err()
+        .expect("no executor for weights elsewhere")
+        .to_string();
+    assert!(
+        message.contains("the CPU executor needs the weights in host memory"),
+        "{message}"
+    );
+    // A speculator drafts with host weights: refused too, even with an executor factory.
+    let mut config = elsewhere().config;
+    let model: &'static ch01::Llama = &loaded.model;
+    config.executor = Some(ch08_server::ExecutorFactory(Arc::new(
+        move |_config, cache| {
+            ch07::cpu_executor(model, cache, ch07::AttentionKind::Naive)
+                .map(|e| e as Box<dyn ch04::Executor + Send>)
+                .map_err(|e| e.to_string())
+        },
+    )));
+    config.speculator = Some(ch08_server::SpeculatorFactory(Arc::new(|_model| {
+        Err("never built".to_string())
+    })));
+    let refused = ch08_server::Server::new(served(), cache, keys(), config, |f| f());
+    let message = refused
+        .err()
+        .expect("a speculator without host weights")
+        .to_string();
+    assert!(
+        message.contains("a speculator needs the weights in host memory"),
+        "{message}"
+    );
+}
+
 // ───────────────────────────────────── 1. responses agree ─────────────────────────────────────
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use ch04::{CacheConfig, CpuExecutor, Engine, EngineConfig, FinishReason, Request
 use ch08_server::auth::ApiKeys;
 use ch08_server::chat_template::ChatTemplate;
 use ch08_server::state::AppState;
-use ch08_server::{ServedModel, ServedWeights, Server, ServerConfig, ServerError};
+use ch08_server::{ExecutorFactory, ServedModel, ServedWeights, Server, ServerConfig, ServerError};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -105,6 +105,10 @@ pub struct Setup {
     /// Blocks of 16 positions in the KV pool (at least 33 for one request of 512).
     pub kv_blocks: usize,
     pub prefix_caching: bool,
+    /// Serve as on a GPU: the host keeps only the configuration (`ServedWeights::Elsewhere`) and
+    /// an executor factory builds the executor, here chapter 4's CPU executor over the loaded
+    /// model, so the answers must be the host-weights server's.
+    pub weights_elsewhere: bool,
 }
 
 impl Default for Setup {
@@ -118,6 +122,7 @@ impl Default for Setup {
             keys: Vec::new(),
             kv_blocks: 128,
             prefix_caching: false,
+            weights_elsewhere: false,
         }
     }
 }
@@ -142,8 +147,19 @@ pub fn build(setup: Setup) -> Result<Server, ServerError> {
     };
     let mut config = setup.config;
     config.engine.enable_prefix_caching = setup.prefix_caching;
+    let weights = if setup.weights_elsewhere {
+        let (model, attention): (&'static Llama, _) = (&loaded.model, config.attention);
+        config.executor = Some(ExecutorFactory(Arc::new(move |_config, cache| {
+            ch07::populated_cpu_executor(model, cache, attention)
+                .map(|e| e as Box<dyn ch04::Executor + Send>)
+                .map_err(|e| e.to_string())
+        })));
+        ServedWeights::Elsewhere(loaded.model.config.clone())
+    } else {
+        ServedWeights::Host(Arc::clone(&loaded.model))
+    };
     let served = ServedModel {
-        weights: ServedWeights::Host(Arc::clone(&loaded.model)),
+        weights,
         tokenizer: Arc::clone(&loaded.tokenizer),
         chat_template: ChatTemplate::from_model_dir(&dir).unwrap(),
         eos_token_ids: loaded.eos_token_ids.clone(),
