@@ -1,7 +1,8 @@
-//! The whole model on the GPU against the CPU, step by step inside chapter 4's engine: every
-//! step the scheduler plans (chunked prefills, decodes, copy-on-write, swaps under memory
-//! pressure) runs on both executors, and the GPU's logit rows must equal the CPU's within 1e-4;
-//! the engine samples greedily from the CPU's, so both see the same steps.
+//! The whole model on the GPU against the CPU, step by step inside chapter 4's engine, for every
+//! fixture model and a random one with head size 64: every step the scheduler plans (chunked
+//! prefills, decodes, copy-on-write, swaps under memory pressure) runs on both executors, and
+//! the GPU's logit rows must equal the CPU's within 1e-4; the engine samples greedily from the
+//! CPU's, so both see the same steps. Then bf16 weights and K/V against the f32 CPU model.
 //!
 //! Needs a GPU: without a CUDA driver the test prints that it skipped, unless
 //! `KILN_REQUIRE_GPU=1` (set by `just gpu-check`).
@@ -18,6 +19,18 @@ use ch04::scheduler::SchedulerOutput;
 use ch07_flash_attention::cuda::device::driver_present;
 use ch07_flash_attention::cuda::{CudaExecutor, GpuDevice};
 use ndarray::{Array2, ArrayView2};
+
+/// The random-weight fixtures, each exercising one loader feature (fixtures/README.md).
+const RANDOM_FIXTURES: [&str; 8] = [
+    "random/bf16",
+    "random/gqa",
+    "random/head-dim",
+    "random/llama3-rope",
+    "random/mha",
+    "random/qwen2",
+    "random/sharded",
+    "random/untied",
+];
 
 /// A fixture model (`$KILN_FIXTURES` when set: a binary built here runs on a GPU box).
 fn fixture(name: &str) -> PathBuf {
@@ -80,8 +93,19 @@ fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
     if !gpu_present() {
         return;
     }
-    for name in ["shakespeare-tiny", "shakespeare-small"] {
-        let dir = fixture(name);
+    // Every fixture model (biases, llama3 RoPE scaling, head sizes 8 to 32, MHA and GQA, tied and
+    // untied heads, bf16 and sharded files), and a random one with head size 64.
+    let d64 = std::env::temp_dir().join(format!("kiln-gpu-twin-d64-{}", std::process::id()));
+    let spec = ch01::random_model::RandomModelSpec::tiny_d64();
+    ch01::random_model::write_random_model(&spec, &d64).unwrap();
+    let mut dirs: Vec<PathBuf> = ["shakespeare-tiny", "shakespeare-small"]
+        .iter()
+        .chain(&RANDOM_FIXTURES)
+        .map(|name| fixture(name))
+        .collect();
+    dirs.push(d64.clone());
+    for dir in dirs {
+        let name = dir.display();
         let model = ch01::Llama::load(&dir).unwrap();
         let config = LlamaConfig::from_dir(&dir).unwrap();
         let weights = Weights::open(&dir).unwrap();
@@ -127,6 +151,7 @@ fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
         }
         println!("{name}: GPU equals CPU on every step");
     }
+    std::fs::remove_dir_all(&d64).unwrap();
 }
 
 /// Relative L2 distance `‖a − b‖ / ‖b‖` of two logit rows.
