@@ -795,8 +795,10 @@ impl GpuDevice {
         Ok(())
     }
 
-    /// cuBLAS GemmEx with bf16 `a` and `b`, an f32 `c` and f32 accumulation (cudarc's bf16
-    /// `gemm` writes a bf16 `c`). The caller checked every length against `config`.
+    /// cuBLAS GemmEx `c = aᵀ · b` (column-major, `a` transposed, `b` not, as [`GpuDevice::linear`]
+    /// calls it) with bf16 `a` and `b`, an f32 `c` and f32 accumulation (cudarc's bf16 `gemm`
+    /// writes a bf16 `c`). Checks that each buffer holds what `config`'s sizes and leading
+    /// dimensions address.
     fn gemm_bf16_f32(
         &self,
         blas: &cudarc::cublas::CudaBlas,
@@ -807,12 +809,23 @@ impl GpuDevice {
     ) -> Result<(), CudaError> {
         use cudarc::cublas::{result, sys};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let dim = |v: i32| usize::try_from(v).map_err(|_| shape(format!("GEMM size {v}")));
+        let (m, n, k) = (dim(config.m)?, dim(config.n)?, dim(config.k)?);
+        let (lda, ldb, ldc) = (dim(config.lda)?, dim(config.ldb)?, dim(config.ldc)?);
+        let transposed_a = config.transa == sys::cublasOperation_t::CUBLAS_OP_T;
+        let plain_b = config.transb == sys::cublasOperation_t::CUBLAS_OP_N;
+        if !transposed_a || !plain_b || lda < k || ldb < k || ldc < m {
+            return Err(shape("a bf16 GEMM other than c = aᵀ·b with packed rows"));
+        }
+        check_len("GEMM a", a.len(), lda * m)?;
+        check_len("GEMM b", b.len(), ldb * n)?;
+        check_len("GEMM c", c.len(), ldc * n)?;
         let (alpha, beta) = (config.alpha, config.beta);
         let (a, _a_in_use) = a.device_ptr(&self.stream);
         let (b, _b_in_use) = b.device_ptr(&self.stream);
         let (c, _c_in_use) = c.device_ptr_mut(&self.stream);
         // SAFETY: the three pointers are live device buffers on the handle's stream (the guards
-        // above record their use) whose lengths the caller checked against m, n, k and the
+        // above record their use) whose lengths were checked above against m, n, k and the
         // leading dimensions; alpha and beta are f32, as CUBLAS_COMPUTE_32F reads them.
         unsafe {
             result::gemm_ex(
