@@ -25,7 +25,7 @@ use ch04::executor::{Executor, ExecutorError, KvLayout, ModelSpec};
 use ch04::request::RequestId;
 use ch04::scheduler::{BlockOp, SchedulerOutput};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use ndarray::ArrayView2;
 
 use super::CudaError;
@@ -64,8 +64,50 @@ pub struct CudaExecutor<K: DeviceKv = f32> {
     k_cache: Vec<CudaSlice<K>>,
     v_cache: Vec<CudaSlice<K>>,
     swapped: HashMap<RequestId, Vec<Vec<K>>>,
-    logits: Vec<f32>, // [rows, vocab], the last step's
+    logits: HostLogits,
     _kv: PhantomData<K>,
+}
+
+/// The last step's logit rows `[rows, vocab]` in page-locked host memory, which the GPU copies
+/// into directly (a copy to pageable memory goes through a driver staging buffer; at 64 rows of
+/// a 128k vocabulary a step copies 33 MB). Grown, never shrunk.
+///
+/// Invariant: `buffer[..rows · vocab]` holds the last step's rows; the buffer was allocated
+/// with exactly the length of the first copy into it, so every element has been written.
+struct HostLogits {
+    buffer: Option<PinnedHostSlice<f32>>,
+    rows: usize,
+}
+
+impl HostLogits {
+    /// Copies `logits` (`rows · vocab` values on the device) into page-locked memory.
+    fn copy_from(
+        &mut self,
+        dev: &GpuDevice,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let len = logits.len();
+        if self.buffer.as_ref().is_none_or(|b| b.len() < len) {
+            // SAFETY: the allocation is uninitialised until the copy below, which writes all
+            // `len` of its elements before anything reads it (the invariant). Flags 0: cached
+            // memory, fast for the host to read (write-combined memory is not).
+            self.buffer = Some(unsafe { dev.context.alloc_pinned_with_flags::<f32>(len, 0) }?);
+        }
+        let buffer = self.buffer.as_mut().expect("allocated above");
+        dev.stream.memcpy_dtoh(logits, buffer)?;
+        self.rows = rows;
+        Ok(())
+    }
+
+    /// The rows of the last copy (waiting for it to finish).
+    fn rows(&self, vocab: usize) -> Result<ArrayView2<'_, f32>, CudaError> {
+        let Some(buffer) = &self.buffer else {
+            return Ok(ArrayView2::from_shape((0, vocab), &[]).expect("empty"));
+        };
+        let values = &buffer.as_slice()?[..self.rows * vocab];
+        Ok(ArrayView2::from_shape((self.rows, vocab), values).expect("whole rows"))
+    }
 }
 
 impl<K: DeviceKv> CudaExecutor<K> {
@@ -115,7 +157,10 @@ impl<K: DeviceKv> CudaExecutor<K> {
             k_cache,
             v_cache,
             swapped: HashMap::new(),
-            logits: Vec::new(),
+            logits: HostLogits {
+                buffer: None,
+                rows: 0,
+            },
             _kv: PhantomData,
         })
     }
@@ -175,7 +220,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
             self.swapped.remove(id);
         }
         let vocab = self.config.vocab_size;
-        self.logits.clear();
+        self.logits.rows = 0;
         if step.seqs.is_empty() {
             return Ok(());
         }
@@ -289,8 +334,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
             &self.weights.lm_head,
             &mut logits,
         )?;
-        self.logits = dev.stream.clone_dtoh(&logits)?;
-        Ok(())
+        self.logits.copy_from(dev, &logits, wanted.len())
     }
 }
 
@@ -333,10 +377,8 @@ impl<K: DeviceKv> Executor for CudaExecutor<K> {
 
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
         self.run(step).map_err(|e| ExecutorError(e.to_string()))?;
-        let rows = self.logits.len() / self.config.vocab_size;
-        Ok(
-            ArrayView2::from_shape((rows, self.config.vocab_size), &self.logits)
-                .expect("logits hold whole rows"),
-        )
+        self.logits
+            .rows(self.config.vocab_size)
+            .map_err(|e| ExecutorError(e.to_string()))
     }
 }
