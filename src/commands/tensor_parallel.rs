@@ -20,6 +20,8 @@ pub enum Backend {
     /// Processes under `mpirun`: this one is rank 0, ranks 1.. run `kiln tp-worker`
     /// (`mpirun -n 1 kiln generate ... : -n N-1 kiln tp-worker --model DIR`).
     Mpi,
+    /// Threads of this process meeting over NCCL, rank r through GPU r (GPUs 0..N).
+    Nccl,
 }
 
 /// `--tensor-parallel-size`, on the commands that run the engine (generate, perplexity, serve).
@@ -32,7 +34,8 @@ pub struct TensorParallelArgs {
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub tensor_parallel_size: usize,
     /// Where the ranks run: threads of this process, or MPI processes (a kiln built with
-    /// `--features mpi`, started by mpirun).
+    /// `--features mpi`, started by mpirun); nccl: threads whose collectives go through NCCL,
+    /// one GPU per rank.
     #[arg(long, value_enum, default_value = "threads")]
     pub tensor_parallel_backend: Backend,
 }
@@ -88,7 +91,24 @@ impl TensorParallelArgs {
         let shards = ch08tp::load_shards(&args.model, &*loader, world)
             .with_context(|| format!("splitting {} across {world} ranks", args.model.display()))?;
         let threads = (rayon::current_num_threads() / world).max(1);
-        let executor = TensorParallelExecutor::new(shards, cache.block_size, blocks, threads)?;
+        let executor = match self.tensor_parallel_backend {
+            Backend::Nccl => {
+                let ordinals: Vec<usize> = (0..world).collect();
+                let comms = ch08tp::comm::nccl_group(&ordinals)
+                    .with_context(|| format!("--tensor-parallel-backend nccl on GPUs 0..{world}"))?
+                    .into_iter()
+                    .map(|c| Box::new(c) as Box<dyn ch08tp::Communicator>)
+                    .collect();
+                TensorParallelExecutor::with_comms(
+                    shards,
+                    comms,
+                    cache.block_size,
+                    blocks,
+                    threads,
+                )?
+            }
+            _ => TensorParallelExecutor::new(shards, cache.block_size, blocks, threads)?,
+        };
         let layout = executor.kv_layout();
         eprintln!(
             "kiln: tensor parallel: {world} ranks x {threads} threads, {} KV heads and {} blocks per rank",

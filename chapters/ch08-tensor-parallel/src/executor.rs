@@ -20,7 +20,7 @@ use ch03::{KvDtype, KvPool, PoolError};
 use ch04::{Executor, ExecutorError, KvLayout, ModelSpec, SchedulerOutput};
 use ndarray::ArrayView2;
 
-use crate::comm::{CommError, Communicator, ThreadComm, thread_group};
+use crate::comm::{CommError, Communicator, thread_group};
 use crate::rank::{Rank, local_config};
 
 /// Why a tensor-parallel executor could not be built.
@@ -45,7 +45,7 @@ pub enum BuildError {
 /// Rank 0 on the caller's thread, ranks 1.. on threads of their own.
 pub struct TensorParallelExecutor {
     rank0: Rank,
-    comm0: ThreadComm,
+    comm0: Box<dyn Communicator>,
     pool0: rayon::ThreadPool,
     /// Ranks 1..world: where each one's steps go. Dropping them ends the threads.
     workers: Vec<Sender<Arc<SchedulerOutput>>>,
@@ -92,14 +92,40 @@ pub fn group_layout(shard: &Llama, block_size: usize, blocks: KvBlocks) -> (KvLa
 impl TensorParallelExecutor {
     /// An executor over `shards` (shard `r` of `shards.len()` for rank `r`, as
     /// [`crate::load_shards`] loads them), f32 KV blocks of `block_size` positions, and
-    /// `threads_per_rank` kernel threads per rank.
+    /// `threads_per_rank` kernel threads per rank; the ranks meet through a [`thread_group`].
     pub fn new(
         shards: Vec<Llama>,
         block_size: usize,
         blocks: KvBlocks,
         threads_per_rank: usize,
     ) -> Result<Self, BuildError> {
+        let comms = thread_group(shards.len())?
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect();
+        Self::with_comms(shards, comms, block_size, blocks, threads_per_rank)
+    }
+
+    /// [`TensorParallelExecutor::new`] with the ranks meeting through `comms` (rank `r`'s
+    /// handle at index `r`, one group): threads, or NCCL over one GPU per rank.
+    pub fn with_comms(
+        shards: Vec<Llama>,
+        comms: Vec<Box<dyn Communicator>>,
+        block_size: usize,
+        blocks: KvBlocks,
+        threads_per_rank: usize,
+    ) -> Result<Self, BuildError> {
         let world = shards.len();
+        let ranked = comms
+            .iter()
+            .enumerate()
+            .all(|(r, c)| c.rank() == r && c.world() == world);
+        if comms.len() != world || !ranked {
+            return Err(BuildError::Comm(CommError::Backend(format!(
+                "{} communicator handles for {world} shards, not one per rank in rank order",
+                comms.len()
+            ))));
+        }
         let first = shards.first().ok_or(BuildError::NoRanks)?;
         for (rank, shard) in shards.iter().enumerate() {
             if shard.shard.rank != rank || shard.shard.world != world {
@@ -122,7 +148,7 @@ impl TensorParallelExecutor {
                     message: e.to_string(),
                 })
         };
-        let mut comms = thread_group(world)?.into_iter();
+        let mut comms = comms.into_iter();
         let mut shards = shards.into_iter();
         let rank0 = Rank::new(
             shards.next().ok_or(BuildError::NoRanks)?,
@@ -143,7 +169,7 @@ impl TensorParallelExecutor {
                     // fails on every rank), so rank 0 reports it.
                     for step in rx {
                         if pool
-                            .install(|| state.execute(&step, &mut comm).map(|_| ()))
+                            .install(|| state.execute(&step, &mut *comm).map(|_| ()))
                             .is_err()
                         {
                             break;
@@ -198,7 +224,7 @@ impl Executor for TensorParallelExecutor {
                 })?;
             }
         }
-        let (rank0, comm0) = (&mut self.rank0, &mut self.comm0);
+        let (rank0, comm0) = (&mut self.rank0, &mut *self.comm0);
         self.pool0
             .install(|| rank0.execute(step, comm0))
             .map_err(|e| ExecutorError(format!("tensor-parallel step: {e}")))

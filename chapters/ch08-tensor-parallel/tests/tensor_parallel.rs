@@ -8,7 +8,9 @@ use ch01::testing::{Tolerance, assert_close_shaped};
 use ch01::{Llama, LlamaConfig, ShardError, fixtures_dir};
 use ch03::KvPool;
 use ch04::{CpuExecutor, Executor, ScheduledSeq, SchedulerOutput};
-use ch08_tensor_parallel::{KvBlocks, TensorParallelExecutor, load_shards};
+use ch08_tensor_parallel::{
+    Communicator, KvBlocks, TensorParallelExecutor, load_shards, thread_group,
+};
 
 /// Every world of 2..=8 that the model's sizes allow.
 fn worlds(config: &LlamaConfig) -> Vec<usize> {
@@ -130,4 +132,19 @@ fn a_world_that_does_not_split_the_model_is_a_clear_error() {
     let mut shards = load_shards(&dir, &DenseLoader, 2).unwrap();
     shards.swap(0, 1);
     assert!(TensorParallelExecutor::new(shards, 4, KvBlocks::Count(4), 1).is_err());
+    // So are communicator handles that are not one per rank, in rank order.
+    let boxed = |comms: Vec<ch08_tensor_parallel::ThreadComm>| {
+        let boxed = comms
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>);
+        boxed.collect::<Vec<_>>()
+    };
+    let two = || load_shards(&dir, &DenseLoader, 2).unwrap();
+    let three = boxed(thread_group(3).unwrap());
+    assert!(TensorParallelExecutor::with_comms(two(), three, 4, KvBlocks::Count(4), 1).is_err());
+    let mut reversed = boxed(thread_group(2).unwrap());
+    reversed.reverse();
+    assert!(TensorParallelExecutor::with_comms(two(), reversed, 4, KvBlocks::Count(4), 1).is_err());
+    let in_order = boxed(thread_group(2).unwrap());
+    assert!(TensorParallelExecutor::with_comms(two(), in_order, 4, KvBlocks::Count(4), 1).is_ok());
 }

@@ -11,10 +11,14 @@
 
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod thread;
 
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, nccl_group};
 pub use thread::{ThreadComm, thread_group};
 
 /// Why a collective failed.
