@@ -136,3 +136,42 @@ fn a_group_of_the_wrong_size_is_a_clear_error() {
     let err = String::from_utf8_lossy(&output.stderr);
     assert!(err.contains("rank 1.. of an MPI group"), "{err}");
 }
+
+/// `mpirun -n 2 kiln bench ch08-tp --communicator mpi --quick`: both processes time the
+/// all-reduce together and rank 0 writes its table, a row per message size.
+#[test]
+fn the_mpi_all_reduce_benchmark_writes_its_table() {
+    if !have_mpirun() {
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("kiln-mpi-bench-{}", std::process::id()));
+    let output = Command::new("mpirun")
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .args(["--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_kiln")])
+        .args([
+            "bench",
+            "ch08-tp",
+            "--communicator",
+            "mpi",
+            "--quick",
+            "--out",
+            path(&out),
+        ])
+        .output()
+        .expect("run mpirun");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let table = std::fs::read_to_string(out.join("tp-allreduce-mpi.md")).unwrap();
+    // A header, its rule, and the five --quick sizes (256 B to 64 KiB).
+    assert_eq!(
+        table.lines().filter(|l| l.starts_with('|')).count(),
+        2 + 5,
+        "{table}"
+    );
+    assert!(table.contains("2 processes under mpirun"), "{table}");
+    std::fs::remove_dir_all(&out).unwrap();
+}

@@ -1,6 +1,7 @@
 //! `kiln bench ch08-tp`: tensor parallelism on this machine, and a cost model beyond it.
 //!
-//! 1. All-reduce latency and bandwidth of the thread communicator by message size.
+//! 1. All-reduce latency and bandwidth of the thread communicator by message size (of the MPI
+//!    communicator with `--communicator mpi`, under mpirun: that run measures only this).
 //! 2. TP = 2 against TP = 1 with the same total threads: prefill and decode steps of the
 //!    tensor-parallel executor, beside the cost model's prediction from (1) and the TP = 1 time.
 //! 3. The cost model on Llama-8B and -70B shapes on an 8-GPU NVLink box: predictions, with their
@@ -31,6 +32,18 @@ pub struct Args {
         default_value = "2"
     )]
     pub tensor_parallel_sizes: Vec<usize>,
+    /// threads: the whole benchmark. mpi: only the all-reduce, over the processes mpirun
+    /// started (a kiln built with `--features mpi`; rank 0 writes `tp-allreduce-mpi`):
+    /// `mpirun -n 2 kiln bench ch08-tp --communicator mpi`.
+    #[arg(long, value_enum, default_value = "threads")]
+    pub communicator: CommKind,
+}
+
+/// Which communicator the all-reduce part measures.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommKind {
+    Threads,
+    Mpi,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -40,8 +53,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
 
     // 1. All-reduce by message size.
-    let max_pow = if args.output.quick { 14 } else { 22 };
-    let sizes: Vec<usize> = (6..=max_pow).step_by(2).map(|p| 1usize << p).collect(); // floats
+    let sizes = message_sizes(args.output.quick);
+    if args.communicator == CommKind::Mpi {
+        return mpi_all_reduce(&sizes, reps, &out, &facts);
+    }
     let worlds = [2usize, 4];
     let mut latency = Vec::new(); // per world: (floats, seconds)
     for &world in &worlds {
@@ -286,28 +301,40 @@ fn pipeline_bubble(args: &Args, facts: &RunFacts, reps: usize) -> anyhow::Result
     Ok((markdown, svg))
 }
 
+/// The all-reduce's message sizes, in floats: 64 to 4 Mi (16 Ki with --quick), by fours.
+fn message_sizes(quick: bool) -> Vec<usize> {
+    let max_pow = if quick { 14 } else { 22 };
+    (6..=max_pow).step_by(2).map(|p| 1usize << p).collect()
+}
+
+/// `reps` timings of one all-reduce of `floats` f32 on `comm`'s rank (each the mean of 20
+/// back-to-back all-reduces, after one warm-up); every rank of the group calls it together.
+fn time_all_reduce(
+    comm: &mut dyn Communicator,
+    floats: usize,
+    reps: usize,
+) -> Result<Vec<f64>, ch08tp::CommError> {
+    const BACK_TO_BACK: usize = 20;
+    let mut buf = vec![1.0f32; floats];
+    comm.all_reduce_sum(&mut buf)?; // warm-up: the buffers grow here
+    (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..BACK_TO_BACK {
+                comm.all_reduce_sum(&mut buf)?;
+            }
+            Ok(start.elapsed().as_secs_f64() / BACK_TO_BACK as f64)
+        })
+        .collect()
+}
+
 /// Median seconds of one all-reduce of `floats` f32 among `world` thread ranks.
 fn all_reduce_seconds(world: usize, floats: usize, reps: usize) -> anyhow::Result<f64> {
-    const BACK_TO_BACK: usize = 20;
     let comms = thread_group(world)?;
     let times = std::thread::scope(|s| -> anyhow::Result<Vec<f64>> {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|mut comm| {
-                s.spawn(move || -> Result<Vec<f64>, ch08tp::CommError> {
-                    let mut buf = vec![1.0f32; floats];
-                    comm.all_reduce_sum(&mut buf)?; // warm-up: the slots grow here
-                    (0..reps)
-                        .map(|_| {
-                            let start = Instant::now();
-                            for _ in 0..BACK_TO_BACK {
-                                comm.all_reduce_sum(&mut buf)?;
-                            }
-                            Ok(start.elapsed().as_secs_f64() / BACK_TO_BACK as f64)
-                        })
-                        .collect()
-                })
-            })
+            .map(|mut comm| s.spawn(move || time_all_reduce(&mut comm, floats, reps)))
             .collect();
         let mut all: Vec<Vec<f64>> = Vec::new();
         for h in handles {
@@ -316,6 +343,63 @@ fn all_reduce_seconds(world: usize, floats: usize, reps: usize) -> anyhow::Resul
         Ok(all.swap_remove(0))
     })?;
     Ok(median(times))
+}
+
+/// The all-reduce part over MPI's processes: every rank measures, rank 0 writes
+/// `tp-allreduce-mpi` (its own timings: the collective ends on every rank together).
+#[cfg(feature = "mpi")]
+fn mpi_all_reduce(
+    sizes: &[usize],
+    reps: usize,
+    out: &std::path::Path,
+    facts: &RunFacts,
+) -> anyhow::Result<()> {
+    let mut comm = ch08tp::comm::MpiComm::init()?;
+    let world = comm.world();
+    let mut points = Vec::new(); // (floats, seconds)
+    for &n in sizes {
+        points.push((n, median(time_all_reduce(&mut comm, n, reps)?)));
+    }
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    let mut table = Table::new(["message", "µs", "GB/s"]);
+    for &(n, t) in &points {
+        let bytes = (n * 4) as f64;
+        table.row([
+            human_bytes(n * 4),
+            format!("{:.1}", t * 1e6),
+            format!("{:.2}", bytes / t / 1e9),
+        ]);
+    }
+    let markdown = format!(
+        "{}\nAll-reduce (sum) of f32 messages through `MpiComm` ({world} processes under mpirun on \
+         this machine, each bound to a core by mpirun; an all-gather, then the sum in rank order \
+         on every rank): median of {reps} timings of 20 back-to-back all-reduces each, rank 0's. \
+         GB/s = message bytes / time. {}, {}. Run as `mpirun -n {world} kiln ...` by a kiln built \
+         with `--features mpi`: `{}`\n",
+        table.to_markdown(),
+        facts.cpu.as_deref().unwrap_or("unknown CPU"),
+        facts.date,
+        facts.command
+    );
+    let pts: Vec<(f64, f64)> = points
+        .iter()
+        .map(|&(n, t)| ((n * 4) as f64, t * 1e6))
+        .collect();
+    let svg = LinePlot::new("All-reduce latency, MPI communicator")
+        .x_label("message bytes")
+        .y_label("µs")
+        .log_x()
+        .log_y()
+        .series(format!("{world} processes"), &pts)
+        .to_svg();
+    write_figures(out, &[("tp-allreduce-mpi", Some(&markdown), &svg)])
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_all_reduce(_: &[usize], _: usize, _: &std::path::Path, _: &RunFacts) -> anyhow::Result<()> {
+    anyhow::bail!("--communicator mpi needs a kiln built with --features mpi, started by mpirun")
 }
 
 /// Median seconds of a step of `batch` sequences after `context` positions: a decode step
