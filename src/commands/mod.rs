@@ -246,6 +246,14 @@ impl ModelArgs {
                 cache.block_size,
                 cache.memory,
             )?;
+            let (weights, kv) = executor.device_bytes();
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            eprintln!(
+                "kiln: on the GPU: weights {:.2} GiB ({dtype:?}), K/V {:.2} GiB ({} blocks)",
+                gib(weights),
+                gib(kv),
+                ch04::Executor::kv_layout(&executor).num_blocks
+            );
             Ok(Box::new(executor))
         }
         match cache.dtype {

@@ -165,6 +165,17 @@ impl<K: DeviceKv> CudaExecutor<K> {
         })
     }
 
+    /// Device bytes of the weights and of the K/V pool.
+    pub fn device_bytes(&self) -> (u64, u64) {
+        let kv: usize = self
+            .k_cache
+            .iter()
+            .chain(&self.v_cache)
+            .map(|c| c.len())
+            .sum();
+        (self.weights.bytes(), (kv * size_of::<K>()) as u64)
+    }
+
     fn block_elems(&self) -> usize {
         self.block_size * self.heads.kv_dim()
     }
@@ -272,7 +283,12 @@ impl<K: DeviceKv> CudaExecutor<K> {
         };
         let (mut h16, mut attn16) = (rounded(n * hidden)?, rounded(n * heads.q_dim())?);
         let mut act16 = rounded(n * inter)?;
-        dev.embed(&self.weights.embed_tokens, hidden, &tokens, &mut residual)?;
+        dev.embed(
+            self.weights.embedding_table(),
+            hidden,
+            &tokens,
+            &mut residual,
+        )?;
 
         for (l, layer) in self.weights.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (none before layer 0).

@@ -49,6 +49,22 @@ impl DeviceMatrix {
             DeviceMatrix::Bf16(_) => WeightDtype::Bf16,
         }
     }
+
+    /// Device bytes it occupies.
+    pub fn bytes(&self) -> u64 {
+        let size = match self {
+            DeviceMatrix::F32(_) => 4,
+            DeviceMatrix::Bf16(_) => 2,
+        };
+        (self.len() * size) as u64
+    }
+}
+
+impl DeviceLinear {
+    /// Device bytes of the weight and the bias.
+    pub fn bytes(&self) -> u64 {
+        self.weight.bytes() + self.bias.as_ref().map_or(0, |b| (b.len() * 4) as u64)
+    }
 }
 
 /// One projection on the device. Invariant: `weight` holds `out_features · in_features` values
@@ -76,7 +92,8 @@ pub struct DeviceLayer {
 /// are stored in `dtype`.
 pub struct DeviceWeights {
     pub dtype: WeightDtype,
-    pub embed_tokens: DeviceMatrix, // [vocab, hidden]
+    /// `[vocab, hidden]`; `None` when the embeddings are tied: the head's weight is the table.
+    pub embed_tokens: Option<DeviceMatrix>,
     pub layers: Vec<DeviceLayer>,
     pub norm: CudaSlice<f32>,
     pub lm_head: DeviceLinear, // hidden → vocab
@@ -85,6 +102,32 @@ pub struct DeviceWeights {
 }
 
 impl DeviceWeights {
+    /// The embedding table `[vocab, hidden]`: its own, or the head's when they are tied.
+    pub fn embedding_table(&self) -> &DeviceMatrix {
+        self.embed_tokens.as_ref().unwrap_or(&self.lm_head.weight)
+    }
+
+    /// Device bytes of every weight (what `nvidia-smi` shows the process holding for them,
+    /// beside the K/V pool and the CUDA context).
+    pub fn bytes(&self) -> u64 {
+        let f32s = |v: &CudaSlice<f32>| (v.len() * 4) as u64;
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                let projections = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+                f32s(&l.input_norm)
+                    + f32s(&l.post_norm)
+                    + projections.iter().map(|p| p.bytes()).sum::<u64>()
+            })
+            .sum();
+        self.embed_tokens.as_ref().map_or(0, DeviceMatrix::bytes)
+            + layers
+            + f32s(&self.norm)
+            + self.lm_head.bytes()
+            + f32s(&self.inv_freq)
+    }
+
     /// Reads and uploads every weight, the projections and the embedding table in `dtype`.
     /// Errors: a missing or misshapen tensor (from the source), a device allocation that fails.
     pub fn load(
@@ -117,9 +160,6 @@ impl DeviceWeights {
             let v = source.vector(name, hidden).map_err(load_err)?;
             Ok(dev.stream.clone_htod(v.as_slice().expect("contiguous"))?)
         };
-        let embed = source
-            .matrix("model.embed_tokens.weight", c.vocab_size, hidden)
-            .map_err(load_err)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let (attn, mlp) = (
@@ -139,17 +179,27 @@ impl DeviceWeights {
                 down: linear(&format!("{mlp}.down_proj"), inter, hidden, c.mlp_bias)?,
             });
         }
-        // Tied embeddings: the head is the embedding matrix, as in chapter 1.
-        let head = if c.tie_word_embeddings && !source.contains("lm_head.weight") {
+        // Tied embeddings: the head is the embedding matrix, as in chapter 1, held once.
+        let tied = c.tie_word_embeddings && !source.contains("lm_head.weight");
+        let head = if tied {
             "model.embed_tokens"
         } else {
             "lm_head"
+        };
+        let embed_tokens = match tied {
+            true => None,
+            false => {
+                let embed = source
+                    .matrix("model.embed_tokens.weight", c.vocab_size, hidden)
+                    .map_err(load_err)?;
+                Some(DeviceMatrix::upload(dev, &embed, dtype)?)
+            }
         };
         let rope = ch01::rope::Rope::from_config(c);
         let inv_freq: Vec<f32> = rope.inv_freq().iter().map(|&f| f as f32).collect();
         Ok(DeviceWeights {
             dtype,
-            embed_tokens: DeviceMatrix::upload(dev, &embed, dtype)?,
+            embed_tokens,
             layers,
             norm: norm("model.norm.weight")?,
             lm_head: linear(head, hidden, c.vocab_size, false)?,
