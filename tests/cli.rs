@@ -546,6 +546,27 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
         &["bench", "ch03", "--quick", "--device", "cuda"],
         "runs on the CPU only so far",
     );
+    // vLLM's --gpu-memory-utilization: a share of a GPU, never of the CPU.
+    assert_fails_with(
+        &[
+            "generate",
+            "--prompt",
+            "HAMLET.",
+            "--gpu-memory-utilization",
+            "0.9",
+        ],
+        "it needs --device cuda",
+    );
+    assert_fails_with(
+        &[
+            "serve",
+            "--device",
+            "cuda",
+            "--gpu-memory-utilization",
+            "1.5",
+        ],
+        "is not a share of memory",
+    );
     if !ch07::cuda::device::driver_present() {
         let hamlet = fixtures_dir().join("corpus/hamlet.txt");
         let hamlet = hamlet.to_str().unwrap();

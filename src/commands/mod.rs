@@ -46,6 +46,20 @@ pub struct ModelArgs {
     /// not there is an error, never a silent fall-back to the CPU.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: DeviceSpec,
+    /// On a GPU, size the K/V pool as vLLM does: what the weights leave of this share (0 to 1)
+    /// of the device's memory, instead of --kv-cache-memory.
+    #[arg(long, value_name = "SHARE", value_parser = parse_share)]
+    pub gpu_memory_utilization: Option<f64>,
+}
+
+/// A share of a device's memory: more than 0, at most 1.
+fn parse_share(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(share) if share > 0.0 && share <= 1.0 => Ok(share),
+        _ => Err(format!(
+            "{text:?} is not a share of memory: expected more than 0 and at most 1, such as 0.9"
+        )),
+    }
 }
 
 /// `--device`: `cpu`, `cuda` or `cuda:N`.
@@ -101,6 +115,7 @@ impl ModelArgs {
             quantization: None,
             dequantize: false,
             device: DeviceSpec::Cpu,
+            gpu_memory_utilization: None,
         }
     }
 
@@ -118,6 +133,9 @@ impl ModelArgs {
                  perplexity and serve run on the GPU (chapter 7, part 2)",
                 self.device
             );
+        }
+        if self.gpu_memory_utilization.is_some() {
+            bail!("--gpu-memory-utilization sizes a GPU's K/V pool: it needs --device cuda");
         }
         self.load_with(&*self.loader()?)
     }
@@ -203,8 +221,9 @@ impl ModelArgs {
         })
     }
 
-    /// The executor of `--device cuda:N`: the weights read again from `--model` straight to the
-    /// GPU (stored as `--dtype` says), K/V memory as `cache` says.
+    /// The executor of `--device cuda:N`: the weights read from `--model` straight to the GPU
+    /// (stored as `--dtype` says), K/V memory as `cache` says, or as `--gpu-memory-utilization`
+    /// does when given.
     pub fn gpu_executor(
         &self,
         config: &ch01::LlamaConfig,
@@ -231,12 +250,17 @@ impl ModelArgs {
             device.arch.name()
         );
         let weights = ch01::Weights::open(&self.model)?;
+        let kv = match self.gpu_memory_utilization {
+            Some(share) => ch07::cuda::KvBudget::DeviceShare(share),
+            None => ch07::cuda::KvBudget::Bytes(cache.memory),
+        };
         fn boxed<K: ch07::cuda::executor::DeviceKv>(
             device: GpuDevice,
             config: &ch01::LlamaConfig,
             weights: &ch01::Weights,
             dtype: ch02::WeightDtype,
             cache: &ch04::CacheConfig,
+            kv: ch07::cuda::KvBudget,
         ) -> anyhow::Result<Box<dyn ch04::Executor + Send>> {
             let executor = CudaExecutor::<K>::new(
                 device,
@@ -244,7 +268,7 @@ impl ModelArgs {
                 weights,
                 dtype,
                 cache.block_size,
-                cache.memory,
+                kv,
             )?;
             let (weights, kv) = executor.device_bytes();
             let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
@@ -257,8 +281,8 @@ impl ModelArgs {
             Ok(Box::new(executor))
         }
         match cache.dtype {
-            ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, dtype, cache),
-            ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, dtype, cache),
+            ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, dtype, cache, kv),
+            ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, dtype, cache, kv),
             dtype => anyhow::bail!(
                 "--device {}: a {dtype} KV cache does not run on the GPU yet",
                 self.device

@@ -101,7 +101,7 @@ pub fn run(
         &weights,
         ch02::WeightDtype::Bf16,
         16,
-        kv_memory,
+        ch07::cuda::KvBudget::Bytes(kv_memory),
     )?;
 
     let mut kiln = Vec::new();

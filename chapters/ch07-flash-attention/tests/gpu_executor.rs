@@ -121,7 +121,7 @@ fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
             &weights,
             ch02::WeightDtype::F32,
             block_size,
-            memory,
+            ch07_flash_attention::cuda::KvBudget::Bytes(memory),
         )
         .unwrap();
         let twin = Twin {
@@ -202,7 +202,7 @@ fn bf16_weights_and_kv_on_the_gpu_stay_within_1e_2_of_the_cpu() {
             &weights,
             ch02::WeightDtype::Bf16,
             block_size,
-            memory,
+            ch07_flash_attention::cuda::KvBudget::Bytes(memory),
         )
         .unwrap();
         let table: Vec<u32> = (0..7).collect();

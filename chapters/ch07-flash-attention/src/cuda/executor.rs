@@ -49,6 +49,40 @@ impl DeviceKv for half::bf16 {
     const DTYPE: KvDtype = KvDtype::Bf16;
 }
 
+/// How much device memory the K/V pool gets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvBudget {
+    /// This many bytes (as many whole blocks as fit), as `--kv-cache-memory` says.
+    Bytes(u64),
+    /// vLLM's `--gpu-memory-utilization`: the pool takes what the weights leave of this share
+    /// (0 to 1) of the device's memory, measured once they are loaded.
+    DeviceShare(f64),
+}
+
+/// The pool's bytes under `share` of a device of `total` bytes of which `free` are free once
+/// the weights are loaded: `share · total − (total − free)`, the memory in use (weights, the
+/// context, other processes) counted against the share. Errors: a share outside (0, 1], or one
+/// that the memory in use already exceeds.
+pub fn kv_bytes_for_share(free: u64, total: u64, share: f64) -> Result<u64, CudaError> {
+    if !(share > 0.0 && share <= 1.0) {
+        return Err(CudaError::Shape(format!(
+            "a GPU memory share of {share}: expected more than 0 and at most 1"
+        )));
+    }
+    let used = total.saturating_sub(free);
+    let allowed = (share * total as f64) as u64;
+    match allowed.checked_sub(used) {
+        Some(bytes) if bytes > 0 => Ok(bytes),
+        _ => Err(CudaError::Shape(format!(
+            "{:.2} GiB of the GPU's {:.2} GiB are in use once the weights are loaded, at or \
+             above the share of {share}: no memory is left for K/V (raise \
+             --gpu-memory-utilization or use --dtype bf16)",
+            used as f64 / f64::from(1u32 << 30),
+            total as f64 / f64::from(1u32 << 30)
+        ))),
+    }
+}
+
 /// Runs steps on one GPU.
 ///
 /// Invariant: every layer's `k_cache[l]`, `v_cache[l]` holds `num_blocks · block_size · kv_dim`
@@ -112,14 +146,14 @@ impl HostLogits {
 
 impl<K: DeviceKv> CudaExecutor<K> {
     /// Uploads the model from `source` to `dev` (projections and embedding in `weight_dtype`)
-    /// and allocates as many KV blocks of `block_size` positions as `kv_memory` bytes hold.
+    /// and allocates as many KV blocks of `block_size` positions as `kv` gives the pool.
     pub fn new(
         dev: GpuDevice,
         config: LlamaConfig,
         source: &dyn WeightSource,
         weight_dtype: ch02::WeightDtype,
         block_size: usize,
-        kv_memory: u64,
+        kv: KvBudget,
     ) -> Result<Self, CudaError> {
         // SAFETY: only tries to open the library by its candidate names.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
@@ -132,13 +166,26 @@ impl<K: DeviceKv> CudaExecutor<K> {
         };
         let block_elems = block_size * heads.kv_dim();
         let block_bytes = 2 * config.num_hidden_layers * block_elems * size_of::<K>();
-        let num_blocks = (kv_memory / block_bytes.max(1) as u64) as usize;
-        if block_size == 0 || num_blocks == 0 {
+        if block_size == 0 || block_bytes == 0 {
+            return Err(CudaError::Shape(format!(
+                "KV blocks of {block_size} positions"
+            )));
+        }
+        // The weights first: a share of the device is what they leave of it.
+        let weights = DeviceWeights::load(&dev, &config, source, weight_dtype)?;
+        let kv_memory = match kv {
+            KvBudget::Bytes(bytes) => bytes,
+            KvBudget::DeviceShare(share) => {
+                let (free, total) = dev.context.mem_get_info()?;
+                kv_bytes_for_share(free as u64, total as u64, share)?
+            }
+        };
+        let num_blocks = (kv_memory / block_bytes as u64) as usize;
+        if num_blocks == 0 {
             return Err(CudaError::Shape(format!(
                 "a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes"
             )));
         }
-        let weights = DeviceWeights::load(&dev, &config, source, weight_dtype)?;
         let mut k_cache = Vec::with_capacity(config.num_hidden_layers);
         let mut v_cache = Vec::with_capacity(config.num_hidden_layers);
         for _ in 0..config.num_hidden_layers {
@@ -396,5 +443,33 @@ impl<K: DeviceKv> Executor for CudaExecutor<K> {
         self.logits
             .rows(self.config.vocab_size)
             .map_err(|e| ExecutorError(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kv_bytes_for_share;
+
+    #[test]
+    fn a_share_of_the_device_counts_what_is_in_use_against_it() {
+        const GIB: u64 = 1 << 30;
+        // 100 GiB device, 10 GiB in use: 0.9 leaves 80 GiB for K/V.
+        let bytes = kv_bytes_for_share(90 * GIB, 100 * GIB, 0.9).unwrap();
+        assert_eq!(bytes, 80 * GIB);
+        assert_eq!(
+            kv_bytes_for_share(90 * GIB, 100 * GIB, 1.0).unwrap(),
+            90 * GIB
+        );
+        // In use already at or above the share: an error that says so.
+        let error = kv_bytes_for_share(10 * GIB, 100 * GIB, 0.5)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("no memory is left for K/V"), "{error}");
+        for bad in [0.0, -0.5, 1.5, f64::NAN] {
+            assert!(
+                kv_bytes_for_share(90 * GIB, 100 * GIB, bad).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

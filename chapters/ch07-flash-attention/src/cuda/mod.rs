@@ -24,7 +24,7 @@ pub mod weights;
 
 pub use compile::{Arch, compile_kernel};
 pub use device::{DeviceSpec, GpuDevice};
-pub use executor::CudaExecutor;
+pub use executor::{CudaExecutor, KvBudget, kv_bytes_for_share};
 pub use kernels::{KERNELS, KernelSource};
 pub use ops::{
     DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows, prefill_on_tensor_cores,
