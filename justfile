@@ -174,6 +174,10 @@ generate prompt="ROMEO." *args:
 gpu-check out="target/gpu-check":
     bash fixtures/scripts/gpu_check.sh {{out}}
 
+# Build what gpu-check runs, stripped and packed into .gpu/bins.tar.xz (about 7 MB) to carry to a lent GPU box; there: tar -xJf .gpu/bins.tar.xz -C .gpu && KILN_GPU_BINS=.gpu/bins just gpu-check.
+gpu-bundle:
+    bash fixtures/scripts/gpu_build.sh --bundle .gpu/bins
+
 # Chapter 8 part 2 across processes: two ranks under mpirun print what two threads and one rank print.
 tp-mpi:
     KILN_REQUIRE_MPI=1 cargo test --release --features mpi --test mpi -- --nocapture
