@@ -26,6 +26,7 @@ use ndarray::ArrayView2;
 
 use super::super::RunFacts;
 use super::super::bars::BarChart;
+use super::super::ch04::workload::fixed_length;
 use super::super::table::Table;
 
 /// Where the default checkpoint is written.
@@ -243,9 +244,7 @@ fn serve(
         let ids: Vec<u32> = (0..prompt)
             .map(|_| (rng.next_u64() % vocab as u64) as u32)
             .collect();
-        let mut request = ch04::request::Request::greedy(ids, output);
-        request.ignore_eos = true;
-        engine.add_request(request)?;
+        engine.add_request(fixed_length(ids, output))?;
     }
     let start = Instant::now();
     let (mut first, mut tokens) = (None, 0usize);

@@ -99,6 +99,7 @@ pub struct CudaExecutor<K: DeviceKv = f32> {
     v_cache: Vec<CudaSlice<K>>,
     swapped: HashMap<RequestId, Vec<Vec<K>>>,
     logits: HostLogits,
+    rounded: RoundedInputs,
     _kv: PhantomData<K>,
 }
 
@@ -208,6 +209,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
                 buffer: None,
                 rows: 0,
             },
+            rounded: RoundedInputs::default(),
             _kv: PhantomData,
         })
     }
@@ -321,15 +323,14 @@ impl<K: DeviceKv> CudaExecutor<K> {
         let (mut gate, mut up) = (zeros(n * inter)?, zeros(n * inter)?);
         let mut act = zeros(n * inter)?;
         // With bf16 weights, each projection input's bf16 rounding, made once per input.
+        // With bf16 weights, each projection input's bf16 rounding, made once per input into
+        // buffers kept across steps (a decode step at a steady batch allocates none of them).
         let bf16_weights = self.weights.dtype == ch02::WeightDtype::Bf16;
-        let rounded = |len: usize| -> Result<Option<CudaSlice<half::bf16>>, CudaError> {
-            Ok(match bf16_weights {
-                true => Some(dev.stream.alloc_zeros(len)?),
-                false => None,
-            })
-        };
-        let (mut h16, mut attn16) = (rounded(n * hidden)?, rounded(n * heads.q_dim())?);
-        let mut act16 = rounded(n * inter)?;
+        let rounded = &mut self.rounded;
+        let (h16, attn16, act16) = (&mut rounded.hidden, &mut rounded.attn, &mut rounded.act);
+        sized(dev, bf16_weights, h16, n * hidden)?;
+        sized(dev, bf16_weights, attn16, n * heads.q_dim())?;
+        sized(dev, bf16_weights, act16, n * inter)?;
         dev.embed(
             self.weights.embedding_table(),
             hidden,
@@ -341,7 +342,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
             // The previous layer's MLP output joins the residual stream here (none before layer 0).
             let previous = (l > 0).then_some(&delta);
             dev.add_rmsnorm(&mut residual, previous, &layer.input_norm, eps, &mut h)?;
-            let x = linear_input(dev, &h, &mut h16)?;
+            let x = linear_input(dev, &h, h16)?;
             dev.linear(&self.blas, x, n, &layer.q, &mut q)?;
             dev.linear(&self.blas, x, n, &layer.k, &mut k)?;
             dev.linear(&self.blas, x, n, &layer.v, &mut v)?;
@@ -361,14 +362,14 @@ impl<K: DeviceKv> CudaExecutor<K> {
             } else {
                 dev.flash_prefill(&batch, heads, &q, k_cache, v_cache, &mut attn)?;
             }
-            let x = linear_input(dev, &attn, &mut attn16)?;
+            let x = linear_input(dev, &attn, attn16)?;
             dev.linear(&self.blas, x, n, &layer.o, &mut delta)?;
             dev.add_rmsnorm(&mut residual, Some(&delta), &layer.post_norm, eps, &mut h)?;
-            let x = linear_input(dev, &h, &mut h16)?;
+            let x = linear_input(dev, &h, h16)?;
             dev.linear(&self.blas, x, n, &layer.gate, &mut gate)?;
             dev.linear(&self.blas, x, n, &layer.up, &mut up)?;
             dev.silu_mul(&gate, &up, &mut act)?;
-            let x = linear_input(dev, &act, &mut act16)?;
+            let x = linear_input(dev, &act, act16)?;
             dev.linear(&self.blas, x, n, &layer.down, &mut delta)?;
         }
         dev.add_rmsnorm(&mut residual, Some(&delta), &self.weights.norm, eps, &mut h)?;
@@ -388,8 +389,9 @@ impl<K: DeviceKv> CudaExecutor<K> {
         let mut gathered = zeros(wanted.len() * hidden)?;
         dev.embedding(&h, hidden, &wanted_dev, &mut gathered)?;
         let mut logits = zeros(wanted.len() * vocab)?;
-        let mut gathered16 = rounded(wanted.len() * hidden)?;
-        let x = linear_input(dev, &gathered, &mut gathered16)?;
+        let head16 = &mut self.rounded.head;
+        sized(dev, bf16_weights, head16, wanted.len() * hidden)?;
+        let x = linear_input(dev, &gathered, head16)?;
         dev.linear(
             &self.blas,
             x,
@@ -399,6 +401,31 @@ impl<K: DeviceKv> CudaExecutor<K> {
         )?;
         self.logits.copy_from(dev, &logits, wanted.len())
     }
+}
+
+/// The bf16 roundings of a step's projection inputs (with bf16 weights), kept across steps.
+#[derive(Default)]
+struct RoundedInputs {
+    hidden: Option<CudaSlice<half::bf16>>, // [rows, hidden]: q/k/v's and gate/up's input
+    attn: Option<CudaSlice<half::bf16>>,   // [rows, q_dim]: o_proj's
+    act: Option<CudaSlice<half::bf16>>,    // [rows, intermediate]: down_proj's
+    head: Option<CudaSlice<half::bf16>>,   // [logit rows, hidden]: the head's
+}
+
+/// `buffer` as a step needs it: `None` without bf16 weights, else exactly `len` elements
+/// (re-allocated only when the length changes).
+fn sized(
+    dev: &GpuDevice,
+    bf16_weights: bool,
+    buffer: &mut Option<CudaSlice<half::bf16>>,
+    len: usize,
+) -> Result<(), CudaError> {
+    match bf16_weights {
+        false => *buffer = None,
+        true if buffer.as_ref().is_some_and(|b| b.len() == len) => {}
+        true => *buffer = Some(dev.stream.alloc_zeros(len)?),
+    }
+    Ok(())
 }
 
 // ANCHOR: linear_input
