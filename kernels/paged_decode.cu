@@ -21,44 +21,6 @@
 #define GROUP_MAX 8   // query heads per KV head; the host refuses more
 #define PART_MAX 256  // keys per partition; the host refuses more
 
-// CH (8, 4 or 2) consecutive elements of a K/V row from element i (i a multiple of CH, so the
-// load is aligned), widened to f32: one 16-byte load for 8 bf16, two for 8 f32.
-template <int CH>
-__device__ __forceinline__ void load_chunk(const bf16_bits* p, long i, float* out) {
-    if (CH == 8) {
-        uint4 u = *reinterpret_cast<const uint4*>(p + i);
-        u32 w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            out[2 * e] = __uint_as_float(w[e] << 16);
-            out[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
-        }
-    } else if (CH == 4) {
-        uint2 u = *reinterpret_cast<const uint2*>(p + i);
-        out[0] = __uint_as_float(u.x << 16), out[1] = __uint_as_float(u.x & 0xffff0000u);
-        out[2] = __uint_as_float(u.y << 16), out[3] = __uint_as_float(u.y & 0xffff0000u);
-    } else {
-        u32 w = *reinterpret_cast<const u32*>(p + i);
-        out[0] = __uint_as_float(w << 16);
-        out[1] = __uint_as_float(w & 0xffff0000u);
-    }
-}
-
-template <int CH>
-__device__ __forceinline__ void load_chunk(const float* p, long i, float* out) {
-    if (CH == 8) {
-        float4 a = *reinterpret_cast<const float4*>(p + i), b = *reinterpret_cast<const float4*>(p + i + 4);
-        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-        out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-    } else if (CH == 4) {
-        float4 a = *reinterpret_cast<const float4*>(p + i);
-        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-    } else {
-        float2 a = *reinterpret_cast<const float2*>(p + i);
-        out[0] = a.x, out[1] = a.y;
-    }
-}
-
 // q: [rows, num_heads · head_dim]; rows: [num_seqs] (the q row of each sequence);
 // context_lens: [num_seqs]; block_tables: [num_seqs, max_blocks];
 // partial_o: [num_seqs, num_heads, num_partitions, head_dim]; partial_ml: [..., num_partitions, 2].

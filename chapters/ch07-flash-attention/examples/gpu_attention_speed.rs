@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use ch07_flash_attention::cuda::{DeviceScalar, GpuDevice, HeadShape, SeqRows};
+use ch07_flash_attention::cuda::{DecodeKernel, DeviceScalar, GpuDevice, HeadShape, SeqRows};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -82,6 +82,7 @@ fn f32_cache(dev: &GpuDevice, n: usize) -> Result<CudaSlice<f32>> {
 /// (and as a share of the device's copy bandwidth, `copy_gbs`).
 fn decode_row<T: DeviceScalar>(
     dev: &GpuDevice,
+    kernel: DecodeKernel,
     label: &str,
     copy_gbs: f64,
     cache: fn(&GpuDevice, usize) -> Result<CudaSlice<T>>,
@@ -99,11 +100,15 @@ fn decode_row<T: DeviceScalar>(
     let mut out = dev.stream.alloc_zeros::<f32>(num_seqs * heads.q_dim())?;
     let (k, v) = (cache(dev, kv_len)?, cache(dev, kv_len)?);
     let ms = time_ms(dev, || {
-        Ok(dev.paged_decode(&batch, heads, PARTITION, &q, &k, &v, &mut out)?)
+        Ok(dev.paged_decode_with(kernel, &batch, heads, PARTITION, &q, &k, &v, &mut out)?)
     })?;
     let gbs = (2 * kv_len * std::mem::size_of::<T>()) as f64 / ms / 1e6;
     println!(
-        "| paged_decode {label} | {num_seqs} x {context} positions, 32 / 8 heads, d 128 | {ms:.3} | {gbs:.0} GB/s of K/V ({:.0}% of the copy) |",
+        "| paged_decode {label}, {} | {num_seqs} x {context} positions, 32 / 8 heads, d 128 | {ms:.3} | {gbs:.0} GB/s of K/V ({:.0}% of the copy) |",
+        match kernel {
+            DecodeKernel::KeyPerThread => "a thread per key",
+            DecodeKernel::LaneGroups => "lane groups per row",
+        },
         100.0 * gbs / copy_gbs
     );
     Ok(())
@@ -178,7 +183,9 @@ fn main() -> Result<()> {
     }
 
     // Decode: 64 sequences of 4096 positions, 32 query heads sharing 8 KV heads of 128.
-    decode_row(&dev, "bf16 K/V", copy_gbs, bf16_cache)?;
-    decode_row(&dev, "f32 K/V", copy_gbs, f32_cache)?;
+    for kernel in [DecodeKernel::KeyPerThread, DecodeKernel::LaneGroups] {
+        decode_row(&dev, kernel, "bf16 K/V", copy_gbs, bf16_cache)?;
+        decode_row(&dev, kernel, "f32 K/V", copy_gbs, f32_cache)?;
+    }
     Ok(())
 }

@@ -10,7 +10,9 @@ use ch01::attention::AttentionShape;
 use ch01::config::RopeScaling;
 use ch01::rope::Rope;
 use ch07_flash_attention::cuda::device::driver_present;
-use ch07_flash_attention::cuda::{GpuDevice, HeadShape, SeqRows, prefill_on_tensor_cores};
+use ch07_flash_attention::cuda::{
+    DecodeKernel, GpuDevice, HeadShape, SeqRows, prefill_on_tensor_cores,
+};
 use ch07_flash_attention::naive_attention;
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -78,16 +80,30 @@ struct Case {
 
 fn random_case(seed: u64, decode: bool) -> Case {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let (num_heads, num_kv_heads) = *[(1, 1), (4, 4), (6, 2), (9, 3), (8, 1), (12, 4)]
-        .choose(&mut rng)
-        .unwrap();
+    let (num_heads, num_kv_heads) = *[
+        (1, 1),
+        (4, 4),
+        (6, 2),
+        (9, 3),
+        (8, 1),
+        (12, 4),
+        (8, 2),
+        (8, 4),
+    ]
+    .choose(&mut rng)
+    .unwrap();
     let head_dim = *[24, 64, 66, 128].choose(&mut rng).unwrap();
     let heads = HeadShape {
         num_heads,
         num_kv_heads,
         head_dim,
     };
-    let block_size = *[1, 5, 16, 17].choose(&mut rng).unwrap();
+    random_case_shaped(&mut rng, heads, decode)
+}
+
+/// A random batch of sequences (block size, lengths, block tables, values) for `heads`.
+fn random_case_shaped(rng: &mut ChaCha8Rng, heads: HeadShape, decode: bool) -> Case {
+    let block_size = *[1, 5, 16, 17].choose(rng).unwrap();
     let num_seqs = rng.random_range(1..=4);
     let mut lens: Vec<(usize, usize)> = vec![];
     for _ in 0..num_seqs {
@@ -102,7 +118,7 @@ fn random_case(seed: u64, decode: bool) -> Case {
     let needed: usize = lens.iter().map(|(p, r)| (p + r).div_ceil(block_size)).sum();
     let num_blocks = needed + rng.random_range(0..4);
     let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
-    ids.shuffle(&mut rng);
+    ids.shuffle(rng);
     let mut ids = ids.into_iter();
     let (mut seqs, mut keys, mut values, mut queries) = (vec![], vec![], vec![], vec![]);
     for (start_pos, rows) in lens {
@@ -114,10 +130,10 @@ fn random_case(seed: u64, decode: bool) -> Case {
             block_table,
         });
         let kv = heads.kv_dim();
-        keys.push(Array2::from_shape_vec((context, kv), random(&mut rng, context * kv)).unwrap());
-        values.push(Array2::from_shape_vec((context, kv), random(&mut rng, context * kv)).unwrap());
+        keys.push(Array2::from_shape_vec((context, kv), random(rng, context * kv)).unwrap());
+        values.push(Array2::from_shape_vec((context, kv), random(rng, context * kv)).unwrap());
         let q = heads.q_dim();
-        queries.push(Array2::from_shape_vec((rows, q), random(&mut rng, rows * q)).unwrap());
+        queries.push(Array2::from_shape_vec((rows, q), random(rng, rows * q)).unwrap());
     }
     Case {
         heads,
@@ -172,7 +188,7 @@ fn check_attention(
     dev: &GpuDevice,
     case: &Case,
     cache_bf16: bool,
-    decode_partition: Option<usize>,
+    decode_partition: Option<(usize, DecodeKernel)>,
 ) {
     let (q, k_pool, v_pool) = case.host_pool();
     let batch = dev
@@ -186,14 +202,18 @@ fn check_attention(
             let k = dev.stream.clone_htod(&to_bf16(&k_pool)).unwrap();
             let v = dev.stream.clone_htod(&to_bf16(&v_pool)).unwrap();
             match decode_partition {
-                Some(p) => dev.paged_decode(&batch, case.heads, p, &q_dev, &k, &v, out),
+                Some((p, kernel)) => {
+                    dev.paged_decode_with(kernel, &batch, case.heads, p, &q_dev, &k, &v, out)
+                }
                 None => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
             }
         } else {
             let k = dev.stream.clone_htod(&k_pool).unwrap();
             let v = dev.stream.clone_htod(&v_pool).unwrap();
             match decode_partition {
-                Some(p) => dev.paged_decode(&batch, case.heads, p, &q_dev, &k, &v, out),
+                Some((p, kernel)) => {
+                    dev.paged_decode_with(kernel, &batch, case.heads, p, &q_dev, &k, &v, out)
+                }
                 None => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
             }
         }
@@ -209,10 +229,9 @@ fn check_attention(
     };
     let what = format!(
         "{} {:?} block {} {} cache, {} seqs",
-        if decode_partition.is_some() {
-            "paged_decode"
-        } else {
-            "flash_prefill"
+        match decode_partition {
+            Some((p, kernel)) => format!("paged_decode {kernel:?}, partitions of {p}"),
+            None => "flash_prefill".to_string(),
         },
         case.heads,
         case.block_size,
@@ -254,11 +273,40 @@ fn paged_decode_equals_naive_attention() {
                 prop::sample::select(vec![7usize, 64, 100, 256]),
             ),
             |(seed, bf16_cache, part)| {
-                check_attention(&dev, &random_case(seed, true), bf16_cache, Some(part));
+                let case = random_case(seed, true);
+                for kernel in [DecodeKernel::KeyPerThread, DecodeKernel::LaneGroups] {
+                    if kernel.takes(case.heads) {
+                        check_attention(&dev, &case, bf16_cache, Some((part, kernel)));
+                    }
+                }
                 Ok(())
             },
         )
         .unwrap();
+}
+
+#[test]
+fn every_lane_group_decode_instance_equals_naive_attention() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for head_dim in [64, 128] {
+        for group in [1, 2, 4, 8] {
+            let num_kv_heads = rng.random_range(1..=3);
+            let heads = HeadShape {
+                num_heads: group * num_kv_heads,
+                num_kv_heads,
+                head_dim,
+            };
+            assert!(DecodeKernel::LaneGroups.takes(heads));
+            let case = random_case_shaped(&mut rng, heads, true);
+            for bf16_cache in [false, true] {
+                for part in [7, 256] {
+                    let decode = Some((part, DecodeKernel::LaneGroups));
+                    check_attention(&dev, &case, bf16_cache, decode);
+                }
+            }
+        }
+    }
 }
 
 #[test]

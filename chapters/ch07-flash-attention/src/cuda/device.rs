@@ -11,6 +11,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use super::CudaError;
 use super::compile::{Arch, compile_kernel};
 use super::kernels::KERNELS;
+use super::ops::DecodeKernel;
 
 /// Where the model runs: `cpu`, `cuda` (device 0) or `cuda:N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -59,6 +60,9 @@ pub struct GpuDevice {
     pub stream: Arc<CudaStream>,
     pub name: String,
     pub arch: Arch,
+    /// The split-K decode kernel [`paged_decode`](GpuDevice::paged_decode) prefers
+    /// ([`DecodeKernel::from_env`]).
+    pub decode_kernel: DecodeKernel,
     functions: HashMap<&'static str, CudaFunction>,
 }
 
@@ -87,6 +91,7 @@ impl GpuDevice {
             name: context.name()?,
             context,
             arch,
+            decode_kernel: DecodeKernel::from_env()?,
             functions,
         };
         device.allow_tensor_core_prefill()?;

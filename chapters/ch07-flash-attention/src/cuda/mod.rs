@@ -27,7 +27,8 @@ pub use device::{DeviceSpec, GpuDevice};
 pub use executor::{CudaExecutor, KvBudget, kv_bytes_for_share};
 pub use kernels::{KERNELS, KernelSource};
 pub use ops::{
-    DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows, prefill_on_tensor_cores,
+    DecodeKernel, DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows,
+    prefill_on_tensor_cores,
 };
 
 /// Why the GPU path could not start or run.
@@ -65,6 +66,8 @@ pub enum CudaError {
     Cublas(cudarc::cublas::result::CublasError),
     #[error("GPU operation: {0}")]
     Shape(String),
+    #[error("GPU configuration: {0}")]
+    Config(String),
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
 }

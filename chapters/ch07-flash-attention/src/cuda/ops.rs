@@ -195,6 +195,63 @@ pub fn prefill_on_tensor_cores<T: DeviceScalar>(heads: HeadShape) -> bool {
     T::SUFFIX == bf16::SUFFIX && TC_HEAD_DIMS.contains(&heads.head_dim)
 }
 
+/// Which split-K decode kernel reads K and V (both leave the same partial results, which
+/// `paged_decode_merge` finishes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// `paged_decode.cu`: each thread scores whole keys, a K row 16 bytes at a time. Any shape
+    /// [`HeadShape::check`] accepts.
+    KeyPerThread,
+    /// `paged_decode_lanes.cu`: a group of lanes reads each K and V row together, so one load
+    /// instruction reads whole rows. Head sizes 64 and 128, 1, 2, 4 or 8 query heads per KV head.
+    LaneGroups,
+}
+
+impl DecodeKernel {
+    /// The head sizes and groups the lane-group kernels are compiled for.
+    const LANE_GROUP_HEAD_DIMS: [usize; 2] = [64, 128];
+    const LANE_GROUP_GROUPS: [usize; 4] = [1, 2, 4, 8];
+
+    /// The kernel `KILN_DECODE_KERNEL` names (`key-per-thread`, the default, or
+    /// `lane-groups`): the lane-group kernel is new and not yet timed on a GPU, so it runs only
+    /// when asked for.
+    pub fn from_env() -> Result<DecodeKernel, CudaError> {
+        match std::env::var("KILN_DECODE_KERNEL").as_deref() {
+            Err(_) | Ok("key-per-thread") => Ok(DecodeKernel::KeyPerThread),
+            Ok("lane-groups") => Ok(DecodeKernel::LaneGroups),
+            Ok(other) => Err(CudaError::Config(format!(
+                "KILN_DECODE_KERNEL={other}: expected `key-per-thread` or `lane-groups`"
+            ))),
+        }
+    }
+
+    /// Whether this kernel has an instance for `heads` (valid by [`HeadShape::check`]).
+    pub fn takes(self, heads: HeadShape) -> bool {
+        match self {
+            DecodeKernel::KeyPerThread => true,
+            DecodeKernel::LaneGroups => {
+                Self::LANE_GROUP_HEAD_DIMS.contains(&heads.head_dim)
+                    && heads.num_kv_heads > 0
+                    && heads.num_heads.is_multiple_of(heads.num_kv_heads)
+                    && Self::LANE_GROUP_GROUPS.contains(&(heads.num_heads / heads.num_kv_heads))
+            }
+        }
+    }
+
+    /// The kernel function for K/V of type `T` and `heads` (which [`takes`](Self::takes) holds).
+    fn function<T: DeviceScalar>(self, heads: HeadShape) -> String {
+        match self {
+            DecodeKernel::KeyPerThread => format!("paged_decode_{}", T::SUFFIX),
+            DecodeKernel::LaneGroups => format!(
+                "paged_decode_lanes_{}_d{}_g{}",
+                T::SUFFIX,
+                heads.head_dim,
+                heads.num_heads / heads.num_kv_heads
+            ),
+        }
+    }
+}
+
 /// The attention shape of one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadShape {
@@ -568,7 +625,9 @@ impl GpuDevice {
     }
 
     /// Split-K decode attention: every sequence of the batch has one row, its context cut in
-    /// partitions of `partition_size` keys merged by log-sum-exp.
+    /// partitions of `partition_size` keys merged by log-sum-exp. Runs this device's
+    /// [`decode_kernel`](GpuDevice::decode_kernel) where it takes `heads`, else
+    /// [`DecodeKernel::KeyPerThread`].
     #[allow(clippy::too_many_arguments)]
     pub fn paged_decode<T: DeviceScalar>(
         &self,
@@ -580,7 +639,40 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        let kernel = if self.decode_kernel.takes(heads) {
+            self.decode_kernel
+        } else {
+            DecodeKernel::KeyPerThread
+        };
+        self.paged_decode_with(
+            kernel,
+            batch,
+            heads,
+            partition_size,
+            q,
+            k_cache,
+            v_cache,
+            out,
+        )
+    }
+
+    /// [`paged_decode`](GpuDevice::paged_decode) on `kernel`, which must take `heads`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_decode_with<T: DeviceScalar>(
+        &self,
+        kernel: DecodeKernel,
+        batch: &PagedBatch,
+        heads: HeadShape,
+        partition_size: usize,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<T>,
+        v_cache: &CudaSlice<T>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
+        if !kernel.takes(heads) {
+            return Err(shape(format!("{kernel:?} decode does not take {heads:?}")));
+        }
         if !batch.all_single_rows || !(1..=PARTITION_MAX).contains(&partition_size) {
             return Err(shape(format!(
                 "split-K decode takes one row per sequence and partitions of 1 to \
@@ -602,7 +694,7 @@ impl GpuDevice {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let function = self.function(&format!("paged_decode_{}", T::SUFFIX));
+        let function = self.function(&kernel.function::<T>(heads));
         let mut launch = self.stream.launch_builder(function);
         launch.arg(q).arg(k_cache).arg(v_cache);
         launch
@@ -611,15 +703,17 @@ impl GpuDevice {
             .arg(&batch.block_tables);
         launch.arg(&mut partial_o).arg(&mut partial_ml);
         launch.arg(&args.max_blocks).arg(&args.block_size);
-        launch
-            .arg(&args.num_heads)
-            .arg(&args.num_kv_heads)
-            .arg(&args.head_dim);
+        launch.arg(&args.num_heads).arg(&args.num_kv_heads);
+        if kernel == DecodeKernel::KeyPerThread {
+            launch.arg(&args.head_dim); // the lane-group kernels are compiled for theirs
+        }
         launch.arg(&part).arg(&args.scale);
         // SAFETY: as flash_prefill; the partial buffers hold seqs·heads·partitions entries;
         // the group is at most GROUP_MAX (HeadShape::check) and a partition at most
-        // PARTITION_MAX keys (checked above), the sizes of the kernel's shared arrays; blockDim
-        // is 128, the kernel's THREADS.
+        // PARTITION_MAX keys (checked above), the sizes of the kernels' shared arrays; blockDim
+        // is 128, the kernels' THREADS. A lane-group kernel is the instance compiled for this
+        // head size and group (`DecodeKernel::takes`, `function`), and its 16-byte loads are
+        // aligned: every row offset is a multiple of the head size, 64 or 128 elements.
         unsafe { launch.launch(config) }?;
 
         let parts = i32_arg("partitions", num_parts)?;

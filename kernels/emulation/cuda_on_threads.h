@@ -1,0 +1,87 @@
+// Runs a CUDA kernel's source on CPU threads, to check a kernel's logic on a machine without a
+// GPU: one block at a time, one std::thread per CUDA thread, `__shared__` variables as statics
+// (so the block's threads share them, and the blocks, run one after another, reuse them),
+// `__syncthreads` as a barrier of the block, and `__shfl_xor_sync` through a buffer between two
+// barriers of the warp. Built with ThreadSanitizer, a read of shared memory that no barrier
+// orders after its write is reported as a data race.
+//
+// It models what the kernels here use and no more: every lane of a warp must reach each shuffle
+// (the kernels are written so), there is no memory coalescing, alignment fault or timing, and
+// the float arithmetic is the host's (no fused multiply-add unless the compiler makes one).
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dim3v {
+    unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local dim3v threadIdx, blockIdx;
+inline dim3v gridDim, blockDim;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(threads)
+#define __align__(n) alignas(n)
+
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+
+namespace emulation {
+constexpr unsigned MAX_THREADS = 1024;
+inline std::barrier<>* block_barrier;
+inline std::unique_ptr<std::barrier<>> warp_barriers[MAX_THREADS / 32];
+inline float shuffle_slots[MAX_THREADS];
+}  // namespace emulation
+
+inline void __syncthreads() { emulation::block_barrier->arrive_and_wait(); }
+
+// Lane t gets the value of lane t ^ offset (offset < 32, so within the warp).
+inline float __shfl_xor_sync(unsigned, float v, int offset) {
+    unsigned t = threadIdx.x;
+    auto& warp = *emulation::warp_barriers[t / 32];
+    emulation::shuffle_slots[t] = v;
+    warp.arrive_and_wait();
+    float other = emulation::shuffle_slots[t ^ offset];
+    warp.arrive_and_wait();  // nobody writes its slot again before every lane has read
+    return other;
+}
+
+// Runs `kernel` for every block of `grid`, one block after another, on `threads` (a multiple of
+// 32, at most MAX_THREADS) threads that stay for the whole grid; between two blocks every thread
+// waits at the block barrier, so no block's shared memory is reused while a thread still reads.
+inline void launch(dim3v grid, unsigned threads, const std::function<void()>& kernel) {
+    gridDim = grid;
+    blockDim = {threads, 1, 1};
+    std::barrier<> block(threads);
+    emulation::block_barrier = &block;
+    for (unsigned w = 0; w < threads / 32; w++)
+        emulation::warp_barriers[w] = std::make_unique<std::barrier<>>(32);
+    std::vector<std::thread> block_threads;
+    for (unsigned t = 0; t < threads; t++)
+        block_threads.emplace_back([t, grid, &kernel] {
+            threadIdx = {t, 0, 0};
+            for (unsigned z = 0; z < grid.z; z++)
+                for (unsigned y = 0; y < grid.y; y++)
+                    for (unsigned x = 0; x < grid.x; x++) {
+                        blockIdx = {x, y, z};
+                        kernel();
+                        __syncthreads();
+                    }
+        });
+    for (auto& thread : block_threads) thread.join();
+}
