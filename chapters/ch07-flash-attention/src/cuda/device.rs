@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 
@@ -12,6 +12,7 @@ use super::CudaError;
 use super::compile::{Arch, compile_kernel};
 use super::kernels::KERNELS;
 use super::ops::DecodeKernel;
+use super::step_buffers::DecodePartials;
 
 /// Where the model runs: `cpu`, `cuda` (device 0) or `cuda:N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -63,6 +64,8 @@ pub struct GpuDevice {
     /// The split-K decode kernel [`paged_decode`](GpuDevice::paged_decode) prefers
     /// ([`DecodeKernel::from_env`]).
     pub decode_kernel: DecodeKernel,
+    /// Split-K decode's partial results, kept between launches.
+    pub(super) decode_partials: Mutex<DecodePartials>,
     functions: HashMap<&'static str, CudaFunction>,
 }
 
@@ -92,6 +95,7 @@ impl GpuDevice {
             context,
             arch,
             decode_kernel: DecodeKernel::from_env()?,
+            decode_partials: Mutex::new(DecodePartials::default()),
             functions,
         };
         device.allow_tensor_core_prefill()?;

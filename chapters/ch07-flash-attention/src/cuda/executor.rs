@@ -31,6 +31,7 @@ use ndarray::ArrayView2;
 use super::CudaError;
 use super::device::GpuDevice;
 use super::ops::{DeviceScalar, HeadShape, LinearInput, SeqRows};
+use super::step_buffers::{self, Activations, RoundedInputs};
 use super::weights::DeviceWeights;
 
 /// Keys per split-K partition of the decode kernel.
@@ -99,7 +100,11 @@ pub struct CudaExecutor<K: DeviceKv = f32> {
     v_cache: Vec<CudaSlice<K>>,
     swapped: HashMap<RequestId, Vec<Vec<K>>>,
     logits: HostLogits,
+    /// The step's buffers, kept across steps (`step_buffers`).
+    activations: Option<Activations>,
     rounded: RoundedInputs,
+    head_input: Option<CudaSlice<f32>>, // [logit rows, hidden]: the rows the head reads
+    head_output: Option<CudaSlice<f32>>, // [logit rows, vocab]
     _kv: PhantomData<K>,
 }
 
@@ -209,7 +214,10 @@ impl<K: DeviceKv> CudaExecutor<K> {
                 buffer: None,
                 rows: 0,
             },
+            activations: None,
             rounded: RoundedInputs::default(),
+            head_input: None,
+            head_output: None,
             _kv: PhantomData,
         })
     }
@@ -311,68 +319,57 @@ impl<K: DeviceKv> CudaExecutor<K> {
         let tokens = dev.upload_tokens(&tokens, vocab)?;
         let positions = dev.stream.clone_htod(&positions)?;
 
-        let zeros = |len: usize| dev.stream.alloc_zeros::<f32>(len);
-        let mut residual = zeros(n * hidden)?;
-        let (mut h, mut delta) = (zeros(n * hidden)?, zeros(n * hidden)?);
-        let (mut q, mut k, mut v) = (
-            zeros(n * heads.q_dim())?,
-            zeros(n * heads.kv_dim())?,
-            zeros(n * heads.kv_dim())?,
-        );
-        let mut attn = zeros(n * heads.q_dim())?;
-        let (mut gate, mut up) = (zeros(n * inter)?, zeros(n * inter)?);
-        let mut act = zeros(n * inter)?;
-        // With bf16 weights, each projection input's bf16 rounding, made once per input.
-        // With bf16 weights, each projection input's bf16 rounding, made once per input into
-        // buffers kept across steps (a decode step at a steady batch allocates none of them).
+        // The step's buffers, kept across steps (`step_buffers`): with bf16 weights, each
+        // projection input's bf16 rounding too, made once per input.
+        let acts = Activations::for_rows(dev, &mut self.activations, n, hidden, heads, inter)?;
+        let Activations {
+            residual,
+            h,
+            delta,
+            q,
+            k,
+            v,
+            attn,
+            gate,
+            up,
+            act,
+            ..
+        } = acts;
         let bf16_weights = self.weights.dtype == ch02::WeightDtype::Bf16;
         let rounded = &mut self.rounded;
         let (h16, attn16, act16) = (&mut rounded.hidden, &mut rounded.attn, &mut rounded.act);
-        sized(dev, bf16_weights, h16, n * hidden)?;
-        sized(dev, bf16_weights, attn16, n * heads.q_dim())?;
-        sized(dev, bf16_weights, act16, n * inter)?;
-        dev.embed(
-            self.weights.embedding_table(),
-            hidden,
-            &tokens,
-            &mut residual,
-        )?;
+        step_buffers::rounded(dev, bf16_weights, h16, n * hidden)?;
+        step_buffers::rounded(dev, bf16_weights, attn16, n * heads.q_dim())?;
+        step_buffers::rounded(dev, bf16_weights, act16, n * inter)?;
+        dev.embed(self.weights.embedding_table(), hidden, &tokens, residual)?;
 
         for (l, layer) in self.weights.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (none before layer 0).
-            let previous = (l > 0).then_some(&delta);
-            dev.add_rmsnorm(&mut residual, previous, &layer.input_norm, eps, &mut h)?;
-            let x = linear_input(dev, &h, h16)?;
-            dev.linear(&self.blas, x, n, &layer.q, &mut q)?;
-            dev.linear(&self.blas, x, n, &layer.k, &mut k)?;
-            dev.linear(&self.blas, x, n, &layer.v, &mut v)?;
-            dev.rope(&mut q, &mut k, &positions, &self.weights.inv_freq, heads)?;
+            let previous = (l > 0).then_some(&*delta);
+            dev.add_rmsnorm(residual, previous, &layer.input_norm, eps, h)?;
+            let x = linear_input(dev, h, h16)?;
+            dev.linear(&self.blas, x, n, &layer.q, q)?;
+            dev.linear(&self.blas, x, n, &layer.k, k)?;
+            dev.linear(&self.blas, x, n, &layer.v, v)?;
+            dev.rope(q, k, &positions, &self.weights.inv_freq, heads)?;
             let (k_cache, v_cache) = (&mut self.k_cache[l], &mut self.v_cache[l]);
-            dev.kv_write(&batch, &k, &v, heads.kv_dim(), k_cache, v_cache)?;
+            dev.kv_write(&batch, k, v, heads.kv_dim(), k_cache, v_cache)?;
             if batch.all_single_rows {
-                dev.paged_decode(
-                    &batch,
-                    heads,
-                    DECODE_PARTITION,
-                    &q,
-                    k_cache,
-                    v_cache,
-                    &mut attn,
-                )?;
+                dev.paged_decode(&batch, heads, DECODE_PARTITION, q, k_cache, v_cache, attn)?;
             } else {
-                dev.flash_prefill(&batch, heads, &q, k_cache, v_cache, &mut attn)?;
+                dev.flash_prefill(&batch, heads, q, k_cache, v_cache, attn)?;
             }
-            let x = linear_input(dev, &attn, attn16)?;
-            dev.linear(&self.blas, x, n, &layer.o, &mut delta)?;
-            dev.add_rmsnorm(&mut residual, Some(&delta), &layer.post_norm, eps, &mut h)?;
-            let x = linear_input(dev, &h, h16)?;
-            dev.linear(&self.blas, x, n, &layer.gate, &mut gate)?;
-            dev.linear(&self.blas, x, n, &layer.up, &mut up)?;
-            dev.silu_mul(&gate, &up, &mut act)?;
-            let x = linear_input(dev, &act, act16)?;
-            dev.linear(&self.blas, x, n, &layer.down, &mut delta)?;
+            let x = linear_input(dev, attn, attn16)?;
+            dev.linear(&self.blas, x, n, &layer.o, delta)?;
+            dev.add_rmsnorm(residual, Some(delta), &layer.post_norm, eps, h)?;
+            let x = linear_input(dev, h, h16)?;
+            dev.linear(&self.blas, x, n, &layer.gate, gate)?;
+            dev.linear(&self.blas, x, n, &layer.up, up)?;
+            dev.silu_mul(gate, up, act)?;
+            let x = linear_input(dev, act, act16)?;
+            dev.linear(&self.blas, x, n, &layer.down, delta)?;
         }
-        dev.add_rmsnorm(&mut residual, Some(&delta), &self.weights.norm, eps, &mut h)?;
+        dev.add_rmsnorm(residual, Some(delta), &self.weights.norm, eps, h)?;
 
         // The logit rows: each sequence's last `logit_rows` rows, gathered like an embedding.
         let mut wanted = vec![];
@@ -386,46 +383,15 @@ impl<K: DeviceKv> CudaExecutor<K> {
             return Ok(());
         }
         let wanted_dev = dev.upload_tokens(&wanted, n)?;
-        let mut gathered = zeros(wanted.len() * hidden)?;
-        dev.embedding(&h, hidden, &wanted_dev, &mut gathered)?;
-        let mut logits = zeros(wanted.len() * vocab)?;
+        let gathered = step_buffers::exact(dev, &mut self.head_input, wanted.len() * hidden)?;
+        dev.embedding(h, hidden, &wanted_dev, gathered)?;
+        let logits = step_buffers::exact(dev, &mut self.head_output, wanted.len() * vocab)?;
         let head16 = &mut self.rounded.head;
-        sized(dev, bf16_weights, head16, wanted.len() * hidden)?;
-        let x = linear_input(dev, &gathered, head16)?;
-        dev.linear(
-            &self.blas,
-            x,
-            wanted.len(),
-            &self.weights.lm_head,
-            &mut logits,
-        )?;
-        self.logits.copy_from(dev, &logits, wanted.len())
+        step_buffers::rounded(dev, bf16_weights, head16, wanted.len() * hidden)?;
+        let x = linear_input(dev, gathered, head16)?;
+        dev.linear(&self.blas, x, wanted.len(), &self.weights.lm_head, logits)?;
+        self.logits.copy_from(dev, logits, wanted.len())
     }
-}
-
-/// The bf16 roundings of a step's projection inputs (with bf16 weights), kept across steps.
-#[derive(Default)]
-struct RoundedInputs {
-    hidden: Option<CudaSlice<half::bf16>>, // [rows, hidden]: q/k/v's and gate/up's input
-    attn: Option<CudaSlice<half::bf16>>,   // [rows, q_dim]: o_proj's
-    act: Option<CudaSlice<half::bf16>>,    // [rows, intermediate]: down_proj's
-    head: Option<CudaSlice<half::bf16>>,   // [logit rows, hidden]: the head's
-}
-
-/// `buffer` as a step needs it: `None` without bf16 weights, else exactly `len` elements
-/// (re-allocated only when the length changes).
-fn sized(
-    dev: &GpuDevice,
-    bf16_weights: bool,
-    buffer: &mut Option<CudaSlice<half::bf16>>,
-    len: usize,
-) -> Result<(), CudaError> {
-    match bf16_weights {
-        false => *buffer = None,
-        true if buffer.as_ref().is_some_and(|b| b.len() == len) => {}
-        true => *buffer = Some(dev.stream.alloc_zeros(len)?),
-    }
-    Ok(())
 }
 
 // ANCHOR: linear_input

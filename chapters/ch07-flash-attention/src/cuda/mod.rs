@@ -20,6 +20,7 @@ pub mod device;
 pub mod executor;
 pub mod kernels;
 pub mod ops;
+mod step_buffers;
 pub mod weights;
 
 pub use compile::{Arch, compile_kernel};

@@ -681,8 +681,11 @@ impl GpuDevice {
         }
         let num_parts = batch.max_context.div_ceil(partition_size);
         let partials = batch.num_seqs * heads.num_heads * num_parts;
-        let mut partial_o = self.stream.alloc_zeros::<f32>(partials * heads.head_dim)?;
-        let mut partial_ml = self.stream.alloc_zeros::<f32>(partials * 2)?;
+        let mut kept = self
+            .decode_partials
+            .lock()
+            .map_err(|_| shape("a panic while the decode partials were held"))?;
+        let (partial_o, partial_ml) = kept.at_least(self, partials, heads.head_dim)?;
         let args = self.attention_args(batch, heads)?;
         let part = i32_arg("partition size", partition_size)?;
         let config = LaunchConfig {
@@ -701,14 +704,15 @@ impl GpuDevice {
             .arg(&batch.rows)
             .arg(&batch.context_lens)
             .arg(&batch.block_tables);
-        launch.arg(&mut partial_o).arg(&mut partial_ml);
+        launch.arg(&mut *partial_o).arg(&mut *partial_ml);
         launch.arg(&args.max_blocks).arg(&args.block_size);
         launch.arg(&args.num_heads).arg(&args.num_kv_heads);
         if kernel == DecodeKernel::KeyPerThread {
             launch.arg(&args.head_dim); // the lane-group kernels are compiled for theirs
         }
         launch.arg(&part).arg(&args.scale);
-        // SAFETY: as flash_prefill; the partial buffers hold seqs·heads·partitions entries;
+        // SAFETY: as flash_prefill; the partial buffers hold at least seqs·heads·partitions
+        // entries (`DecodePartials::at_least`), of which the kernels index only those;
         // the group is at most GROUP_MAX (HeadShape::check) and a partition at most
         // PARTITION_MAX keys (checked above), the sizes of the kernels' shared arrays; blockDim
         // is 128, the kernels' THREADS. A lane-group kernel is the instance compiled for this
@@ -730,12 +734,13 @@ impl GpuDevice {
             .stream
             .launch_builder(self.function("paged_decode_merge"));
         launch
-            .arg(&partial_o)
-            .arg(&partial_ml)
+            .arg(&*partial_o)
+            .arg(&*partial_ml)
             .arg(&batch.rows)
             .arg(out);
         launch.arg(&args.num_heads).arg(&args.head_dim).arg(&parts);
-        // SAFETY: the partial buffers were sized above; rows are below num_rows.
+        // SAFETY: the partial buffers hold the entries the first kernel wrote (above); rows are
+        // below num_rows.
         unsafe { launch.launch(config) }?;
         Ok(())
     }
