@@ -5,9 +5,11 @@
 // decoder layer, two passes over the row fused into one kernel.
 #include "common.cuh"
 
-// residual, delta, out: [n, dim]; weight: [dim]. Grid: (n); block: a multiple of 32.
+// residual, delta, out: [n, dim]; weight: [dim]. out_bf16, when not null: [n, dim], out rounded
+// to bf16, the input of a bf16 matrix product (one kernel fewer than a separate cast).
+// Grid: (n); block: a multiple of 32.
 extern "C" __global__ void add_rmsnorm(float* residual, const float* delta, const float* weight,
-                                       float* out, int dim, float eps) {
+                                       float* out, bf16_bits* out_bf16, int dim, float eps) {
     long base = (long)blockIdx.x * dim;
     float sum_sq = 0.0f;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
@@ -20,7 +22,9 @@ extern "C" __global__ void add_rmsnorm(float* residual, const float* delta, cons
     }
     float inv_rms = rsqrtf(block_sum(sum_sq) / (float)dim + eps);
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        out[base + d] = residual[base + d] * inv_rms * weight[d];
+        float y = residual[base + d] * inv_rms * weight[d];
+        out[base + d] = y;
+        if (out_bf16 != nullptr) out_bf16[base + d] = f32_to_bf16(y);
     }
 }
 

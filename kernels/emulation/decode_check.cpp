@@ -1,14 +1,18 @@
 // Both split-K decode kernels (paged_decode.cu and paged_decode_lanes.cu, each finished by
 // paged_decode_merge) on CPU threads (cuda_on_threads.h) against attention computed in f64, on
 // random shapes: GQA groups of 1 to 8, head sizes 64 and 128, block sizes 1 to 17, partitions
-// of 7 to 256 keys, contexts of 1 to 300 positions, f32 and bf16 caches. Prints one line per
-// case and exits non-zero if any output is off by more than 1e-5 (relative, or absolute below 1).
+// of 7 to 256 keys, contexts of 1 to 300 positions, f32 and bf16 caches; and the two kernels
+// that write a bf16 rounding beside their f32 output (add_rmsnorm, silu_mul) against their
+// definitions. Prints one line per case and exits non-zero if any output is off by more than
+// 1e-5 (relative, or absolute below 1) or any rounding is not the f32 output's.
 //
 // fixtures/scripts/emulate_kernels.sh builds and runs it under ThreadSanitizer.
 #include "cuda_on_threads.h"
 #include "common.cuh"
 #include "paged_decode.cu"
 #include "paged_decode_lanes.cu"
+#include "rmsnorm.cu"
+#include "silu_mul.cu"
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -102,12 +106,55 @@ bool check(std::mt19937& rng, bool lanes, int nh, int nkv, int d, int bs, int pa
     return ok;
 }
 
+// add_rmsnorm and silu_mul with their bf16 outputs, rows of a width that is not a multiple of
+// the block, against f64 and against their own f32 outputs rounded.
+bool check_elementwise(std::mt19937& rng) {
+    std::uniform_real_distribution<float> uni(-1, 1);
+    int rows = 3, dim = 1000;
+    std::vector<float> residual(rows * dim), delta(rows * dim), weight(dim), out(rows * dim);
+    std::vector<unsigned short> out16(rows * dim);
+    for (auto& x : residual) x = uni(rng);
+    for (auto& x : delta) x = uni(rng);
+    for (auto& x : weight) x = uni(rng);
+    std::vector<float> before = residual;
+    launch({(unsigned)rows, 1, 1}, 256, [&] {
+        add_rmsnorm(residual.data(), delta.data(), weight.data(), out.data(), out16.data(), dim, 1e-5f);
+    });
+    double worst = 0;
+    bool rounded = true;
+    for (int r = 0; r < rows; r++) {
+        double sum_sq = 0;
+        for (int d = 0; d < dim; d++) {
+            double x = (double)before[r * dim + d] + delta[r * dim + d];
+            sum_sq += x * x;
+        }
+        double inv = 1.0 / std::sqrt(sum_sq / dim + 1e-5);
+        for (int d = 0; d < dim; d++) {
+            double x = (double)before[r * dim + d] + delta[r * dim + d];
+            double want = x * inv * weight[d];
+            worst = std::max(worst, std::fabs(out[r * dim + d] - want) / std::max(1.0, std::fabs(want)));
+            rounded &= out16[r * dim + d] == to_bf16(out[r * dim + d]);
+        }
+    }
+    std::vector<float> act(rows * dim);
+    launch({2, 1, 1}, 128, [&] { silu_mul(residual.data(), delta.data(), act.data(), out16.data(), (long)rows * dim); });
+    for (int i = 0; i < rows * dim; i++) {
+        double g = residual[i], want = g / (1.0 + std::exp(-g)) * delta[i];
+        worst = std::max(worst, std::fabs(act[i] - want) / std::max(1.0, std::fabs(want)));
+        rounded &= out16[i] == to_bf16(act[i]);
+    }
+    bool ok = worst <= 1e-5 && rounded;
+    printf("add_rmsnorm and silu_mul with bf16 outputs: worst %.2e, roundings %s: %s\n", worst,
+           rounded ? "equal" : "DIFFER", ok ? "ok" : "FAIL");
+    return ok;
+}
+
 // decode_check [SEED]: every instance of paged_decode_lanes.cu (head sizes 64 and 128, groups of
 // 1, 2, 4 and 8) on a random case with an f32 and with a bf16 cache, and paged_decode.cu on two
 // (the kernel the GPU tests have checked: a control on the emulation itself).
 int main(int argc, char** argv) {
     std::mt19937 rng(argc > 1 ? atoi(argv[1]) : 1);
-    int fails = 0, control = 2;
+    int fails = !check_elementwise(rng), control = 2;
     int block_sizes[] = {1, 5, 16, 17}, partitions[] = {7, 64, 100, 256};
     for (int d : {64, 128}) {
         for (int g : {1, 2, 4, 8}) {

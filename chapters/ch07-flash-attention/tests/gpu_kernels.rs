@@ -497,6 +497,7 @@ fn add_rmsnorm_silu_mul_embedding_and_argmax_equal_their_definitions() {
             let eps = 1e-5f32;
             let mut residual = dev.stream.clone_htod(&x).unwrap();
             let mut out = dev.stream.alloc_zeros::<f32>(rows * dim).unwrap();
+            let mut out_bf16 = dev.stream.alloc_zeros::<bf16>(rows * dim).unwrap();
             let delta_dev = dev.stream.clone_htod(&delta).unwrap();
             dev.add_rmsnorm(
                 &mut residual,
@@ -504,8 +505,18 @@ fn add_rmsnorm_silu_mul_embedding_and_argmax_equal_their_definitions() {
                 &dev.stream.clone_htod(&weight).unwrap(),
                 eps,
                 &mut out,
+                Some(&mut out_bf16),
             )
             .unwrap();
+            // The bf16 output is the f32 output rounded, element for element.
+            let rounded_as_written = |out: &CudaSlice<f32>, out_bf16: &CudaSlice<bf16>| {
+                let want: Vec<bf16> = download(&dev, out)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect();
+                assert_eq!(dev.stream.clone_dtoh(out_bf16).unwrap(), want);
+            };
+            rounded_as_written(&out, &out_bf16);
             let mut want_residual = x.clone();
             let mut want = vec![0.0f32; rows * dim];
             for r in 0..rows {
@@ -523,7 +534,9 @@ fn add_rmsnorm_silu_mul_embedding_and_argmax_equal_their_definitions() {
             assert_close("rmsnorm", &download(&dev, &out), &want, 1e-5);
 
             let gate = dev.stream.clone_htod(&x).unwrap();
-            dev.silu_mul(&gate, &delta_dev, &mut out).unwrap();
+            dev.silu_mul(&gate, &delta_dev, &mut out, Some(&mut out_bf16))
+                .unwrap();
+            rounded_as_written(&out, &out_bf16);
             let want: Vec<f32> = x
                 .iter()
                 .zip(&delta)

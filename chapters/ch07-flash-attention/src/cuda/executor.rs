@@ -12,9 +12,10 @@
 //! final norm, the logit rows gathered, cuBLAS(rows · Wheadᵀ) → host    [rows, vocab]
 //! ```
 //! Weights and K/V stay on the device; only the step's small arrays go up and the logit rows
-//! come back. With bf16 weights each projection's input is rounded to bf16 once (one small
-//! kernel per input, shared by q/k/v and by gate/up) and cuBLAS multiplies bf16 by bf16 into
-//! f32 on the tensor cores.
+//! come back. With bf16 weights each projection's input is rounded to bf16 once (by the RMSNorm
+//! and SiLU·mul kernels beside their f32 outputs, and by one small kernel for the attention
+//! output and the head's rows; shared by q/k/v and by gate/up) and cuBLAS multiplies bf16 by
+//! bf16 into f32 on the tensor cores.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -346,8 +347,8 @@ impl<K: DeviceKv> CudaExecutor<K> {
         for (l, layer) in self.weights.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual stream here (none before layer 0).
             let previous = (l > 0).then_some(&*delta);
-            dev.add_rmsnorm(residual, previous, &layer.input_norm, eps, h)?;
-            let x = linear_input(dev, h, h16)?;
+            dev.add_rmsnorm(residual, previous, &layer.input_norm, eps, h, h16.as_mut())?;
+            let x = written_input(h, h16);
             dev.linear(&self.blas, x, n, &layer.q, q)?;
             dev.linear(&self.blas, x, n, &layer.k, k)?;
             dev.linear(&self.blas, x, n, &layer.v, v)?;
@@ -361,15 +362,22 @@ impl<K: DeviceKv> CudaExecutor<K> {
             }
             let x = linear_input(dev, attn, attn16)?;
             dev.linear(&self.blas, x, n, &layer.o, delta)?;
-            dev.add_rmsnorm(residual, Some(delta), &layer.post_norm, eps, h)?;
-            let x = linear_input(dev, h, h16)?;
+            dev.add_rmsnorm(
+                residual,
+                Some(delta),
+                &layer.post_norm,
+                eps,
+                h,
+                h16.as_mut(),
+            )?;
+            let x = written_input(h, h16);
             dev.linear(&self.blas, x, n, &layer.gate, gate)?;
             dev.linear(&self.blas, x, n, &layer.up, up)?;
-            dev.silu_mul(gate, up, act)?;
-            let x = linear_input(dev, act, act16)?;
+            dev.silu_mul(gate, up, act, act16.as_mut())?;
+            let x = written_input(act, act16);
             dev.linear(&self.blas, x, n, &layer.down, delta)?;
         }
-        dev.add_rmsnorm(residual, Some(delta), &self.weights.norm, eps, h)?;
+        dev.add_rmsnorm(residual, Some(delta), &self.weights.norm, eps, h, None)?;
 
         // The logit rows: each sequence's last `logit_rows` rows, gathered like an embedding.
         let mut wanted = vec![];
@@ -411,6 +419,18 @@ fn linear_input<'a>(
     })
 }
 // ANCHOR_END: linear_input
+
+/// `x` as a projection reads it when the kernel that wrote `x` also wrote its bf16 rounding
+/// into `rounded` (RMSNorm, SiLU·mul): that rounding with bf16 weights, else `x`.
+fn written_input<'a>(
+    x: &'a CudaSlice<f32>,
+    rounded: &'a Option<CudaSlice<half::bf16>>,
+) -> LinearInput<'a> {
+    match rounded {
+        None => LinearInput::F32(x),
+        Some(r) => LinearInput::Bf16(r),
+    }
+}
 
 impl<K: DeviceKv> Executor for CudaExecutor<K> {
     fn kv_layout(&self) -> KvLayout {

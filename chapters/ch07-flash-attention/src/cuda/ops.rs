@@ -414,8 +414,9 @@ impl GpuDevice {
         }
     }
 
-    /// `residual += delta` (when given), then `out = rmsnorm(residual) · weight`, row by row.
-    /// residual, delta, out: `[rows, dim]`; weight: `[dim]`.
+    /// `residual += delta` (when given), then `out = rmsnorm(residual) · weight`, row by row,
+    /// and `out_bf16`, when given, `out` rounded to bf16 (a bf16 projection's input).
+    /// residual, delta, out, out_bf16: `[rows, dim]`; weight: `[dim]`.
     pub fn add_rmsnorm(
         &self,
         residual: &mut CudaSlice<f32>,
@@ -423,6 +424,7 @@ impl GpuDevice {
         weight: &CudaSlice<f32>,
         eps: f32,
         out: &mut CudaSlice<f32>,
+        out_bf16: Option<&mut CudaSlice<bf16>>,
     ) -> Result<(), CudaError> {
         let dim = weight.len();
         if dim == 0 || !residual.len().is_multiple_of(dim) {
@@ -436,6 +438,9 @@ impl GpuDevice {
             check_len("delta", delta.len(), residual.len())?;
         }
         check_len("rmsnorm output", out.len(), residual.len())?;
+        if let Some(rounded) = &out_bf16 {
+            check_len("rmsnorm bf16 output", rounded.len(), residual.len())?;
+        }
         if rows == 0 {
             return Ok(());
         }
@@ -449,25 +454,40 @@ impl GpuDevice {
             Some(delta) => launch.arg(delta),
             None => launch.arg(&null),
         };
-        launch.arg(weight).arg(out).arg(&dim_arg).arg(&eps);
+        launch.arg(weight).arg(out);
+        match out_bf16 {
+            Some(rounded) => launch.arg(rounded),
+            None => launch.arg(&null), // a null pointer: no rounding written
+        };
+        launch.arg(&dim_arg).arg(&eps);
         // SAFETY: every buffer holds rows·dim elements (weight dim); blockDim is a multiple of 32.
         unsafe { launch.launch(config) }?;
         Ok(())
     }
 
-    /// `out = silu(gate) · up`, elementwise.
+    /// `out = silu(gate) · up`, elementwise, and `out_bf16`, when given, its bf16 rounding.
     pub fn silu_mul(
         &self,
         gate: &CudaSlice<f32>,
         up: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
+        out_bf16: Option<&mut CudaSlice<bf16>>,
     ) -> Result<(), CudaError> {
         check_len("up", up.len(), gate.len())?;
         check_len("silu_mul output", out.len(), gate.len())?;
+        if let Some(rounded) = &out_bf16 {
+            check_len("silu_mul bf16 output", rounded.len(), gate.len())?;
+        }
         let count = gate.len() as i64;
         let mut launch = self.stream.launch_builder(self.function("silu_mul"));
-        launch.arg(gate).arg(up).arg(out).arg(&count);
-        // SAFETY: the three buffers hold `count` elements.
+        launch.arg(gate).arg(up).arg(out);
+        let null: u64 = 0;
+        match out_bf16 {
+            Some(rounded) => launch.arg(rounded),
+            None => launch.arg(&null), // a null pointer: no rounding written
+        };
+        launch.arg(&count);
+        // SAFETY: the buffers given hold `count` elements.
         unsafe { launch.launch(grid_stride(gate.len())) }?;
         Ok(())
     }
