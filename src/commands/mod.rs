@@ -244,10 +244,11 @@ impl ModelArgs {
         let device =
             GpuDevice::open(ordinal).with_context(|| format!("--device {}", self.device))?;
         eprintln!(
-            "kiln: {} ({}, kernels for {})",
+            "kiln: {} ({}, kernels for {}, decode attention: {:?} where it applies)",
             self.device,
             device.name,
-            device.arch.name()
+            device.arch.name(),
+            device.decode_kernel
         );
         let weights = ch01::Weights::open(&self.model)?;
         let kv = match self.gpu_memory_utilization {
