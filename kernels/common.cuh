@@ -8,6 +8,11 @@
 typedef unsigned short bf16_bits;
 typedef unsigned int u32;
 
+// A kernel's dynamic shared memory (its size set at launch): `name`, an array of `type`.
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
+#endif
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

@@ -33,6 +33,9 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
+// The PTX instructions, each behind a function (kernels/emulation/ptx_on_threads.h gives each
+// its meaning on CPU threads, where KILN_EMULATION is defined).
+#ifndef KILN_EMULATION
 // The four 8 x 8 bf16 matrices whose rows lanes 0-7, 8-15, 16-23 and 24-31 point at, one
 // register each, in the B layout above (lane 4g + t: row g, columns 2t, 2t + 1); with .trans,
 // transposed (row 2t and 2t + 1, column g).
@@ -57,10 +60,29 @@ __device__ __forceinline__ void cp_async_16(bf16_bits* dst, const bf16_bits* src
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src), "r"(src_bytes));
 }
 
+// Closes this thread's group of cp.async copies started since the last commit.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// d (16 x 8, f32) += a (16 x 16, bf16) · b (16 x 8, bf16).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 // The K/V tiles, in dynamic shared memory: two buffers (the tile computed on and the next one,
 // arriving), each K then V, [TC_BC][D + TC_PAD] bf16. The host asks for their size,
 // 2 · 2 · TC_BC · (D + TC_PAD) · 2 bytes.
-extern __shared__ __align__(16) bf16_bits tc_smem[];
+DYNAMIC_SHARED(bf16_bits, tc_smem);
 
 template <int D>
 __device__ __forceinline__ bf16_bits (*tc_tile(int buf, int kv))[D + TC_PAD] {
@@ -87,16 +109,7 @@ __device__ __forceinline__ void stage_tile(int buf, int key0, int kv_len, const 
         cp_async_16(&k_s[j][c * 8], k_cache + at, bytes);
         cp_async_16(&v_s[j][c * 8], v_cache + at, bytes);
     }
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-// d (16 x 8, f32) += a (16 x 16, bf16) · b (16 x 8, bf16).
-__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    cp_async_commit();
 }
 
 // q, out: [rows, num_heads · D] f32; k_cache, v_cache: [slots, num_kv_heads · D] bf16; the other
@@ -155,9 +168,9 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
         if (it + 1 < tiles) {
             stage_tile<D>(buf ^ 1, key0 + TC_BC, kv_len, k_cache, v_cache, table, block_size,
                           kv_stride, kv_head);
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's copies of tile it are in
+            cp_async_wait<1>();  // this thread's copies of tile it are in
         } else {
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+            cp_async_wait<0>();
         }
         __syncthreads();  // and every thread's
         bf16_bits(*k_s)[D + TC_PAD] = tc_tile<D>(buf, 0);

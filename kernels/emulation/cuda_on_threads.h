@@ -27,8 +27,11 @@ inline dim3v gridDim, blockDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 #define __align__(n) alignas(n)
+#define KILN_EMULATION
+// Dynamic shared memory as a static array as large as any kernel here asks for.
+#define DYNAMIC_SHARED(type, name) alignas(16) static type name[(96 << 10) / sizeof(type)]
 
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
@@ -39,6 +42,7 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float exp2f(float x) { return std::exp2(x); }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 
