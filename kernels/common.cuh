@@ -13,6 +13,14 @@ typedef unsigned int u32;
 #define DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 #endif
 
+// An exercise's unwritten body (`kiln exercise`): stops the kernel (a GPU reports a launch
+// failure). On CPU threads (kernels/emulation) it prints `what` and ends the program, and
+// `kiln_task_done` says whether a task counts as done there; on a GPU every task is done.
+#ifndef KILN_TODO
+#define KILN_TODO(what) __trap()
+#define kiln_task_done(id) true
+#endif
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

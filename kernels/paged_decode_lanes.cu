@@ -76,6 +76,7 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
     // ANCHOR: lane_groups
     // Scores: warp w reads rows w·ROWS + sub, then STEP further on, UNROLL instructions at a time.
     // The loop bound is the same for every lane of a warp, so every lane reaches the shuffles.
+    // ANCHOR: task_7_4
     for (int j0 = warp * ROWS + sub; j0 - sub < n; j0 += STEP * UNROLL) {
         float k[UNROLL][CH];
 #pragma unroll
@@ -102,6 +103,7 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
             }
         }
     }
+    // ANCHOR_END: task_7_4
     // ANCHOR_END: lane_groups
     __syncthreads();
 

@@ -30,11 +30,10 @@ pub fn render(chapter: &Chapter) -> String {
         writeln!(md, "\n<!-- ANCHOR: {anchor} -->").unwrap();
         writeln!(
             md,
-            "> **{}: {}.** In `{}/{}`, write the body of `{}`: {}",
+            "> **{}: {}.** In `{}`, write the body of `{}`: {}",
             task.label(),
             task.name,
-            chapter.dir.display(),
-            task.file.display(),
+            chapter.source(task).display(),
             task.function,
             task.does
         )

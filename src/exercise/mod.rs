@@ -98,7 +98,7 @@ fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
         );
     }
     for (k, task) in (1..).zip(&chapter.tasks) {
-        let rel = chapter.dir.join(&task.file);
+        let rel = chapter.source(task);
         let reference = std::fs::read_to_string(root.join(&rel))?;
         let path = learner.join(&rel);
         let mine = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;

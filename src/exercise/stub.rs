@@ -124,15 +124,19 @@ pub fn stub_bodies(text: &str, task: &Task, stub: Stub) -> Result<Vec<String>> {
             let pad = indent(lines[r.begin]);
             // A statement, so that code after a region that is not a whole body still parses.
             let todo = format!("{pad}{};", task.todo());
+            let body = lines[r.begin + 1..r.end].join("\n");
             match stub {
                 Stub::Todo => todo,
-                Stub::Switch => {
-                    let body = lines[r.begin + 1..r.end].join("\n");
-                    format!(
-                        "{pad}if ::std::env::var({DONE_VAR:?}).is_ok_and(|done| done.split(',').any(|t| t == {:?})) {{\n{body}\n{pad}}} else {{\n    {todo}\n{pad}}}",
-                        task.id
-                    )
-                }
+                // `kiln_task_done` reads DONE_VAR where a CUDA kernel runs on CPU threads
+                // (kernels/emulation), and is true on a GPU.
+                Stub::Switch if task.is_cuda() => format!(
+                    "{pad}if (kiln_task_done({:?})) {{\n{body}\n{pad}}} else {{\n    {todo}\n{pad}}}",
+                    task.id
+                ),
+                Stub::Switch => format!(
+                    "{pad}if ::std::env::var({DONE_VAR:?}).is_ok_and(|done| done.split(',').any(|t| t == {:?})) {{\n{body}\n{pad}}} else {{\n    {todo}\n{pad}}}",
+                    task.id
+                ),
             }
         })
         .collect())
@@ -183,6 +187,25 @@ mod tests {
         assert!(
             stubbed.contains("todo!(\"Task 1.1: normalise the row\");"),
             "{stubbed}"
+        );
+    }
+
+    #[test]
+    fn a_cuda_task_stubs_with_kiln_todo() {
+        let task = Task {
+            file: "../../kernels/decode.cu".into(),
+            ..task()
+        };
+        let source = "__device__ void f() {\n    // ANCHOR: task_1_1\n    int y = 1;\n    // ANCHOR_END: task_1_1\n}\n";
+        let stubbed = stub(source, &task, Stub::Todo).unwrap();
+        assert!(
+            stubbed.contains("    KILN_TODO(\"Task 1.1: normalise the row\");\n"),
+            "{stubbed}"
+        );
+        let switch = stub(source, &task, Stub::Switch).unwrap();
+        assert!(
+            switch.contains("    if (kiln_task_done(\"1.1\")) {\n    int y = 1;\n    } else {"),
+            "{switch}"
         );
     }
 

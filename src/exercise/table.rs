@@ -47,6 +47,23 @@ struct File {
     task: Vec<Task>,
 }
 
+impl Chapter {
+    /// The file of `task` relative to the repository root, `..` resolved: a task's file may lie
+    /// outside its crate (chapter 7's CUDA kernels are in `kernels/`).
+    pub fn source(&self, task: &Task) -> PathBuf {
+        let mut path = PathBuf::new();
+        for part in self.dir.join(&task.file).components() {
+            match part {
+                std::path::Component::ParentDir => {
+                    path.pop();
+                }
+                other => path.push(other),
+            }
+        }
+        path
+    }
+}
+
 /// One test of a task: which test binary, and the test's exact name in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TestRef {
@@ -66,9 +83,22 @@ impl Task {
         format!("task_{}", self.id.replace('.', "_"))
     }
 
-    /// The body a learner starts from: a panic that says what to write.
+    /// The body a learner starts from: a panic that says what to write (in a CUDA source,
+    /// `KILN_TODO`, which stops the kernel; on CPU threads it prints the same words).
     pub fn todo(&self) -> String {
-        format!("todo!({:?})", format!("{}: {}", self.label(), self.does))
+        let what = format!("{}: {}", self.label(), self.does);
+        if self.is_cuda() {
+            format!("KILN_TODO({what:?})")
+        } else {
+            format!("todo!({what:?})")
+        }
+    }
+
+    /// Whether the task's file is a CUDA source (`.cu` or `.cuh`) rather than Rust.
+    pub fn is_cuda(&self) -> bool {
+        self.file
+            .extension()
+            .is_some_and(|e| e == "cu" || e == "cuh")
     }
 
     pub fn test_refs(&self) -> Vec<TestRef> {

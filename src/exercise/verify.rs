@@ -119,7 +119,7 @@ fn prepare(root: &Path, dir: &Path, chapters: &[Chapter], stub: Stub) -> Result<
     let mut replaced: HashMap<PathBuf, String> = HashMap::new();
     for chapter in chapters {
         for task in &chapter.tasks {
-            let rel = chapter.dir.join(&task.file);
+            let rel = chapter.source(task);
             let text = match replaced.remove(&rel) {
                 Some(text) => text,
                 None => std::fs::read_to_string(root.join(&rel))
