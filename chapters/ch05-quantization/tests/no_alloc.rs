@@ -29,6 +29,14 @@ fn decode_steps_allocate_nothing() {
     ] {
         let layer = QuantLinear::quantize(ty, &w, Some(Array1::zeros(out))).unwrap();
         let x = Array2::from_shape_fn((1, cols), |(_, k)| (k % 13) as f32 / 13.0 - 0.5);
+        // Every worker calls the layer once: the caller of a parallel loop always runs its first
+        // piece itself, so each worker grows its own scratch here, whichever worker the
+        // scheduling later hands a piece (one warm-up call alone left a worker cold when the
+        // other took every piece, and its first piece in the timed steps then allocated).
+        pool.broadcast(|_| {
+            let mut y = Array2::<f32>::zeros((1, out));
+            layer.forward_into(x.view(), y.view_mut());
+        });
         let mut y = Array2::<f32>::zeros((1, out));
         let allocations = pool.install(|| {
             layer.forward_into(x.view(), y.view_mut()); // grows the scratch
