@@ -66,6 +66,27 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(v);
 }
 
+// One warp's softmax statistics over one head's scores p[0 .. n) (split-K decode's partition):
+// m = max p, each p[j] replaced by exp(p[j] − m), l = Σ p[j]; lane 0 writes (m, l) to ml. m is
+// −∞ and l 0 when n = 0 (a partition past the end of its context). Every lane must call it.
+__device__ __forceinline__ void warp_softmax_stats(float* p, int n, float* ml) {
+    int lane = threadIdx.x & 31;
+    float m = -INFINITY;
+    for (int j = lane; j < n; j += 32) m = fmaxf(m, p[j]);
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+        float e = expf(p[j] - m);
+        p[j] = e;
+        l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+        ml[0] = m;
+        ml[1] = l;
+    }
+}
+
 // CH (8, 4 or 2) consecutive elements of a K/V row from element i (i a multiple of CH, so the
 // load is aligned), widened to f32: one 16-byte load for 8 bf16, two for 8 f32.
 template <int CH>

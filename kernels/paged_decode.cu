@@ -47,7 +47,7 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
     int group = num_heads / num_kv_heads;
     int ctx = (int)context_lens[seq];
     int begin = part * partition_size, n = max(0, min(ctx, begin + partition_size) - begin);
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int tid = threadIdx.x, warp = tid >> 5;
     const u32* table = block_tables + (long)seq * max_blocks;
     long q_row = (long)rows[seq] * num_heads * head_dim;
     int kv_stride = num_kv_heads * head_dim, chunks = head_dim / CH;
@@ -98,22 +98,7 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
     __syncthreads();
 
     // Softmax statistics: warp w takes heads w, w + 4, ...
-    for (int g = warp; g < group; g += THREADS / 32) {
-        float m = -INFINITY;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, p_s[g][j]);
-        m = warp_max(m);
-        float l = 0.0f;
-        for (int j = lane; j < n; j += 32) {
-            float p = expf(p_s[g][j] - m);
-            p_s[g][j] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            ml_s[g][0] = m;  // −∞ for a partition past the end of this context (n = 0)
-            ml_s[g][1] = l;
-        }
-    }
+    for (int g = warp; g < group; g += THREADS / 32) warp_softmax_stats(p_s[g], n, ml_s[g]);
     __syncthreads();
 
     // Values: thread t takes chunk t % v_chunks of every key of set t / v_chunks (keys set, set +

@@ -108,22 +108,7 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
     __syncthreads();
 
     // Softmax statistics: warp w takes heads w, w + WARPS, ...
-    for (int g = warp; g < G; g += WARPS) {
-        float m = -INFINITY;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, p_s[g][j]);
-        m = warp_max(m);
-        float l = 0.0f;
-        for (int j = lane; j < n; j += 32) {
-            float p = expf(p_s[g][j] - m);
-            p_s[g][j] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            ml_s[g][0] = m;  // −∞ for a partition past the end of this context (n = 0)
-            ml_s[g][1] = l;
-        }
-    }
+    for (int g = warp; g < G; g += WARPS) warp_softmax_stats(p_s[g], n, ml_s[g]);
     __syncthreads();
 
     // Values: the rows as the scores read them; each lane sums p · v for its chunk.
