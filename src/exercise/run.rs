@@ -48,6 +48,8 @@ pub fn run_tests(
     cmd.args(tests.iter().map(|t| &t.name));
     // One line per panic: a backtrace would bury the message.
     cmd.env("RUST_BACKTRACE", "0");
+    // A task's test must run: the CUDA ones (run on CPU threads, built with g++) may not skip.
+    cmd.env("KILN_REQUIRE_GXX", "1");
     for (key, value) in env {
         cmd.env(key, value);
     }
