@@ -85,6 +85,17 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
     return other;
 }
 
+// Lane t gets the value of lane `src` (below 32) of its warp.
+inline float __shfl_sync(unsigned, float v, int src) {
+    unsigned t = threadIdx.x;
+    auto& warp = *emulation::warp_barriers[t / 32];
+    emulation::shuffle_slots[t] = v;
+    warp.arrive_and_wait();
+    float other = emulation::shuffle_slots[t / 32 * 32 + src];
+    warp.arrive_and_wait();
+    return other;
+}
+
 // Runs `kernel` for every block of `grid`, one block after another, on `threads` (a multiple of
 // 32, at most MAX_THREADS) threads that stay for the whole grid; between two blocks every thread
 // waits at the block barrier, so no block's shared memory is reused while a thread still reads.

@@ -56,6 +56,6 @@ fn decode_kernels_on_cpu_threads_equal_attention() {
 }
 
 #[test]
-fn tensor_core_prefill_on_cpu_threads_equals_attention() {
+fn prefill_kernels_on_cpu_threads_equal_attention() {
     build_and_run("prefill_check");
 }
