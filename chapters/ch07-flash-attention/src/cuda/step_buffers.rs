@@ -1,5 +1,7 @@
-//! The device buffers a step computes in, kept across steps: a decode step at a steady batch
-//! allocates none. Each is re-made (zeroed) only when a step's row count changes its length;
+//! The device buffers a step computes in, kept across steps: at a steady batch a decode step
+//! allocates none of them (only the small arrays it uploads, `upload_batch` and
+//! `upload_tokens`, are new each step). Each is re-made (zeroed) only when a step's row count
+//! changes its length;
 //! every kernel and product of a step writes a buffer before it reads it, so what a previous
 //! step left there is never seen.
 
