@@ -231,9 +231,9 @@ impl DecodeKernel {
             DecodeKernel::KeyPerThread => true,
             DecodeKernel::LaneGroups => {
                 Self::LANE_GROUP_HEAD_DIMS.contains(&heads.head_dim)
-                    && heads.num_kv_heads > 0
-                    && heads.num_heads.is_multiple_of(heads.num_kv_heads)
-                    && Self::LANE_GROUP_GROUPS.contains(&(heads.num_heads / heads.num_kv_heads))
+                    && heads
+                        .group()
+                        .is_some_and(|g| Self::LANE_GROUP_GROUPS.contains(&g))
             }
         }
     }
@@ -267,23 +267,28 @@ impl HeadShape {
             num_kv_heads,
             head_dim,
         } = *self;
-        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        let Some(group) = self.group() else {
             return Err(shape(format!(
                 "{num_heads} query heads cannot share {num_kv_heads} KV heads evenly"
             )));
-        }
+        };
         if head_dim == 0 || head_dim > HEAD_DIM_MAX || head_dim % 2 != 0 {
             return Err(shape(format!(
                 "head_dim {head_dim}: the kernels take even head dims up to {HEAD_DIM_MAX}"
             )));
         }
-        if num_heads / num_kv_heads > GROUP_MAX {
+        if group > GROUP_MAX {
             return Err(shape(format!(
-                "{} query heads per KV head: the decode kernel takes at most {GROUP_MAX}",
-                num_heads / num_kv_heads
+                "{group} query heads per KV head: the decode kernel takes at most {GROUP_MAX}"
             )));
         }
         Ok(())
+    }
+
+    /// Query heads per KV head (GQA's group), when the KV heads divide the query heads evenly.
+    pub fn group(&self) -> Option<usize> {
+        (self.num_kv_heads > 0 && self.num_heads.is_multiple_of(self.num_kv_heads))
+            .then(|| self.num_heads / self.num_kv_heads)
     }
 
     pub fn q_dim(&self) -> usize {

@@ -11,19 +11,31 @@ use super::CudaError;
 use super::device::GpuDevice;
 use super::ops::HeadShape;
 
+/// `buffer` as it is when `keep` accepts it, else a new one of `len` elements (the old one
+/// freed first).
+fn kept_or_new<'a, T: DeviceRepr + ValidAsZeroBits>(
+    dev: &GpuDevice,
+    buffer: &'a mut Option<CudaSlice<T>>,
+    len: usize,
+    keep: impl Fn(&CudaSlice<T>) -> bool,
+) -> Result<&'a mut CudaSlice<T>, CudaError> {
+    let slice = match buffer.take() {
+        Some(b) if keep(&b) => b,
+        old => {
+            drop(old);
+            dev.stream.alloc_zeros(len)?
+        }
+    };
+    Ok(buffer.insert(slice))
+}
+
 /// `buffer` holding exactly `len` elements: kept when it does, else newly allocated.
 pub(super) fn exact<'a, T: DeviceRepr + ValidAsZeroBits>(
     dev: &GpuDevice,
     buffer: &'a mut Option<CudaSlice<T>>,
     len: usize,
 ) -> Result<&'a mut CudaSlice<T>, CudaError> {
-    if buffer.as_ref().is_none_or(|b| b.len() != len) {
-        *buffer = None; // free the old one before the new one is made
-        *buffer = Some(dev.stream.alloc_zeros(len)?);
-    }
-    buffer
-        .as_mut()
-        .ok_or_else(|| CudaError::Shape("a step buffer was not allocated".into()))
+    kept_or_new(dev, buffer, len, |b| b.len() == len)
 }
 
 /// The f32 activations of a step of `rows` rows.
@@ -51,25 +63,23 @@ impl Activations {
         heads: HeadShape,
         inter: usize,
     ) -> Result<&'a mut Activations, CudaError> {
-        if kept.as_ref().is_none_or(|a| a.rows != rows) {
-            *kept = None;
-            let zeros = |len: usize| dev.stream.alloc_zeros::<f32>(len);
-            *kept = Some(Activations {
-                rows,
-                residual: zeros(rows * hidden)?,
-                h: zeros(rows * hidden)?,
-                delta: zeros(rows * hidden)?,
-                q: zeros(rows * heads.q_dim())?,
-                k: zeros(rows * heads.kv_dim())?,
-                v: zeros(rows * heads.kv_dim())?,
-                attn: zeros(rows * heads.q_dim())?,
-                gate: zeros(rows * inter)?,
-                up: zeros(rows * inter)?,
-                act: zeros(rows * inter)?,
-            });
+        if let Some(a) = kept.take().filter(|a| a.rows == rows) {
+            return Ok(kept.insert(a));
         }
-        kept.as_mut()
-            .ok_or_else(|| CudaError::Shape("the step's activations were not allocated".into()))
+        let zeros = |len: usize| dev.stream.alloc_zeros::<f32>(len);
+        Ok(kept.insert(Activations {
+            rows,
+            residual: zeros(rows * hidden)?,
+            h: zeros(rows * hidden)?,
+            delta: zeros(rows * hidden)?,
+            q: zeros(rows * heads.q_dim())?,
+            k: zeros(rows * heads.kv_dim())?,
+            v: zeros(rows * heads.kv_dim())?,
+            attn: zeros(rows * heads.q_dim())?,
+            gate: zeros(rows * inter)?,
+            up: zeros(rows * inter)?,
+            act: zeros(rows * inter)?,
+        }))
     }
 }
 
@@ -117,22 +127,9 @@ impl DecodePartials {
         partials: usize,
         head_dim: usize,
     ) -> Result<(&mut CudaSlice<f32>, &mut CudaSlice<f32>), CudaError> {
-        let o = grown(dev, &mut self.o, partials * head_dim)?;
-        let ml = grown(dev, &mut self.ml, partials * 2)?;
+        let (o_len, ml_len) = (partials * head_dim, partials * 2);
+        let o = kept_or_new(dev, &mut self.o, o_len, |b| b.len() >= o_len)?;
+        let ml = kept_or_new(dev, &mut self.ml, ml_len, |b| b.len() >= ml_len)?;
         Ok((o, ml))
     }
-}
-
-/// `buffer` holding at least `len` elements: kept when it does, else newly allocated.
-fn grown<'a>(
-    dev: &GpuDevice,
-    buffer: &'a mut Option<CudaSlice<f32>>,
-    len: usize,
-) -> Result<&'a mut CudaSlice<f32>, CudaError> {
-    if buffer.as_ref().is_none_or(|b| b.len() < len) {
-        return exact(dev, buffer, len);
-    }
-    buffer
-        .as_mut()
-        .ok_or_else(|| CudaError::Shape("a step buffer was not allocated".into()))
 }
