@@ -74,27 +74,26 @@ inline void todo(const char* what) {
 
 inline void __syncthreads() { emulation::block_barrier->arrive_and_wait(); }
 
-// Lane t gets the value of lane t ^ offset (offset < 32, so within the warp).
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
+namespace emulation {
+// This thread's `v` for its warp, and lane `src`'s (below 32) back.
+inline float shuffle(float v, unsigned src) {
     unsigned t = threadIdx.x;
-    auto& warp = *emulation::warp_barriers[t / 32];
-    emulation::shuffle_slots[t] = v;
+    auto& warp = *warp_barriers[t / 32];
+    shuffle_slots[t] = v;
     warp.arrive_and_wait();
-    float other = emulation::shuffle_slots[t ^ offset];
+    float other = shuffle_slots[t / 32 * 32 + src];
     warp.arrive_and_wait();  // nobody writes its slot again before every lane has read
     return other;
 }
+}  // namespace emulation
+
+// Lane t gets the value of lane t ^ offset (offset < 32, so within the warp).
+inline float __shfl_xor_sync(unsigned, float v, int offset) {
+    return emulation::shuffle(v, (threadIdx.x % 32) ^ offset);
+}
 
 // Lane t gets the value of lane `src` (below 32) of its warp.
-inline float __shfl_sync(unsigned, float v, int src) {
-    unsigned t = threadIdx.x;
-    auto& warp = *emulation::warp_barriers[t / 32];
-    emulation::shuffle_slots[t] = v;
-    warp.arrive_and_wait();
-    float other = emulation::shuffle_slots[t / 32 * 32 + src];
-    warp.arrive_and_wait();
-    return other;
-}
+inline float __shfl_sync(unsigned, float v, int src) { return emulation::shuffle(v, src); }
 
 // Runs `kernel` for every block of `grid`, one block after another, on `threads` (a multiple of
 // 32, at most MAX_THREADS) threads that stay for the whole grid; between two blocks every thread

@@ -17,11 +17,6 @@
 #include <cstdlib>
 #include <random>
 
-static unsigned short to_bf16(float f) {
-    unsigned bits = __float_as_uint(f);
-    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 enum class Kernel { TensorCores, CudaCoresF32, CudaCoresBf16 };
 
 // One random case on `kernel`, head size d (64 or 128 on tensor cores), sequences of 1 to
@@ -57,7 +52,7 @@ bool check(std::mt19937& rng, Kernel kernel, int D, int group, int num_kv_heads,
     std::vector<float> kf(pool), vf(pool);         // the values every kernel reads, as f32
     for (size_t i = 0; i < pool; i++) {
         kf[i] = uni(rng), vf[i] = uni(rng);
-        k[i] = to_bf16(kf[i]), v[i] = to_bf16(vf[i]);
+        k[i] = f32_to_bf16(kf[i]), v[i] = f32_to_bf16(vf[i]);
         if (bf16) kf[i] = __uint_as_float((unsigned)k[i] << 16), vf[i] = __uint_as_float((unsigned)v[i] << 16);
     }
     std::vector<float> q(row_start[num_seqs] * q_dim), out(q.size(), NAN);
