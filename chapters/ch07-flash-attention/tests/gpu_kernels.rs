@@ -11,7 +11,7 @@ use ch01::config::RopeScaling;
 use ch01::rope::Rope;
 use ch07_flash_attention::cuda::device::driver_present;
 use ch07_flash_attention::cuda::{
-    DecodeKernel, GpuDevice, HeadShape, SeqRows, prefill_on_tensor_cores,
+    BatchIndex, DecodeKernel, GpuDevice, HeadShape, SeqRows, prefill_on_tensor_cores,
 };
 use ch07_flash_attention::naive_attention;
 use cudarc::driver::CudaSlice;
@@ -309,6 +309,34 @@ fn every_lane_group_decode_instance_equals_naive_attention() {
     }
 }
 
+/// A step's arrays copied into the buffer a larger step left: the views read this step's.
+#[test]
+fn a_kept_index_buffer_takes_the_next_steps_arrays() {
+    let Some(dev) = device() else { return };
+    let seq = |start_pos, rows, blocks: &[u32]| SeqRows {
+        start_pos,
+        rows,
+        block_table: blocks.to_vec(),
+    };
+    let mut large = BatchIndex::new(&[seq(0, 40, &[3, 1, 4]), seq(9, 7, &[0, 2])], 16, 5).unwrap();
+    large.push_ids(&[7; 47], 8).unwrap();
+    let kept = dev.upload(large, None).unwrap().into_buffer();
+    let kept_len = kept.len();
+    let mut small = BatchIndex::new(&[seq(20, 1, &[2, 4]), seq(5, 1, &[1])], 16, 5).unwrap();
+    let tokens = small.push_ids(&[11, 12], 13).unwrap();
+    let batch = dev.upload(small, Some(kept)).unwrap();
+    assert_eq!(dev.stream.clone_dtoh(&batch.positions()).unwrap(), [20, 5]);
+    let ids = batch.ids(tokens);
+    assert_eq!(dev.stream.clone_dtoh(ids.view()).unwrap(), [11, 12]);
+    assert_eq!(ids.vocab(), 13);
+    assert!(batch.all_single_rows && batch.num_rows == 2);
+    assert_eq!(
+        batch.into_buffer().len(),
+        kept_len,
+        "the kept buffer, not a new one"
+    );
+}
+
 #[test]
 fn kv_write_puts_each_row_in_its_slot() {
     let Some(dev) = device() else { return };
@@ -384,7 +412,7 @@ fn rope_equals_chapter_1() {
                 dev.rope(
                     &mut q_dev,
                     &mut k_dev,
-                    &dev.stream.clone_htod(&positions).unwrap(),
+                    &dev.stream.clone_htod(&positions).unwrap().as_view(),
                     &dev.stream.clone_htod(&inv_freq).unwrap(),
                     heads,
                 )
@@ -553,7 +581,7 @@ fn add_rmsnorm_silu_mul_embedding_and_argmax_equal_their_definitions() {
             dev.embedding(
                 &table_dev,
                 dim,
-                &dev.upload_tokens(&tokens, vocab).unwrap(),
+                &dev.upload_tokens(&tokens, vocab).unwrap().view(),
                 &mut out,
             )
             .unwrap();

@@ -2,7 +2,7 @@
 //! kernel per stage:
 //!
 //! ```text
-//! upload once per step: tokens, positions, row offsets, block tables, slots
+//! upload in one copy per step: tokens, positions, row offsets, block tables, slots
 //! x = embedding(tokens)                                   [n, hidden]
 //! per layer:  h = add_rmsnorm(x += previous MLP output)
 //!             q, k, v = cuBLAS(h · Wqᵀ), ...; rope(q, k)
@@ -30,8 +30,9 @@ use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use ndarray::ArrayView2;
 
 use super::CudaError;
+use super::batch::{BatchIndex, PagedBatch, SeqRows};
 use super::device::GpuDevice;
-use super::ops::{DeviceScalar, HeadShape, LinearInput, SeqRows};
+use super::ops::{DeviceScalar, HeadShape, LinearInput};
 use super::step_buffers::{self, Activations, RoundedInputs};
 use super::weights::DeviceWeights;
 
@@ -106,6 +107,8 @@ pub struct CudaExecutor<K: DeviceKv = f32> {
     rounded: RoundedInputs,
     head_input: Option<CudaSlice<f32>>, // [logit rows, hidden]: the rows the head reads
     head_output: Option<CudaSlice<f32>>, // [logit rows, vocab]
+    /// The device buffer of the last step's index arrays, which the next step copies into.
+    step_index: Option<CudaSlice<u32>>,
     _kv: PhantomData<K>,
 }
 
@@ -219,6 +222,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
             rounded: RoundedInputs::default(),
             head_input: None,
             head_output: None,
+            step_index: None,
             _kv: PhantomData,
         })
     }
@@ -293,9 +297,6 @@ impl<K: DeviceKv> CudaExecutor<K> {
         if step.seqs.is_empty() {
             return Ok(());
         }
-        let dev = &self.dev;
-        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
-        let (heads, eps) = (self.heads, self.config.rms_norm_eps as f32);
         let seqs: Vec<SeqRows> = step
             .seqs
             .iter()
@@ -305,20 +306,44 @@ impl<K: DeviceKv> CudaExecutor<K> {
                 block_table: s.block_table.clone(),
             })
             .collect();
-        let batch = dev.upload_batch(&seqs, self.block_size, self.num_blocks)?;
-        let n = batch.num_rows;
+        let mut index = BatchIndex::new(&seqs, self.block_size, self.num_blocks)?;
         let tokens: Vec<u32> = step
             .seqs
             .iter()
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
-        let positions: Vec<u32> = step
-            .seqs
-            .iter()
-            .flat_map(|s| (s.start_pos..s.start_pos + s.tokens.len()).map(|p| p as u32))
-            .collect();
-        let tokens = dev.upload_tokens(&tokens, vocab)?;
-        let positions = dev.stream.clone_htod(&positions)?;
+        let tokens = index.push_ids(&tokens, vocab)?;
+        // The logit rows: each sequence's last `logit_rows` rows.
+        let mut wanted = vec![];
+        let mut row = 0usize;
+        for s in &step.seqs {
+            let end = row + s.tokens.len();
+            wanted.extend((end - s.logit_rows.min(s.tokens.len())..end).map(|r| r as u32));
+            row = end;
+        }
+        let logit_rows = index.push_ids(&wanted, row)?;
+        // One copy for every array of the step, into the buffer the last step copied into.
+        let batch = self.dev.upload(index, self.step_index.take())?;
+        let result = self.forward(&batch, tokens, logit_rows);
+        self.step_index = Some(batch.into_buffer());
+        result
+    }
+
+    /// The model over `batch`'s rows: its ids number `tokens` are the step's tokens, number
+    /// `logit_rows` the rows whose logits go to the host.
+    fn forward(
+        &mut self,
+        batch: &PagedBatch,
+        tokens: usize,
+        logit_rows: usize,
+    ) -> Result<(), CudaError> {
+        let dev = &self.dev;
+        let vocab = self.config.vocab_size;
+        let (hidden, inter) = (self.config.hidden_size, self.config.intermediate_size);
+        let (heads, eps) = (self.heads, self.config.rms_norm_eps as f32);
+        let (tokens, wanted) = (batch.ids(tokens), batch.ids(logit_rows));
+        let positions = batch.positions();
+        let n = batch.num_rows;
 
         // The step's buffers, kept across steps (`step_buffers`): with bf16 weights, each
         // projection input's bf16 rounding too, made once per input.
@@ -354,11 +379,11 @@ impl<K: DeviceKv> CudaExecutor<K> {
             dev.linear(&self.blas, x, n, &layer.v, v)?;
             dev.rope(q, k, &positions, &self.weights.inv_freq, heads)?;
             let (k_cache, v_cache) = (&mut self.k_cache[l], &mut self.v_cache[l]);
-            dev.kv_write(&batch, k, v, heads.kv_dim(), k_cache, v_cache)?;
+            dev.kv_write(batch, k, v, heads.kv_dim(), k_cache, v_cache)?;
             if batch.all_single_rows {
-                dev.paged_decode(&batch, heads, DECODE_PARTITION, q, k_cache, v_cache, attn)?;
+                dev.paged_decode(batch, heads, DECODE_PARTITION, q, k_cache, v_cache, attn)?;
             } else {
-                dev.flash_prefill(&batch, heads, q, k_cache, v_cache, attn)?;
+                dev.flash_prefill(batch, heads, q, k_cache, v_cache, attn)?;
             }
             let x = linear_input(dev, attn, attn16)?;
             dev.linear(&self.blas, x, n, &layer.o, delta)?;
@@ -379,20 +404,12 @@ impl<K: DeviceKv> CudaExecutor<K> {
         }
         dev.add_rmsnorm(residual, Some(delta), &self.weights.norm, eps, h, None)?;
 
-        // The logit rows: each sequence's last `logit_rows` rows, gathered like an embedding.
-        let mut wanted = vec![];
-        let mut row = 0usize;
-        for s in &step.seqs {
-            let end = row + s.tokens.len();
-            wanted.extend((end - s.logit_rows.min(s.tokens.len())..end).map(|r| r as u32));
-            row = end;
-        }
+        // The logit rows, gathered like an embedding.
         if wanted.is_empty() {
             return Ok(());
         }
-        let wanted_dev = dev.upload_tokens(&wanted, n)?;
         let gathered = step_buffers::exact(dev, &mut self.head_input, wanted.len() * hidden)?;
-        dev.embedding(h, hidden, &wanted_dev, gathered)?;
+        dev.embedding(h, hidden, &wanted, gathered)?;
         let logits = step_buffers::exact(dev, &mut self.head_output, wanted.len() * vocab)?;
         let head16 = &mut self.rounded.head;
         step_buffers::rounded(dev, bf16_weights, head16, wanted.len() * hidden)?;

@@ -13,8 +13,10 @@
 //! | [`device`]  | one GPU: its context, stream, architecture, and every kernel loaded on it  |
 //! | [`weights`] | a Llama's weights in device memory, from any weight source                |
 //! | [`executor`]| [`CudaExecutor`]: chapter 4's `Executor` on a GPU                          |
+//! | [`batch`]   | a step's index arrays, checked on the host and uploaded in one copy         |
 //! | [`ops`]     | safe launches: every length and index a kernel relies on, checked on the host |
 
+pub mod batch;
 pub mod compile;
 pub mod device;
 pub mod executor;
@@ -23,14 +25,12 @@ pub mod ops;
 mod step_buffers;
 pub mod weights;
 
+pub use batch::{BatchIndex, BatchShape, DeviceTokens, PagedBatch, SeqRows, UploadedTokens};
 pub use compile::{Arch, compile_kernel};
 pub use device::{DeviceSpec, GpuDevice};
 pub use executor::{CudaExecutor, KvBudget, kv_bytes_for_share};
 pub use kernels::{KERNELS, KernelSource};
-pub use ops::{
-    DecodeKernel, DeviceScalar, DeviceTokens, HeadShape, PagedBatch, SeqRows,
-    prefill_on_tensor_cores,
-};
+pub use ops::{DecodeKernel, DeviceScalar, HeadShape, prefill_on_tensor_cores};
 
 /// Why the GPU path could not start or run.
 #[derive(Debug, thiserror::Error)]

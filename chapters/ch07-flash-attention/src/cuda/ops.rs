@@ -1,13 +1,17 @@
 //! Safe launches of the kernels. Each checks, on the host, every length and index bound its
 //! kernel relies on, so that no call with valid Rust values reads or writes past a device
 //! buffer: token ids and slots are uploaded through types that checked them
-//! ([`DeviceTokens`], [`PagedBatch`]), and lengths are checked against the shapes given.
+//! ([`DeviceTokens`], [`PagedBatch`], in `batch`), and lengths are checked against the shapes
+//! given.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
 use half::bf16;
 
 use super::CudaError;
+use super::batch::{DeviceTokens, PagedBatch};
 use super::device::GpuDevice;
 use super::weights::{DeviceLinear, DeviceMatrix};
 
@@ -25,22 +29,6 @@ impl DeviceScalar for f32 {
 
 impl DeviceScalar for bf16 {
     const SUFFIX: &'static str = "bf16";
-}
-
-/// Token ids on the device. Invariant: every id is below `vocab`.
-pub struct DeviceTokens {
-    ids: CudaSlice<u32>,
-    vocab: usize,
-}
-
-impl DeviceTokens {
-    pub fn len(&self) -> usize {
-        self.ids.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.ids.len() == 0
-    }
 }
 
 /// A projection's input `[rows, in]` in its weights' dtype: the f32 activations, or their bf16
@@ -69,40 +57,6 @@ impl LinearInput<'_> {
             LinearInput::Bf16(_) => ch02::WeightDtype::Bf16,
         }
     }
-}
-
-/// One sequence of a step on the host side: `rows` query rows at positions
-/// `start_pos..start_pos + rows`, its K/V in the blocks of `block_table`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeqRows {
-    pub start_pos: usize,
-    pub rows: usize,
-    pub block_table: Vec<u32>,
-}
-
-/// A step's sequences on the device, the arrays the attention and KV-write kernels read.
-///
-/// Invariants (checked by [`GpuDevice::upload_batch`]): every sequence has at least one row;
-/// every block id is below `num_blocks`; each table covers `start_pos + rows` positions; `slots`
-/// holds, for every row in order, the slot its K/V goes to.
-pub struct PagedBatch {
-    pub num_rows: usize,
-    pub num_seqs: usize,
-    pub max_rows: usize,
-    pub max_blocks: usize,
-    pub block_size: usize,
-    pub num_blocks: usize,
-    /// The longest context (last position + 1) of any sequence.
-    pub max_context: usize,
-    /// Every sequence has exactly one row (a decode step): the split-K kernel applies.
-    pub all_single_rows: bool,
-    row_start: CudaSlice<u32>,
-    start_pos: CudaSlice<u32>,
-    block_tables: CudaSlice<u32>,
-    slots: CudaSlice<u32>,
-    /// For the decode kernel: each sequence's row and context length.
-    rows: CudaSlice<u32>,
-    context_lens: CudaSlice<u32>,
 }
 
 fn shape(what: impl Into<String>) -> CudaError {
@@ -301,92 +255,12 @@ impl HeadShape {
 }
 
 impl GpuDevice {
-    /// Uploads token ids, checking each is below `vocab`.
-    pub fn upload_tokens(&self, ids: &[u32], vocab: usize) -> Result<DeviceTokens, CudaError> {
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(shape(format!(
-                "token id {bad} is not below the vocabulary size {vocab}"
-            )));
-        }
-        Ok(DeviceTokens {
-            ids: self.stream.clone_htod(ids)?,
-            vocab,
-        })
-    }
-
-    /// Uploads a step's sequences: row offsets, positions, padded block tables, the slot of
-    /// every row, and the decode kernel's row/context arrays.
-    pub fn upload_batch(
-        &self,
-        seqs: &[SeqRows],
-        block_size: usize,
-        num_blocks: usize,
-    ) -> Result<PagedBatch, CudaError> {
-        if block_size == 0 || seqs.is_empty() {
-            return Err(shape(
-                "a batch needs a block size and at least one sequence",
-            ));
-        }
-        let max_blocks = seqs
-            .iter()
-            .map(|s| s.block_table.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let (mut row_start, mut start_pos, mut tables) = (vec![0u32], vec![], vec![]);
-        let (mut slots, mut rows, mut context_lens) = (vec![], vec![], vec![]);
-        let mut rows_before = 0usize; // rows of the sequences before this one
-        for (i, seq) in seqs.iter().enumerate() {
-            let end = seq.start_pos + seq.rows;
-            if seq.rows == 0 || seq.block_table.len() * block_size < end {
-                return Err(shape(format!(
-                    "sequence {i}: {} rows from position {}, blocks for {} positions",
-                    seq.rows,
-                    seq.start_pos,
-                    seq.block_table.len() * block_size
-                )));
-            }
-            if let Some(&bad) = seq.block_table.iter().find(|&&b| b as usize >= num_blocks) {
-                return Err(shape(format!("sequence {i}: block {bad} of {num_blocks}")));
-            }
-            rows.push(u32_arg("row", rows_before + seq.rows - 1)?);
-            context_lens.push(u32_arg("context", end)?);
-            for pos in seq.start_pos..end {
-                let block = seq.block_table[pos / block_size] as usize;
-                slots.push(u32_arg("slot", block * block_size + pos % block_size)?);
-            }
-            rows_before += seq.rows;
-            row_start.push(u32_arg("rows", rows_before)?);
-            start_pos.push(u32_arg("start_pos", seq.start_pos)?);
-            tables.extend_from_slice(&seq.block_table);
-            tables.resize((i + 1) * max_blocks, 0);
-        }
-        u32_arg("slots", num_blocks * block_size)?;
-        let s = &self.stream;
-        Ok(PagedBatch {
-            num_rows: slots.len(),
-            num_seqs: seqs.len(),
-            max_rows: seqs.iter().map(|s| s.rows).max().unwrap_or(0),
-            max_blocks,
-            block_size,
-            num_blocks,
-            max_context: seqs.iter().map(|s| s.start_pos + s.rows).max().unwrap_or(0),
-            all_single_rows: seqs.iter().all(|s| s.rows == 1),
-            row_start: s.clone_htod(&row_start)?,
-            start_pos: s.clone_htod(&start_pos)?,
-            block_tables: s.clone_htod(&tables)?,
-            slots: s.clone_htod(&slots)?,
-            rows: s.clone_htod(&rows)?,
-            context_lens: s.clone_htod(&context_lens)?,
-        })
-    }
-
     /// `out[t] = table[tokens[t]]`. table: `[vocab, dim]`; out: `[tokens, dim]`.
     pub fn embedding<T: DeviceScalar>(
         &self,
         table: &CudaSlice<T>,
         dim: usize,
-        tokens: &DeviceTokens,
+        tokens: &DeviceTokens<'_>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         check_len("embedding table", table.len(), tokens.vocab * dim)?;
@@ -410,7 +284,7 @@ impl GpuDevice {
         &self,
         table: &DeviceMatrix,
         dim: usize,
-        tokens: &DeviceTokens,
+        tokens: &DeviceTokens<'_>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         match table {
@@ -503,7 +377,7 @@ impl GpuDevice {
         &self,
         q: &mut CudaSlice<f32>,
         k: &mut CudaSlice<f32>,
-        positions: &CudaSlice<u32>,
+        positions: &CudaView<'_, u32>,
         inv_freq: &CudaSlice<f32>,
         heads: HeadShape,
     ) -> Result<(), CudaError> {
@@ -548,11 +422,12 @@ impl GpuDevice {
         let kv_dim = i32_arg("kv_dim", kv_dim)?;
         let config = one_block_per_row("rows", batch.num_rows, 128)?;
         let function = self.function(&format!("kv_write_{}", T::SUFFIX));
+        let slots = batch.slots();
         let mut launch = self.stream.launch_builder(function);
         launch
             .arg(k)
             .arg(v)
-            .arg(&batch.slots)
+            .arg(&slots)
             .arg(k_cache)
             .arg(v_cache)
             .arg(&kv_dim);
@@ -585,10 +460,9 @@ impl GpuDevice {
         let function = self.function(&format!("flash_prefill_{}", T::SUFFIX));
         let mut launch = self.stream.launch_builder(function);
         launch.arg(q).arg(k_cache).arg(v_cache).arg(out);
-        launch
-            .arg(&batch.row_start)
-            .arg(&batch.start_pos)
-            .arg(&batch.block_tables);
+        let (row_start, start_pos) = (batch.row_start(), batch.start_pos());
+        let block_tables = batch.block_tables();
+        launch.arg(&row_start).arg(&start_pos).arg(&block_tables);
         launch.arg(&args.max_blocks).arg(&args.block_size);
         launch
             .arg(&args.num_heads)
@@ -619,10 +493,9 @@ impl GpuDevice {
         let function = self.function(&tc_prefill_name(heads.head_dim));
         let mut launch = self.stream.launch_builder(function);
         launch.arg(q).arg(k_cache).arg(v_cache).arg(out);
-        launch
-            .arg(&batch.row_start)
-            .arg(&batch.start_pos)
-            .arg(&batch.block_tables);
+        let (row_start, start_pos) = (batch.row_start(), batch.start_pos());
+        let block_tables = batch.block_tables();
+        launch.arg(&row_start).arg(&start_pos).arg(&block_tables);
         launch.arg(&args.max_blocks).arg(&args.block_size);
         launch.arg(&args.num_heads).arg(&args.num_kv_heads);
         launch.arg(&args.scale);
@@ -725,10 +598,9 @@ impl GpuDevice {
         let function = self.function(&kernel.function::<T>(heads));
         let mut launch = self.stream.launch_builder(function);
         launch.arg(q).arg(k_cache).arg(v_cache);
-        launch
-            .arg(&batch.rows)
-            .arg(&batch.context_lens)
-            .arg(&batch.block_tables);
+        let (rows, context_lens) = (batch.rows(), batch.context_lens());
+        let block_tables = batch.block_tables();
+        launch.arg(&rows).arg(&context_lens).arg(&block_tables);
         launch.arg(&mut *partial_o).arg(&mut *partial_ml);
         launch.arg(&args.max_blocks).arg(&args.block_size);
         launch.arg(&args.num_heads).arg(&args.num_kv_heads);
@@ -761,7 +633,7 @@ impl GpuDevice {
         launch
             .arg(&*partial_o)
             .arg(&*partial_ml)
-            .arg(&batch.rows)
+            .arg(&rows)
             .arg(out);
         launch.arg(&args.num_heads).arg(&args.head_dim).arg(&parts);
         // SAFETY: the partial buffers hold the entries the first kernel wrote (above); rows are

@@ -1,7 +1,6 @@
 //! The device buffers a step computes in, kept across steps: at a steady batch a decode step
-//! allocates none of them (only the small arrays it uploads, `upload_batch` and
-//! `upload_tokens`, are new each step). Each is re-made (zeroed) only when a step's row count
-//! changes its length;
+//! allocates no device memory (its index arrays go into a kept buffer too, `batch`). Each is
+//! re-made (zeroed) only when a step's row count changes its length;
 //! every kernel and product of a step writes a buffer before it reads it, so what a previous
 //! step left there is never seen.
 
