@@ -34,7 +34,7 @@ inline dim3v gridDim, blockDim;
 #define __align__(n) alignas(n)
 #define KILN_EMULATION
 // Dynamic shared memory as a static array as large as any kernel here asks for.
-#define DYNAMIC_SHARED(type, name) alignas(16) static type name[(96 << 10) / sizeof(type)]
+#define DYNAMIC_SHARED(type, name) alignas(16) static type name[(128 << 10) / sizeof(type)]
 
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };

@@ -244,11 +244,13 @@ impl ModelArgs {
         let device =
             GpuDevice::open(ordinal).with_context(|| format!("--device {}", self.device))?;
         eprintln!(
-            "kiln: {} ({}, kernels for {}, decode attention: {:?} where it applies)",
+            "kiln: {} ({}, kernels for {}, decode attention: {:?}, tensor-core prefill: {:?} \
+             at head size 128, where they apply)",
             self.device,
             device.name,
             device.arch.name(),
-            device.decode_kernel
+            device.decode_kernel,
+            device.tc_prefill_kernel(128)
         );
         let weights = ch01::Weights::open(&self.model)?;
         let kv = match self.gpu_memory_utilization {

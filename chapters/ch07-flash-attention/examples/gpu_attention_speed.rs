@@ -1,7 +1,6 @@
 //! The CUDA attention kernels timed on GPU 0, for chapter 7's second page: FlashAttention-2
-//! prefill (causal, K/V read through block tables; bf16 K/V on tensor cores, f32 K/V on CUDA
-//! cores) in TFLOP/s,
-//! split-K paged decode in GB/s of K/V read, and the device's own copy bandwidth beside them.
+//! prefill (causal, K/V read through block tables; bf16 K/V on tensor cores, with 64 and 128
+//! query rows a block, f32 K/V on CUDA cores) in TFLOP/s, split-K paged decode in GB/s of K/V read, and the device's own copy bandwidth beside them.
 //! `fixtures/scripts/gpu_sdpa_bench.py` times torch's SDPA on the same shapes in the same run.
 //!
 //! `cargo run --release -p ch07-flash-attention --features cuda --example gpu_attention_speed`
@@ -13,7 +12,9 @@
 
 use std::time::Instant;
 
-use ch07_flash_attention::cuda::{DecodeKernel, DeviceScalar, GpuDevice, HeadShape, SeqRows};
+use ch07_flash_attention::cuda::{
+    DecodeKernel, DeviceScalar, GpuDevice, HeadShape, PrefillKernel, SeqRows,
+};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -115,10 +116,12 @@ fn decode_row<T: DeviceScalar>(
 }
 
 /// Times the causal prefill of 4 sequences of `context` tokens, 32 heads of `head_dim` (as many
-/// KV heads), over K/V caches that `cache` makes, and prints its row in TFLOP/s.
+/// KV heads), over K/V caches that `cache` makes, and prints its row in TFLOP/s: on the
+/// tensor-core kernel `tc` where tensor cores apply.
 fn prefill_row<T: DeviceScalar>(
     dev: &GpuDevice,
     label: &str,
+    tc: Option<PrefillKernel>,
     head_dim: usize,
     context: usize,
     cache: fn(&GpuDevice, usize) -> Result<CudaSlice<T>>,
@@ -138,8 +141,16 @@ fn prefill_row<T: DeviceScalar>(
         .stream
         .alloc_zeros::<f32>(batch.num_rows * heads.q_dim())?;
     let ms = time_ms(dev, || {
-        Ok(dev.flash_prefill(&batch, heads, &q, &k, &v, &mut out)?)
+        match tc {
+            Some(kernel) => dev.flash_prefill_tc(kernel, &batch, heads, &q, &k, &v, &mut out)?,
+            None => dev.flash_prefill(&batch, heads, &q, &k, &v, &mut out)?,
+        }
+        Ok(())
     })?;
+    let label = match tc {
+        Some(kernel) => format!("{label}, {} rows a block", kernel.query_rows()),
+        None => label.to_string(),
+    };
     // Causal: half of the 2 · 2 · T² · d multiply-adds of QKᵀ and PV, per head.
     let flops = 2.0 * (num_seqs * 32) as f64 * (context as f64).powi(2) * head_dim as f64;
     println!(
@@ -169,17 +180,21 @@ fn main() -> Result<()> {
     // (tensor cores), then over an f32 one (the CUDA-core kernel, flash_prefill.cu) for scale.
     for head_dim in [64, 128] {
         for context in [1024, 4096, 16384] {
-            prefill_row(
-                &dev,
-                "bf16 K/V (tensor cores)",
-                head_dim,
-                context,
-                bf16_cache,
-            )?;
+            for kernel in PrefillKernel::ALL {
+                let label = "bf16 K/V (tensor cores)";
+                prefill_row(&dev, label, Some(kernel), head_dim, context, bf16_cache)?;
+            }
         }
     }
     for head_dim in [64, 128] {
-        prefill_row(&dev, "f32 K/V (CUDA cores)", head_dim, 4096, f32_cache)?;
+        prefill_row(
+            &dev,
+            "f32 K/V (CUDA cores)",
+            None,
+            head_dim,
+            4096,
+            f32_cache,
+        )?;
     }
 
     // Decode: 64 sequences of 4096 positions, 32 query heads sharing 8 KV heads of 128.

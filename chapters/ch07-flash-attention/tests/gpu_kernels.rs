@@ -11,7 +11,7 @@ use ch01::config::RopeScaling;
 use ch01::rope::Rope;
 use ch07_flash_attention::cuda::device::driver_present;
 use ch07_flash_attention::cuda::{
-    BatchIndex, DecodeKernel, GpuDevice, HeadShape, SeqRows, prefill_on_tensor_cores,
+    BatchIndex, DecodeKernel, GpuDevice, HeadShape, PrefillKernel, SeqRows, prefill_on_tensor_cores,
 };
 use ch07_flash_attention::naive_attention;
 use cudarc::driver::CudaSlice;
@@ -184,37 +184,45 @@ impl Case {
     }
 }
 
-fn check_attention(
-    dev: &GpuDevice,
-    case: &Case,
-    cache_bf16: bool,
-    decode_partition: Option<(usize, DecodeKernel)>,
-) {
+/// Which attention kernel a check runs.
+#[derive(Clone, Copy, Debug)]
+enum Attention {
+    /// `flash_prefill`, on this tensor-core kernel where tensor cores apply.
+    Prefill(PrefillKernel),
+    /// Split-K decode with partitions of this many keys.
+    Decode(usize, DecodeKernel),
+}
+
+fn check_attention(dev: &GpuDevice, case: &Case, cache_bf16: bool, attention: Attention) {
     let (q, k_pool, v_pool) = case.host_pool();
     let batch = dev
         .upload_batch(&case.seqs, case.block_size, case.num_blocks)
         .unwrap();
     let q_dev = dev.stream.clone_htod(&q).unwrap();
     let mut out = dev.stream.alloc_zeros::<f32>(q.len()).unwrap();
+    let tensor_cores = cache_bf16 && prefill_on_tensor_cores::<bf16>(case.heads);
     let run = |out: &mut CudaSlice<f32>| {
         if cache_bf16 {
             let to_bf16 = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
             let k = dev.stream.clone_htod(&to_bf16(&k_pool)).unwrap();
             let v = dev.stream.clone_htod(&to_bf16(&v_pool)).unwrap();
-            match decode_partition {
-                Some((p, kernel)) => {
+            match attention {
+                Attention::Decode(p, kernel) => {
                     dev.paged_decode_with(kernel, &batch, case.heads, p, &q_dev, &k, &v, out)
                 }
-                None => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
+                Attention::Prefill(kernel) if tensor_cores => {
+                    dev.flash_prefill_tc(kernel, &batch, case.heads, &q_dev, &k, &v, out)
+                }
+                Attention::Prefill(_) => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
             }
         } else {
             let k = dev.stream.clone_htod(&k_pool).unwrap();
             let v = dev.stream.clone_htod(&v_pool).unwrap();
-            match decode_partition {
-                Some((p, kernel)) => {
+            match attention {
+                Attention::Decode(p, kernel) => {
                     dev.paged_decode_with(kernel, &batch, case.heads, p, &q_dev, &k, &v, out)
                 }
-                None => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
+                Attention::Prefill(_) => dev.flash_prefill(&batch, case.heads, &q_dev, &k, &v, out),
             }
         }
         .unwrap()
@@ -229,9 +237,10 @@ fn check_attention(
     };
     let what = format!(
         "{} {:?} block {} {} cache, {} seqs",
-        match decode_partition {
-            Some((p, kernel)) => format!("paged_decode {kernel:?}, partitions of {p}"),
-            None => "flash_prefill".to_string(),
+        match attention {
+            Attention::Decode(p, kernel) => format!("paged_decode {kernel:?}, partitions of {p}"),
+            Attention::Prefill(kernel) if tensor_cores => format!("flash_prefill_tc {kernel:?}"),
+            Attention::Prefill(_) => "flash_prefill".to_string(),
         },
         case.heads,
         case.block_size,
@@ -240,9 +249,8 @@ fn check_attention(
     );
     // The tensor-core prefill rounds q and the softmax weights to bf16 (relative error 2⁻⁹ each);
     // with |q|, |k|, |v| < 1 an output, a weighted mean of values, moves by well under 1e-2.
-    let tensor_cores =
-        decode_partition.is_none() && cache_bf16 && prefill_on_tensor_cores::<bf16>(case.heads);
-    let tolerance = if tensor_cores { 1e-2 } else { 1e-5 };
+    let on_tensor_cores = matches!(attention, Attention::Prefill(_)) && tensor_cores;
+    let tolerance = if on_tensor_cores { 1e-2 } else { 1e-5 };
     assert_close(
         &what,
         &download(dev, &out),
@@ -256,7 +264,11 @@ fn flash_prefill_equals_naive_attention() {
     let Some(dev) = device() else { return };
     runner(48)
         .run(&(any::<u64>(), any::<bool>()), |(seed, bf16_cache)| {
-            check_attention(&dev, &random_case(seed, false), bf16_cache, None);
+            // Both tensor-core kernels where tensor cores apply (the f32 kernel, once, where not).
+            let case = random_case(seed, false);
+            for kernel in PrefillKernel::ALL {
+                check_attention(&dev, &case, bf16_cache, Attention::Prefill(kernel));
+            }
             Ok(())
         })
         .unwrap();
@@ -276,7 +288,7 @@ fn paged_decode_equals_naive_attention() {
                 let case = random_case(seed, true);
                 for kernel in [DecodeKernel::KeyPerThread, DecodeKernel::LaneGroups] {
                     if kernel.takes(case.heads) {
-                        check_attention(&dev, &case, bf16_cache, Some((part, kernel)));
+                        check_attention(&dev, &case, bf16_cache, Attention::Decode(part, kernel));
                     }
                 }
                 Ok(())
@@ -301,7 +313,7 @@ fn every_lane_group_decode_instance_equals_naive_attention() {
             let case = random_case_shaped(&mut rng, heads, true);
             for bf16_cache in [false, true] {
                 for part in [7, 256] {
-                    let decode = Some((part, DecodeKernel::LaneGroups));
+                    let decode = Attention::Decode(part, DecodeKernel::LaneGroups);
                     check_attention(&dev, &case, bf16_cache, decode);
                 }
             }

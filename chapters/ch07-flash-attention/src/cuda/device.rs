@@ -6,12 +6,13 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 
 use super::CudaError;
 use super::compile::{Arch, compile_kernel};
+use super::kernel_choice::{DecodeKernel, PrefillKernel};
 use super::kernels::KERNELS;
-use super::ops::DecodeKernel;
 use super::step_buffers::DecodePartials;
 
 /// Where the model runs: `cpu`, `cuda` (device 0) or `cuda:N`.
@@ -64,6 +65,11 @@ pub struct GpuDevice {
     /// The split-K decode kernel [`paged_decode`](GpuDevice::paged_decode) prefers
     /// ([`DecodeKernel::from_env`]).
     pub decode_kernel: DecodeKernel,
+    /// The tensor-core prefill kernel [`flash_prefill`](GpuDevice::flash_prefill) prefers
+    /// ([`PrefillKernel::from_env`]).
+    pub prefill_kernel: PrefillKernel,
+    /// The most dynamic shared memory a thread block may ask for on this GPU, in bytes.
+    pub max_shared_per_block: u32,
     /// Split-K decode's partial results, kept between launches.
     pub(super) decode_partials: Mutex<DecodePartials>,
     functions: HashMap<&'static str, CudaFunction>,
@@ -89,12 +95,16 @@ impl GpuDevice {
                 functions.insert(function, module.load_function(function)?);
             }
         }
+        let max_shared_per_block = context
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let device = GpuDevice {
             stream: context.default_stream(),
             name: context.name()?,
             context,
             arch,
             decode_kernel: DecodeKernel::from_env()?,
+            prefill_kernel: PrefillKernel::from_env()?,
+            max_shared_per_block: u32::try_from(max_shared_per_block).unwrap_or(0),
             decode_partials: Mutex::new(DecodePartials::default()),
             functions,
         };

@@ -39,7 +39,12 @@ pub const KERNELS: &[KernelSource] = &[
     ),
     kernel!(
         "flash_prefill_tc.cu",
-        ["flash_prefill_tc_bf16_d64", "flash_prefill_tc_bf16_d128"]
+        [
+            "flash_prefill_tc_bf16_d64",
+            "flash_prefill_tc_bf16_d128",
+            "flash_prefill_tc_rows128_bf16_d64",
+            "flash_prefill_tc_rows128_bf16_d128"
+        ]
     ),
     kernel!(
         "paged_decode.cu",

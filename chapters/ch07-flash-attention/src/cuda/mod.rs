@@ -9,6 +9,7 @@
 //! | module      | what it does                                                              |
 //! |-------------|---------------------------------------------------------------------------|
 //! | [`kernels`] | the sources, embedded in the binary, and the kernel names each one defines |
+//! | [`kernel_choice`] | which of two kernels that compute the same thing runs            |
 //! | [`compile`] | NVRTC: source → PTX for `sm_80`, `sm_90`, ...                              |
 //! | [`device`]  | one GPU: its context, stream, architecture, and every kernel loaded on it  |
 //! | [`weights`] | a Llama's weights in device memory, from any weight source                |
@@ -20,6 +21,7 @@ pub mod batch;
 pub mod compile;
 pub mod device;
 pub mod executor;
+pub mod kernel_choice;
 pub mod kernels;
 pub mod ops;
 mod step_buffers;
@@ -29,8 +31,9 @@ pub use batch::{BatchIndex, BatchShape, DeviceTokens, PagedBatch, SeqRows, Uploa
 pub use compile::{Arch, compile_kernel};
 pub use device::{DeviceSpec, GpuDevice};
 pub use executor::{CudaExecutor, KvBudget, kv_bytes_for_share};
+pub use kernel_choice::{DecodeKernel, PrefillKernel};
 pub use kernels::{KERNELS, KernelSource};
-pub use ops::{DecodeKernel, DeviceScalar, HeadShape, prefill_on_tensor_cores};
+pub use ops::{DeviceScalar, HeadShape, prefill_on_tensor_cores};
 
 /// Why the GPU path could not start or run.
 #[derive(Debug, thiserror::Error)]

@@ -13,6 +13,7 @@ use half::bf16;
 use super::CudaError;
 use super::batch::{DeviceTokens, PagedBatch};
 use super::device::GpuDevice;
+use super::kernel_choice::{DecodeKernel, PrefillKernel};
 use super::weights::{DeviceLinear, DeviceMatrix};
 
 /// An element type of weights or K/V on the device: f32, or bf16 for half the bytes.
@@ -125,85 +126,11 @@ fn prefill_grid(
     })
 }
 
-/// Query rows per thread block of the tensor-core prefill kernel.
-const TC_QUERY_ROWS: usize = 64;
-
-/// The head sizes the tensor-core prefill kernel is compiled for.
-const TC_HEAD_DIMS: [usize; 2] = [64, 128];
-
-/// The tensor-core prefill kernel for head size `d` (one of [`TC_HEAD_DIMS`]).
-fn tc_prefill_name(d: usize) -> String {
-    format!("flash_prefill_tc_bf16_d{d}")
-}
-
-/// The tensor-core prefill's dynamic shared memory for head size `d`: two buffers of a K and a V
-/// tile of 64 keys, each row `d + 8` bf16 (`tc_smem` in `kernels/flash_prefill_tc.cu`).
-fn tc_shared_bytes(d: usize) -> u32 {
-    (2 * 2 * 64 * (d + 8) * 2) as u32
-}
-
 /// Whether [`GpuDevice::flash_prefill`] runs on tensor cores for a cache of `T` and these heads:
 /// a bf16 cache and a head size of 64 or 128. It rounds the queries and the softmax weights to
 /// bf16 for the tensor cores, so its results agree with the f32 kernel's to about 1e-2.
 pub fn prefill_on_tensor_cores<T: DeviceScalar>(heads: HeadShape) -> bool {
-    T::SUFFIX == bf16::SUFFIX && TC_HEAD_DIMS.contains(&heads.head_dim)
-}
-
-/// Which split-K decode kernel reads K and V (both leave the same partial results, which
-/// `paged_decode_merge` finishes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeKernel {
-    /// `paged_decode.cu`: each thread scores whole keys, a K row 16 bytes at a time. Any shape
-    /// [`HeadShape::check`] accepts.
-    KeyPerThread,
-    /// `paged_decode_lanes.cu`: a group of lanes reads each K and V row together, so one load
-    /// instruction reads whole rows. Head sizes 64 and 128, 1, 2, 4 or 8 query heads per KV head.
-    LaneGroups,
-}
-
-impl DecodeKernel {
-    /// The head sizes and groups the lane-group kernels are compiled for.
-    const LANE_GROUP_HEAD_DIMS: [usize; 2] = [64, 128];
-    const LANE_GROUP_GROUPS: [usize; 4] = [1, 2, 4, 8];
-
-    /// The kernel `KILN_DECODE_KERNEL` names (`key-per-thread`, the default, or
-    /// `lane-groups`): the lane-group kernel is new and not yet timed on a GPU, so it runs only
-    /// when asked for.
-    pub fn from_env() -> Result<DecodeKernel, CudaError> {
-        match std::env::var("KILN_DECODE_KERNEL").as_deref() {
-            Err(_) | Ok("key-per-thread") => Ok(DecodeKernel::KeyPerThread),
-            Ok("lane-groups") => Ok(DecodeKernel::LaneGroups),
-            Ok(other) => Err(CudaError::Config(format!(
-                "KILN_DECODE_KERNEL={other}: expected `key-per-thread` or `lane-groups`"
-            ))),
-        }
-    }
-
-    /// Whether this kernel has an instance for `heads` (valid by [`HeadShape::check`]).
-    pub fn takes(self, heads: HeadShape) -> bool {
-        match self {
-            DecodeKernel::KeyPerThread => true,
-            DecodeKernel::LaneGroups => {
-                Self::LANE_GROUP_HEAD_DIMS.contains(&heads.head_dim)
-                    && heads
-                        .group()
-                        .is_some_and(|g| Self::LANE_GROUP_GROUPS.contains(&g))
-            }
-        }
-    }
-
-    /// The kernel function for K/V of type `T` and `heads` (which [`takes`](Self::takes) holds).
-    fn function<T: DeviceScalar>(self, heads: HeadShape) -> String {
-        match self {
-            DecodeKernel::KeyPerThread => format!("paged_decode_{}", T::SUFFIX),
-            DecodeKernel::LaneGroups => format!(
-                "paged_decode_lanes_{}_d{}_g{}",
-                T::SUFFIX,
-                heads.head_dim,
-                heads.num_heads / heads.num_kv_heads
-            ),
-        }
-    }
+    T::SUFFIX == bf16::SUFFIX && PrefillKernel::HEAD_DIMS.contains(&heads.head_dim)
 }
 
 /// The attention shape of one layer.
@@ -451,10 +378,11 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
         if prefill_on_tensor_cores::<T>(heads) {
-            return self.flash_prefill_tc(batch, heads, q, k_cache, v_cache, out);
+            let kernel = self.tc_prefill_kernel(heads.head_dim);
+            return self.flash_prefill_tc(kernel, batch, heads, q, k_cache, v_cache, out);
         }
+        self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
         let config = prefill_grid(batch, heads, 16, 0)?;
         let args = self.attention_args(batch, heads)?;
         let function = self.function(&format!("flash_prefill_{}", T::SUFFIX));
@@ -477,10 +405,25 @@ impl GpuDevice {
     }
     // ANCHOR_END: flash_prefill_launch
 
-    /// [`Self::flash_prefill`] on tensor cores (`kernels/flash_prefill_tc.cu`), its arguments
-    /// already checked.
-    fn flash_prefill_tc<T: DeviceScalar>(
+    /// The tensor-core prefill kernel [`flash_prefill`](Self::flash_prefill) runs: this
+    /// device's [`prefill_kernel`](GpuDevice::prefill_kernel) where its shared memory fits the
+    /// device's limit for head size `d`, else [`PrefillKernel::Rows64`] (which fits every GPU
+    /// kiln runs on).
+    pub fn tc_prefill_kernel(&self, d: usize) -> PrefillKernel {
+        if self.prefill_kernel.shared_bytes(d) <= self.max_shared_per_block {
+            self.prefill_kernel
+        } else {
+            PrefillKernel::Rows64
+        }
+    }
+
+    /// [`Self::flash_prefill`] on tensor cores (`kernels/flash_prefill_tc.cu`), on `kernel`,
+    /// where `T` and `heads` take them ([`prefill_on_tensor_cores`]) and the kernel's shared
+    /// memory fits the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill_tc<T: DeviceScalar>(
         &self,
+        kernel: PrefillKernel,
         batch: &PagedBatch,
         heads: HeadShape,
         q: &CudaSlice<f32>,
@@ -488,9 +431,19 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let config = prefill_grid(batch, heads, TC_QUERY_ROWS, tc_shared_bytes(heads.head_dim))?;
+        self.check_attention(batch, heads, q, k_cache, v_cache, out)?;
+        let d = heads.head_dim;
+        let shared = kernel.shared_bytes(d);
+        if !prefill_on_tensor_cores::<T>(heads) || shared > self.max_shared_per_block {
+            return Err(shape(format!(
+                "the tensor-core prefill takes bf16 K/V of head size 64 or 128 and {shared} \
+                 bytes of shared memory a block (this GPU: {}); got {heads:?}",
+                self.max_shared_per_block
+            )));
+        }
+        let config = prefill_grid(batch, heads, kernel.query_rows(), shared)?;
         let args = self.attention_args(batch, heads)?;
-        let function = self.function(&tc_prefill_name(heads.head_dim));
+        let function = self.function(&kernel.function(d));
         let mut launch = self.stream.launch_builder(function);
         launch.arg(q).arg(k_cache).arg(v_cache).arg(out);
         let (row_start, start_pos) = (batch.row_start(), batch.start_pos());
@@ -500,24 +453,31 @@ impl GpuDevice {
         launch.arg(&args.num_heads).arg(&args.num_kv_heads);
         launch.arg(&args.scale);
         // SAFETY: as flash_prefill (check_attention and PagedBatch's invariants bound every row,
-        // slot and block id); T is bf16 and head_dim is the kernel's D (prefill_on_tensor_cores),
-        // so every K/V row holds whole 16-byte chunks at 16-byte-aligned offsets; blockDim is
-        // 128, the kernel's 4 warps of 16 rows = TC_QUERY_ROWS; the dynamic shared memory is
-        // the size its two tile buffers take for D, which the kernel was allowed when the device
-        // opened (allow_tensor_core_prefill).
+        // slot and block id); T is bf16 and head_dim is the kernel's D (checked above), so every
+        // K/V row holds whole 16-byte chunks at 16-byte-aligned offsets; blockDim is 128, the
+        // kernel's 4 warps, of 16 or 32 rows (query_rows); the dynamic shared memory is the size
+        // its tiles take for D, which the kernel was allowed when the device opened
+        // (allow_tensor_core_prefill) as it is within the device's limit (checked above).
         unsafe { launch.launch(config) }?;
         Ok(())
     }
 
     /// Lets each tensor-core prefill kernel take the dynamic shared memory it launches with:
-    /// above 48 KiB a kernel must ask for it (every GPU from sm_80 on has at least 99 KiB per
-    /// block). Once, when the device opens.
+    /// above 48 KiB a kernel must ask for it. Every GPU from sm_80 on gives at least 99 KiB a
+    /// block, which the 64-row kernel fits; the 128-row one at head size 128 needs 102 KiB
+    /// (sm_80, sm_90 and sm_100 give more; sm_86 and sm_89 do not, and run the 64-row one).
+    /// Once, when the device opens.
     pub(super) fn allow_tensor_core_prefill(&self) -> Result<(), CudaError> {
-        for d in TC_HEAD_DIMS {
-            self.function(&tc_prefill_name(d)).set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                tc_shared_bytes(d) as i32,
-            )?;
+        for kernel in PrefillKernel::ALL {
+            for d in PrefillKernel::HEAD_DIMS {
+                let shared = kernel.shared_bytes(d);
+                if shared <= self.max_shared_per_block {
+                    self.function(&kernel.function(d)).set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        shared as i32,
+                    )?;
+                }
+            }
         }
         Ok(())
     }
