@@ -1,5 +1,6 @@
 // Greedy sampling on the device: the index of each logit row's maximum (the lowest index among
-// equal maxima, as the CPU sampler's argmax). One block per row.
+// equal maxima, NaN and −∞ never chosen, as the CPU sampler's argmax), or 0xffffffff for a row
+// whose every logit is −∞ or NaN (the CPU's `None`). One block per row.
 #include "common.cuh"
 
 // logits: [rows, vocab]; out: [rows]. Grid: (rows); block: a multiple of 32, at most 1024.
@@ -11,7 +12,7 @@ extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab)
     int index = 0x7fffffff;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         float x = row[i];
-        if (x > value) { value = x; index = i; }  // i grows: the first maximum stays
+        if (x > value) { value = x; index = i; }  // i grows: the first maximum stays; NaN > v is false
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
         float v = __shfl_xor_sync(0xffffffffu, value, offset);
@@ -28,6 +29,6 @@ extern "C" __global__ void argmax_rows(const float* logits, u32* out, int vocab)
                 index = best_index[w];
             }
         }
-        out[blockIdx.x] = index == 0x7fffffff ? 0 : (u32)index;
+        out[blockIdx.x] = index == 0x7fffffff ? 0xffffffffu : (u32)index;
     }
 }

@@ -10,6 +10,7 @@
 // the float arithmetic is the host's (no fused multiply-add unless the compiler makes one).
 #pragma once
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -53,7 +54,7 @@ namespace emulation {
 constexpr unsigned MAX_THREADS = 1024;
 inline std::barrier<>* block_barrier;
 inline std::unique_ptr<std::barrier<>> warp_barriers[MAX_THREADS / 32];
-inline float shuffle_slots[MAX_THREADS];
+inline unsigned shuffle_slots[MAX_THREADS];  // a lane's 32 bits, whatever their type
 }  // namespace emulation
 
 // An exercise's unwritten body: says so, as Rust's todo! does, and ends the program.
@@ -75,25 +76,32 @@ inline void todo(const char* what) {
 inline void __syncthreads() { emulation::block_barrier->arrive_and_wait(); }
 
 namespace emulation {
-// This thread's `v` for its warp, and lane `src`'s (below 32) back.
-inline float shuffle(float v, unsigned src) {
+// This thread's `v` for its warp, and lane `src`'s (below 32) back: its bits, as the GPU moves
+// them (an int does not pass through a float).
+template <typename T>
+inline T shuffle(T v, unsigned src) {
+    static_assert(sizeof(T) == 4, "a shuffle moves 32 bits");
     unsigned t = threadIdx.x;
     auto& warp = *warp_barriers[t / 32];
-    shuffle_slots[t] = v;
+    shuffle_slots[t] = std::bit_cast<unsigned>(v);
     warp.arrive_and_wait();
-    float other = shuffle_slots[t / 32 * 32 + src];
+    T other = std::bit_cast<T>(shuffle_slots[t / 32 * 32 + src]);
     warp.arrive_and_wait();  // nobody writes its slot again before every lane has read
     return other;
 }
 }  // namespace emulation
 
 // Lane t gets the value of lane t ^ offset (offset < 32, so within the warp).
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int offset) {
     return emulation::shuffle(v, (threadIdx.x % 32) ^ offset);
 }
 
 // Lane t gets the value of lane `src` (below 32) of its warp.
-inline float __shfl_sync(unsigned, float v, int src) { return emulation::shuffle(v, src); }
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+    return emulation::shuffle(v, src);
+}
 
 // Runs `kernel` for every block of `grid`, one block after another, on `threads` (a multiple of
 // 32, at most MAX_THREADS) threads that stay for the whole grid; between two blocks every thread

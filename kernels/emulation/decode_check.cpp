@@ -3,7 +3,8 @@
 // random shapes: GQA groups of 1 to 8, head sizes 64 and 128, block sizes 1 to 17, partitions
 // of 7 to 256 keys, contexts of 1 to 300 positions, f32 and bf16 caches; and the two kernels
 // that write a bf16 rounding beside their f32 output (add_rmsnorm, silu_mul) against their
-// definitions. Prints one line per case and exits non-zero if any output is off by more than
+// definitions; and argmax_rows (greedy sampling on the device) against the CPU sampler's rule.
+// Prints one line per case and exits non-zero if any output is off by more than
 // 1e-5 (relative, or absolute below 1) or any rounding is not the f32 output's.
 //
 // fixtures/scripts/emulate_kernels.sh builds and runs it under ThreadSanitizer.
@@ -13,6 +14,7 @@
 #include "paged_decode_lanes.cu"
 #include "rmsnorm.cu"
 #include "silu_mul.cu"
+#include "argmax.cu"
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -150,12 +152,51 @@ bool check_elementwise(std::mt19937& rng) {
     return ok;
 }
 
+// argmax_rows over rows of `vocab` logits, 1024 threads a row as the executor launches it:
+// random values with the maximum planted twice (the first must win), NaN scattered, a row whose
+// maximum is +inf twice, a row whose only maxima are -0.0 then 0.0 (equal: the first), and a row
+// of nothing but -inf and NaN (0xffffffff). Against the CPU sampler's rule written as one loop.
+bool check_argmax(std::mt19937& rng, int vocab) {
+    std::uniform_real_distribution<float> uni(-1, 1);
+    int rows = 6;
+    std::vector<float> logits(rows * vocab);
+    for (auto& x : logits) x = uni(rng);
+    for (int r = 0; r < 3; r++) {
+        float* row = &logits[r * vocab];
+        int m = rng() % vocab;
+        row[m] = row[m + rng() % (vocab - m)] = 2.0f;
+        row[rng() % vocab] = NAN;
+    }
+    float* inf_row = &logits[3 * vocab];
+    inf_row[vocab / 2] = inf_row[vocab - 1] = INFINITY;
+    float* zero_row = &logits[4 * vocab];
+    for (int i = 0; i < vocab; i++) zero_row[i] = -1.0f - uni(rng) * 0.5f;
+    zero_row[vocab / 3] = -0.0f, zero_row[vocab - 1] = 0.0f;
+    float* masked = &logits[5 * vocab];
+    for (int i = 0; i < vocab; i++) masked[i] = i % 3 ? -INFINITY : NAN;
+    std::vector<u32> out(rows, 7);
+    launch({(unsigned)rows, 1, 1}, 1024, [&] { argmax_rows(logits.data(), out.data(), vocab); });
+    bool ok = true;
+    for (int r = 0; r < rows; r++) {
+        u32 want = 0xffffffffu;
+        float best = -INFINITY;
+        for (int i = 0; i < vocab; i++)
+            if (logits[r * vocab + i] > best) best = logits[r * vocab + i], want = i;
+        if (out[r] != want) {
+            printf("argmax_rows vocab %d row %d: %u, want %u\n", vocab, r, out[r], want);
+            ok = false;
+        }
+    }
+    printf("argmax_rows vocab %d, %d rows: %s\n", vocab, rows, ok ? "ok" : "FAIL");
+    return ok;
+}
+
 // decode_check [SEED]: every instance of paged_decode_lanes.cu (head sizes 64 and 128, groups of
 // 1, 2, 4 and 8) on a random case with an f32 and with a bf16 cache, and paged_decode.cu on two
 // (the kernel the GPU tests have checked: a control on the emulation itself).
 int main(int argc, char** argv) {
     std::mt19937 rng(argc > 1 ? atoi(argv[1]) : 1);
-    int fails = !check_elementwise(rng), control = 2;
+    int fails = !check_elementwise(rng) + !check_argmax(rng, 3001) + !check_argmax(rng, 37), control = 2;
     int block_sizes[] = {1, 5, 16, 17}, partitions[] = {7, 64, 100, 256};
     for (int d : {64, 128}) {
         for (int g : {1, 2, 4, 8}) {

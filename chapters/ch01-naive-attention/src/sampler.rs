@@ -354,13 +354,16 @@ fn softmax_weight(logit: f32, max_logit: f32) -> f32 {
     }
 }
 
-/// Step 4: the first index of the largest unmasked logit, or `None` if all are masked.
+/// Step 4: the first index of the largest unmasked logit, or `None` if all are masked (NaN or
+/// −∞): what greedy sampling with no penalty returns. An executor that keeps its logits on a
+/// device computes the same there (chapter 7's `argmax_rows` kernel), and chapter 4's engine
+/// then copies back one id a row instead of the row.
 ///
 /// Two passes that the compiler vectorises, where one pass keeping (index, logit) does not:
 /// the largest logit (a comparison is false for NaN, and −∞ never wins, so masked logits are
 /// passed over), then the first index holding a value equal to it. Equal values (`0.0` and
 /// `-0.0` included) tie to the lower id, as one pass with a strict `>` would.
-fn argmax(logits: &[f32]) -> Option<u32> {
+pub fn argmax(logits: &[f32]) -> Option<u32> {
     const LANES: usize = 8;
     let (chunks, tail) = logits.as_chunks::<LANES>();
     let mut lanes = [f32::NEG_INFINITY; LANES];

@@ -5,15 +5,17 @@
 //!        logits  = executor.execute(&plan)      swaps, copies, one batched forward
 //!        outputs = scheduler.update(&plan, logits)   sample, stop checks, free finished blocks
 //! ```
-//! With a [`Speculator`] (chapter 6), each step starts by proposing drafts for the running
-//! decodes, and `update` verifies them.
+//! When every token of a step is greedy, the executor returns each logit row's argmax instead
+//! of the row (`execute_argmax`: a GPU then copies back one id a row). With a [`Speculator`]
+//! (chapter 6), each step starts by proposing drafts for the running decodes, and `update`
+//! verifies them.
 //! The engine knows neither where K/V live nor which device runs the forward: chapter 7's GPU
 //! executor and chapter 8's tensor-parallel one plug in here unchanged.
 
 use crate::executor::{Executor, ExecutorError};
 use crate::logprobs::TokenLogprobs;
 use crate::request::{FinishReason, Request, RequestId};
-use crate::scheduler::Scheduler;
+use crate::scheduler::{Scheduler, StepLogits};
 use crate::speculation::Speculator;
 
 /// How a preempted sequence gives its blocks back.
@@ -255,10 +257,18 @@ impl<'e> Engine<'e> {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
-        let logits = self.executor.execute(&plan)?;
+        // A step whose every token is greedy needs only each row's argmax (one id a row, not a
+        // vocabulary of logits, from a GPU).
+        let argmax;
+        let results = if self.scheduler.samples_argmax_only(&plan) {
+            argmax = self.executor.execute_argmax(&plan)?;
+            StepLogits::Argmax(&argmax)
+        } else {
+            StepLogits::Rows(self.executor.execute(&plan)?)
+        };
         let outputs = ch02::profile::timed(ch02::profile::Op::Sampling, || {
             let speculator = self.speculator.as_deref_mut();
-            self.scheduler.update_with(&plan, logits, speculator)
+            self.scheduler.update_with(&plan, results, speculator)
         })?;
         self.release_ended();
         Ok(outputs)

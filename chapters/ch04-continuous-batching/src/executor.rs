@@ -85,5 +85,40 @@ pub trait Executor {
     /// every block id below `num_blocks`; each table covers its `start_pos + tokens.len()`
     /// positions, and positions `0..start_pos` hold K/V written by earlier steps (or swapped in).
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError>;
+
+    /// Runs one step as [`execute`](Self::execute) does, but returns only each logit row's
+    /// [`argmax`](ch01::sampler::argmax) (`None` for a row whose every logit is −∞ or NaN):
+    /// the engine asks for this when every token the step samples is greedy
+    /// ([`Scheduler::samples_argmax_only`](crate::scheduler::Scheduler::samples_argmax_only)).
+    /// An executor whose logits live on a device overrides it to copy back one id a row
+    /// instead of a vocabulary of logits; this default takes each row's argmax on the host (on
+    /// several threads when the rows are many).
+    fn execute_argmax(
+        &mut self,
+        step: &SchedulerOutput,
+    ) -> Result<Vec<Option<u32>>, ExecutorError> {
+        let logits = self.execute(step)?;
+        Ok(ch02::profile::timed(ch02::profile::Op::Sampling, || {
+            argmax_rows(logits)
+        }))
+    }
 }
 // ANCHOR_END: executor
+
+/// Each row's [`argmax`](ch01::sampler::argmax). rows: `[n, vocab]`.
+pub fn argmax_rows(rows: ArrayView2<f32>) -> Vec<Option<u32>> {
+    use rayon::prelude::*;
+    let argmax = |row: ndarray::ArrayView1<f32>| {
+        ch01::sampler::argmax(row.as_slice().expect("contiguous rows"))
+    };
+    match ch02::elementwise::items_per_task(rows.nrows(), rows.ncols()) {
+        None => rows.rows().into_iter().map(argmax).collect(),
+        Some(per_task) => {
+            let rows: Vec<_> = rows.rows().into_iter().collect();
+            rows.into_par_iter()
+                .with_min_len(per_task)
+                .map(argmax)
+                .collect()
+        }
+    }
+}

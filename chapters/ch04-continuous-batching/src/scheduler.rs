@@ -17,6 +17,7 @@
 use std::collections::BTreeMap;
 
 use ch01::Sampler;
+use ch01::sampler::SamplingError::NoCandidates;
 use ch03::{BlockCopy, BlockError, BlockId, BlockManager, BlockTable, PrefixStats};
 use ndarray::{ArrayView1, ArrayView2, s};
 
@@ -27,6 +28,29 @@ use crate::presample::presample;
 use crate::processor::LogitsProcessor;
 use crate::request::{FinishReason, Pushed, Request, RequestId, Sequence, Status};
 use crate::speculation::{Draft, DraftSeq, Speculator};
+
+/// What an executor returned for a step's logit rows.
+#[derive(Debug, Clone, Copy)]
+pub enum StepLogits<'a> {
+    /// The rows, `[step.num_logit_rows(), vocab]` ([`Executor::execute`]).
+    ///
+    /// [`Executor::execute`]: crate::executor::Executor::execute
+    Rows(ArrayView2<'a, f32>),
+    /// Each row's argmax only ([`Executor::execute_argmax`]), for a step
+    /// [`Scheduler::samples_argmax_only`] accepts.
+    ///
+    /// [`Executor::execute_argmax`]: crate::executor::Executor::execute_argmax
+    Argmax(&'a [Option<u32>]),
+}
+
+impl StepLogits<'_> {
+    fn rows(&self) -> usize {
+        match self {
+            StepLogits::Rows(logits) => logits.nrows(),
+            StepLogits::Argmax(ids) => ids.len(),
+        }
+    }
+}
 
 // ANCHOR: scheduler_output
 /// One sequence's share of a step.
@@ -768,6 +792,27 @@ impl Scheduler {
         true
     }
 
+    /// Whether every token `step` samples is its row's argmax, so that the executor may return
+    /// each row's argmax instead of the row ([`Executor::execute_argmax`]): every sequence with
+    /// a logit row has exactly one (no drafts), samples greedily with no penalty, and has no
+    /// logits processor, no logprobs and no forks waiting on its row.
+    ///
+    /// [`Executor::execute_argmax`]: crate::executor::Executor::execute_argmax
+    pub fn samples_argmax_only(&self, step: &SchedulerOutput) -> bool {
+        step.seqs.iter().filter(|s| s.logit_rows > 0).all(|s| {
+            let seq = &self.seqs[&s.id];
+            let p = seq.sampler.params();
+            s.logit_rows == 1
+                && p.is_greedy()
+                && p.repetition_penalty == 1.0
+                && p.frequency_penalty == 0.0
+                && p.presence_penalty == 0.0
+                && seq.processor.is_none()
+                && seq.request.logprobs.is_none()
+                && seq.forks.is_empty()
+        })
+    }
+
     // ANCHOR: update
     /// Folds a step's results in: the scheduled positions now hold K/V, and each sequence
     /// with a logit row samples its next token. `logits`: `[step.num_logit_rows(), vocab]`.
@@ -777,7 +822,7 @@ impl Scheduler {
         step: &SchedulerOutput,
         logits: ArrayView2<f32>,
     ) -> Result<Vec<RequestOutput>, EngineError> {
-        self.update_with(step, logits, None)
+        self.update_with(step, StepLogits::Rows(logits), None)
     }
 
     /// Runs [`LogitsProcessor::prepare`] for every sequence of `step` that samples and has a
@@ -809,24 +854,44 @@ impl Scheduler {
     pub fn update_with(
         &mut self,
         step: &SchedulerOutput,
-        logits: ArrayView2<f32>,
+        results: StepLogits,
         mut speculator: Option<&mut (dyn Speculator + '_)>,
     ) -> Result<Vec<RequestOutput>, EngineError> {
-        if logits.nrows() != step.num_logit_rows() {
+        if results.rows() != step.num_logit_rows() {
             return Err(EngineError::Executor(ExecutorError(format!(
                 "returned {} logit rows for a step that wants {}",
-                logits.nrows(),
+                results.rows(),
                 step.num_logit_rows()
             ))));
         }
+        let (logits, argmax) = match results {
+            StepLogits::Rows(logits) => (logits, None),
+            StepLogits::Argmax(ids) if self.samples_argmax_only(step) => {
+                // Rows of no logits: every use of a row below is a sample, which the argmax
+                // replaces (the conditions of samples_argmax_only rule out the others).
+                (
+                    ArrayView2::from_shape((ids.len(), 0), &[]).expect("empty"),
+                    Some(ids),
+                )
+            }
+            StepLogits::Argmax(_) => {
+                return Err(EngineError::Config(
+                    "argmax rows for a step that samples more than argmaxes".into(),
+                ));
+            }
+        };
         let max_len = self.model.max_model_len;
         self.prepare_processors(step);
         // Plain decodes sampled on several threads first; each takes its token below, in order.
-        let mut presampled = presample(&mut self.seqs, step, logits);
+        let mut presampled = match argmax {
+            None => presample(&mut self.seqs, step, logits),
+            Some(_) => (0..step.seqs.len()).map(|_| None).collect(),
+        };
         let mut outputs = Vec::new();
         let mut first_row = 0;
         for (index, scheduled) in step.seqs.iter().enumerate() {
-            let rows = logits.slice(s![first_row..first_row + scheduled.logit_rows, ..]);
+            let row0 = first_row;
+            let rows = logits.slice(s![row0..row0 + scheduled.logit_rows, ..]);
             first_row += scheduled.logit_rows;
             // Drafts ran past the sequence's end: their K/V counts once they are accepted.
             let drafts = scheduled.logit_rows.saturating_sub(1);
@@ -850,9 +915,12 @@ impl Scheduler {
             };
             if drafts == 0 {
                 let row = rows.row(0);
-                let token = match ahead_token {
-                    Some(token) => token?,
-                    None => {
+                let token = match (ahead_token, argmax) {
+                    (Some(token), _) => token?,
+                    (None, Some(ids)) => ids[row0].ok_or(NoCandidates {
+                        vocab_size: self.model.vocab_size,
+                    })?,
+                    (None, None) => {
                         let row = row.as_slice().expect("contiguous rows");
                         let (token, stop) = seq.sample(row, &mut self.processed)?;
                         processor_stop = stop;

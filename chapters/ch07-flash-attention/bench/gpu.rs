@@ -58,6 +58,12 @@ impl Executor for Lent<'_> {
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
         self.0.execute(step)
     }
+    fn execute_argmax(
+        &mut self,
+        step: &SchedulerOutput,
+    ) -> Result<Vec<Option<u32>>, ExecutorError> {
+        self.0.execute_argmax(step)
+    }
 }
 
 /// Runs the GPU part; `quick` uses the small head-64 preset and short requests.

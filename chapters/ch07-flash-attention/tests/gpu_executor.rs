@@ -1,19 +1,22 @@
 //! The whole model on the GPU against the CPU, step by step inside chapter 4's engine, for every
 //! fixture model and a random one with head size 64: every step the scheduler plans (chunked
 //! prefills, decodes, copy-on-write, swaps under memory pressure) runs on both executors, and
-//! the GPU's logit rows must equal the CPU's within 1e-4; the engine samples greedily from the
-//! CPU's, so both see the same steps. Then bf16 weights and K/V against the f32 CPU model.
+//! the GPU's logit rows must equal the CPU's within 1e-4 (or, on every other greedy step, the
+//! GPU's argmax ids the CPU rows' argmaxes); the engine samples greedily from the CPU's, so both
+//! see the same steps. Then bf16 weights and K/V against the f32 CPU model.
 //!
 //! Needs a GPU: without a CUDA driver the test prints that it skipped, unless
 //! `KILN_REQUIRE_GPU=1` (set by `just gpu-check`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ch01::{LlamaConfig, Weights};
 use ch03::KvPool;
 use ch04::CpuExecutor;
 use ch04::engine::{Engine, EngineConfig, Preemption};
-use ch04::executor::{Executor, ExecutorError, KvLayout, ModelSpec};
+use ch04::executor::{Executor, ExecutorError, KvLayout, ModelSpec, argmax_rows};
 use ch04::request::Request;
 use ch04::scheduler::SchedulerOutput;
 use ch07_flash_attention::cuda::device::driver_present;
@@ -57,6 +60,8 @@ struct Twin<'m> {
     gpu: CudaExecutor<f32>,
     worst: f32,
     steps: usize,
+    /// Steps that took the GPU's argmax path (`execute_argmax`).
+    argmax_steps: Arc<AtomicUsize>,
 }
 
 impl Executor for Twin<'_> {
@@ -85,6 +90,36 @@ impl Executor for Twin<'_> {
         }
         self.steps += 1;
         Ok(cpu)
+    }
+
+    /// Every other step the engine samples greedily takes the GPU's argmax path (ids copied
+    /// back, not rows): its ids must be the CPU rows' argmaxes, except where the CPU's logit at
+    /// the GPU's id is within 1e-4 of the row's maximum (a near tie either may break). The
+    /// other steps compare whole rows through `execute`. The engine goes on with the CPU's.
+    fn execute_argmax(
+        &mut self,
+        step: &SchedulerOutput,
+    ) -> Result<Vec<Option<u32>>, ExecutorError> {
+        if self.steps.is_multiple_of(2) {
+            return Ok(argmax_rows(self.execute(step)?));
+        }
+        let at_step = self.steps;
+        let gpu = self.gpu.execute_argmax(step)?;
+        let cpu = self.cpu.execute(step)?;
+        let want = argmax_rows(cpu.view());
+        assert_eq!(gpu.len(), want.len(), "argmax rows of step {at_step}");
+        for (r, (g, w)) in gpu.iter().zip(&want).enumerate() {
+            if g != w {
+                let row = cpu.row(r);
+                let max = row[w.expect("a finite row") as usize];
+                let near =
+                    g.is_some_and(|g| (max - row[g as usize]).abs() <= 1e-4 * max.abs().max(1.0));
+                assert!(near, "step {at_step}, row {r}: GPU argmax {g:?}, CPU {w:?}");
+            }
+        }
+        self.argmax_steps.fetch_add(1, Ordering::Relaxed);
+        self.steps += 1;
+        Ok(want)
     }
 }
 
@@ -124,11 +159,13 @@ fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
             ch07_flash_attention::cuda::KvBudget::Bytes(memory),
         )
         .unwrap();
+        let argmax_steps = Arc::new(AtomicUsize::new(0));
         let twin = Twin {
             cpu: CpuExecutor::new(&model, pool),
             gpu,
             worst: 0.0,
             steps: 0,
+            argmax_steps: argmax_steps.clone(),
         };
         let engine_config = EngineConfig {
             max_num_seqs: 8,
@@ -149,7 +186,9 @@ fn the_engine_on_the_gpu_equals_the_cpu_step_by_step() {
         while engine.has_unfinished() {
             engine.step().unwrap();
         }
-        println!("{name}: GPU equals CPU on every step");
+        let argmax_steps = argmax_steps.load(Ordering::Relaxed);
+        assert!(argmax_steps > 0, "{name}: no step took the argmax path");
+        println!("{name}: GPU equals CPU on every step ({argmax_steps} by their argmax ids)");
     }
     std::fs::remove_dir_all(&d64).unwrap();
 }

@@ -604,24 +604,30 @@ fn add_rmsnorm_silu_mul_embedding_and_argmax_equal_their_definitions() {
             assert_eq!(download(&dev, &out), want);
             assert!(dev.upload_tokens(&[vocab as u32], vocab).is_err());
 
-            // Argmax with ties: the first maximum wins.
+            // Argmax with ties (the first maximum wins), NaN and −∞ passed over, and a last row
+            // of nothing but −∞ and NaN: the CPU sampler's argmax, u32::MAX for its None.
             let mut logits = random(&mut rng, rows * dim);
             for r in 0..rows {
                 let m = rng.random_range(0..dim);
                 logits[r * dim + m] = 2.0;
                 logits[r * dim + rng.random_range(m..dim)] = 2.0;
+                logits[r * dim + rng.random_range(0..dim)] = f32::NAN;
+            }
+            for (i, x) in logits[(rows - 1) * dim..].iter_mut().enumerate() {
+                *x = if i % 3 == 0 {
+                    f32::NAN
+                } else {
+                    f32::NEG_INFINITY
+                };
             }
             let mut argmax = dev.stream.alloc_zeros::<u32>(rows).unwrap();
             dev.argmax_rows(&dev.stream.clone_htod(&logits).unwrap(), dim, &mut argmax)
                 .unwrap();
-            let want: Vec<u32> = (0..rows)
-                .map(|r| {
-                    logits[r * dim..][..dim]
-                        .iter()
-                        .position(|&v| v == 2.0)
-                        .unwrap() as u32
-                })
+            let want: Vec<u32> = logits
+                .chunks(dim)
+                .map(|row| ch01::sampler::argmax(row).unwrap_or(u32::MAX))
                 .collect();
+            assert_eq!(want[rows - 1], u32::MAX);
             assert_eq!(dev.stream.clone_dtoh(&argmax).unwrap(), want);
             Ok(())
         })

@@ -109,6 +109,9 @@ pub struct CudaExecutor<K: DeviceKv = f32> {
     head_output: Option<CudaSlice<f32>>, // [logit rows, vocab]
     /// The device buffer of the last step's index arrays, which the next step copies into.
     step_index: Option<CudaSlice<u32>>,
+    argmax_ids: Option<CudaSlice<u32>>, // [logit rows]: their argmaxes on the device
+    /// The last step's argmaxes, when it was asked for them (`execute_argmax`).
+    argmax: Vec<Option<u32>>,
     _kv: PhantomData<K>,
 }
 
@@ -223,6 +226,8 @@ impl<K: DeviceKv> CudaExecutor<K> {
             head_input: None,
             head_output: None,
             step_index: None,
+            argmax_ids: None,
+            argmax: Vec::new(),
             _kv: PhantomData,
         })
     }
@@ -285,7 +290,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
         Ok(())
     }
 
-    fn run(&mut self, step: &SchedulerOutput) -> Result<(), CudaError> {
+    fn run(&mut self, step: &SchedulerOutput, want: Wanted) -> Result<(), CudaError> {
         for op in &step.block_ops {
             self.apply(op)?;
         }
@@ -294,6 +299,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
         }
         let vocab = self.config.vocab_size;
         self.logits.rows = 0;
+        self.argmax.clear();
         if step.seqs.is_empty() {
             return Ok(());
         }
@@ -324,18 +330,19 @@ impl<K: DeviceKv> CudaExecutor<K> {
         let logit_rows = index.push_ids(&wanted, row)?;
         // One copy for every array of the step, into the buffer the last step copied into.
         let batch = self.dev.upload(index, self.step_index.take())?;
-        let result = self.forward(&batch, tokens, logit_rows);
+        let result = self.forward(&batch, tokens, logit_rows, want);
         self.step_index = Some(batch.into_buffer());
         result
     }
 
     /// The model over `batch`'s rows: its ids number `tokens` are the step's tokens, number
-    /// `logit_rows` the rows whose logits go to the host.
+    /// `logit_rows` the rows whose logits (or their argmaxes) go to the host.
     fn forward(
         &mut self,
         batch: &PagedBatch,
         tokens: usize,
         logit_rows: usize,
+        want: Wanted,
     ) -> Result<(), CudaError> {
         let dev = &self.dev;
         let vocab = self.config.vocab_size;
@@ -415,8 +422,30 @@ impl<K: DeviceKv> CudaExecutor<K> {
         step_buffers::rounded(dev, bf16_weights, head16, wanted.len() * hidden)?;
         let x = linear_input(dev, gathered, head16)?;
         dev.linear(&self.blas, x, wanted.len(), &self.weights.lm_head, logits)?;
-        self.logits.copy_from(dev, logits, wanted.len())
+        match want {
+            Wanted::Rows => self.logits.copy_from(dev, logits, wanted.len()),
+            Wanted::Argmax => {
+                let ids = step_buffers::exact(dev, &mut self.argmax_ids, wanted.len())?;
+                dev.argmax_rows(logits, vocab, ids)?;
+                let ids = dev.stream.clone_dtoh(&*ids)?;
+                // u32::MAX: every logit of the row was −∞ or NaN.
+                self.argmax = ids
+                    .into_iter()
+                    .map(|id| (id != u32::MAX).then_some(id))
+                    .collect();
+                Ok(())
+            }
+        }
     }
+}
+
+/// What a step brings back to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wanted {
+    /// The logit rows (`execute`).
+    Rows,
+    /// Only each row's argmax (`execute_argmax`).
+    Argmax,
 }
 
 // ANCHOR: linear_input
@@ -469,11 +498,25 @@ impl<K: DeviceKv> Executor for CudaExecutor<K> {
     }
 
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
-        self.run(step).map_err(|e| ExecutorError(e.to_string()))?;
+        self.run(step, Wanted::Rows).map_err(executor_error)?;
         self.logits
             .rows(self.config.vocab_size)
-            .map_err(|e| ExecutorError(e.to_string()))
+            .map_err(executor_error)
     }
+
+    /// The logit rows' argmaxes, computed on the device (`argmax_rows`): 4 bytes a row come
+    /// back instead of a vocabulary of logits (512 KB a row at 128k tokens).
+    fn execute_argmax(
+        &mut self,
+        step: &SchedulerOutput,
+    ) -> Result<Vec<Option<u32>>, ExecutorError> {
+        self.run(step, Wanted::Argmax).map_err(executor_error)?;
+        Ok(self.argmax.clone())
+    }
+}
+
+fn executor_error(e: CudaError) -> ExecutorError {
+    ExecutorError(e.to_string())
 }
 
 #[cfg(test)]

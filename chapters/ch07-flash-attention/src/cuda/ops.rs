@@ -602,7 +602,9 @@ impl GpuDevice {
         Ok(())
     }
 
-    /// The index of each row's maximum (the first among equals). logits: `[rows, vocab]`.
+    /// The index of each row's maximum (the first among equals, NaN and −∞ never chosen), or
+    /// `u32::MAX` for a row whose every logit is −∞ or NaN: `ch01::sampler::argmax` of each
+    /// row. logits: `[rows, vocab]`.
     pub fn argmax_rows(
         &self,
         logits: &CudaSlice<f32>,
