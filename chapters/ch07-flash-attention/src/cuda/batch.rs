@@ -81,7 +81,10 @@ impl BatchIndex {
                 "a batch needs a block size and at least one sequence",
             ));
         }
-        u32_arg("slots", num_blocks * block_size)?;
+        let pool_slots = num_blocks
+            .checked_mul(block_size)
+            .ok_or_else(|| shape(format!("{num_blocks} blocks of {block_size} positions")))?;
+        u32_arg("slots", pool_slots)?;
         let max_blocks = seqs
             .iter()
             .map(|s| s.block_table.len())
@@ -407,6 +410,7 @@ mod tests {
             bad(&[seq(0, 1, &[0])], 1 << 16, 1 << 16),
             "slots past 32 bits"
         );
+        assert!(bad(&[seq(0, 1, &[0])], usize::MAX, 2), "slots past usize");
         let mut index = BatchIndex::new(&[seq(0, 2, &[0])], 4, 8).unwrap();
         let before = index.clone();
         assert!(matches!(
