@@ -84,7 +84,7 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
 
 // The K/V tiles, in dynamic shared memory: two buffers (the tile computed on and the next one,
 // arriving), each K then V, [TC_BC][D + TC_PAD] bf16; with MF = 2 the Q tile after them,
-// [tc_rows<2>()][D + TC_PAD] bf16. The host asks for their size (`tc_shared_bytes`).
+// [tc_rows<2>()][D + TC_PAD] bf16. The host asks for their size (`PrefillKernel::shared_bytes`).
 DYNAMIC_SHARED(bf16_bits, tc_smem);
 
 // Query rows per thread block.
