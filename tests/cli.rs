@@ -447,6 +447,17 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
         logits.to_str().unwrap(),
     ]);
     assert!(output.status.success(), "{}", stderr(&output));
+    // On a GPU the file's blocks decode to --dtype as they load: without one, the error is the
+    // missing GPU's, not the file's.
+    if !ch07::cuda::device::driver_present() {
+        assert_fails_with(
+            &[
+                "forward", "--model", out_path, "--prompt", "ROMEO.", "--out", "unused",
+                "--device", "cuda",
+            ],
+            "the CUDA driver library (libcuda.so) was not found",
+        );
+    }
 
     // `--dequantize`: the same file's weights decoded, multiplied in f32: not the integer
     // kernels' bits (their activations are rounded to 8 bits), but close to them.

@@ -153,17 +153,24 @@ impl ModelArgs {
         })
     }
 
-    /// The configuration and tokenizer of a Hugging Face directory, reading none of its weights:
-    /// what the host keeps when an executor loads the weights onto a GPU.
+    /// The configuration and tokenizer of a Hugging Face directory or a GGUF file (with its chat
+    /// template), decoding none of its weights: what the host keeps when an executor loads the
+    /// weights onto a GPU.
     pub fn load_host_side(&self) -> anyhow::Result<HostSide> {
         let path = &self.model;
-        if self.is_gguf() {
-            bail!(
-                "{}: the GPU path reads a Hugging Face directory, not a GGUF file",
-                path.display()
-            );
-        }
         let context = || format!("loading model from {}", path.display());
+        if self.is_gguf() {
+            let file = ch05::GgufFile::open(path).with_context(context)?;
+            let host = ch05::GgufHostSide::read(&file).with_context(context)?;
+            return Ok(HostSide {
+                config: host.config,
+                tokenizer: host.tokenizer,
+                eos_token_ids: host.eos_token_ids,
+                format: ModelFormat::Gguf {
+                    chat_template: host.chat_template,
+                },
+            });
+        }
         let config = LlamaConfig::from_dir(path).with_context(context)?;
         let (tokenizer, eos_token_ids) = hf_tokenizer(path, &config).with_context(context)?;
         Ok(HostSide {
@@ -233,10 +240,10 @@ impl ModelArgs {
         let DeviceSpec::Cuda(ordinal) = self.device else {
             anyhow::bail!("gpu_executor needs --device cuda");
         };
-        if self.is_gguf() || self.quantization.is_some() {
+        if self.quantization.is_some() {
             anyhow::bail!(
-                "--device {}: the GPU path runs f32 or bf16 weights from a Hugging Face \
-                 directory so far (no GGUF file or --quantization)",
+                "--device {}: the GPU path runs f32 or bf16 weights so far (no --quantization; \
+                 a GGUF file's blocks are decoded to --dtype as they load)",
                 self.device
             );
         }
@@ -252,7 +259,13 @@ impl ModelArgs {
             device.decode_kernel,
             device.tc_prefill_kernel(128)
         );
-        let weights = ch01::Weights::open(&self.model)?;
+        // A GGUF file's tensors decode to f32 as the executor reads them (`GgufSource`: Hugging
+        // Face names, q/k rows in Hugging Face's order) and go to the device as --dtype says.
+        let weights: Box<dyn ch01::WeightSource> = if self.is_gguf() {
+            Box::new(ch05::GgufSource::open(&self.model)?)
+        } else {
+            Box::new(ch01::Weights::open(&self.model)?)
+        };
         let kv = match self.gpu_memory_utilization {
             Some(share) => ch07::cuda::KvBudget::DeviceShare(share),
             None => ch07::cuda::KvBudget::Bytes(cache.memory),
@@ -260,7 +273,7 @@ impl ModelArgs {
         fn boxed<K: ch07::cuda::executor::DeviceKv>(
             device: GpuDevice,
             config: &ch01::LlamaConfig,
-            weights: &ch01::Weights,
+            weights: &dyn ch01::WeightSource,
             dtype: ch02::WeightDtype,
             cache: &ch04::CacheConfig,
             kv: ch07::cuda::KvBudget,
@@ -284,8 +297,8 @@ impl ModelArgs {
             Ok(Box::new(executor))
         }
         match cache.dtype {
-            ch03::KvDtype::F32 => boxed::<f32>(device, config, &weights, dtype, cache, kv),
-            ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &weights, dtype, cache, kv),
+            ch03::KvDtype::F32 => boxed::<f32>(device, config, &*weights, dtype, cache, kv),
+            ch03::KvDtype::Bf16 => boxed::<half::bf16>(device, config, &*weights, dtype, cache, kv),
             dtype => anyhow::bail!(
                 "--device {}: a {dtype} KV cache does not run on the GPU yet",
                 self.device
@@ -399,7 +412,39 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{ModelArgs, ModelFormat, parse_bytes};
+
+    /// What a GPU's host keeps (`load_host_side`, no weight decoded) is what loading the whole
+    /// model gives, for a Hugging Face directory and for the GGUF file written from it.
+    #[test]
+    fn the_host_side_alone_equals_the_loaded_models() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = ch01::fixtures_dir().join("shakespeare-small");
+        let gguf = tmp.path().join("small.gguf");
+        let converted = ch05::gguf::convert_hf_dir(&dir, ch05::GgmlType::Q8_0).unwrap();
+        converted.writer.write(&gguf).unwrap();
+        let text = "HAMLET. To be, or not to be: that is the question.";
+        for path in [dir, gguf] {
+            let args = ModelArgs::cpu(path.clone());
+            let alone = args.load_host_side().unwrap();
+            let (_, loaded) = args.load().unwrap().into_parts();
+            assert_eq!(alone.config, loaded.config, "{}", path.display());
+            assert_eq!(alone.eos_token_ids, loaded.eos_token_ids);
+            assert_eq!(
+                alone.tokenizer.encode(text, true).unwrap(),
+                loaded.tokenizer.encode(text, true).unwrap()
+            );
+            match (&alone.format, &loaded.format, args.is_gguf()) {
+                (ModelFormat::HfDir, ModelFormat::HfDir, false) => {}
+                (
+                    ModelFormat::Gguf { chat_template: a },
+                    ModelFormat::Gguf { chat_template: b },
+                    true,
+                ) => assert_eq!(a, b),
+                _ => panic!("{}: the formats differ", path.display()),
+            }
+        }
+    }
 
     #[test]
     fn sizes_parse_with_and_without_units() {

@@ -41,8 +41,8 @@ pub use blocks::BlockError;
 pub use format::GgmlType;
 pub use fp8_linear::{Fp8Linear, Fp8Loader, fp8_config};
 pub use gguf::{
-    GgufError, GgufFile, GgufModel, GgufSource, GgufTensorInfo, GgufValue, GgufValueType,
-    GgufWriter, load_gguf,
+    GgufError, GgufFile, GgufHostSide, GgufModel, GgufSource, GgufTensorInfo, GgufValue,
+    GgufValueType, GgufWriter, load_gguf,
 };
 pub use group_quant::{Grid, GroupQuantError, GroupQuantized};
 pub use hf_quant::{GroupLinear, HfQuantConfig, HfQuantError, HfQuantLoader, QuantMethod};

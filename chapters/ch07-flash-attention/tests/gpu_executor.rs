@@ -228,26 +228,17 @@ fn bf16_weights_and_kv_on_the_gpu_stay_within_1e_2_of_the_cpu() {
         let tokens: Vec<u32> = (0..96u32).map(|t| (t * 131 + 7) % vocab).collect();
         let want = model.forward(&tokens).unwrap(); // [96, vocab]
         let block_size = 16;
-        let memory = 8
-            * 2
-            * (config.num_hidden_layers
-                * block_size
-                * config.num_key_value_heads
-                * config.head_dim
-                * 2) as u64;
         let mut gpu = CudaExecutor::<half::bf16>::new(
             GpuDevice::open(0).unwrap(),
-            config,
+            config.clone(),
             &weights,
             ch02::WeightDtype::Bf16,
             block_size,
-            ch07_flash_attention::cuda::KvBudget::Bytes(memory),
+            ch07_flash_attention::cuda::KvBudget::Bytes(kv_bytes(&config, block_size, 2)),
         )
         .unwrap();
-        let table: Vec<u32> = (0..7).collect();
-        let prefill = 90;
         let mut worst = 0.0f64;
-        let mut check = |got: ArrayView2<f32>, first_row: usize| {
+        prefill_then_decode(&mut gpu, &tokens, 90, |got, first_row| {
             for (i, row) in got.rows().into_iter().enumerate() {
                 let expected = want.row(first_row + i);
                 let d = relative_l2(row.as_slice().unwrap(), expected.as_slice().unwrap());
@@ -259,25 +250,90 @@ fn bf16_weights_and_kv_on_the_gpu_stay_within_1e_2_of_the_cpu() {
                 );
                 worst = worst.max(d);
             }
-        };
-        let step = |start: usize, end: usize| SchedulerOutput {
-            seqs: vec![ch04::ScheduledSeq {
-                id: 0,
-                tokens: tokens[start..end].to_vec(),
-                start_pos: start,
-                block_table: table.clone(),
-                logit_rows: end - start,
-            }],
-            ..SchedulerOutput::default()
-        };
-        check(gpu.execute(&step(0, prefill)).unwrap(), 0);
-        for p in prefill..tokens.len() {
-            check(gpu.execute(&step(p, p + 1)).unwrap(), p);
-        }
+        });
         println!(
             "{}: bf16 on the GPU within {worst:.2e} relative L2 of the CPU",
             dir.display()
         );
     }
     std::fs::remove_dir_all(&random).unwrap();
+}
+
+/// Bytes of 8 KV blocks of `block_size` positions for `config`, K/V elements of `elem_bytes`:
+/// room for one sequence of up to 128 tokens.
+fn kv_bytes(config: &LlamaConfig, block_size: usize, elem_bytes: usize) -> u64 {
+    let per_layer = block_size * config.num_key_value_heads * config.head_dim;
+    (8 * 2 * config.num_hidden_layers * per_layer * elem_bytes) as u64
+}
+
+/// Runs `tokens` (at most 128) through `gpu` as one sequence: a prefill of the first `prefill`,
+/// then a decode step a token, every row's logits asked for; hands each step's rows to `check`
+/// with the position of its first row.
+fn prefill_then_decode(
+    gpu: &mut dyn Executor,
+    tokens: &[u32],
+    prefill: usize,
+    mut check: impl FnMut(ArrayView2<f32>, usize),
+) {
+    let table: Vec<u32> = (0..8).collect();
+    let step = |start: usize, end: usize| SchedulerOutput {
+        seqs: vec![ch04::ScheduledSeq {
+            id: 0,
+            tokens: tokens[start..end].to_vec(),
+            start_pos: start,
+            block_table: table.clone(),
+            logit_rows: end - start,
+        }],
+        ..SchedulerOutput::default()
+    };
+    check(gpu.execute(&step(0, prefill)).unwrap(), 0);
+    for p in prefill..tokens.len() {
+        check(gpu.execute(&step(p, p + 1)).unwrap(), p);
+    }
+}
+
+/// A GGUF file on the GPU: its Q8_0 blocks decoded to f32 as the executor reads them
+/// (`GgufSource`, which also puts q and k rows back in Hugging Face's order), so the logits of
+/// a prefill and of decode steps equal, within 1e-4, chapter 1's forward over the same decoded
+/// weights (`load_gguf` with `DenseLoader`).
+#[test]
+fn a_gguf_file_on_the_gpu_equals_its_decoded_weights_on_the_cpu() {
+    if !gpu_present() {
+        return;
+    }
+    let path = std::env::temp_dir().join(format!("kiln-gpu-gguf-{}.gguf", std::process::id()));
+    let converted =
+        ch05::gguf::convert_hf_dir(&fixture("random/gqa"), ch05::GgmlType::Q8_0).unwrap();
+    converted.writer.write(&path).unwrap();
+    let cpu = ch05::load_gguf(&path, &ch01::linear::DenseLoader).unwrap();
+    let config = cpu.model.config.clone();
+    let vocab = config.vocab_size as u32;
+    let tokens: Vec<u32> = (0..40u32).map(|t| (t * 97 + 5) % vocab).collect();
+    let want = cpu.model.forward(&tokens).unwrap(); // [40, vocab]
+    let source = ch05::GgufSource::open(&path).unwrap();
+    let block_size = 16;
+    let mut gpu = CudaExecutor::<f32>::new(
+        GpuDevice::open(0).unwrap(),
+        config.clone(),
+        &source,
+        ch02::WeightDtype::F32,
+        block_size,
+        ch07_flash_attention::cuda::KvBudget::Bytes(kv_bytes(&config, block_size, 4)),
+    )
+    .unwrap();
+    let mut worst = 0.0f32;
+    prefill_then_decode(&mut gpu, &tokens, 33, |got, first_row| {
+        for ((r, c), g) in got.indexed_iter() {
+            let expected = want[[first_row + r, c]];
+            let diff = (g - expected).abs() / expected.abs().max(1.0);
+            assert!(
+                diff <= 1e-4,
+                "logit [{}, {c}]: GPU {g}, CPU {expected}",
+                first_row + r
+            );
+            worst = worst.max(diff);
+        }
+    });
+    println!("a Q8_0 GGUF file on the GPU within {worst:.2e} of its decoded weights on the CPU");
+    std::fs::remove_file(&path).unwrap();
 }

@@ -26,7 +26,7 @@ pub use config::{GgufArch, llama_config};
 pub use convert::{ConvertError, ConvertReport, convert_hf_dir, quantize_hf_dir};
 pub use error::{GgufError, GgufResult};
 pub use file::{GgufFile, GgufTensorInfo};
-pub use model::{GgufModel, load_gguf};
+pub use model::{GgufHostSide, GgufModel, load_gguf};
 pub use source::{GgufSource, gguf_name, hf_name, permute_qk};
 pub use value::{GgufArray, GgufValue, GgufValueType};
 pub use writer::GgufWriter;

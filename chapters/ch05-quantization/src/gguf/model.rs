@@ -2,10 +2,11 @@
 
 use std::path::Path;
 
-use ch01::{LinearLoader, Llama, TensorParallel, Tokenizer};
+use ch01::{LinearLoader, Llama, LlamaConfig, TensorParallel, Tokenizer};
 
 use super::config::llama_config;
 use super::error::GgufResult;
+use super::file::GgufFile;
 use super::source::GgufSource;
 use super::tokenizer::{chat_template, eos_token_ids, load_tokenizer};
 
@@ -19,20 +20,40 @@ pub struct GgufModel {
     pub chat_template: Option<String>,
 }
 
+/// What a GGUF file says besides its weights: all the host keeps when an executor reads the
+/// weights onto a GPU itself, through a [`GgufSource`].
+pub struct GgufHostSide {
+    pub config: LlamaConfig,
+    pub tokenizer: Tokenizer,
+    /// Tokens that end a generation (EOS, and the end-of-turn token when the file has one).
+    pub eos_token_ids: Vec<u32>,
+    /// `tokenizer.chat_template`, when present.
+    pub chat_template: Option<String>,
+}
+
+impl GgufHostSide {
+    /// Reads the config, tokenizer, stop tokens and chat template from `file`'s metadata,
+    /// decoding no tensor.
+    pub fn read(file: &GgufFile) -> GgufResult<GgufHostSide> {
+        Ok(GgufHostSide {
+            config: llama_config(file)?,
+            tokenizer: load_tokenizer(file)?,
+            eos_token_ids: eos_token_ids(file)?,
+            chat_template: chat_template(file)?,
+        })
+    }
+}
+
 /// Loads the model in `path`, with `loader` choosing each projection's kind. With chapter 1's
 /// `DenseLoader` every weight is decoded to f32 (through [`crate::blocks::dequantize`]).
 pub fn load_gguf(path: &Path, loader: &dyn LinearLoader) -> GgufResult<GgufModel> {
     let source = GgufSource::open(path)?;
-    let file = source.file();
-    let config = llama_config(file)?;
-    let tokenizer = load_tokenizer(file)?;
-    let eos_token_ids = eos_token_ids(file)?;
-    let chat_template = chat_template(file)?;
-    let model = Llama::from_source(config, &source, loader, TensorParallel::whole())?;
+    let host = GgufHostSide::read(source.file())?;
+    let model = Llama::from_source(host.config, &source, loader, TensorParallel::whole())?;
     Ok(GgufModel {
         model,
-        tokenizer,
-        eos_token_ids,
-        chat_template,
+        tokenizer: host.tokenizer,
+        eos_token_ids: host.eos_token_ids,
+        chat_template: host.chat_template,
     })
 }
