@@ -639,7 +639,7 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
     }
     assert_fails_with(
         &["serve", "--device", "cuda", "--tensor-parallel-size", "2"],
-        "tensor parallelism and speculative decoding run on the CPU only so far",
+        "tensor parallelism runs on the CPU only so far",
     );
 }
 

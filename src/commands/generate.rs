@@ -270,10 +270,8 @@ fn run_many(
     let cache = args.kv.cache(&host.config, &args.model.dtype)?;
     let attention = args.attention.kind();
     let executor = match (args.model.device, model) {
-        (DeviceSpec::Cuda(_), _)
-            if args.speculative.method()?.is_some() || args.tensor_parallel.is_parallel() =>
-        {
-            anyhow::bail!("speculative decoding and tensor parallelism do not run on the GPU yet")
+        (DeviceSpec::Cuda(_), _) if args.tensor_parallel.is_parallel() => {
+            anyhow::bail!("tensor parallelism does not run on the GPU yet")
         }
         (DeviceSpec::Cuda(_), _) => args.model.gpu_executor(&host.config, &cache)?,
         (DeviceSpec::Cpu, Some(model)) => {
@@ -288,10 +286,10 @@ fn run_many(
         None => None,
     };
     let mut engine = Engine::boxed(executor, args.engine.config())?;
-    if let Some(model) = model
-        && let Some(speculator) =
-            args.speculative
-                .speculator(model, draft.as_ref(), cache.block_size)?
+    let vocab = host.config.vocab_size;
+    if let Some(speculator) =
+        args.speculative
+            .speculator(vocab, model, draft.as_ref(), cache.block_size)?
     {
         engine = engine.with_speculator(speculator);
     }

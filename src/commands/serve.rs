@@ -176,10 +176,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
                 eprintln!("kiln serve: {record}");
             }))
         }),
-        speculator: match &weights {
-            ServedWeights::Host(model) => speculator_factory(&args, model, cache.block_size)?,
-            ServedWeights::Elsewhere(_) => None, // refused by executor_factory
-        },
+        speculator: speculator_factory(&args, &weights, cache.block_size)?,
         executor: executor_factory(&args)?,
         allowed_origins: args.allowed_origins.clone(),
         ..ServerConfig::default()
@@ -252,24 +249,28 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
 /// as long as the process (it is leaked, as the server runs until the process ends).
 fn speculator_factory(
     args: &Args,
-    target: &ch01::Llama,
+    weights: &ServedWeights,
     block_size: usize,
 ) -> anyhow::Result<Option<SpeculatorFactory>> {
     let spec = args.speculative.clone();
     if spec.method()?.is_none() {
         return Ok(None);
     }
-    let draft: Option<&'static ch01::Llama> = spec
-        .load_draft(&args.model.dtype, target)?
-        .map(|d| &*Box::leak(Box::new(d)));
+    let draft: Option<&'static ch01::Llama> = match weights.host() {
+        Some(target) => spec
+            .load_draft(&args.model.dtype, target)?
+            .map(|d| &*Box::leak(Box::new(d))),
+        None => None,
+    };
+    let vocab = weights.config().vocab_size;
     // Build one now, so that a bad flag fails at start rather than in the engine thread.
-    spec.speculator(target, draft, block_size)?;
+    spec.speculator(vocab, weights.host(), draft, block_size)?;
     if let Some(line) = spec.describe()? {
         eprintln!("kiln serve: {line}");
     }
     Ok(Some(SpeculatorFactory(Arc::new(
-        move |model: &ch01::Llama| {
-            spec.speculator(model, draft, block_size)
+        move |model: Option<&ch01::Llama>| {
+            spec.speculator(vocab, model, draft, block_size)
                 .map_err(|e| e.to_string())?
                 .ok_or_else(|| "speculation is off".to_string())
         },
@@ -307,8 +308,8 @@ fn executor_factory(args: &Args) -> anyhow::Result<Option<ExecutorFactory>> {
     let tp = args.tensor_parallel;
     if let DeviceSpec::Cuda(_) = args.model.device {
         anyhow::ensure!(
-            !tp.is_parallel() && args.speculative.method()?.is_none(),
-            "--device {}: tensor parallelism and speculative decoding run on the CPU only so far",
+            !tp.is_parallel(),
+            "--device {}: tensor parallelism runs on the CPU only so far",
             args.model.device
         );
         let model = args.model.clone();

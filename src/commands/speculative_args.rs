@@ -50,6 +50,17 @@ pub struct SpeculativeArgs {
     pub speculative_kv_cache_memory: u64,
 }
 
+impl SpecMethod {
+    /// The flag's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecMethod::Draft => "draft",
+            SpecMethod::Ngram => "ngram",
+            SpecMethod::LayerSkip => "layer-skip",
+        }
+    }
+}
+
 impl SpeculativeArgs {
     /// The method asked for, if any.
     pub fn method(&self) -> anyhow::Result<Option<SpecMethod>> {
@@ -91,11 +102,15 @@ impl SpeculativeArgs {
         Ok(Some(draft))
     }
 
-    /// The engine's speculator over `target` (and the draft model `load_draft` returned), or
-    /// `None` when speculation is off. `block_size`: the draft cache's.
+    /// The engine's speculator for a target of `vocab` tokens (and the draft model `load_draft`
+    /// returned), or `None` when speculation is off. `target`: its weights in host memory, which
+    /// the layer-skip drafter runs and beside which a draft model runs on the CPU; `None` when
+    /// an executor holds them elsewhere (a GPU), where only n-gram lookup, which needs no model,
+    /// drafts. `block_size`: the draft cache's.
     pub fn speculator<'m>(
         &self,
-        target: &'m Llama,
+        vocab: usize,
+        target: Option<&'m Llama>,
         draft: Option<&'m Llama>,
         block_size: usize,
     ) -> anyhow::Result<Option<Box<dyn Speculator + 'm>>> {
@@ -105,8 +120,14 @@ impl SpeculativeArgs {
         if self.num_speculative_tokens == 0 {
             bail!("--num-speculative-tokens must be at least 1");
         }
+        if target.is_none() && method != SpecMethod::Ngram {
+            bail!(
+                "--speculative-method {}: its drafter runs on the CPU beside the target's weights \
+                 in host memory; with --device cuda only ngram drafts so far",
+                method.name()
+            );
+        }
         let memory = self.speculative_kv_cache_memory;
-        let vocab = target.config.vocab_size;
         let drafter: Box<dyn Drafter + 'm> = match method {
             SpecMethod::Ngram => Box::new(NgramDrafter::new(
                 self.prompt_lookup_min,
@@ -118,6 +139,7 @@ impl SpeculativeArgs {
                 Box::new(ModelDrafter::new(executor, vocab)?)
             }
             SpecMethod::LayerSkip => {
+                let target = target.context("the target's weights are not in host memory")?;
                 let layers = self
                     .speculative_layers
                     .unwrap_or(target.layers.len() / 2)
@@ -179,4 +201,43 @@ pub fn summary(c: &ch04::Counters) -> Option<String> {
         rate * 100.0,
         per_step
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{SpecMethod, SpeculativeArgs};
+
+    fn args(method: SpecMethod) -> SpeculativeArgs {
+        SpeculativeArgs {
+            speculative_model: None,
+            speculative_method: Some(method),
+            num_speculative_tokens: 4,
+            speculative_disable_by_batch_size: None,
+            prompt_lookup_min: 1,
+            prompt_lookup_max: 4,
+            speculative_layers: None,
+            speculative_kv_cache_memory: 1 << 20,
+        }
+    }
+
+    /// Without the target's weights in host memory (`--device cuda`), n-gram lookup still
+    /// drafts; the layer-skip drafter, which runs the target's own layers, is refused, saying why.
+    #[test]
+    fn without_host_weights_only_ngram_drafts() {
+        let speculator = args(SpecMethod::Ngram).speculator(100, None, None, 16);
+        assert!(speculator.unwrap().is_some());
+        let error = args(SpecMethod::LayerSkip)
+            .speculator(100, None, None, 16)
+            .err()
+            .expect("layer skip needs the target's weights")
+            .to_string();
+        assert!(
+            error.contains("layer-skip") && error.contains("only ngram drafts"),
+            "{error}"
+        );
+        let target = ch01::Llama::load(&ch01::default_model_dir()).unwrap();
+        let vocab = target.config.vocab_size;
+        let with_host = args(SpecMethod::LayerSkip).speculator(vocab, Some(&target), None, 16);
+        assert!(with_host.unwrap().is_some());
+    }
 }

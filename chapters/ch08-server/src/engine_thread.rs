@@ -183,7 +183,8 @@ impl EngineThread {
 
     /// [`EngineThread::spawn`] over `weights`, with the speculator `speculator` builds
     /// (chapter 6) and the executor `executor` builds (chapter 8's ranks, chapter 7's GPU).
-    /// Weights not in host memory need an executor factory and no speculator.
+    /// Weights not in host memory need an executor factory; the speculator factory is then
+    /// handed no model.
     #[allow(clippy::too_many_arguments)]
     pub fn spawn_with(
         weights: ServedWeights,
@@ -282,12 +283,11 @@ fn start_engine<'m>(
         (None, ServedWeights::Elsewhere(_)) => return Err(not_on_host("the CPU executor")),
     };
     let engine = Engine::boxed(executor, config)?;
-    Ok(match (speculator, weights) {
-        (Some(factory), ServedWeights::Host(model)) => {
-            engine.with_speculator((factory.0)(model).map_err(EngineError::Config)?)
+    Ok(match speculator {
+        Some(factory) => {
+            engine.with_speculator((factory.0)(weights.host()).map_err(EngineError::Config)?)
         }
-        (Some(_), ServedWeights::Elsewhere(_)) => return Err(not_on_host("a speculator")),
-        (None, _) => engine,
+        None => engine,
     })
 }
 

@@ -35,6 +35,14 @@ pub enum ServedWeights {
 }
 
 impl ServedWeights {
+    /// The weights in host memory, if they are there.
+    pub fn host(&self) -> Option<&Llama> {
+        match self {
+            ServedWeights::Host(model) => Some(model),
+            ServedWeights::Elsewhere(_) => None,
+        }
+    }
+
     pub fn config(&self) -> &LlamaConfig {
         match self {
             ServedWeights::Host(model) => &model.config,
@@ -51,13 +59,17 @@ pub struct ServedModel {
     pub eos_token_ids: Vec<u32>,
 }
 
-/// Builds a [`Speculator`](ch04::Speculator) over the served model, in the engine thread
-/// (speculative decoding, chapter 6; the server knows no drafter).
+/// Builds a [`Speculator`](ch04::Speculator) in the engine thread (speculative decoding,
+/// chapter 6; the server knows no drafter), over the served model's host weights when it has
+/// them: `None` when an executor factory loaded them elsewhere (a GPU), where only a drafter
+/// that needs no model (n-gram lookup) can be built.
 #[derive(Clone)]
 #[allow(clippy::type_complexity)]
 pub struct SpeculatorFactory(
     pub  Arc<
-        dyn for<'m> Fn(&'m Llama) -> Result<Box<dyn ch04::Speculator + 'm>, String> + Send + Sync,
+        dyn for<'m> Fn(Option<&'m Llama>) -> Result<Box<dyn ch04::Speculator + 'm>, String>
+            + Send
+            + Sync,
     >,
 );
 

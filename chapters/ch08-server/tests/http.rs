@@ -80,8 +80,9 @@ fn start_up_refuses_what_cannot_serve_one_max_length_request() {
 
 /// Weights left to an executor factory, as `kiln serve --device cuda` leaves them to the GPU:
 /// the host holds only the configuration, the factory's executor serves, and the answers are
-/// the engine's alone (greedy and seeded). Without a factory, or with a speculator, such a
-/// server refuses to start, saying why.
+/// the engine's alone (greedy and seeded), with n-gram speculation too (greedy), whose factory
+/// is handed no model. Without an executor factory, or with a speculator factory that needs
+/// the host weights, such a server refuses to start, saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_held_by_the_executor_serve_the_same_answers() {
     let elsewhere = || Setup {
@@ -103,6 +104,34 @@ async fn weights_held_by_the_executor_serve_the_same_answers() {
         assert_eq!(got["usage"]["completion_tokens"], tokens);
         assert_eq!(got["choices"][0]["finish_reason"], reason);
     }
+    server.stop().await;
+
+    // Speculation without host weights: n-gram lookup needs no model.
+    let handed_a_model = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut speculating = elsewhere();
+    let flag = Arc::clone(&handed_a_model);
+    speculating.config.speculator = Some(ch08_server::SpeculatorFactory(Arc::new(move |model| {
+        flag.store(model.is_some(), Ordering::Relaxed);
+        let drafter = ch06::NgramDrafter::new(1, 4).map_err(|e| e.to_string())?;
+        let config = ch06::SpecConfig {
+            num_speculative_tokens: 4,
+            disable_by_batch_size: None,
+        };
+        Ok(
+            Box::new(ch06::SpeculativeDecoding::new(Box::new(drafter), config))
+                as Box<dyn ch04::Speculator>,
+        )
+    })));
+    let server = start(speculating).await;
+    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "temperature": 0.0});
+    let got = server.json("/v1/completions", &body).await;
+    let (text, tokens, _) = engine_alone(ids.clone(), 0.0, 0, 32);
+    assert_eq!(text_of(&got["choices"][0]), text, "n-gram speculation");
+    assert_eq!(got["usage"]["completion_tokens"], tokens);
+    assert!(!handed_a_model.load(Ordering::Relaxed));
+    let metrics = server.metrics().await;
+    let drafts = metric(&metrics, "kiln:spec_decode_num_drafts_total", "");
+    assert!(drafts > 0.0, "no step drafted:\n{metrics}");
     server.stop().await;
 
     let loaded = loaded();
@@ -133,7 +162,7 @@ async fn weights_held_by_the_executor_serve_the_same_answers() {
         message.contains("the CPU executor needs the weights in host memory"),
         "{message}"
     );
-    // A speculator drafts with host weights: refused too, even with an executor factory.
+    // A speculator factory that needs the host weights: its reason fails the start.
     let mut config = elsewhere().config;
     let model: &'static ch01::Llama = &loaded.model;
     config.executor = Some(ch08_server::ExecutorFactory(Arc::new(
@@ -143,16 +172,19 @@ async fn weights_held_by_the_executor_serve_the_same_answers() {
                 .map_err(|e| e.to_string())
         },
     )));
-    config.speculator = Some(ch08_server::SpeculatorFactory(Arc::new(|_model| {
-        Err("never built".to_string())
-    })));
+    config.speculator = Some(ch08_server::SpeculatorFactory(Arc::new(
+        |model| match model {
+            Some(_) => Err("handed host weights that are not there".to_string()),
+            None => Err("this drafter needs the weights in host memory".to_string()),
+        },
+    )));
     let refused = ch08_server::Server::new(served(), cache, keys(), config, |f| f());
     let message = refused
         .err()
         .expect("a speculator without host weights")
         .to_string();
     assert!(
-        message.contains("a speculator needs the weights in host memory"),
+        message.contains("this drafter needs the weights in host memory"),
         "{message}"
     );
 }
