@@ -13,7 +13,7 @@ use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs, PreemptionMode};
-use super::speculative_args::{self, SpeculativeArgs};
+use super::speculative_args::{self, SpeculativeArgs, TargetWeights};
 use super::tensor_parallel::TensorParallelArgs;
 use super::{HostSide, ModelArgs};
 use ch07::cuda::DeviceSpec;
@@ -286,10 +286,14 @@ fn run_many(
         None => None,
     };
     let mut engine = Engine::boxed(executor, args.engine.config())?;
+    let target = match model {
+        Some(model) => TargetWeights::Host(model),
+        None => TargetWeights::Gpu(&args.model),
+    };
     let vocab = host.config.vocab_size;
-    if let Some(speculator) =
-        args.speculative
-            .speculator(vocab, model, draft.as_ref(), cache.block_size)?
+    if let Some(speculator) = args
+        .speculative
+        .speculator(vocab, target, draft.as_ref(), &cache)?
     {
         engine = engine.with_speculator(speculator);
     }

@@ -17,7 +17,7 @@ use ch08::{
 };
 
 use super::engine_args::{AttentionArgs, EngineArgs, KvArgs};
-use super::speculative_args::SpeculativeArgs;
+use super::speculative_args::{SpeculativeArgs, TargetWeights};
 use super::tensor_parallel::TensorParallelArgs;
 use super::{ModelArgs, ModelFormat};
 
@@ -176,7 +176,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
                 eprintln!("kiln serve: {record}");
             }))
         }),
-        speculator: speculator_factory(&args, &weights, cache.block_size)?,
+        speculator: speculator_factory(&args, &weights, cache)?,
         executor: executor_factory(&args)?,
         allowed_origins: args.allowed_origins.clone(),
         ..ServerConfig::default()
@@ -250,28 +250,38 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
 fn speculator_factory(
     args: &Args,
     weights: &ServedWeights,
-    block_size: usize,
+    cache: ch04::CacheConfig,
 ) -> anyhow::Result<Option<SpeculatorFactory>> {
     let spec = args.speculative.clone();
     if spec.method()?.is_none() {
         return Ok(None);
     }
+    let vocab = weights.config().vocab_size;
     let draft: Option<&'static ch01::Llama> = match weights.host() {
-        Some(target) => spec
-            .load_draft(&args.model.dtype, target)?
-            .map(|d| &*Box::leak(Box::new(d))),
+        Some(target) => {
+            let draft = spec
+                .load_draft(&args.model.dtype, target)?
+                .map(|d| &*Box::leak(Box::new(d)));
+            // Build one now, so that a bad flag fails at start rather than in the engine
+            // thread. (On a GPU the engine thread's build fails the start just the same, and
+            // one build there loads the drafter's weights onto the device once.)
+            spec.speculator(vocab, TargetWeights::Host(target), draft, &cache)?;
+            draft
+        }
         None => None,
     };
-    let vocab = weights.config().vocab_size;
-    // Build one now, so that a bad flag fails at start rather than in the engine thread.
-    spec.speculator(vocab, weights.host(), draft, block_size)?;
     if let Some(line) = spec.describe()? {
         eprintln!("kiln serve: {line}");
     }
+    let model_args = args.model.clone();
     Ok(Some(SpeculatorFactory(Arc::new(
         move |model: Option<&ch01::Llama>| {
-            spec.speculator(vocab, model, draft, block_size)
-                .map_err(|e| e.to_string())?
+            let target = match model {
+                Some(model) => TargetWeights::Host(model),
+                None => TargetWeights::Gpu(&model_args),
+            };
+            spec.speculator(vocab, target, draft, &cache)
+                .map_err(|e| format!("{e:#}"))?
                 .ok_or_else(|| "speculation is off".to_string())
         },
     ))))

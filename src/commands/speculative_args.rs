@@ -8,8 +8,41 @@ use ch01::Llama;
 use ch04::Speculator;
 use ch06::{
     Drafter, ModelDrafter, NgramDrafter, SpecConfig, SpeculativeDecoding, draft_executor,
-    layer_skip_executor,
+    layer_skip_config, layer_skip_executor,
 };
+
+use super::ModelArgs;
+
+/// Where the target's weights are, which says where a drafter that runs a model runs.
+#[derive(Clone, Copy)]
+pub enum TargetWeights<'m, 'a> {
+    /// In host memory: the draft model, or the target's first layers, on chapter 4's CPU
+    /// executor.
+    Host(&'m Llama),
+    /// On a GPU, read from the files these flags name: the draft model, or the target's first
+    /// layers read again from its files, get an executor of their own on the same GPU.
+    Gpu(&'a ModelArgs),
+}
+
+/// A GPU executor over the model `args` names, cut to `config` (its own, or its first layers),
+/// with a K/V pool of `memory` bytes in `cache`'s element type and block size: never a share of
+/// the device (--gpu-memory-utilization sizes the target's pool only).
+fn gpu_draft_executor(
+    args: &ModelArgs,
+    config: &ch01::LlamaConfig,
+    cache: &ch04::CacheConfig,
+    memory: u64,
+) -> anyhow::Result<Box<dyn ch04::Executor + Send>> {
+    let args = ModelArgs {
+        gpu_memory_utilization: None,
+        ..args.clone()
+    };
+    let cache = ch04::CacheConfig { memory, ..*cache };
+    args.gpu_executor(config, &cache).context(
+        "the drafter's executor on the GPU (with --gpu-memory-utilization, leave it room: the \
+         target's K/V pool takes its share first)",
+    )
+}
 
 /// `--speculative-method`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,17 +81,6 @@ pub struct SpeculativeArgs {
     /// KV memory of the draft model's own paged cache (draft and layer-skip).
     #[arg(long, default_value = "64MiB", value_parser = super::parse_bytes)]
     pub speculative_kv_cache_memory: u64,
-}
-
-impl SpecMethod {
-    /// The flag's value.
-    pub fn name(self) -> &'static str {
-        match self {
-            SpecMethod::Draft => "draft",
-            SpecMethod::Ngram => "ngram",
-            SpecMethod::LayerSkip => "layer-skip",
-        }
-    }
 }
 
 impl SpeculativeArgs {
@@ -102,17 +124,16 @@ impl SpeculativeArgs {
         Ok(Some(draft))
     }
 
-    /// The engine's speculator for a target of `vocab` tokens (and the draft model `load_draft`
-    /// returned), or `None` when speculation is off. `target`: its weights in host memory, which
-    /// the layer-skip drafter runs and beside which a draft model runs on the CPU; `None` when
-    /// an executor holds them elsewhere (a GPU), where only n-gram lookup, which needs no model,
-    /// drafts. `block_size`: the draft cache's.
+    /// The engine's speculator for a target of `vocab` tokens whose weights are where `target`
+    /// says (and the draft model `load_draft` returned, for a target in host memory), or `None`
+    /// when speculation is off. `cache`: the target's K/V configuration, whose block size (and,
+    /// on a GPU, element type) the draft's own cache of --speculative-kv-cache-memory takes.
     pub fn speculator<'m>(
         &self,
         vocab: usize,
-        target: Option<&'m Llama>,
+        target: TargetWeights<'m, '_>,
         draft: Option<&'m Llama>,
-        block_size: usize,
+        cache: &ch04::CacheConfig,
     ) -> anyhow::Result<Option<Box<dyn Speculator + 'm>>> {
         let Some(method) = self.method()? else {
             return Ok(None);
@@ -120,38 +141,55 @@ impl SpeculativeArgs {
         if self.num_speculative_tokens == 0 {
             bail!("--num-speculative-tokens must be at least 1");
         }
-        if target.is_none() && method != SpecMethod::Ngram {
-            bail!(
-                "--speculative-method {}: its drafter runs on the CPU beside the target's weights \
-                 in host memory; with --device cuda only ngram drafts so far",
-                method.name()
-            );
-        }
         let memory = self.speculative_kv_cache_memory;
-        let drafter: Box<dyn Drafter + 'm> = match method {
-            SpecMethod::Ngram => Box::new(NgramDrafter::new(
+        let block_size = cache.block_size;
+        let executor = match (method, target) {
+            (SpecMethod::Ngram, _) => None,
+            (SpecMethod::Draft, TargetWeights::Host(_)) => {
+                let draft = draft.context("the draft model was not loaded")?;
+                Some(draft_executor(draft, block_size, memory)?)
+            }
+            (SpecMethod::LayerSkip, TargetWeights::Host(target)) => {
+                let layers = self.layer_skip_layers(&target.config);
+                Some(layer_skip_executor(target, layers, block_size, memory)?)
+            }
+            (SpecMethod::Draft, TargetWeights::Gpu(args)) => {
+                let dir = self
+                    .speculative_model
+                    .as_ref()
+                    .context("--speculative-method draft needs --speculative-model DIR")?;
+                let draft = ModelArgs {
+                    model: dir.clone(),
+                    ..args.clone()
+                };
+                let config = draft.load_host_side()?.config;
+                Some(gpu_draft_executor(&draft, &config, cache, memory)?)
+            }
+            (SpecMethod::LayerSkip, TargetWeights::Gpu(args)) => {
+                let target = args.load_host_side()?.config;
+                let config = layer_skip_config(&target, self.layer_skip_layers(&target))?;
+                Some(gpu_draft_executor(args, &config, cache, memory)?)
+            }
+        };
+        let drafter: Box<dyn Drafter + 'm> = match executor {
+            None => Box::new(NgramDrafter::new(
                 self.prompt_lookup_min,
                 self.prompt_lookup_max,
             )?),
-            SpecMethod::Draft => {
-                let draft = draft.context("the draft model was not loaded")?;
-                let executor = draft_executor(draft, block_size, memory)?;
-                Box::new(ModelDrafter::new(executor, vocab)?)
-            }
-            SpecMethod::LayerSkip => {
-                let target = target.context("the target's weights are not in host memory")?;
-                let layers = self
-                    .speculative_layers
-                    .unwrap_or(target.layers.len() / 2)
-                    .max(1);
-                let executor = layer_skip_executor(target, layers, block_size, memory)?;
-                Box::new(ModelDrafter::new(executor, vocab)?)
-            }
+            Some(executor) => Box::new(ModelDrafter::new(executor, vocab)?),
         };
         Ok(Some(Box::new(SpeculativeDecoding::new(
             drafter,
             self.config(),
         ))))
+    }
+
+    /// The layers the layer-skip drafter keeps of a model of `config`: --speculative-layers, or
+    /// half of them.
+    fn layer_skip_layers(&self, config: &ch01::LlamaConfig) -> usize {
+        self.speculative_layers
+            .unwrap_or(config.num_hidden_layers / 2)
+            .max(1)
     }
 
     /// One line for the log.
@@ -205,11 +243,14 @@ pub fn summary(c: &ch04::Counters) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{SpecMethod, SpeculativeArgs};
+    use super::{SpecMethod, SpeculativeArgs, TargetWeights};
+    use crate::commands::ModelArgs;
+    use ch07::cuda::DeviceSpec;
 
     fn args(method: SpecMethod) -> SpeculativeArgs {
         SpeculativeArgs {
-            speculative_model: None,
+            speculative_model: (method == SpecMethod::Draft)
+                .then(|| ch01::fixtures_dir().join("shakespeare-tiny")),
             speculative_method: Some(method),
             num_speculative_tokens: 4,
             speculative_disable_by_batch_size: None,
@@ -220,24 +261,42 @@ mod tests {
         }
     }
 
-    /// Without the target's weights in host memory (`--device cuda`), n-gram lookup still
-    /// drafts; the layer-skip drafter, which runs the target's own layers, is refused, saying why.
+    /// Every method builds a speculator beside a target in host memory; with the target on a
+    /// GPU, n-gram lookup needs nothing more, and the two model drafters ask the GPU for an
+    /// executor of their own (on a machine without one, that fails saying so).
     #[test]
-    fn without_host_weights_only_ngram_drafts() {
-        let speculator = args(SpecMethod::Ngram).speculator(100, None, None, 16);
-        assert!(speculator.unwrap().is_some());
-        let error = args(SpecMethod::LayerSkip)
-            .speculator(100, None, None, 16)
-            .err()
-            .expect("layer skip needs the target's weights")
-            .to_string();
-        assert!(
-            error.contains("layer-skip") && error.contains("only ngram drafts"),
-            "{error}"
-        );
+    fn each_drafter_runs_where_the_target_runs() {
         let target = ch01::Llama::load(&ch01::default_model_dir()).unwrap();
         let vocab = target.config.vocab_size;
-        let with_host = args(SpecMethod::LayerSkip).speculator(vocab, Some(&target), None, 16);
-        assert!(with_host.unwrap().is_some());
+        let cache = ch04::CacheConfig {
+            memory: 1 << 20,
+            block_size: 16,
+            dtype: ch03::KvDtype::F32,
+        };
+        for method in [SpecMethod::Ngram, SpecMethod::Draft, SpecMethod::LayerSkip] {
+            let spec = args(method);
+            let draft = spec.load_draft("f32", &target).unwrap();
+            let host = spec.speculator(vocab, TargetWeights::Host(&target), draft.as_ref(), &cache);
+            assert!(host.unwrap().is_some(), "{method:?}");
+        }
+        let mut on_gpu = ModelArgs::cpu(ch01::default_model_dir());
+        on_gpu.device = DeviceSpec::Cuda(0);
+        let gpu = TargetWeights::Gpu(&on_gpu);
+        let ngram = args(SpecMethod::Ngram).speculator(vocab, gpu, None, &cache);
+        assert!(ngram.unwrap().is_some());
+        if !ch07::cuda::device::driver_present() {
+            for method in [SpecMethod::Draft, SpecMethod::LayerSkip] {
+                let error = args(method)
+                    .speculator(vocab, gpu, None, &cache)
+                    .err()
+                    .expect("no GPU here");
+                let error = format!("{error:#}");
+                assert!(
+                    error.contains("the drafter's executor on the GPU")
+                        && error.contains("libcuda.so"),
+                    "{method:?}: {error}"
+                );
+            }
+        }
     }
 }

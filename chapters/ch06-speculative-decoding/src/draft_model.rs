@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 
-use ch01::{Llama, Sampler, SamplingParams};
+use ch01::{Llama, LlamaConfig, Sampler, SamplingParams};
 use ch03::{BlockManager, BlockTable, KvDtype, KvPool};
 use ch04::{
     CpuExecutor, Draft, DraftSeq, Executor, ExecutorError, RequestId, ScheduledSeq, SchedulerOutput,
@@ -56,23 +56,34 @@ pub struct ModelDrafter<'m> {
     active: Vec<(usize, usize)>,
 }
 
+/// The configuration of `config`'s model cut to its first `num_layers` layers (the final norm
+/// and head kept): the target as its own draft model. Errors: `num_layers` is 0 or not fewer
+/// than the model's.
+pub fn layer_skip_config(
+    config: &LlamaConfig,
+    num_layers: usize,
+) -> Result<LlamaConfig, DraftError> {
+    let total = config.num_hidden_layers;
+    if num_layers == 0 || num_layers >= total {
+        return Err(DraftError::Config(format!(
+            "layer skipping keeps 1 to {} of the model's {total} layers, not {num_layers}",
+            total.saturating_sub(1)
+        )));
+    }
+    let mut config = config.clone();
+    config.num_hidden_layers = num_layers;
+    Ok(config)
+}
+
 /// A chapter 4 CPU executor over `model`'s first `num_layers` layers, the final norm and the
-/// head, with a pool of `memory` bytes: the target as its own draft model.
+/// head ([`layer_skip_config`]), with a pool of `memory` bytes.
 pub fn layer_skip_executor<'m>(
     model: &'m Llama,
     num_layers: usize,
     block_size: usize,
     memory: u64,
 ) -> Result<Box<dyn Executor + Send + 'm>, DraftError> {
-    if num_layers == 0 || num_layers >= model.layers.len() {
-        return Err(DraftError::Config(format!(
-            "layer skipping keeps 1 to {} of the model's {} layers, not {num_layers}",
-            model.layers.len() - 1,
-            model.layers.len()
-        )));
-    }
-    let mut config = model.config.clone();
-    config.num_hidden_layers = num_layers;
+    let config = layer_skip_config(&model.config, num_layers)?;
     let pool = KvPool::<f32>::with_budget(&config, block_size, memory)
         .map_err(|e| DraftError::Config(e.to_string()))?;
     Ok(Box::new(CpuExecutor::new(model, pool)))

@@ -61,8 +61,8 @@ pub struct ServedModel {
 
 /// Builds a [`Speculator`](ch04::Speculator) in the engine thread (speculative decoding,
 /// chapter 6; the server knows no drafter), over the served model's host weights when it has
-/// them: `None` when an executor factory loaded them elsewhere (a GPU), where only a drafter
-/// that needs no model (n-gram lookup) can be built.
+/// them: `None` when an executor factory loaded them elsewhere (a GPU), where the factory builds
+/// a drafter that needs no host weights (n-gram lookup, or a model on an executor of its own).
 #[derive(Clone)]
 #[allow(clippy::type_complexity)]
 pub struct SpeculatorFactory(
