@@ -152,6 +152,26 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
         &["perplexity", "--model", model, "--file", "/nonexistent.txt"],
         "/nonexistent.txt",
     );
+    let hamlet = fixtures_dir().join("corpus/hamlet.txt");
+    assert_fails_with(
+        &[
+            "perplexity",
+            "--model",
+            model,
+            "--file",
+            hamlet.to_str().unwrap(),
+            "--ctx",
+            "1152921504606846976",
+            "--kv-cache-dtype",
+            "bf16",
+        ],
+        "is longer than the model's context of 512 positions",
+    );
+    // A deadline past the clock's range would panic in the connection tasks.
+    assert_fails_with(
+        &["serve", "--model", model, "--port", "0", "--shutdown-grace", "1e20"],
+        "must be a number of seconds from 0 to 86400",
+    );
     for (kv_args, needle) in [
         (&["--kv-cache-memory", "12XB"][..], "unknown size unit"),
         (&["--kv-cache-memory", "1KiB"], "holds no block"),
@@ -161,6 +181,11 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
         ),
         // More than the address space, or than block ids can name: an error, not an abort.
         (&["--kv-cache-memory", "1000000GiB"], "KV"),
+        // A block size whose bytes would wrap around u64.
+        (
+            &["--block-size", "2305843009213693952"],
+            "--block-size must be from 1 to 4096",
+        ),
     ] {
         let mut args = vec!["generate", "--model", model, "--prompt", "x"];
         args.extend_from_slice(kv_args);

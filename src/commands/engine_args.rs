@@ -2,7 +2,7 @@
 //! scheduler (chapter 4) and its attention backend (chapter 7). `kiln generate --prompts-file`
 //! and `kiln serve` use them.
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use ch03::KvDtype;
 use ch04::{CacheConfig, EngineConfig, Preemption};
 use ch07::AttentionKind;
@@ -29,6 +29,9 @@ pub struct KvArgs {
     pub kv_cache_dtype: String,
 }
 
+/// The largest `--block-size` (vLLM offers 8 to 256 tokens a block).
+const MAX_BLOCK_SIZE: usize = 4096;
+
 impl KvArgs {
     /// The KV memory, logged as a server logs it: bytes, blocks, and how many tokens they hold.
     /// `weights`: the `--dtype` of the weights, which `auto` follows.
@@ -39,16 +42,20 @@ impl KvArgs {
         }
         .parse()
         .map_err(anyhow::Error::msg)?;
-        if self.block_size == 0 {
-            bail!("--block-size must be at least 1");
+        if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
+            bail!("--block-size must be from 1 to {MAX_BLOCK_SIZE}");
         }
         let token_bytes = dtype.bytes_per_token(config);
-        let blocks = self.kv_cache_memory / (token_bytes * self.block_size as u64);
+        let block_bytes = token_bytes
+            .checked_mul(self.block_size as u64)
+            .filter(|&b| b > 0)
+            .with_context(|| format!("KV blocks of {} tokens: too large", self.block_size))?;
+        let blocks = self.kv_cache_memory / block_bytes;
         eprintln!(
             "kiln: KV cache {:.1} MiB of {dtype} = {blocks} blocks of {} tokens = {} tokens ({token_bytes} bytes per token)",
             self.kv_cache_memory as f64 / (1u64 << 20) as f64,
             self.block_size,
-            blocks * self.block_size as u64,
+            blocks.saturating_mul(self.block_size as u64),
         );
         Ok(CacheConfig {
             memory: self.kv_cache_memory,

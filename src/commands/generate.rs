@@ -172,7 +172,8 @@ fn run_one(
         }
         let kv = PagedKv::with_budget(config, cache.block_size, cache.memory, false)?;
         let capacity = kv.pool().token_capacity();
-        let needed = (prompt_tokens.len() + args.max_tokens).min(config.max_position_embeddings);
+        let needed = (prompt_tokens.len().saturating_add(args.max_tokens))
+            .min(config.max_position_embeddings);
         if needed > capacity {
             anyhow::bail!(
                 "the KV cache holds {capacity} tokens, but the prompt ({}) plus --max-tokens ({}) \

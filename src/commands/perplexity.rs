@@ -46,6 +46,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .adds_bos()
         .then(|| host.tokenizer.bos_token_id())
         .flatten();
+    // Before any cache is sized from it: a chunk never outgrows the model's context.
+    let context = host.config.max_position_embeddings;
+    anyhow::ensure!(
+        args.ctx <= context,
+        "--ctx {} is longer than the model's context of {context} positions",
+        args.ctx
+    );
     let start = Instant::now();
     let on_gpu = args.model.device != DeviceSpec::Cpu;
     let result = if let (Some(model), false) = (&model, args.tensor_parallel.is_parallel()) {

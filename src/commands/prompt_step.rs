@@ -14,8 +14,9 @@ const BLOCK_SIZE: usize = 16;
 /// whole blocks).
 pub fn cache_for(config: &LlamaConfig, tokens: usize, dtype: KvDtype) -> CacheConfig {
     let blocks = tokens.div_ceil(BLOCK_SIZE).max(1);
+    let positions = blocks.saturating_mul(BLOCK_SIZE) as u64;
     CacheConfig {
-        memory: dtype.bytes_per_token(config) * (blocks * BLOCK_SIZE) as u64,
+        memory: dtype.bytes_per_token(config).saturating_mul(positions),
         block_size: BLOCK_SIZE,
         dtype,
     }

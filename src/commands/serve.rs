@@ -108,9 +108,11 @@ pub struct Args {
 
 /// A flag's seconds, checked.
 fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {
+    // A day at most: deadlines are `Instant + Duration`, which panics past the clock's range.
+    const DAY: f64 = 86_400.0;
     anyhow::ensure!(
-        value.is_finite() && value >= 0.0,
-        "--{flag} must be a number of seconds >= 0"
+        (0.0..=DAY).contains(&value),
+        "--{flag} must be a number of seconds from 0 to {DAY} (a day)"
     );
     Ok(Duration::from_secs_f64(value))
 }

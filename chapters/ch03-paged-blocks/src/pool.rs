@@ -107,9 +107,11 @@ impl<K: KvElement> KvPool<K> {
             block_size,
             num_kv_heads,
             head_dim,
+            // One query's scores over the longest context the pool can hold (it grows on
+            // demand, never past what a step asks).
             scores: ScoreScratch::for_decode(
                 config.attention_shape(),
-                config.max_position_embeddings,
+                config.max_position_embeddings.min(slots),
             ),
         })
     }

@@ -200,6 +200,39 @@ fn absurd_counts_are_refused_before_allocating() {
     }
 }
 
+/// Metadata arrays whose elements the file holds (one byte each) but whose decoded values would
+/// take 32 times the file's bytes: refused past `MAX_METADATA_ELEMENTS` in all, before a large
+/// allocation; one element fewer parses.
+#[test]
+fn too_many_metadata_elements_are_refused_before_allocating() {
+    let max = ch05_quantization::gguf::file::MAX_METADATA_ELEMENTS;
+    let arrays = |counts: &[u64]| {
+        let mut b = Bytes::header(3, 0, counts.len() as u64);
+        for (i, &n) in counts.iter().enumerate() {
+            b = b
+                .str(&format!("k{i}"))
+                .u32(GgufValueType::Array.id())
+                .u32(GgufValueType::U8.id())
+                .u64(n)
+                .raw(&vec![7u8; n as usize]);
+        }
+        b
+    };
+    for counts in [&[max + 1][..], &[max / 2, max / 2 + 1]] {
+        let b = arrays(counts);
+        let (e, peak) = peak_bytes(|| b.err());
+        assert!(matches!(e, GgufError::TooManyElements { .. }), "{e}");
+        // The copy of the file `err` parses, and the decoded elements of a first array that
+        // stays within the bound.
+        let first = if counts.len() > 1 { counts[0] * 32 } else { 0 } as usize;
+        assert!(
+            peak <= b.0.len() + first + (1 << 20),
+            "{peak} bytes allocated"
+        );
+    }
+    assert!(arrays(&[max / 2, max / 2]).parse().is_ok());
+}
+
 #[test]
 fn bad_metadata() {
     let b = Bytes::header(3, 0, 1).str("k").u32(13).u32(0);

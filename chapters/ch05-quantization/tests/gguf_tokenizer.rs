@@ -40,6 +40,15 @@ fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
 
 fn file(add_bos: Option<bool>) -> GgufFile {
     let (tokens, scores, types) = vocab();
+    file_of(tokens, scores, types, add_bos)
+}
+
+fn file_of(
+    tokens: Vec<String>,
+    scores: Vec<f32>,
+    types: Vec<i32>,
+    add_bos: Option<bool>,
+) -> GgufFile {
     let mut w = GgufWriter::new();
     w.add_metadata("tokenizer.ggml.model", "llama").unwrap();
     w.add_metadata("tokenizer.ggml.tokens", GgufValue::strings(tokens))
@@ -137,4 +146,22 @@ proptest! {
         prop_assert_eq!(&ids, &reference(&text));
         prop_assert_eq!(t.decode(&ids).unwrap(), text);
     }
+}
+
+/// Merges come from splitting every normal token in two, which costs about its length squared:
+/// a vocabulary of very long tokens (a hostile file) is refused as soon as the splitting would
+/// pass a bound, with an error that says so, rather than keeping the loader busy for hours.
+#[test]
+fn a_vocabulary_too_costly_to_split_is_refused() {
+    let (mut tokens, mut scores, mut types) = vocab();
+    for i in 0..40 {
+        tokens.push(format!("{i}{}", "x".repeat(6000)));
+        scores.push(1.0);
+        types.push(token_type::NORMAL);
+    }
+    let error = load_tokenizer(&file_of(tokens, scores, types, None))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(error.contains("would hash more than"), "{error}");
 }

@@ -280,7 +280,7 @@ impl Server {
             served_model_name: config.served_model_name,
             max_in_flight: config
                 .max_queue
-                .map(|queue| queue + config.engine.max_num_seqs),
+                .map(|queue| queue.saturating_add(config.engine.max_num_seqs)),
             in_flight: AtomicUsize::new(0),
             tokenizing: tokio::sync::Semaphore::new(config.tokenizer_workers.max(1)),
             seed: config.seed,

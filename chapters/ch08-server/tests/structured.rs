@@ -133,6 +133,12 @@ async fn regexes_choices_grammars_and_json_objects_match() {
             .extend(extra.as_object().unwrap().clone());
         body
     };
+    // Every one of the 6 choices, so that a short or empty list cannot pass the checks.
+    let texts = |body: &Value| {
+        let texts = texts(body);
+        assert_eq!(texts.len(), 6, "{body}");
+        texts
+    };
     // A date, a word of capitals, a bounded number.
     for (regex, check) in [
         (
@@ -295,8 +301,12 @@ async fn cheap_vllm_parameters_are_honoured() {
             &with(json!({"allowed_token_ids": allowed})),
         )
         .await;
-    for choice in body["choices"].as_array().unwrap() {
-        for token in choice["logprobs"]["tokens"].as_array().unwrap() {
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{body}");
+    for choice in choices {
+        let tokens = choice["logprobs"]["tokens"].as_array().unwrap();
+        assert!(!tokens.is_empty(), "{choice}");
+        for token in tokens {
             let id = tokenizer.encode(token.as_str().unwrap(), false).unwrap();
             assert!(id.iter().all(|t| allowed.contains(t)), "{token}");
         }
@@ -309,8 +319,10 @@ async fn cheap_vllm_parameters_are_honoured() {
             &with(json!({"logit_bias": {the.to_string(): 100}})),
         )
         .await;
-    for ids in ids_of(&body) {
-        assert!(ids.iter().all(|&t| t == the), "{ids:?}");
+    let ids = ids_of(&body);
+    assert_eq!(ids.len(), 4, "{body}");
+    for ids in ids {
+        assert!(!ids.is_empty() && ids.iter().all(|&t| t == the), "{ids:?}");
     }
     // bad_words: a word the unconstrained run writes never appears.
     let free = server.json("/v1/completions", &base).await;

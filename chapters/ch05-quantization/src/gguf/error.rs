@@ -45,6 +45,15 @@ pub enum GgufError {
         available: u64,
     },
 
+    /// More metadata array elements than [`MAX_METADATA_ELEMENTS`](super::file::MAX_METADATA_ELEMENTS)
+    /// in all: refused before they are read.
+    #[error("{path}: array `{key}` takes the file's metadata past {max} array elements")]
+    TooManyElements {
+        path: PathBuf,
+        key: String,
+        max: u64,
+    },
+
     #[error("{path}: {what}: unknown metadata value type {id}")]
     UnknownValueType {
         path: PathBuf,

@@ -412,6 +412,7 @@ fn parse_header(path: &Path, bytes: &[u8]) -> GgufResult<Header> {
         path,
         bytes,
         pos: 0,
+        elements: 0,
     };
     let magic = r.take(4, "the magic")?;
     if magic != GGUF_MAGIC {
@@ -516,11 +517,18 @@ fn parse_header(path: &Path, bytes: &[u8]) -> GgufResult<Header> {
     })
 }
 
+/// Metadata array elements a file may hold in all: each is a [`GgufValue`] of 32 bytes in
+/// memory, however few bytes it takes in the file (a `u8` takes one), so the file's size alone
+/// does not bound them. A 256k-token vocabulary's tokens, scores and types are under 1M.
+pub const MAX_METADATA_ELEMENTS: u64 = 1 << 24;
+
 /// A cursor over the header bytes that never reads past the end.
 struct Reader<'a> {
     path: &'a Path,
     bytes: &'a [u8],
     pos: usize,
+    /// Metadata array elements read so far (at most [`MAX_METADATA_ELEMENTS`]).
+    elements: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -624,6 +632,14 @@ impl<'a> Reader<'a> {
                 let elem = self.value_type(&format!("the elements of {}", what()))?;
                 let count = self.u64(&format!("the length of {}", what()))?;
                 self.check_count(&format!("array `{key}`"), count, elem.min_bytes())?;
+                self.elements = self.elements.saturating_add(count);
+                if self.elements > MAX_METADATA_ELEMENTS {
+                    return Err(GgufError::TooManyElements {
+                        path: self.path.to_path_buf(),
+                        key: key.to_string(),
+                        max: MAX_METADATA_ELEMENTS,
+                    });
+                }
                 let mut values = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     values.push(self.value(elem, key, depth + 1)?);

@@ -270,6 +270,10 @@ fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Token
     Ok(tokenizer)
 }
 
+/// Bytes hashed at most while deriving SentencePiece merges (the sum over normal tokens of their
+/// length squared): a 256k-token vocabulary of real text needs well under 1% of it.
+const MAX_SPLIT_BYTES: usize = 1 << 30;
+
 /// SentencePiece-style BPE (`tokenizer.ggml.model = llama`): spaces become `▁` (one prepended
 /// when `add_space_prefix`), merges come from the scores (see the module docs), and characters
 /// outside the vocabulary become `<0xNN>` byte tokens.
@@ -300,9 +304,23 @@ fn sentencepiece_bpe(
     };
     // (score of the merged token, left id, right id, left, right), best first.
     let mut ranked: Vec<(f32, u32, u32, &str, &str)> = Vec::new();
+    // Each split of a token hashes its two halves: a token of n bytes costs about n² bytes
+    // hashed, which a hostile file's long tokens would turn into hours.
+    let mut hashed = 0usize;
     for (id, &token) in tokens.iter().enumerate() {
         if types[id] != token_type::NORMAL {
             continue;
+        }
+        hashed = hashed.saturating_add(token.len().saturating_mul(token.len()));
+        if hashed > MAX_SPLIT_BYTES {
+            return Err(tokenizer_error(
+                path,
+                format!(
+                    "tokenizer.ggml.tokens: deriving merges from these tokens (up to token {id}, \
+                     {} bytes long) would hash more than {MAX_SPLIT_BYTES} bytes",
+                    token.len()
+                ),
+            ));
         }
         for (k, _) in token.char_indices().skip(1) {
             let (left, right) = token.split_at(k);

@@ -86,6 +86,26 @@ pub fn kv_bytes_for_share(free: u64, total: u64, share: f64) -> Result<u64, Cuda
     }
 }
 
+/// How many whole blocks of `block_bytes` (each `block_size` positions) `kv_memory` bytes
+/// hold. Errors: none, or more than u32 slots can name (block ids and slots, `block ·
+/// block_size + offset`, reach the kernels as u32).
+fn blocks_in(kv_memory: u64, block_bytes: u64, block_size: usize) -> Result<usize, CudaError> {
+    let num_blocks = kv_memory / block_bytes;
+    if num_blocks == 0 {
+        return Err(CudaError::Shape(format!(
+            "a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes"
+        )));
+    }
+    let max_blocks = (u64::from(u32::MAX) + 1) / block_size as u64;
+    if num_blocks > max_blocks {
+        return Err(CudaError::Shape(format!(
+            "{num_blocks} KV blocks of {block_size} positions are more than u32 slots can name \
+             (at most {max_blocks} blocks): lower the K/V memory"
+        )));
+    }
+    Ok(num_blocks as usize)
+}
+
 /// Runs steps on one GPU.
 ///
 /// Invariant: every layer's `k_cache[l]`, `v_cache[l]` holds `num_blocks · block_size · kv_dim`
@@ -193,12 +213,7 @@ impl<K: DeviceKv> CudaExecutor<K> {
                 kv_bytes_for_share(free as u64, total as u64, share)?
             }
         };
-        let num_blocks = (kv_memory / block_bytes as u64) as usize;
-        if num_blocks == 0 {
-            return Err(CudaError::Shape(format!(
-                "a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes"
-            )));
-        }
+        let num_blocks = blocks_in(kv_memory, block_bytes as u64, block_size)?;
         let mut k_cache = Vec::with_capacity(config.num_hidden_layers);
         let mut v_cache = Vec::with_capacity(config.num_hidden_layers);
         for _ in 0..config.num_hidden_layers {
@@ -521,7 +536,18 @@ fn executor_error(e: CudaError) -> ExecutorError {
 
 #[cfg(test)]
 mod tests {
-    use super::kv_bytes_for_share;
+    use super::{blocks_in, kv_bytes_for_share};
+
+    #[test]
+    fn the_pool_holds_whole_blocks_whose_slots_fit_u32() {
+        assert_eq!(blocks_in(1000, 100, 16).unwrap(), 10);
+        assert_eq!(blocks_in(1099, 100, 16).unwrap(), 10);
+        assert!(blocks_in(99, 100, 16).is_err());
+        // 2^32 slots at most: 2^28 blocks of 16 positions, not one more.
+        assert_eq!(blocks_in(1 << 28, 1, 16).unwrap(), 1 << 28);
+        let error = blocks_in((1 << 28) + 1, 1, 16).unwrap_err().to_string();
+        assert!(error.contains("more than u32 slots can name"), "{error}");
+    }
 
     #[test]
     fn a_share_of_the_device_counts_what_is_in_use_against_it() {
