@@ -169,7 +169,15 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
     );
     // A deadline past the clock's range would panic in the connection tasks.
     assert_fails_with(
-        &["serve", "--model", model, "--port", "0", "--shutdown-grace", "1e20"],
+        &[
+            "serve",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--shutdown-grace",
+            "1e20",
+        ],
         "must be a number of seconds from 0 to 86400",
     );
     for (kv_args, needle) in [
@@ -793,4 +801,19 @@ fn random_model_writes_a_checkpoint_that_kiln_generates_from() {
         &["random-model", "--preset", "tiny-d64", "--out", out],
         "is not empty",
     );
+    let fresh = tmp.path().join("never-written");
+    let fresh = fresh.to_str().unwrap();
+    assert_fails_with(
+        &[
+            "random-model",
+            "--preset",
+            "llama-1b",
+            "--layers",
+            "4294967295",
+            "--out",
+            fresh,
+        ],
+        "--layers must be from 1 to 1024",
+    );
+    assert!(!std::path::Path::new(fresh).exists());
 }

@@ -31,6 +31,18 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = spec(&args)?;
     refuse_non_empty(&args.out)?;
+    // The weights are generated in memory, then written.
+    let bytes = spec.parameter_count() as u64 * spec.dtype.size() as u64;
+    if let Some(available) = available_memory()
+        && bytes > available
+    {
+        anyhow::bail!(
+            "the weights take {:.1} GiB, generated in memory before they are written, and \
+             {:.1} GiB are available: use fewer --layers",
+            bytes as f64 / f64::from(1u32 << 30),
+            available as f64 / f64::from(1u32 << 30)
+        );
+    }
     let start = Instant::now();
     write_random_model(&spec, &args.out)
         .with_context(|| format!("writing a random model to {}", args.out.display()))?;
@@ -63,10 +75,17 @@ fn millions_or_billions(n: usize) -> String {
     }
 }
 
+/// Most `--layers` (Llama-3.1-405B has 126).
+const MAX_LAYERS: u32 = 1024;
+
 /// The preset with the flags' overrides applied.
 fn spec(args: &Args) -> anyhow::Result<RandomModelSpec> {
     let mut spec = RandomModelSpec::preset(&args.preset)?;
     if let Some(layers) = args.layers {
+        anyhow::ensure!(
+            (1..=MAX_LAYERS).contains(&layers),
+            "--layers must be from 1 to {MAX_LAYERS}"
+        );
         spec.num_hidden_layers = layers as usize;
     }
     if let Some(dtype) = &args.dtype {
@@ -74,6 +93,14 @@ fn spec(args: &Args) -> anyhow::Result<RandomModelSpec> {
     }
     spec.seed = args.seed;
     Ok(spec)
+}
+
+/// Bytes of memory available to a new allocation (Linux's `MemAvailable`); `None` elsewhere.
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// `--out` must be missing or an empty directory: a random model never overwrites anything.

@@ -4,6 +4,7 @@
 //! (fixtures/scripts/hf_quant_unpack.py, golden committed), and malformed checkpoints.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ch01::linear::{Linear, LinearLoader, LinearSpec};
 use ch01::testing::seeded_runner;
@@ -186,27 +187,35 @@ fn group_linear_matches_the_dense_reference() {
     let strategy = (
         1usize..4,
         1usize..17,
-        prop::sample::select(vec![32usize, 64, 128, 256]),
+        // 16 and 48: groups whose boundaries split runs of 32 columns, so the layer cannot be
+        // repacked as blocks (unless one group holds the whole row) and stays dense.
+        prop::sample::select(vec![16usize, 32, 48, 64, 128, 256]),
         any::<bool>(),
         any::<bool>(),
         1usize..6,
         any::<u64>(),
     );
-    seeded_runner(48, 52)
+    let kinds_seen = [AtomicUsize::new(0), AtomicUsize::new(0)]; // [dense, blocks]
+    seeded_runner(64, 52)
         .run(
             &strategy,
             |(r8, c32, group, symmetric, shuffle, tokens, seed)| {
                 let (rows, cols) = (8 * r8, 32 * c32);
                 let q = layer(rows, cols, group, symmetric, shuffle, seed);
                 let linear = GroupLinear::new(&q, None).unwrap();
-                // Groups of 32 columns or more, all multiples of 32 except perhaps the last one.
-                let repacks = cols % group % 32 == 0;
-                // One stored scale per run of 32·g columns: the largest g that divides both
-                // the group size and the row (so that the last, shorter group holds whole runs).
+                // Runs of `width` columns stay inside one group when every group boundary
+                // inside the row, and the row's end, are multiples of `width`.
+                let boundaries: Vec<usize> =
+                    (1..).map(|k| k * group).take_while(|&b| b < cols).collect();
+                let fits =
+                    |width: usize| cols % width == 0 && boundaries.iter().all(|b| b % width == 0);
+                let repacks = fits(32);
+                // One stored scale per run of 32·g columns: the largest g whose runs fit.
                 let g = [8, 4, 2, 1]
                     .into_iter()
-                    .find(|g| group % (32 * g) == 0 && cols % (32 * g) == 0)
-                    .unwrap();
+                    .find(|&g| fits(32 * g))
+                    .unwrap_or(1);
+                kinds_seen[usize::from(repacks)].fetch_add(1, Ordering::Relaxed);
                 let expected_kind = match (repacks, symmetric) {
                     (false, _) => GroupKind::Dense,
                     (true, true) => GroupKind::Blocks {
@@ -250,6 +259,8 @@ fn group_linear_matches_the_dense_reference() {
             },
         )
         .unwrap();
+    let [dense, blocks] = kinds_seen.map(|n| n.into_inner());
+    assert!(dense > 0 && blocks > 0, "dense {dense}, blocks {blocks}");
 }
 
 fn write_safetensors(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {

@@ -8,6 +8,8 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use ch01::attention::AttentionShape;
 use ch01::testing::{assert_rel_close, seeded_runner};
 use ch02::kernels::Isa;
@@ -59,7 +61,12 @@ fn bound<K: KvElement>(q_h: &[f32], k: &[&[f32]], v: &[&[f32]]) -> f32 {
 }
 
 /// Attention over an 8-bit pool of `K` against the dequantized and the original f32 pools.
-fn check_8bit<K: KvElement>(seed_base: u8) {
+///
+/// `q_scale`: the queries' magnitude. The bound grows as `e^{2Δ}` with `Δ ∝ ‖q‖₁`, and once it
+/// passes `2 · max|v|` it cannot fail (both outputs are weighted means of values that small);
+/// so the queries are kept small enough for most bounds to say something, and the test asserts
+/// that at least half of them did.
+fn check_8bit<K: KvElement>(seed_base: u8, q_scale: f32) {
     let seq = (1usize..=120)
         .prop_flat_map(|len| (Just(len), prop_oneof![Just(1usize), 1usize..=len.min(40)]));
     let case = (
@@ -69,6 +76,7 @@ fn check_8bit<K: KvElement>(seed_base: u8) {
         params(),
         any::<u64>(),
     );
+    let (checked, informative) = (AtomicUsize::new(0), AtomicUsize::new(0));
     seeded_runner(24, seed_base)
         .run(&case, |(shape, block_size, seqs, params, seed)| {
             let mut rng = WorkloadRng::new(seed);
@@ -132,7 +140,7 @@ fn check_8bit<K: KvElement>(seed_base: u8) {
                 rows.extend((len - n..len).map(|pos| QueryRow { blocks, pos }));
                 row_seq.extend(std::iter::repeat_n(s, n));
             }
-            let q = values(&mut rng, rows.len() * q_dim, 2.0);
+            let q = values(&mut rng, rows.len() * q_dim, q_scale);
             let mut expected_deq = vec![0.0; q.len()];
             batch_attention(
                 Isa::Portable,
@@ -183,6 +191,11 @@ fn check_8bit<K: KvElement>(seed_base: u8) {
                         let v_refs: Vec<&[f32]> = v_h.iter().map(Vec::as_slice).collect();
                         let q_h = &q[r * q_dim + h * d..][..d];
                         let allowed = bound::<K>(q_h, &k_refs, &v_refs);
+                        let v_max = v_h.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
+                        checked.fetch_add(1, Ordering::Relaxed);
+                        if allowed < 2.0 * v_max {
+                            informative.fetch_add(1, Ordering::Relaxed);
+                        }
                         let at = r * q_dim + h * d;
                         for x in 0..d {
                             let (got, want) = (naive[at + x], expected[at + x]);
@@ -198,14 +211,22 @@ fn check_8bit<K: KvElement>(seed_base: u8) {
             Ok(())
         })
         .unwrap();
+    let (checked, informative) = (checked.into_inner(), informative.into_inner());
+    println!(
+        "{:?}: {informative} of {checked} bounds below 2 · max|v|",
+        K::DTYPE
+    );
+    assert!(2 * informative >= checked, "{informative} of {checked}");
 }
 
 #[test]
 fn attention_over_an_int8_pool_is_attention_over_its_dequantized_values() {
-    check_8bit::<KvInt8>(91);
+    check_8bit::<KvInt8>(91, 2.0);
 }
 
+/// FP8 rounds each element by up to 1/16 of itself, where int8 rounds a head's largest by
+/// 1/254 of it: smaller queries keep FP8's bound informative.
 #[test]
 fn attention_over_an_fp8_pool_is_attention_over_its_dequantized_values() {
-    check_8bit::<F8E4M3>(92);
+    check_8bit::<F8E4M3>(92, 0.25);
 }

@@ -346,10 +346,14 @@ mod tests {
             if let Some(cpu) = Avx2F16c::detect(isa) {
                 check("AVX2 T=1", run::<1, _>(cpu, ty, p, a, tokens, rows));
                 check("AVX2 T=2", run::<2, _>(cpu, ty, p, a, tokens, rows));
+            } else {
+                eprintln!("skipped: {ty} tiles on AVX2 (not on this CPU)");
             }
             if let Some(cpu) = Avx512Vnni::detect(isa) {
                 check("VNNI T=1", run::<1, _>(cpu, ty, p, a, tokens, rows));
                 check("VNNI T=4", run::<4, _>(cpu, ty, p, a, tokens, rows));
+            } else {
+                eprintln!("skipped: {ty} tiles on AVX-512 VNNI (not on this CPU)");
             }
         }
     }

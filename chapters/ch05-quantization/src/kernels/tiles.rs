@@ -537,11 +537,15 @@ mod tests {
             check("AVX2 1x2", run::<F, _, 1, 2>(cpu, p, a, tokens, rows));
             check("AVX2 1x1", run::<F, _, 1, 1>(cpu, p, a, tokens, rows));
             check("AVX2 3x3", run::<F, _, 3, 3>(cpu, p, a, tokens, rows));
+        } else {
+            eprintln!("skipped: {ty} tiles on AVX2 (not on this CPU)");
         }
         if let Some(cpu) = Avx512Vnni::detect(isa) {
             check("VNNI 4x1", run::<F, _, 4, 1>(cpu, p, a, tokens, rows));
             check("VNNI 2x4", run::<F, _, 2, 4>(cpu, p, a, tokens, rows));
             check("VNNI 1x1", run::<F, _, 1, 1>(cpu, p, a, tokens, rows));
+        } else {
+            eprintln!("skipped: {ty} tiles on AVX-512 VNNI (not on this CPU)");
         }
     }
 
