@@ -16,6 +16,8 @@ use serde::Deserialize;
 use crate::attention::AttentionShape;
 use crate::error::{Error, Result};
 
+/// The longest context a config may declare (2^24 positions).
+pub const MAX_CONTEXT: usize = 1 << 24;
 /// How RoPE frequencies are adjusted for long contexts.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
@@ -181,6 +183,14 @@ impl LlamaConfig {
             if value == 0 {
                 return Err(bad(format!("{name} must be positive")));
             }
+        }
+        // Buffers are sized from the context (a sequence's cache, attention scores): a bound
+        // keeps a config's typo from becoming a terabyte allocation. Llama 4 Scout's 10M fits.
+        if raw.max_position_embeddings > MAX_CONTEXT {
+            return Err(bad(format!(
+                "max_position_embeddings ({}) is more than {MAX_CONTEXT} positions",
+                raw.max_position_embeddings
+            )));
         }
         if !raw.num_attention_heads.is_multiple_of(num_key_value_heads) {
             return Err(bad(format!(

@@ -100,6 +100,25 @@ fn config_inconsistent_heads_are_rejected() {
     );
 }
 
+/// A context of 10^12 positions (a typo) would size buffers of terabytes: refused, by name.
+#[test]
+fn config_absurd_context_is_rejected() {
+    let dir = copy_fixture("random/gqa");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert(
+            "max_position_embeddings".into(),
+            1_000_000_000_000u64.into(),
+        );
+    });
+    assert_mentions(
+        &load_error(dir.path()),
+        &[
+            "max_position_embeddings (1000000000000)",
+            "16777216 positions",
+        ],
+    );
+}
+
 #[test]
 fn config_unsupported_rope_scaling_is_named() {
     let dir = copy_fixture("random/gqa");
