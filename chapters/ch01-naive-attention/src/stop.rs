@@ -5,10 +5,12 @@
 //! stop string is emitted; the stop string itself never is (OpenAI's behaviour).
 
 /// Accumulates generated text and decides what may be released.
-/// Invariant: `emitted <= text.len()` and `text[..emitted]` contains no stop string.
+/// Invariant: `emitted <= text.len()` and `text[..emitted]` contains no stop string;
+/// `borders[i]` is [`borders`] of `stops[i]`.
 #[derive(Debug, Default)]
 pub struct StopStrings {
     stops: Vec<String>,
+    borders: Vec<Vec<usize>>,
     text: String,
     emitted: usize,
 }
@@ -24,8 +26,10 @@ pub enum StopStatus {
 
 impl StopStrings {
     pub fn new(stops: Vec<String>) -> Self {
+        let stops: Vec<String> = stops.into_iter().filter(|s| !s.is_empty()).collect();
         StopStrings {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            borders: stops.iter().map(|s| borders(s.as_bytes())).collect(),
+            stops,
             ..Default::default()
         }
     }
@@ -68,17 +72,54 @@ impl StopStrings {
         &self.text
     }
 
-    /// Length of the longest suffix of the unreleased text that is a proper prefix of a stop string.
+    /// Length of the longest suffix of the unreleased text that is a proper prefix of a stop
+    /// string: linear in their lengths (trying every prefix would be quadratic per token, and
+    /// cubic over a generation that keeps matching a long stop string's start).
     fn held_back_len(&self) -> usize {
-        let pending = &self.text[self.emitted..];
+        let pending = &self.text.as_bytes()[self.emitted..];
         self.stops
             .iter()
-            .flat_map(|stop| {
-                (1..stop.len().min(pending.len() + 1))
-                    .filter(|&n| stop.is_char_boundary(n) && pending.ends_with(&stop[..n]))
-            })
+            .zip(&self.borders)
+            .map(|(stop, borders)| overlap(pending, stop.as_bytes(), borders))
             .max()
             .unwrap_or(0)
+    }
+}
+
+/// `b[i]`: the length of the longest proper prefix of `pattern[..=i]` that is also its suffix
+/// (Knuth–Morris–Pratt's failure function).
+fn borders(pattern: &[u8]) -> Vec<usize> {
+    let mut b = vec![0; pattern.len()];
+    let mut k = 0;
+    for i in 1..pattern.len() {
+        while k > 0 && pattern[i] != pattern[k] {
+            k = b[k - 1];
+        }
+        if pattern[i] == pattern[k] {
+            k += 1;
+        }
+        b[i] = k;
+    }
+    b
+}
+
+/// The length of the longest proper prefix of `pattern` that `text` ends with (`borders`:
+/// [`borders`] of `pattern`, non-empty). Bytes, not characters: `text` is whole UTF-8, so a
+/// prefix it ends with never ends inside a character.
+fn overlap(text: &[u8], pattern: &[u8], borders: &[usize]) -> usize {
+    let mut matched = 0; // the longest prefix of `pattern` that the bytes read end with
+    for &byte in text {
+        while matched > 0 && (matched == pattern.len() || byte != pattern[matched]) {
+            matched = borders[matched - 1];
+        }
+        if byte == pattern[matched] {
+            matched += 1;
+        }
+    }
+    if matched == pattern.len() {
+        borders[matched - 1]
+    } else {
+        matched
     }
 }
 
@@ -142,5 +183,28 @@ mod tests {
     fn multibyte_stop_strings_respect_char_boundaries() {
         assert_eq!(run(&["é!"], &["café", "!"]), ("caf".to_string(), true));
         assert_eq!(run(&["—x"], &["a—", "b"]), ("a—b".to_string(), false));
+    }
+
+    /// The linear overlap equals its definition: the longest proper prefix of the pattern
+    /// that the text ends with, tried length by length.
+    #[test]
+    fn overlap_equals_trying_every_prefix() {
+        use proptest::prelude::*;
+        let case = ("[ab]{0,12}", "[ab]{1,6}");
+        crate::testing::seeded_runner(512, 17)
+            .run(&case, |(text, pattern)| {
+                let naive = (1..pattern.len())
+                    .filter(|&n| text.ends_with(&pattern[..n]))
+                    .max()
+                    .unwrap_or(0);
+                let fast = overlap(
+                    text.as_bytes(),
+                    pattern.as_bytes(),
+                    &borders(pattern.as_bytes()),
+                );
+                prop_assert_eq!(fast, naive, "{:?} {:?}", text, pattern);
+                Ok(())
+            })
+            .unwrap();
     }
 }

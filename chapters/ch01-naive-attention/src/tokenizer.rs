@@ -139,6 +139,9 @@ impl Tokenizer {
     }
 }
 
+/// The most tokens [`TextStream`] holds back waiting for a character to complete.
+pub const MAX_PENDING_TOKENS: usize = 4;
+
 /// Incremental detokenisation.
 ///
 /// Decoding ids one at a time is wrong twice over: a character can span several byte-level
@@ -148,7 +151,9 @@ impl Tokenizer {
 /// holding it back while it ends in an incomplete character.
 ///
 /// Invariant: the concatenation of everything returned by [`TextStream::push`] and
-/// [`TextStream::finish`] equals `decode(all tokens)` when that decodes cleanly.
+/// [`TextStream::finish`] equals `decode(all tokens)` when that decodes cleanly. Past
+/// [`MAX_PENDING_TOKENS`] held-back tokens, the text before the last 3 is released (bytes that
+/// stay invalid, as U+FFFD), so the window, re-decoded on every push, stays short.
 pub struct TextStream<'t> {
     tokenizer: &'t Tokenizer,
     tokens: Vec<u32>,
@@ -182,6 +187,18 @@ impl<'t> TextStream<'t> {
             self.prefix_offset = self.read_offset;
             self.read_offset = self.tokens.len();
             Ok(Some(delta))
+        } else if self.tokens.len() - self.read_offset > MAX_PENDING_TOKENS {
+            // Held too long: bytes that never make a character, or a run of literal U+FFFD.
+            // A character still waiting for bytes spans at most 4 tokens, the last one among
+            // them, so it starts within the last 3: what lies before them is final.
+            let cut = self.tokens.len() - 3;
+            let settled = self
+                .tokenizer
+                .decode(&self.tokens[self.prefix_offset..cut])?;
+            let delta = settled.get(prefix_text.len()..).unwrap_or("").to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = cut;
+            Ok((!delta.is_empty()).then_some(delta))
         } else {
             Ok(None)
         }

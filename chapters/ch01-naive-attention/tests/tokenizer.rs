@@ -95,3 +95,23 @@ fn streamed_text_equals_decoded_text_and_never_splits_a_character() {
         })
         .unwrap();
 }
+
+/// Bytes that never complete a character (a run of lone continuation bytes, which a model can
+/// be made to write) are released as U+FFFD a few tokens at a time, not held back to the end:
+/// the window each push re-decodes stays short. The text is still `decode(all tokens)`.
+#[test]
+fn invalid_bytes_are_released_not_held_back_forever() {
+    let tokenizer = tokenizer();
+    let inner = tokenizer.inner();
+    // Byte 0xA9 alone: `©` in byte-level BPE's byte alphabet, `<0xA9>` with byte fallback.
+    let byte = inner
+        .token_to_id("©")
+        .or_else(|| inner.token_to_id("<0xA9>"))
+        .expect("a token for the byte 0xA9");
+    let ids = vec![byte; 64];
+    let pieces = stream_pieces(&tokenizer, &ids);
+    let text = tokenizer.decode(&ids).unwrap();
+    assert!(text.contains('\u{FFFD}'), "{text:?}");
+    assert_eq!(pieces.concat(), text);
+    assert!(pieces.len() >= 64 / 5, "{} pieces", pieces.len());
+}

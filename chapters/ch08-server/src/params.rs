@@ -48,8 +48,13 @@ pub struct Generation {
     pub truncate_prompt_tokens: Option<usize>,
 }
 
-/// The most entries `logit_bias`, `allowed_token_ids` or `bad_words` may have.
+/// The most entries `logit_bias`, `stop_token_ids` or `bad_words` may have
+/// (`allowed_token_ids`: the vocabulary, each id once).
 pub const MAX_TOKEN_RULES: usize = 1024;
+
+/// The most bytes one `stop` string or one `bad_words` entry may have: every choice holds its
+/// own copy, and each word is tokenized (twice) before the request is admitted.
+pub const MAX_RULE_TEXT_BYTES: usize = 1024;
 
 /// Server-wide values a request is checked against.
 #[derive(Debug, Clone)]
@@ -235,7 +240,19 @@ pub fn generation(
     if stop.len() > 4 {
         return Err(ApiError::bad_param("stop", "at most 4 stop sequences"));
     }
+    if stop.iter().any(|s| s.len() > MAX_RULE_TEXT_BYTES) {
+        return Err(ApiError::bad_param(
+            "stop",
+            format!("a stop sequence has at most {MAX_RULE_TEXT_BYTES} bytes"),
+        ));
+    }
     let stop_token_ids = s.stop_token_ids.clone().unwrap_or_default();
+    if stop_token_ids.len() > MAX_TOKEN_RULES {
+        return Err(ApiError::bad_param(
+            "stop_token_ids",
+            format!("at most {MAX_TOKEN_RULES} stop_token_ids"),
+        ));
+    }
     if let Some(&bad) = stop_token_ids
         .iter()
         .find(|&&t| t as usize >= limits.vocab_size)
@@ -256,10 +273,13 @@ pub fn generation(
     }
     let rules = token_rules(s, limits, &stop_token_ids)?;
     let bad_words = s.bad_words.clone().unwrap_or_default();
-    if bad_words.len() > MAX_TOKEN_RULES {
+    if bad_words.len() > MAX_TOKEN_RULES || bad_words.iter().any(|w| w.len() > MAX_RULE_TEXT_BYTES)
+    {
         return Err(ApiError::bad_param(
             "bad_words",
-            format!("at most {MAX_TOKEN_RULES} bad_words"),
+            format!(
+                "at most {MAX_TOKEN_RULES} bad_words, each of at most {MAX_RULE_TEXT_BYTES} bytes"
+            ),
         ));
     }
     let truncate_prompt_tokens = match s.truncate_prompt_tokens {

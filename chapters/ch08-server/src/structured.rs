@@ -238,6 +238,9 @@ impl Grammars {
             // Compile-time work: a tenth of the engine's default (~2 ms of lexer building).
             initial_lexer_fuel: 100_000,
             max_grammar_size: 100_000,
+            // The lexer's states (1-2 kB each) grow with what a choice generates, and every
+            // choice of a request clones the lexer: a tenth of the engine's default 250,000.
+            max_lexer_states: 25_000,
             ..ParserLimits::default()
         };
         Ok(Grammars {

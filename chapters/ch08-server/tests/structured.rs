@@ -246,6 +246,10 @@ async fn bad_constraints_and_parameters_are_400s_naming_their_field() {
         (json!({"logit_bias": {"99999": 5}}), "logit_bias"),
         (json!({"logit_bias": {"5": 500}}), "logit_bias"),
         (json!({"allowed_token_ids": [99999]}), "allowed_token_ids"),
+        // Sizes one request could blow up: every choice holds its own copy of these.
+        (json!({"stop": ["a".repeat(1025)]}), "stop"),
+        (json!({"stop_token_ids": vec![5; 1025]}), "stop_token_ids"),
+        (json!({"bad_words": ["a".repeat(1025)]}), "bad_words"),
         (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
         (json!({"best_of": 2}), "best_of"),
         (json!({"skip_special_tokens": false}), "skip_special_tokens"),
