@@ -68,10 +68,14 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
         &state.limits,
     )?;
     super::compile_rules(&state, &mut generation).await?;
+    // Token prompts are echoed once the plan has checked them (lengths, vocabulary).
+    let echoed_tokens = (request.echo && texts.is_none()).then(|| prompts.clone());
+    let planned = generation.plan(prompts, "prompt", &state.limits)?;
     let echo = if request.echo {
         Some(match texts {
             Some(texts) => texts,
-            None => prompts
+            None => echoed_tokens
+                .unwrap_or_default()
                 .iter()
                 .map(|p| {
                     state
@@ -91,7 +95,7 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
             model: state.served_model_name.clone(),
             include_usage: generation.include_usage,
         },
-        planned: generation.plan(prompts, "prompt", &state.limits)?,
+        planned,
         state,
         started,
         generation,
