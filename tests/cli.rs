@@ -817,3 +817,45 @@ fn random_model_writes_a_checkpoint_that_kiln_generates_from() {
     );
     assert!(!std::path::Path::new(fresh).exists());
 }
+
+/// `--contiguous` reserves the model's whole context at once: where that is more memory than
+/// the machine has available, it is refused with the reason instead of aborting.
+#[test]
+fn a_contiguous_cache_larger_than_memory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let source = fixtures_dir().join("shakespeare-small");
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = tmp.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["max_position_embeddings"] = (1u64 << 24).into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    // 2 × 6 layers × 2^24 positions × 2 KV heads × 32 × 4 bytes.
+    let reserve: u64 = 2 * 6 * (1 << 24) * 64 * 4;
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok()
+    });
+    match available {
+        Some(kib) if kib * 1024 < reserve => {
+            let model = tmp.path().to_str().unwrap();
+            assert_fails_with(
+                &[
+                    "generate",
+                    "--model",
+                    model,
+                    "--prompt",
+                    "HAMLET.",
+                    "--max-tokens",
+                    "2",
+                    "--contiguous",
+                ],
+                "--contiguous reserves the whole context of 16777216 positions",
+            );
+        }
+        _ => eprintln!("skipped: this machine has the memory for the reservation"),
+    }
+}

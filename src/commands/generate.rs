@@ -198,6 +198,24 @@ fn run_one(
     let generation = if args.recompute {
         ch01::generate(model, tokenizer, &prompt_tokens, options, &mut on_text)?
     } else if args.contiguous {
+        // Chapter 2's cache reserves the whole context at once: refused, saying so, where that
+        // is more memory than there is (an 8B model's 128k context takes 34 GB in f32).
+        let c = &model.config;
+        let reserve = 2
+            * c.num_hidden_layers as u64
+            * c.max_position_embeddings as u64
+            * (c.num_key_value_heads * c.head_dim * size_of::<f32>()) as u64;
+        if let Some(available) = super::available_memory()
+            && reserve > available
+        {
+            anyhow::bail!(
+                "--contiguous reserves the whole context of {} positions, {:.1} GiB, and {:.1} \
+                 GiB are available: drop --contiguous for the paged cache",
+                c.max_position_embeddings,
+                reserve as f64 / f64::from(1u32 << 30),
+                available as f64 / f64::from(1u32 << 30)
+            );
+        }
         let mut cache = ch02::ContiguousKvCache::for_max_len(&model.config);
         ch02::generate_cached(
             model,

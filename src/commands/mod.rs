@@ -378,6 +378,14 @@ fn hf_tokenizer(
     Ok((tokenizer, eos_token_ids))
 }
 
+/// Bytes of memory available to a new allocation (Linux's `MemAvailable`); `None` elsewhere.
+pub fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Parses a memory size: a number of bytes, or a number with a unit: KB, MB, GB (powers of
 /// 1000) or KiB, MiB, GiB (powers of 1024), e.g. `512MiB`, `1.5GB`.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {

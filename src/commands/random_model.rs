@@ -33,7 +33,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     refuse_non_empty(&args.out)?;
     // The weights are generated in memory, then written.
     let bytes = spec.parameter_count() as u64 * spec.dtype.size() as u64;
-    if let Some(available) = available_memory()
+    if let Some(available) = super::available_memory()
         && bytes > available
     {
         anyhow::bail!(
@@ -93,14 +93,6 @@ fn spec(args: &Args) -> anyhow::Result<RandomModelSpec> {
     }
     spec.seed = args.seed;
     Ok(spec)
-}
-
-/// Bytes of memory available to a new allocation (Linux's `MemAvailable`); `None` elsewhere.
-fn available_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 /// `--out` must be missing or an empty directory: a random model never overwrites anything.
