@@ -547,7 +547,12 @@ impl Generation {
                 ),
             ));
         }
-        let processors = requests.iter().map(|_| self.processor()).collect();
+        // One copy of the token rules, shared by every choice's processor.
+        let rules = Arc::new(self.rules.clone());
+        let processors = requests
+            .iter()
+            .map(|_| self.processor_with(&rules))
+            .collect();
         Ok(Planned {
             requests,
             processors,
@@ -555,16 +560,16 @@ impl Generation {
         })
     }
 
-    /// One choice's logits processor: its grammar from the start, and the token rules.
-    /// `None` when the request has neither.
-    pub fn processor(&self) -> Option<Box<dyn LogitsProcessor>> {
-        if self.grammar.is_none() && self.rules.is_empty() {
+    /// One choice's logits processor: its grammar from the start, and `rules`, this request's
+    /// token rules, shared by its choices. `None` when the request has neither.
+    fn processor_with(&self, rules: &Arc<TokenRules>) -> Option<Box<dyn LogitsProcessor>> {
+        if self.grammar.is_none() && rules.is_empty() {
             return None;
         }
         Some(Box::new(RequestProcessor::new(
-            Arc::new(self.rules.clone()),
+            Arc::clone(rules),
             self.grammar.as_ref().map(|g| g.start()),
-            self.rules.stop_token_ids.clone(),
+            rules.stop_token_ids.clone(),
         )))
     }
 
