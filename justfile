@@ -126,7 +126,7 @@ book action="build":
     @command -v mdbook >/dev/null || cargo install --locked mdbook@0.5.4
     mdbook {{action}} book
 
-# Regenerate every fixture (trains the models; makes its own Python venv; ~60 minutes on 2 cores, as the README says).
+# Regenerate every fixture (trains the models; makes its own Python venv; ~60 minutes on 2 cores).
 fixtures:
     bash fixtures/scripts/make_all.sh
 
