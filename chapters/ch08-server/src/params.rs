@@ -52,6 +52,10 @@ pub struct Generation {
 /// (`allowed_token_ids`: the vocabulary, each id once).
 pub const MAX_TOKEN_RULES: usize = 1024;
 
+/// The most choices (n × prompts) of one request with structured output: each holds its own
+/// grammar state, whose lexer grows with what it generates.
+pub const MAX_CONSTRAINED_CHOICES: usize = 64;
+
 /// The most bytes one `stop` string or one `bad_words` entry may have: every choice holds its
 /// own copy, and each word is tokenized (twice) before the request is admitted.
 pub const MAX_RULE_TEXT_BYTES: usize = 1024;
@@ -524,6 +528,16 @@ impl Generation {
         limits: &Limits,
     ) -> Result<Planned, ApiError> {
         check_prompt_count(prompts.len(), limits)?;
+        let choices = prompts.len().saturating_mul(self.n);
+        if self.grammar.is_some() && choices > MAX_CONSTRAINED_CHOICES {
+            return Err(ApiError::bad_param(
+                "n",
+                format!(
+                    "with structured output a request runs at most {MAX_CONSTRAINED_CHOICES} \
+                     choices (n × prompts), each with its own grammar state: {choices} asked"
+                ),
+            ));
+        }
         let kept = self.truncate_prompt_tokens.unwrap_or(usize::MAX);
         let prompt_tokens = prompts.iter().map(|p| p.len().min(kept)).sum();
         let mut requests = Vec::with_capacity(prompts.len() * self.n);
