@@ -201,10 +201,7 @@ fn run_one(
         // Chapter 2's cache reserves the whole context at once: refused, saying so, where that
         // is more memory than there is (an 8B model's 128k context takes 34 GB in f32).
         let c = &model.config;
-        let reserve = 2
-            * c.num_hidden_layers as u64
-            * c.max_position_embeddings as u64
-            * (c.num_key_value_heads * c.head_dim * size_of::<f32>()) as u64;
+        let reserve = ch02::ContiguousKvCache::bytes_for(c, c.max_position_embeddings);
         if let Some(available) = super::available_memory()
             && reserve > available
         {
@@ -307,12 +304,11 @@ fn run_many(
     let mut engine = Engine::boxed(executor, args.engine.config())?;
     let target = match model {
         Some(model) => TargetWeights::Host(model),
-        None => TargetWeights::Gpu(&args.model),
+        None => TargetWeights::Gpu(&args.model, &host.config),
     };
-    let vocab = host.config.vocab_size;
     if let Some(speculator) = args
         .speculative
-        .speculator(vocab, target, draft.as_ref(), &cache)?
+        .speculator(target, draft.as_ref(), &cache)?
     {
         engine = engine.with_speculator(speculator);
     }

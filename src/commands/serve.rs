@@ -258,7 +258,6 @@ fn speculator_factory(
     if spec.method()?.is_none() {
         return Ok(None);
     }
-    let vocab = weights.config().vocab_size;
     let draft: Option<&'static ch01::Llama> = match weights.host() {
         Some(target) => {
             let draft = spec
@@ -267,7 +266,7 @@ fn speculator_factory(
             // Build one now, so that a bad flag fails at start rather than in the engine
             // thread. (On a GPU the engine thread's build fails the start just the same, and
             // one build there loads the drafter's weights onto the device once.)
-            spec.speculator(vocab, TargetWeights::Host(target), draft, &cache)?;
+            spec.speculator(TargetWeights::Host(target), draft, &cache)?;
             draft
         }
         None => None,
@@ -275,14 +274,14 @@ fn speculator_factory(
     if let Some(line) = spec.describe()? {
         eprintln!("kiln serve: {line}");
     }
-    let model_args = args.model.clone();
+    let (model_args, config) = (args.model.clone(), weights.config().clone());
     Ok(Some(SpeculatorFactory(Arc::new(
         move |model: Option<&ch01::Llama>| {
             let target = match model {
                 Some(model) => TargetWeights::Host(model),
-                None => TargetWeights::Gpu(&model_args),
+                None => TargetWeights::Gpu(&model_args, &config),
             };
-            spec.speculator(vocab, target, draft, &cache)
+            spec.speculator(target, draft, &cache)
                 .map_err(|e| format!("{e:#}"))?
                 .ok_or_else(|| "speculation is off".to_string())
         },

@@ -19,9 +19,20 @@ pub enum TargetWeights<'m, 'a> {
     /// In host memory: the draft model, or the target's first layers, on chapter 4's CPU
     /// executor.
     Host(&'m Llama),
-    /// On a GPU, read from the files these flags name: the draft model, or the target's first
-    /// layers read again from its files, get an executor of their own on the same GPU.
-    Gpu(&'a ModelArgs),
+    /// On a GPU, read from the files these flags name (its configuration as the host read
+    /// it): the draft model, or the target's first layers read again from its files, get an
+    /// executor of their own on the same GPU.
+    Gpu(&'a ModelArgs, &'a ch01::LlamaConfig),
+}
+
+impl TargetWeights<'_, '_> {
+    /// The target's configuration.
+    fn config(&self) -> &ch01::LlamaConfig {
+        match self {
+            TargetWeights::Host(model) => &model.config,
+            TargetWeights::Gpu(_, config) => config,
+        }
+    }
 }
 
 /// A GPU executor over the model `args` names, cut to `config` (its own, or its first layers),
@@ -124,13 +135,11 @@ impl SpeculativeArgs {
         Ok(Some(draft))
     }
 
-    /// The engine's speculator for a target of `vocab` tokens whose weights are where `target`
-    /// says (and the draft model `load_draft` returned, for a target in host memory), or `None`
+    /// The engine's speculator for a target whose weights are where `target` says (and the draft model `load_draft` returned, for a target in host memory), or `None`
     /// when speculation is off. `cache`: the target's K/V configuration, whose block size (and,
     /// on a GPU, element type) the draft's own cache of --speculative-kv-cache-memory takes.
     pub fn speculator<'m>(
         &self,
-        vocab: usize,
         target: TargetWeights<'m, '_>,
         draft: Option<&'m Llama>,
         cache: &ch04::CacheConfig,
@@ -141,8 +150,8 @@ impl SpeculativeArgs {
         if self.num_speculative_tokens == 0 {
             bail!("--num-speculative-tokens must be at least 1");
         }
-        let memory = self.speculative_kv_cache_memory;
-        let block_size = cache.block_size;
+        let (memory, block_size) = (self.speculative_kv_cache_memory, cache.block_size);
+        let vocab = target.config().vocab_size;
         let executor = match (method, target) {
             (SpecMethod::Ngram, _) => None,
             (SpecMethod::Draft, TargetWeights::Host(_)) => {
@@ -153,7 +162,7 @@ impl SpeculativeArgs {
                 let layers = self.layer_skip_layers(&target.config);
                 Some(layer_skip_executor(target, layers, block_size, memory)?)
             }
-            (SpecMethod::Draft, TargetWeights::Gpu(args)) => {
+            (SpecMethod::Draft, TargetWeights::Gpu(args, _)) => {
                 let dir = self
                     .speculative_model
                     .as_ref()
@@ -165,9 +174,8 @@ impl SpeculativeArgs {
                 let config = draft.load_host_side()?.config;
                 Some(gpu_draft_executor(&draft, &config, cache, memory)?)
             }
-            (SpecMethod::LayerSkip, TargetWeights::Gpu(args)) => {
-                let target = args.load_host_side()?.config;
-                let config = layer_skip_config(&target, self.layer_skip_layers(&target))?;
+            (SpecMethod::LayerSkip, TargetWeights::Gpu(args, target)) => {
+                let config = layer_skip_config(target, self.layer_skip_layers(target))?;
                 Some(gpu_draft_executor(args, &config, cache, memory)?)
             }
         };
@@ -267,7 +275,6 @@ mod tests {
     #[test]
     fn each_drafter_runs_where_the_target_runs() {
         let target = ch01::Llama::load(&ch01::default_model_dir()).unwrap();
-        let vocab = target.config.vocab_size;
         let cache = ch04::CacheConfig {
             memory: 1 << 20,
             block_size: 16,
@@ -276,18 +283,18 @@ mod tests {
         for method in [SpecMethod::Ngram, SpecMethod::Draft, SpecMethod::LayerSkip] {
             let spec = args(method);
             let draft = spec.load_draft("f32", &target).unwrap();
-            let host = spec.speculator(vocab, TargetWeights::Host(&target), draft.as_ref(), &cache);
+            let host = spec.speculator(TargetWeights::Host(&target), draft.as_ref(), &cache);
             assert!(host.unwrap().is_some(), "{method:?}");
         }
         let mut on_gpu = ModelArgs::cpu(ch01::default_model_dir());
         on_gpu.device = DeviceSpec::Cuda(0);
-        let gpu = TargetWeights::Gpu(&on_gpu);
-        let ngram = args(SpecMethod::Ngram).speculator(vocab, gpu, None, &cache);
+        let gpu = TargetWeights::Gpu(&on_gpu, &target.config);
+        let ngram = args(SpecMethod::Ngram).speculator(gpu, None, &cache);
         assert!(ngram.unwrap().is_some());
         if !ch07::cuda::device::driver_present() {
             for method in [SpecMethod::Draft, SpecMethod::LayerSkip] {
                 let error = args(method)
-                    .speculator(vocab, gpu, None, &cache)
+                    .speculator(gpu, None, &cache)
                     .err()
                     .expect("no GPU here");
                 let error = format!("{error:#}");

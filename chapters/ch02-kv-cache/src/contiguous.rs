@@ -39,6 +39,13 @@ impl ContiguousKvCache {
         Self::new(config, config.max_position_embeddings)
     }
 
+    /// Bytes a cache of `capacity` positions for `config` reserves (what
+    /// [`reserved_bytes`](Self::reserved_bytes) reports once it is made), known before making it.
+    pub fn bytes_for(config: &LlamaConfig, capacity: usize) -> u64 {
+        let kv_dim = config.num_key_value_heads * config.head_dim;
+        2 * config.num_hidden_layers as u64 * capacity as u64 * (kv_dim * size_of::<f32>()) as u64
+    }
+
     /// Bytes reserved: 2 (K and V) × layers × capacity × kv_dim × 4.
     pub fn reserved_bytes(&self) -> usize {
         self.keys

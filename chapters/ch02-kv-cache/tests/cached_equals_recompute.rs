@@ -132,5 +132,9 @@ fn contiguous_cache_reserves_memory_for_the_whole_context() {
         * c.head_dim
         * 4;
     assert_eq!(cache.reserved_bytes(), expected);
+    assert_eq!(
+        ContiguousKvCache::bytes_for(c, c.max_position_embeddings),
+        expected as u64
+    );
     assert_eq!(cache.capacity(), Some(c.max_position_embeddings));
 }
