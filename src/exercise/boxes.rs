@@ -12,9 +12,14 @@ use super::table::{self, Chapter};
 
 /// The boxes of one chapter, as markdown with an mdBook anchor around each.
 pub fn render(chapter: &Chapter) -> String {
+    let tables: Vec<String> = chapter
+        .crates
+        .iter()
+        .map(|c| format!("{}/exercises.toml", c.dir.display()))
+        .collect();
     let mut md = format!(
-        "<!-- Written by `kiln exercise boxes` from {}/exercises.toml: edit that, not this. -->\n",
-        chapter.dir.display()
+        "<!-- Written by `kiln exercise boxes` from {}: edit that, not this. -->\n",
+        tables.join(" and ")
     );
     let n = chapter.number;
     for (k, task) in (1..).zip(&chapter.tasks) {
@@ -33,7 +38,7 @@ pub fn render(chapter: &Chapter) -> String {
             "> **{}: {}.** In `{}`, write the body of `{}`: {}",
             task.label(),
             task.name,
-            chapter.source(task).display(),
+            task.source().display(),
             task.function,
             task.does
         )

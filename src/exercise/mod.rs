@@ -98,7 +98,7 @@ fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
         );
     }
     for (k, task) in (1..).zip(&chapter.tasks) {
-        let rel = chapter.source(task);
+        let rel = task.source();
         let reference = std::fs::read_to_string(root.join(&rel))?;
         let path = learner.join(&rel);
         let mine = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
@@ -139,8 +139,25 @@ fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
         Some(k) => vec![chapter.task(k)?],
         None => chapter.tasks.iter().collect(),
     };
-    let tests: Vec<table::TestRef> = tasks.iter().flat_map(|t| t.test_refs()).collect();
-    let results = run::run_tests(&learner, &target_dir(root), &chapter, &tests, &[])?;
+    // One `cargo test` per crate the tasks are in (chapter 8 spans two).
+    let mut results = std::collections::BTreeMap::new();
+    for krate in &chapter.crates {
+        let tests: Vec<table::TestRef> = tasks
+            .iter()
+            .filter(|t| t.krate == *krate)
+            .flat_map(|t| t.test_refs())
+            .collect();
+        if !tests.is_empty() {
+            let target = target_dir(root);
+            results.extend(run::run_tests(
+                &learner,
+                &target,
+                &krate.package,
+                &tests,
+                &[],
+            )?);
+        }
+    }
     report(&chapter, &tasks, &results)
 }
 

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
-use super::table::{Chapter, TestRef};
+use super::table::TestRef;
 
 /// What one test did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,13 +16,13 @@ pub struct TestResult {
     pub output: String,
 }
 
-/// Runs `tests` of `chapter` in the workspace at `copy`, building into `target_dir` (the
+/// Runs `tests` of the crate `package` in the workspace at `copy`, building into `target_dir` (the
 /// reference's, so the dependencies are not built again), with `env` set. Every test must
 /// have run: a name that matched nothing is an error, not a pass.
 pub fn run_tests(
     copy: &Path,
     target_dir: &Path,
-    chapter: &Chapter,
+    package: &str,
     tests: &[TestRef],
     env: &[(&str, String)],
 ) -> Result<BTreeMap<String, TestResult>> {
@@ -34,7 +34,7 @@ pub fn run_tests(
         .arg("--no-fail-fast")
         .arg("--target-dir")
         .arg(target_dir)
-        .args(["-p", &chapter.package]);
+        .args(["-p", package]);
     let mut targets: Vec<&str> = tests.iter().map(|t| t.target.as_str()).collect();
     targets.sort_unstable();
     targets.dedup();
@@ -72,7 +72,7 @@ pub fn run_tests(
         }
         bail!(
             "no test of {} is named {} (names are exact; unit tests need their module path)",
-            chapter.package,
+            package,
             missing.join(", ")
         );
     }

@@ -159,6 +159,7 @@ mod tests {
             function: "softmax_in_place".into(),
             does: "normalise the row".into(),
             tests: vec!["properties::softmax".into()],
+            krate: Default::default(),
         }
     }
 

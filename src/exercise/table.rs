@@ -12,7 +12,12 @@
 //! ```
 //!
 //! A test target is an integration test's file stem (`tests/properties.rs` → `properties`) or
-//! `lib` for the crate's unit tests (then the name is the full path, `module::tests::name`).
+//! `lib` for the crate's unit tests (then the name is the full path, `module::tests::name`), in
+//! the crate whose table names the task.
+//!
+//! A chapter may span several crates (chapter 8: `ch08-server`, then `ch08-tensor-parallel`):
+//! their tables join in the order of the crates' directory names, and the numbering runs on
+//! across them (8.1 and 8.2 in the server's table, 8.3 in the next).
 
 use std::path::{Path, PathBuf};
 
@@ -23,11 +28,18 @@ use serde::Deserialize;
 #[derive(Debug, Clone)]
 pub struct Chapter {
     pub number: u32,
-    /// The crate's directory relative to the repository root (`chapters/ch01-naive-attention`).
-    pub dir: PathBuf,
-    /// The crate's package name (its directory name).
-    pub package: String,
+    /// The crates whose tables hold its tasks, in order.
+    pub crates: Vec<Crate>,
     pub tasks: Vec<Task>,
+}
+
+/// A chapter crate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Crate {
+    /// Its directory relative to the repository root (`chapters/ch01-naive-attention`).
+    pub dir: PathBuf,
+    /// Its package name (the directory's name).
+    pub package: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -39,6 +51,10 @@ pub struct Task {
     pub function: String,
     pub does: String,
     pub tests: Vec<String>,
+    /// The crate whose table names the task: where `file` is relative to, and whose tests
+    /// `tests` are.
+    #[serde(skip)]
+    pub krate: Crate,
 }
 
 #[derive(Deserialize)]
@@ -47,12 +63,12 @@ struct File {
     task: Vec<Task>,
 }
 
-impl Chapter {
-    /// The file of `task` relative to the repository root, `..` resolved: a task's file may lie
+impl Task {
+    /// The task's file relative to the repository root, `..` resolved: a task's file may lie
     /// outside its crate (chapter 7's CUDA kernels are in `kernels/`).
-    pub fn source(&self, task: &Task) -> PathBuf {
+    pub fn source(&self) -> PathBuf {
         let mut path = PathBuf::new();
-        for part in self.dir.join(&task.file).components() {
+        for part in self.krate.dir.join(&self.file).components() {
             match part {
                 std::path::Component::ParentDir => {
                     path.pop();
@@ -125,18 +141,51 @@ impl Chapter {
     }
 }
 
-/// Every chapter with an `exercises.toml`, by number.
+/// Every chapter with an `exercises.toml`, by number; the tables of one chapter's crates
+/// joined in the order of their directory names.
 pub fn load_all(root: &Path) -> Result<Vec<Chapter>> {
-    let mut chapters = Vec::new();
+    let mut tables = Vec::new();
     for entry in std::fs::read_dir(root.join("chapters")).context("reading chapters/")? {
         let dir = entry?.path();
         let table = dir.join("exercises.toml");
         if table.is_file() {
-            chapters.push(load(root, &dir, &table)?);
+            tables.push(load(root, &dir, &table)?);
         }
     }
-    chapters.sort_by_key(|c| c.number);
+    tables.sort_by(|a, b| (a.0, &a.1.dir).cmp(&(b.0, &b.1.dir)));
+    let mut chapters: Vec<Chapter> = Vec::new();
+    for (number, krate, tasks) in tables {
+        match chapters.last_mut() {
+            Some(last) if last.number == number => {
+                last.crates.push(krate);
+                last.tasks.extend(tasks);
+            }
+            _ => chapters.push(Chapter {
+                number,
+                crates: vec![krate],
+                tasks,
+            }),
+        }
+    }
+    for chapter in &chapters {
+        check_numbering(chapter)?;
+    }
     Ok(chapters)
+}
+
+/// Tasks numbered `N.1`, `N.2`, ... in order across the chapter's crates.
+fn check_numbering(chapter: &Chapter) -> Result<()> {
+    for (i, task) in chapter.tasks.iter().enumerate() {
+        let expected = format!("{}.{}", chapter.number, i + 1);
+        ensure!(
+            task.id == expected,
+            "{}/exercises.toml: task {} should be numbered {expected} (in order, from 1, \
+             running on across a chapter's crates)",
+            task.krate.dir.display(),
+            task.id
+        );
+    }
+    Ok(())
 }
 
 /// Chapter `n`'s table, or an error that lists the chapters that have exercises.
@@ -151,7 +200,8 @@ pub fn load_chapter(root: &Path, n: u32) -> Result<Chapter> {
     })
 }
 
-fn load(root: &Path, dir: &Path, table: &Path) -> Result<Chapter> {
+/// One crate's table: its chapter number, the crate, and its tasks (each told its crate).
+fn load(root: &Path, dir: &Path, table: &Path) -> Result<(u32, Crate, Vec<Task>)> {
     let package = dir
         .file_name()
         .and_then(|n| n.to_str())
@@ -164,14 +214,12 @@ fn load(root: &Path, dir: &Path, table: &Path) -> Result<Chapter> {
         .with_context(|| format!("{package}: chapter directories are named chNN-..."))?;
     let text = std::fs::read_to_string(table)?;
     let file: File = toml::from_str(&text).with_context(|| format!("{}", table.display()))?;
-    for (i, task) in file.task.iter().enumerate() {
-        let expected = format!("{number}.{}", i + 1);
-        ensure!(
-            task.id == expected,
-            "{}: task {} should be numbered {expected} (in order, from 1)",
-            table.display(),
-            task.id
-        );
+    let krate = Crate {
+        dir: dir.strip_prefix(root).unwrap_or(dir).to_path_buf(),
+        package,
+    };
+    let mut tasks = file.task;
+    for task in &mut tasks {
         ensure!(
             !task.tests.is_empty(),
             "{}: task {} names no test",
@@ -193,11 +241,69 @@ fn load(root: &Path, dir: &Path, table: &Path) -> Result<Chapter> {
             table.display(),
             task.id
         );
+        task.krate = krate.clone();
     }
-    Ok(Chapter {
-        number,
-        dir: dir.strip_prefix(root).unwrap_or(dir).to_path_buf(),
-        package,
-        tasks: file.task,
-    })
+    Ok((number, krate, tasks))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(id: &str) -> String {
+        format!(
+            "[[task]]\nid = \"{id}\"\nname = \"n\"\nfile = \"src/lib.rs\"\nfunction = \"f\"\n\
+             does = \"d\"\ntests = [\"lib::t\"]\n"
+        )
+    }
+
+    /// A root with `chapters/{dir}/exercises.toml` holding `tables`.
+    fn root(tables: &[(&str, String)]) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for (dir, table) in tables {
+            let dir = root.path().join("chapters").join(dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("exercises.toml"), table).unwrap();
+        }
+        root
+    }
+
+    #[test]
+    fn a_chapters_crates_join_in_directory_order_and_number_on() {
+        let root = root(&[
+            ("ch08-zeta", task("8.2") + &task("8.3")),
+            ("ch08-alpha", task("8.1")),
+            ("ch01-one", task("1.1")),
+        ]);
+        let chapters = load_all(root.path()).unwrap();
+        let numbers: Vec<u32> = chapters.iter().map(|c| c.number).collect();
+        assert_eq!(numbers, [1, 8]);
+        let eight = &chapters[1];
+        let packages: Vec<&str> = eight.crates.iter().map(|c| c.package.as_str()).collect();
+        assert_eq!(packages, ["ch08-alpha", "ch08-zeta"]);
+        let tasks: Vec<(&str, &str)> = eight
+            .tasks
+            .iter()
+            .map(|t| (t.id.as_str(), t.krate.package.as_str()))
+            .collect();
+        assert_eq!(
+            tasks,
+            [
+                ("8.1", "ch08-alpha"),
+                ("8.2", "ch08-zeta"),
+                ("8.3", "ch08-zeta")
+            ]
+        );
+        assert_eq!(
+            eight.tasks[2].source(),
+            PathBuf::from("chapters/ch08-zeta/src/lib.rs")
+        );
+    }
+
+    #[test]
+    fn numbering_that_restarts_in_a_second_crate_is_an_error() {
+        let root = root(&[("ch08-alpha", task("8.1")), ("ch08-zeta", task("8.1"))]);
+        let err = load_all(root.path()).unwrap_err().to_string();
+        assert!(err.contains("should be numbered 8.2"), "{err}");
+    }
 }

@@ -62,11 +62,12 @@ pub fn verify(root: &Path, only: &[u32], compile_check: bool) -> Result<()> {
             .collect();
         for task in &chapter.tasks {
             let refs = task.test_refs();
+            let package = &task.krate.package;
             let before =
-                run::run_tests(&dir, &target, chapter, &refs, &[(DONE_VAR, done.join(","))])?;
+                run::run_tests(&dir, &target, package, &refs, &[(DONE_VAR, done.join(","))])?;
             done.push(task.id.clone());
             let after =
-                run::run_tests(&dir, &target, chapter, &refs, &[(DONE_VAR, done.join(","))])?;
+                run::run_tests(&dir, &target, package, &refs, &[(DONE_VAR, done.join(","))])?;
             let mut bad = Vec::new();
             for t in &refs {
                 let (b, a) = (&before[&t.name], &after[&t.name]);
@@ -119,7 +120,7 @@ fn prepare(root: &Path, dir: &Path, chapters: &[Chapter], stub: Stub) -> Result<
     let mut replaced: HashMap<PathBuf, String> = HashMap::new();
     for chapter in chapters {
         for task in &chapter.tasks {
-            let rel = chapter.source(task);
+            let rel = task.source();
             let text = match replaced.remove(&rel) {
                 Some(text) => text,
                 None => std::fs::read_to_string(root.join(&rel))
