@@ -98,6 +98,7 @@ impl ShardSpec {
         in_features: usize,
         out_features: usize,
     ) -> Result<(Range<usize>, Range<usize>), ShardError> {
+        // ANCHOR: task_8_3
         self.check_rank()?;
         let part = |size: usize, what: &str| -> Result<Range<usize>, ShardError> {
             if !size.is_multiple_of(self.world) {
@@ -115,6 +116,7 @@ impl ShardSpec {
             Split::Column => (part(out_features, "out_features")?, 0..in_features),
             Split::Row => (0..out_features, part(in_features, "in_features")?),
         })
+        // ANCHOR_END: task_8_3
     }
 
     /// Whether this rank holds the bias: every rank but those of a row split after rank 0 (the
@@ -165,6 +167,7 @@ impl TensorParallel {
     /// query heads would form whole groups over whole KV heads: an error.
     // ANCHOR: kv_spec
     pub fn kv_spec(&self, num_kv_heads: usize) -> Result<ShardSpec, ShardError> {
+        // ANCHOR: task_8_4
         check_rank(self.rank, self.world)?;
         if num_kv_heads.is_multiple_of(self.world) {
             Ok(self.spec(Split::Column))
@@ -177,6 +180,7 @@ impl TensorParallel {
                 world: self.world,
             })
         }
+        // ANCHOR_END: task_8_4
     }
     // ANCHOR_END: kv_spec
 

@@ -90,6 +90,7 @@ impl Communicator for ThreadComm {
 
     // ANCHOR: thread_all_reduce
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        // ANCHOR: task_8_5
         self.publish(buf);
         self.meet(|slots| {
             // Every rank sums all the parts itself, in rank order: the same bits everywhere.
@@ -102,6 +103,7 @@ impl Communicator for ThreadComm {
             }
             Ok(())
         })
+        // ANCHOR_END: task_8_5
     }
     // ANCHOR_END: thread_all_reduce
 
