@@ -14,7 +14,7 @@ pub enum Arch {
     Sm89,
     /// Hopper (H100, H200): 9.0.
     Sm90,
-    /// Blackwell: 10.0 and later run `sm_90` PTX through the driver's JIT.
+    /// Blackwell (10.0) and later: `sm_100` PTX, which the driver JIT-compiles for the device.
     Sm100,
 }
 

@@ -96,7 +96,8 @@ fn blocks_in(kv_memory: u64, block_bytes: u64, block_size: usize) -> Result<usiz
             "a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes"
         )));
     }
-    let max_blocks = (u64::from(u32::MAX) + 1) / block_size as u64;
+    // Slot `num_blocks · block_size − 1` must fit in a u32 (`BatchIndex` checks the same).
+    let max_blocks = u64::from(u32::MAX) / block_size as u64;
     if num_blocks > max_blocks {
         return Err(CudaError::Shape(format!(
             "{num_blocks} KV blocks of {block_size} positions are more than u32 slots can name \
@@ -139,15 +140,19 @@ pub struct CudaExecutor<K: DeviceKv = f32> {
 /// into directly (a copy to pageable memory goes through a driver staging buffer; at 64 rows of
 /// a 128k vocabulary a step copies 33 MB). Grown, never shrunk.
 ///
-/// Invariant: `buffer[..rows · vocab]` holds the last step's rows; the buffer was allocated
-/// with exactly the length of the first copy into it, so every element has been written.
+/// Invariant: `buffer[..rows · vocab]` holds the last step's rows, completely copied: the copy
+/// writes exactly that prefix and [`HostLogits::copy_from`] waits for it. (A copy into page-locked
+/// memory is truly asynchronous, and cudarc records no event for it on a context with one
+/// stream, so nothing else would wait; and a copy into the whole buffer would read past the end
+/// of a smaller step's logits on the device.)
 struct HostLogits {
     buffer: Option<PinnedHostSlice<f32>>,
     rows: usize,
 }
 
 impl HostLogits {
-    /// Copies `logits` (`rows · vocab` values on the device) into page-locked memory.
+    /// Copies `logits` (`rows · vocab` values on the device) into page-locked memory and waits
+    /// until the copy is done.
     fn copy_from(
         &mut self,
         dev: &GpuDevice,
@@ -156,18 +161,20 @@ impl HostLogits {
     ) -> Result<(), CudaError> {
         let len = logits.len();
         if self.buffer.as_ref().is_none_or(|b| b.len() < len) {
-            // SAFETY: the allocation is uninitialised until the copy below, which writes all
-            // `len` of its elements before anything reads it (the invariant). Flags 0: cached
-            // memory, fast for the host to read (write-combined memory is not).
+            // SAFETY: the allocation is uninitialised until the copy below, which writes its
+            // first `len` elements, all that is read before the next copy (the invariant).
+            // Flags 0: cached memory, fast for the host to read (write-combined memory is not).
             self.buffer = Some(unsafe { dev.context.alloc_pinned_with_flags::<f32>(len, 0) }?);
         }
         let buffer = self.buffer.as_mut().expect("allocated above");
-        dev.stream.memcpy_dtoh(logits, buffer)?;
+        let prefix = &mut buffer.as_mut_slice()?[..len]; // exactly the device slice's length
+        dev.stream.memcpy_dtoh(logits, prefix)?;
+        dev.stream.synchronize()?;
         self.rows = rows;
         Ok(())
     }
 
-    /// The rows of the last copy (waiting for it to finish).
+    /// The rows of the last copy.
     fn rows(&self, vocab: usize) -> Result<ArrayView2<'_, f32>, CudaError> {
         let Some(buffer) = &self.buffer else {
             return Ok(ArrayView2::from_shape((0, vocab), &[]).expect("empty"));
@@ -543,9 +550,10 @@ mod tests {
         assert_eq!(blocks_in(1000, 100, 16).unwrap(), 10);
         assert_eq!(blocks_in(1099, 100, 16).unwrap(), 10);
         assert!(blocks_in(99, 100, 16).is_err());
-        // 2^32 slots at most: 2^28 blocks of 16 positions, not one more.
-        assert_eq!(blocks_in(1 << 28, 1, 16).unwrap(), 1 << 28);
-        let error = blocks_in((1 << 28) + 1, 1, 16).unwrap_err().to_string();
+        // Slots up to u32::MAX = 2^32 - 1 (the pool's slot count must fit u32, as BatchIndex
+        // checks): 2^28 - 1 blocks of 16 positions, not one more.
+        assert_eq!(blocks_in((1 << 28) - 1, 1, 16).unwrap(), (1 << 28) - 1);
+        let error = blocks_in(1 << 28, 1, 16).unwrap_err().to_string();
         assert!(error.contains("more than u32 slots can name"), "{error}");
     }
 

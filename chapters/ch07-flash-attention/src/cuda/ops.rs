@@ -106,6 +106,19 @@ pub const HEAD_DIM_MAX: usize = 128;
 pub const GROUP_MAX: usize = 8;
 /// The most keys in one split-K partition of the decode kernel (its scores sit in shared memory).
 pub const PARTITION_MAX: usize = 256;
+/// The most blocks a launch grid holds along y or z (CUDA's limit; x holds 2^31 − 1).
+pub const GRID_YZ_MAX: usize = 65_535;
+
+/// `value` as a grid's y or z extent: an error past [`GRID_YZ_MAX`], which a launch would
+/// refuse with a less telling one.
+fn grid_yz(name: &str, value: usize) -> Result<u32, CudaError> {
+    if value > GRID_YZ_MAX {
+        return Err(shape(format!(
+            "{name} = {value}: a launch grid holds at most {GRID_YZ_MAX} blocks along y and z"
+        )));
+    }
+    u32_arg(name, value)
+}
 
 /// The launch of a prefill kernel: one block of 128 threads per `rows_per_block` query rows of a
 /// sequence, per head, per sequence, with `shared` bytes of dynamic shared memory.
@@ -118,8 +131,8 @@ fn prefill_grid(
     Ok(LaunchConfig {
         grid_dim: (
             u32_arg("query tiles", batch.max_rows.div_ceil(rows_per_block))?,
-            u32_arg("heads", heads.num_heads)?,
-            u32_arg("sequences", batch.num_seqs)?,
+            grid_yz("heads", heads.num_heads)?,
+            grid_yz("sequences", batch.num_seqs)?,
         ),
         block_dim: (128, 1, 1),
         shared_mem_bytes: shared,
@@ -549,8 +562,8 @@ impl GpuDevice {
         let config = LaunchConfig {
             grid_dim: (
                 u32_arg("kv heads", heads.num_kv_heads)?,
-                u32_arg("sequences", batch.num_seqs)?,
-                u32_arg("partitions", num_parts)?,
+                grid_yz("sequences", batch.num_seqs)?,
+                grid_yz("split-K partitions (context / partition size)", num_parts)?,
             ),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
@@ -581,7 +594,7 @@ impl GpuDevice {
         let config = LaunchConfig {
             grid_dim: (
                 u32_arg("heads", heads.num_heads)?,
-                u32_arg("sequences", batch.num_seqs)?,
+                grid_yz("sequences", batch.num_seqs)?,
                 1,
             ),
             block_dim: (128, 1, 1),
@@ -842,5 +855,19 @@ impl GpuDevice {
         // SAFETY: both blocks lie inside both caches (checked); the kernel copies bytes.
         unsafe { launch.launch(grid_stride(bytes as usize)) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{GRID_YZ_MAX, grid_yz};
+
+    #[test]
+    fn a_grid_extent_past_the_y_z_limit_is_a_shape_error() {
+        assert_eq!(grid_yz("sequences", GRID_YZ_MAX).unwrap(), 65_535);
+        let error = grid_yz("partitions", GRID_YZ_MAX + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("partitions = 65536"), "{error}");
     }
 }
