@@ -8,12 +8,13 @@
 //! Each figure is the mean of repetitions launched back to back after one warm-up, timed on the
 //! host around a stream synchronisation (the kernels run for milliseconds, so the launch and the
 //! synchronisation are a small share). K/V blocks of 16 positions, each sequence's blocks
-//! consecutive in the pool.
+//! consecutive in the pool. Last, what ptxas gave each attention kernel: registers a thread,
+//! local memory a thread (spilled registers) and static shared memory.
 
 use std::time::Instant;
 
 use ch07_flash_attention::cuda::{
-    DecodeKernel, DeviceScalar, GpuDevice, HeadShape, PrefillKernel, SeqRows,
+    DecodeKernel, DeviceScalar, GpuDevice, HeadShape, KERNELS, PrefillKernel, SeqRows,
 };
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -201,6 +202,30 @@ fn main() -> Result<()> {
     for kernel in [DecodeKernel::KeyPerThread, DecodeKernel::LaneGroups] {
         decode_row(&dev, kernel, "bf16 K/V", copy_gbs, bf16_cache)?;
         decode_row(&dev, kernel, "f32 K/V", copy_gbs, f32_cache)?;
+    }
+    resources(&dev)
+}
+
+/// Registers, local memory (spills) and static shared memory of every attention kernel, as
+/// ptxas compiled them for this device.
+fn resources(dev: &GpuDevice) -> Result<()> {
+    println!();
+    println!(
+        "| attention kernel | registers / thread | local bytes / thread (spills) | static shared bytes |"
+    );
+    println!("|:---|---:|---:|---:|");
+    let attention = KERNELS
+        .iter()
+        .flat_map(|k| k.functions.iter())
+        .filter(|f| f.contains("prefill") || f.contains("decode"));
+    for &name in attention {
+        let f = dev.function(name);
+        println!(
+            "| {name} | {} | {} | {} |",
+            f.num_regs()?,
+            f.local_size_bytes()?,
+            f.shared_size_bytes()?
+        );
     }
     Ok(())
 }

@@ -101,17 +101,40 @@ fn random_case(seed: u64, decode: bool) -> Case {
     random_case_shaped(&mut rng, heads, decode)
 }
 
-/// A random batch of sequences (block size, lengths, block tables, values) for `heads`.
+/// How long a random case's sequences are: contexts of up to `max_context` positions, of which
+/// up to `max_rows` are new (prefill) rows.
+#[derive(Clone, Copy)]
+struct Lengths {
+    max_context: usize,
+    max_rows: usize,
+}
+
+/// A random batch of sequences (block size, lengths, block tables, values) for `heads`, of up
+/// to 300 positions each.
 fn random_case_shaped(rng: &mut ChaCha8Rng, heads: HeadShape, decode: bool) -> Case {
+    let short = Lengths {
+        max_context: 300,
+        max_rows: 300,
+    };
+    random_case_sized(rng, heads, decode, short)
+}
+
+/// [`random_case_shaped`] with sequences of `lengths`.
+fn random_case_sized(
+    rng: &mut ChaCha8Rng,
+    heads: HeadShape,
+    decode: bool,
+    lengths: Lengths,
+) -> Case {
     let block_size = *[1, 5, 16, 17].choose(rng).unwrap();
     let num_seqs = rng.random_range(1..=4);
     let mut lens: Vec<(usize, usize)> = vec![];
     for _ in 0..num_seqs {
-        let context: usize = rng.random_range(1..=300);
+        let context: usize = rng.random_range(1..=lengths.max_context);
         let rows = if decode {
             1
         } else {
-            rng.random_range(1..=context)
+            rng.random_range(1..=context.min(lengths.max_rows))
         };
         lens.push((context - rows, rows));
     }
@@ -316,6 +339,36 @@ fn every_lane_group_decode_instance_equals_naive_attention() {
                     let decode = Attention::Decode(part, DecodeKernel::LaneGroups);
                     check_attention(&dev, &case, bf16_cache, decode);
                 }
+            }
+        }
+    }
+}
+
+/// Long contexts (up to 5,000 positions, many K/V tiles and split-K partitions): every prefill
+/// kernel (the new rows at the end of a long cached prefix) and both decode kernels against
+/// naive attention, at the head sizes of the tensor-core and lane-group instances.
+#[test]
+fn attention_over_long_contexts_equals_naive_attention() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(29);
+    let long = Lengths {
+        max_context: 5000,
+        max_rows: 160,
+    };
+    for head_dim in [64, 128] {
+        let heads = HeadShape {
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_dim,
+        };
+        for bf16_cache in [false, true] {
+            let prefill = random_case_sized(&mut rng, heads, false, long);
+            for kernel in PrefillKernel::ALL {
+                check_attention(&dev, &prefill, bf16_cache, Attention::Prefill(kernel));
+            }
+            let decode = random_case_sized(&mut rng, heads, true, long);
+            for kernel in [DecodeKernel::KeyPerThread, DecodeKernel::LaneGroups] {
+                check_attention(&dev, &decode, bf16_cache, Attention::Decode(256, kernel));
             }
         }
     }
