@@ -1,8 +1,11 @@
 // The PTX instructions of kernels/flash_prefill_tc.cu on CPU threads (cuda_on_threads.h), with
 // the meanings the kernel's comments give them: ldmatrix and mma.sync gather what the warp's 32
-// lanes hold through slots and two barriers of the warp, as a shuffle does; cp.async copies are
-// held back until a wait completes their group, so that reading a tile before its wait and the
-// barrier after it shows as a data race (or as wrong values).
+// lanes hold through slots and two barriers of the warp, as a shuffle does. A GPU lands a
+// cp.async copy at any time between the instruction and the wait that completes its group, so
+// both ends are checked: by default the copies are held back until that wait, so that reading a
+// tile before its wait and the barrier after it shows as a data race (or as wrong values); with
+// KILN_CP_ASYNC_EARLY set they land at once, so that restaging a buffer other warps may still be
+// reading (a missing barrier before the copies) shows the same way.
 #pragma once
 #include "cuda_on_threads.h"
 
@@ -41,14 +44,24 @@ struct AsyncCopy {
 // and the group still open.
 inline thread_local std::vector<std::vector<AsyncCopy>> committed_copies;
 inline thread_local std::vector<AsyncCopy> open_copies;
+// KILN_CP_ASYNC_EARLY: every copy lands when it is issued.
+inline const bool cp_async_early = std::getenv("KILN_CP_ASYNC_EARLY") != nullptr;
+
+inline void land(const AsyncCopy& copy) {
+    std::memset(copy.dst, 0, 16);
+    std::memcpy(copy.dst, copy.src, (size_t)copy.src_bytes);
+}
 }  // namespace emulation
 
 // Starts copying 16 bytes from src to dst (16 zero bytes when src_bytes is 0). The bytes land
-// when a cp_async_wait lets the copy's group complete, not before, as on the GPU, where they
-// land at some time before that wait returns: a read of them that no wait and barrier order
-// after it is a data race here.
+// when a cp_async_wait lets the copy's group complete (or at once, KILN_CP_ASYNC_EARLY): the two
+// ends of the window in which a GPU lands them.
 inline void cp_async_16(unsigned short* dst, const unsigned short* src, int src_bytes) {
-    emulation::open_copies.push_back({dst, src, src_bytes});
+    if (emulation::cp_async_early) {
+        emulation::land({dst, src, src_bytes});
+    } else {
+        emulation::open_copies.push_back({dst, src, src_bytes});
+    }
 }
 inline void cp_async_commit() {
     emulation::committed_copies.push_back(std::move(emulation::open_copies));
@@ -59,10 +72,7 @@ template <int N>
 inline void cp_async_wait() {
     auto& groups = emulation::committed_copies;
     while (groups.size() > (size_t)N) {
-        for (const auto& copy : groups.front()) {
-            std::memset(copy.dst, 0, 16);
-            std::memcpy(copy.dst, copy.src, (size_t)copy.src_bytes);
-        }
+        for (const auto& copy : groups.front()) emulation::land(copy);
         groups.erase(groups.begin());
     }
 }
