@@ -664,6 +664,17 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
             ],
             "no CUDA driver (libcuda.so): NCCL ranks need NVIDIA GPUs",
         );
+        // One rank over NCCL is still NCCL (not the CPU executor, silently).
+        assert_fails_with(
+            &[
+                "generate",
+                "--prompt",
+                "HAMLET.",
+                "--tensor-parallel-backend",
+                "nccl",
+            ],
+            "no CUDA driver (libcuda.so): NCCL ranks need NVIDIA GPUs",
+        );
         // The server too: it fails as it starts, saying why, rather than serving on the CPU.
         assert_fails_with(
             &["serve", "--port", "0", "--device", "cuda"],

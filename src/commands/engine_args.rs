@@ -6,6 +6,7 @@ use anyhow::{Context, bail};
 use ch03::KvDtype;
 use ch04::{CacheConfig, EngineConfig, Preemption};
 use ch07::AttentionKind;
+use ch07::cuda::DeviceSpec;
 
 /// The names `--kv-cache-dtype` accepts.
 pub const KV_CACHE_DTYPES: [&str; 6] = ["auto", "f32", "bf16", "fp8", "fp8_e4m3", "int8"];
@@ -114,6 +115,18 @@ impl AttentionArgs {
             AttentionBackend::Flash => AttentionKind::Flash,
             AttentionBackend::Auto => AttentionKind::Auto,
         }
+    }
+
+    /// [`Self::kind`], refused on a GPU unless left at `auto`: `--attention-backend` picks the
+    /// CPU executor's attention, and the GPU's kernels are chosen otherwise.
+    pub fn kind_on(&self, device: DeviceSpec) -> anyhow::Result<AttentionKind> {
+        if device != DeviceSpec::Cpu && self.attention_backend != AttentionBackend::Auto {
+            anyhow::bail!(
+                "--attention-backend picks the CPU executor's attention; on --device {device} the \
+                 GPU's kernels run (KILN_DECODE_KERNEL and KILN_PREFILL_KERNEL choose among them)"
+            );
+        }
+        Ok(self.kind())
     }
 }
 

@@ -100,6 +100,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous"
         );
     }
+    if args.model.device != DeviceSpec::Cpu && (args.recompute || args.contiguous) {
+        anyhow::bail!(
+            "--device {} runs on the engine's paged cache on the GPU: drop --recompute/--contiguous",
+            args.model.device
+        );
+    }
     // On a GPU the host reads no weights: the executor loads them onto the device.
     let (host, model) = args.model.load_for_device()?;
     let seed = args.seed.unwrap_or_else(|| {
@@ -284,7 +290,7 @@ fn run_many(
 ) -> anyhow::Result<()> {
     let tokenizer = &host.tokenizer;
     let cache = args.kv.cache(&host.config, &args.model.dtype)?;
-    let attention = args.attention.kind();
+    let attention = args.attention.kind_on(args.model.device)?;
     let executor = match (args.model.device, model) {
         (DeviceSpec::Cuda(_), _) if args.tensor_parallel.is_parallel() => {
             anyhow::bail!("tensor parallelism does not run on the GPU yet")

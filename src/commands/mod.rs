@@ -181,13 +181,19 @@ impl ModelArgs {
         })
     }
 
+    /// `--dequantize` names a GGUF file and no `--quantization`.
+    fn check_dequantize(&self) -> anyhow::Result<()> {
+        if !self.is_gguf() || self.quantization.is_some() {
+            bail!("--dequantize applies to a GGUF file, without --quantization");
+        }
+        Ok(())
+    }
+
     /// The kind of projection `--dtype` and `--quantization` ask for.
     pub fn loader(&self) -> anyhow::Result<Box<dyn LinearLoader + Send + Sync>> {
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
         if self.dequantize {
-            if !self.is_gguf() || self.quantization.is_some() {
-                bail!("--dequantize applies to a GGUF file, without --quantization");
-            }
+            self.check_dequantize()?;
             return Ok(Box::new(ch02::FastLoader { dtype }));
         }
         if let Some(config) = self.hf_quant()? {
@@ -240,12 +246,16 @@ impl ModelArgs {
         let DeviceSpec::Cuda(ordinal) = self.device else {
             anyhow::bail!("gpu_executor needs --device cuda");
         };
-        if self.quantization.is_some() {
+        if self.quantization.is_some() || self.hf_quant()?.is_some() {
             anyhow::bail!(
-                "--device {}: the GPU path runs f32 or bf16 weights so far (no --quantization; \
-                 a GGUF file's blocks are decoded to --dtype as they load)",
+                "--device {}: the GPU path runs f32 or bf16 weights so far (no --quantization, \
+                 no GPTQ or AWQ directory; a GGUF file's blocks are decoded to --dtype as they \
+                 load)",
                 self.device
             );
+        }
+        if self.dequantize {
+            self.check_dequantize()?;
         }
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
         let device =

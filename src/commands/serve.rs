@@ -323,6 +323,7 @@ fn executor_factory(args: &Args) -> anyhow::Result<Option<ExecutorFactory>> {
             "--device {}: tensor parallelism runs on the CPU only so far",
             args.model.device
         );
+        args.attention.kind_on(args.model.device)?;
         let model = args.model.clone();
         return Ok(Some(ExecutorFactory(Arc::new(move |config, cache| {
             model

@@ -41,9 +41,10 @@ pub struct TensorParallelArgs {
 }
 
 impl TensorParallelArgs {
-    /// Whether the model is split (more than one rank, or a group of processes of any size).
+    /// Whether the model runs on the tensor-parallel executor: more than one rank, or a
+    /// backend other than threads at any size (one MPI process, or one GPU through NCCL).
     pub fn is_parallel(&self) -> bool {
-        self.tensor_parallel_size > 1 || self.tensor_parallel_backend == Backend::Mpi
+        self.tensor_parallel_size > 1 || self.tensor_parallel_backend != Backend::Threads
     }
 
     /// The engine's executor: over `model` on one rank, or over `--tensor-parallel-size` shards

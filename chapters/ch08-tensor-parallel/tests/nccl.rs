@@ -18,6 +18,13 @@ use ch08_tensor_parallel::{
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// Held by each test while it uses the GPUs: two groups whose collectives queue in different
+/// orders on two GPUs' streams would wait on each other for ever, so tests take turns.
+fn one_group_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A group over every GPU (at most 8), or `None` (skipped) without a driver or NCCL.
 fn every_gpu() -> Option<Vec<NcclComm>> {
     let required = std::env::var_os("KILN_REQUIRE_GPU").is_some();
@@ -58,6 +65,7 @@ fn on_ranks<T: Send>(comms: &mut [NcclComm], body: impl Fn(&mut NcclComm) -> T +
 
 #[test]
 fn collectives_equal_the_sequential_reference_on_every_rank() {
+    let _turn = one_group_at_a_time();
     let Some(mut group) = every_gpu() else { return };
     let world = group.len();
     let mut rng = ChaCha8Rng::seed_from_u64(82);
@@ -112,11 +120,15 @@ fn collectives_equal_the_sequential_reference_on_every_rank() {
 
 #[test]
 fn the_seam_errors_are_errors_on_every_rank() {
+    let _turn = one_group_at_a_time();
     let Some(mut group) = every_gpu() else { return };
     let world = group.len();
     let results = on_ranks(&mut group, |comm| {
         let mut wrong_out = vec![0.0f32; world * 3 + 1];
         let gather = comm.all_gather(&[1.0, 2.0, 3.0], &mut wrong_out);
+        // Only rank 0's output is the wrong size: an error there, and the others do not hang.
+        let mut out = vec![0.0f32; world * 2 + usize::from(comm.rank() == 0)];
+        let gather_on_rank0 = (comm.rank(), comm.all_gather(&[1.0, 2.0], &mut out));
         let root = comm.broadcast(&mut vec![1], world);
         // Lengths that differ between ranks (with one rank, nothing can differ).
         let mut buf = vec![1.0f32; 4 + comm.rank()];
@@ -124,14 +136,21 @@ fn the_seam_errors_are_errors_on_every_rank() {
         // The group goes on after the errors.
         let mut after = vec![comm.rank() as f32; 5];
         comm.all_reduce_sum(&mut after).unwrap();
-        (gather, root, mismatch, after)
+        (gather, gather_on_rank0, root, mismatch, after)
     });
     let ranks_sum = (world * (world - 1) / 2) as f32;
-    for (gather, root, mismatch, after) in results {
+    for (gather, (rank, gather_on_rank0), root, mismatch, after) in results {
         assert!(
             matches!(gather, Err(CommError::GatherShape { .. })),
             "{gather:?}"
         );
+        match rank {
+            0 => assert!(
+                matches!(gather_on_rank0, Err(CommError::GatherShape { .. })),
+                "{gather_on_rank0:?}"
+            ),
+            _ => assert!(gather_on_rank0.is_ok(), "rank {rank}: {gather_on_rank0:?}"),
+        }
         assert!(
             matches!(root, Err(CommError::RootOutOfRange { .. })),
             "{root:?}"
@@ -151,6 +170,7 @@ fn the_seam_errors_are_errors_on_every_rank() {
 /// chapter 4's executor on the whole model: a prefill and decode steps, within f32's tolerance.
 #[test]
 fn tensor_parallel_over_nccl_equals_one_rank() {
+    let _turn = one_group_at_a_time();
     let Some(group) = every_gpu() else { return };
     let world = group.len();
     let dir = fixtures_dir().join("shakespeare-small");

@@ -1,5 +1,6 @@
 //! [`NcclComm`]: one rank per GPU, through NCCL (feature `nccl`; cudarc loads the CUDA driver
-//! and `libnccl.so.2` at run time).
+//! and NCCL at run time, by the name `libnccl.so`: NCCL installs `libnccl.so.2`, so a link to it
+//! by that name must be on the library path).
 //!
 //! ```text
 //! all-reduce on rank r:  all-gather the lengths (checked equal)
@@ -67,8 +68,10 @@ pub fn nccl_group(ordinals: &[usize]) -> Result<Vec<NcclComm>, CommError> {
     }
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
         return Err(CommError::Backend(
-            "the NCCL library (libnccl.so.2) was not found: install NCCL (or the nvidia-nccl \
-             wheel) and put its lib folder on LD_LIBRARY_PATH"
+            "the NCCL library was not found: cudarc opens it as libnccl.so (or \
+             libnccl.so.<CUDA major>), not as libnccl.so.2, the name NCCL's packages and the \
+             nvidia-nccl wheels install; put a link named libnccl.so to libnccl.so.2 in a folder \
+             on LD_LIBRARY_PATH"
                 .into(),
         ));
     }
@@ -208,6 +211,16 @@ impl Communicator for NcclComm {
 
     fn all_gather(&mut self, part: &[f32], out: &mut [f32]) -> Result<(), CommError> {
         let n = self.equal_lengths("all-gather", part.len())?;
+        if n > 0 {
+            self.upload(part)?;
+            sized(&self.stream, &mut self.recv, self.world * n)?;
+            self.comm
+                .0
+                .all_gather(&self.send, &mut self.recv)
+                .map_err(|e| backend("all-gather", e))?;
+        }
+        // Checked after the collective, which every rank has then joined: a rank that left
+        // before it would leave the others waiting in NCCL for ever.
         if out.len() != self.world * n {
             return Err(CommError::GatherShape {
                 out: out.len(),
@@ -218,12 +231,6 @@ impl Communicator for NcclComm {
         if n == 0 {
             return Ok(());
         }
-        self.upload(part)?;
-        sized(&self.stream, &mut self.recv, self.world * n)?;
-        self.comm
-            .0
-            .all_gather(&self.send, &mut self.recv)
-            .map_err(|e| backend("all-gather", e))?;
         self.stream
             .memcpy_dtoh(&self.recv, out)
             .map_err(|e| backend("copy", e))?;
