@@ -611,6 +611,30 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
         ],
         "is not a share of memory",
     );
+    // What the GPU path does not take is refused before any device is opened, never ignored.
+    fn on_gpu<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = vec!["generate", "--prompt", "HAMLET.", "--device", "cuda"];
+        args.extend_from_slice(extra);
+        args
+    }
+    assert_fails_with(&on_gpu(&["--recompute"]), "drop --recompute/--contiguous");
+    assert_fails_with(&on_gpu(&["--contiguous"]), "drop --recompute/--contiguous");
+    assert_fails_with(
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cuda",
+            "--attention-backend",
+            "flash",
+        ],
+        "--attention-backend picks the CPU executor's attention",
+    );
+    assert_fails_with(
+        &on_gpu(&["--dequantize"]),
+        "--dequantize applies to a GGUF file",
+    );
     if !ch07::cuda::device::driver_present() {
         let hamlet = fixtures_dir().join("corpus/hamlet.txt");
         let hamlet = hamlet.to_str().unwrap();
