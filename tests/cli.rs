@@ -777,7 +777,7 @@ fn tensor_parallel_generate_and_perplexity_equal_one_rank() {
             "2",
             "--recompute",
         ],
-        "--tensor-parallel-size runs on the engine's paged cache",
+        "--tensor-parallel-size 2 runs on the engine's paged cache",
     );
 }
 

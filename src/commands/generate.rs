@@ -97,7 +97,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     if args.tensor_parallel.is_parallel() && (args.recompute || args.contiguous) {
         anyhow::bail!(
-            "--tensor-parallel-size runs on the engine's paged cache: drop --recompute/--contiguous"
+            "{} runs on the engine's paged cache: drop --recompute/--contiguous",
+            args.tensor_parallel.flags()
         );
     }
     if args.model.device != DeviceSpec::Cpu && (args.recompute || args.contiguous) {

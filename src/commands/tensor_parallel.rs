@@ -47,6 +47,17 @@ impl TensorParallelArgs {
         self.tensor_parallel_size > 1 || self.tensor_parallel_backend != Backend::Threads
     }
 
+    /// The flags that asked for the tensor-parallel executor, for messages:
+    /// `--tensor-parallel-size N` and, unless threads, the backend.
+    pub fn flags(&self) -> String {
+        let size = format!("--tensor-parallel-size {}", self.tensor_parallel_size);
+        match self.tensor_parallel_backend {
+            Backend::Threads => size,
+            Backend::Mpi => format!("{size} --tensor-parallel-backend mpi"),
+            Backend::Nccl => format!("{size} --tensor-parallel-backend nccl"),
+        }
+    }
+
     /// The engine's executor: over `model` on one rank, or over `--tensor-parallel-size` shards
     /// loaded from `--model`, each rank with `cache.memory` bytes of KV blocks (memory is per
     /// device, as a GPU's is) and an equal share of this thread pool's threads.
@@ -71,18 +82,19 @@ impl TensorParallelArgs {
         attention: AttentionKind,
     ) -> anyhow::Result<Box<dyn Executor + Send + 'static>> {
         let world = self.tensor_parallel_size;
+        let what = self.flags();
         if args.is_gguf() {
             bail!(
-                "--tensor-parallel-size {world}: GGUF files load on one rank only (use a Hugging Face directory)"
+                "{what}: GGUF files load on the CPU executor only (use a Hugging Face directory)"
             );
         }
         if attention == AttentionKind::Flash {
             bail!(
-                "--tensor-parallel-size {world} runs chapter 4's attention: --attention-backend flash is one rank only"
+                "{what} runs chapter 4's attention: --attention-backend flash is the CPU executor's"
             );
         }
         if cache.dtype != KvDtype::F32 {
-            bail!("--tensor-parallel-size {world} stores K/V in f32: pass --kv-cache-dtype f32");
+            bail!("{what} stores K/V in f32: pass --kv-cache-dtype f32");
         }
         let blocks = KvBlocks::BudgetPerRank(cache.memory);
         if self.tensor_parallel_backend == Backend::Mpi {

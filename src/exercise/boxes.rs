@@ -18,8 +18,9 @@ pub fn render(chapter: &Chapter) -> String {
         .map(|c| format!("{}/exercises.toml", c.dir.display()))
         .collect();
     let mut md = format!(
-        "<!-- Written by `kiln exercise boxes` from {}: edit that, not this. -->\n",
-        tables.join(" and ")
+        "<!-- Written by `kiln exercise boxes` from {}: edit {}, not this. -->\n",
+        tables.join(" and "),
+        if tables.len() == 1 { "that" } else { "those" }
     );
     let n = chapter.number;
     for (k, task) in (1..).zip(&chapter.tasks) {

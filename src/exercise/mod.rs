@@ -139,8 +139,9 @@ fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
         Some(k) => vec![chapter.task(k)?],
         None => chapter.tasks.iter().collect(),
     };
-    // One `cargo test` per crate the tasks are in (chapter 8 spans two).
-    let mut results = std::collections::BTreeMap::new();
+    // One `cargo test` per crate the tasks are in (chapter 8 spans two); each crate's results
+    // apart, as two crates may have tests of the same name.
+    let mut results = Results::new();
     for krate in &chapter.crates {
         let tests: Vec<table::TestRef> = tasks
             .iter()
@@ -149,27 +150,23 @@ fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
             .collect();
         if !tests.is_empty() {
             let target = target_dir(root);
-            results.extend(run::run_tests(
-                &learner,
-                &target,
-                &krate.package,
-                &tests,
-                &[],
-            )?);
+            let ran = run::run_tests(&learner, &target, &krate.package, &tests, &[])?;
+            results.insert(krate.package.clone(), ran);
         }
     }
     report(&chapter, &tasks, &results)
 }
 
+/// Test results by crate (package name), then by test name.
+type Results =
+    std::collections::BTreeMap<String, std::collections::BTreeMap<String, run::TestResult>>;
+
 /// Prints each task's tests, with the panic of each failure, and fails if one did.
-fn report(
-    chapter: &Chapter,
-    tasks: &[&table::Task],
-    results: &std::collections::BTreeMap<String, run::TestResult>,
-) -> Result<()> {
+fn report(chapter: &Chapter, tasks: &[&table::Task], results: &Results) -> Result<()> {
     let mut failed = 0;
     println!();
     for task in tasks {
+        let results = &results[&task.krate.package];
         let refs = task.test_refs();
         let ok = refs.iter().filter(|t| results[&t.name].passed).count();
         let mark = if ok == refs.len() { "ok  " } else { "FAIL" };

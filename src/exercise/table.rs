@@ -300,6 +300,18 @@ mod tests {
         );
     }
 
+    /// A task's file may lie in another crate (`..`): resolved from its own crate's directory.
+    #[test]
+    fn a_file_outside_its_crate_resolves_from_that_crate() {
+        let outside = task("8.1").replace("src/lib.rs", "../ch01-one/src/shard.rs");
+        let root = root(&[("ch08-alpha", outside), ("ch01-one", task("1.1"))]);
+        let chapters = load_all(root.path()).unwrap();
+        assert_eq!(
+            chapters[1].tasks[0].source(),
+            PathBuf::from("chapters/ch01-one/src/shard.rs")
+        );
+    }
+
     #[test]
     fn numbering_that_restarts_in_a_second_crate_is_an_error() {
         let root = root(&[("ch08-alpha", task("8.1")), ("ch08-zeta", task("8.1"))]);

@@ -118,8 +118,11 @@ fn collectives_equal_the_sequential_reference_on_every_rank() {
     }
 }
 
+/// A bad root or gather output is an error on each rank that passed one (every rank, or rank 0
+/// alone, whose peers then finish the gather), lengths that differ are one on every rank, and
+/// the group works after all of them.
 #[test]
-fn the_seam_errors_are_errors_on_every_rank() {
+fn the_seam_errors_are_errors_where_they_happen_and_the_group_goes_on() {
     let _turn = one_group_at_a_time();
     let Some(mut group) = every_gpu() else { return };
     let world = group.len();
@@ -239,7 +242,11 @@ fn a_group_that_cannot_be_made_is_an_error_saying_why() {
             "{}",
             message(&[0])
         ),
-        (true, false) => assert!(message(&[0]).contains("libnccl.so.2"), "{}", message(&[0])),
+        (true, false) => assert!(
+            message(&[0]).contains("a link named libnccl.so"),
+            "{}",
+            message(&[0])
+        ),
         (true, true) => {
             assert!(
                 message(&[0, 0]).contains("named twice"),

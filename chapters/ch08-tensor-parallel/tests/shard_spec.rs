@@ -75,6 +75,23 @@ proptest! {
         }
         let (rows, cols) = ShardSpec::whole().ranges("w", in_f, out_f).unwrap();
         prop_assert_eq!((rows, cols), (0..out_f, 0..in_f));
+
+        // A split dimension the world does not divide, and a rank outside the world: errors
+        // that say which.
+        if world > 1 {
+            let error = ShardSpec::column(0, world).ranges("w", in_f, out_f + 1).unwrap_err();
+            prop_assert_eq!(error, ShardError::NotDivisible {
+                what: "out_features of `w`".into(), size: out_f + 1, world,
+            });
+            let error = ShardSpec::row(0, world).ranges("w", in_f + 1, out_f).unwrap_err();
+            prop_assert_eq!(error, ShardError::NotDivisible {
+                what: "in_features of `w`".into(), size: in_f + 1, world,
+            });
+        }
+        let error = ShardSpec::column(world, world).ranges("w", in_f, out_f).unwrap_err();
+        prop_assert_eq!(error, ShardError::RankOutOfRange { rank: world, world });
+        let error = ShardSpec::row(0, 0).ranges("w", in_f, out_f).unwrap_err();
+        prop_assert_eq!(error, ShardError::EmptyWorld);
     }
 
     /// Query heads split by column; rank r's KV spec must hold exactly the KV heads its query
@@ -98,6 +115,8 @@ proptest! {
                 continue;
             }
             let spec = spec.unwrap();
+            let outside = TensorParallel { rank: world, world }.kv_spec(kv_heads);
+            prop_assert_eq!(outside, Err(ShardError::RankOutOfRange { rank: world, world }));
             let (q, _) = ShardSpec::column(rank, world).ranges("q_proj", 1, heads).unwrap();
             let (kv, _) = spec.ranges("k_proj", 1, kv_heads).unwrap();
             let local_group = q.len() / kv.len();

@@ -96,7 +96,7 @@ fn blocks_in(kv_memory: u64, block_bytes: u64, block_size: usize) -> Result<usiz
             "a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes"
         )));
     }
-    // Slot `num_blocks · block_size − 1` must fit in a u32 (`BatchIndex` checks the same).
+    // The slot count `num_blocks · block_size` must fit in a u32 (`BatchIndex` checks the same).
     let max_blocks = u64::from(u32::MAX) / block_size as u64;
     if num_blocks > max_blocks {
         return Err(CudaError::Shape(format!(

@@ -106,7 +106,7 @@ pub const HEAD_DIM_MAX: usize = 128;
 pub const GROUP_MAX: usize = 8;
 /// The most keys in one split-K partition of the decode kernel (its scores sit in shared memory).
 pub const PARTITION_MAX: usize = 256;
-/// The most blocks a launch grid holds along y or z (CUDA's limit; x holds 2^31 − 1).
+/// The most blocks a launch grid holds along y or z (CUDA's limit).
 pub const GRID_YZ_MAX: usize = 65_535;
 
 /// `value` as a grid's y or z extent: an error past [`GRID_YZ_MAX`], which a launch would

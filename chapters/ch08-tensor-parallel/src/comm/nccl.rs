@@ -38,8 +38,9 @@ unsafe impl Send for RankComm {}
 
 /// One rank of a group of GPUs, one GPU per rank.
 ///
-/// Invariant: `comm` is rank `rank` of a group of `world`, its stream on the rank's GPU; the
-/// device buffers are grown to each call's lengths, never shrunk.
+/// Invariant: `comm` is rank `rank` of a group of `world`, its stream on the rank's GPU; each
+/// call sizes the device buffers it uses to exactly its lengths (`sized`), as NCCL takes its
+/// counts from them.
 pub struct NcclComm {
     comm: RankComm,
     stream: Arc<CudaStream>,
