@@ -619,18 +619,19 @@ fn a_gpu_that_is_not_there_is_an_error_never_a_cpu_fallback() {
     }
     assert_fails_with(&on_gpu(&["--recompute"]), "drop --recompute/--contiguous");
     assert_fails_with(&on_gpu(&["--contiguous"]), "drop --recompute/--contiguous");
-    assert_fails_with(
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--device",
-            "cuda",
-            "--attention-backend",
-            "flash",
-        ],
-        "--attention-backend picks the CPU executor's attention",
-    );
+    let demo = fixtures_dir().join("prompts/demo.txt");
+    let demo = demo.to_str().unwrap();
+    for command in [
+        &["generate", "--prompts-file", demo][..],
+        &["serve", "--port", "0"],
+    ] {
+        let mut args = command.to_vec();
+        args.extend(["--device", "cuda", "--attention-backend", "flash"]);
+        assert_fails_with(
+            &args,
+            "--attention-backend picks the CPU executor's attention",
+        );
+    }
     assert_fails_with(
         &on_gpu(&["--dequantize"]),
         "--dequantize applies to a GGUF file",
