@@ -285,21 +285,22 @@ impl RandomModelSpec {
 
 /// Writes the checkpoint `spec` describes into `dir` (created if missing; the five files it
 /// writes are replaced, nothing else is touched). Fails before writing anything when the
-/// config would not load.
+/// config would not load. `config.json` is written last, so a checkpoint whose writing was cut
+/// short has none and is not taken for a whole one.
 pub fn write_random_model(spec: &RandomModelSpec, dir: &Path) -> Result<()> {
     let config_path = dir.join("config.json");
     let config_text = pretty(&spec.config_json());
     LlamaConfig::from_json(&config_text, &config_path)?;
     std::fs::create_dir_all(dir).map_err(|e| write_error(dir, e))?;
 
-    write_file(&config_path, config_text.as_bytes())?;
     let generation = json!({ "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID });
     write_file(
         &dir.join("generation_config.json"),
         pretty(&generation).as_bytes(),
     )?;
     write_tokenizer(spec, dir)?;
-    write_weights(spec, &dir.join("model.safetensors"))
+    write_weights(spec, &dir.join("model.safetensors"))?;
+    write_file(&config_path, config_text.as_bytes())
 }
 
 /// `model.safetensors`: every tensor of [`RandomModelSpec::tensors`], generated in parallel.

@@ -73,6 +73,7 @@ pub fn run(
     quick: bool,
     reps: usize,
     facts: &RunFacts,
+    out: &Path,
 ) -> anyhow::Result<(String, String)> {
     let DeviceSpec::Cuda(ordinal) = device else {
         anyhow::bail!("the GPU part needs --device cuda");
@@ -126,7 +127,9 @@ pub fn run(
         kiln.push((batch, median));
     }
     let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".into());
-    let peer = transformers(&python, &dir, prompt, output, reps);
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let log = out.join("gpu-e2e-transformers.log");
+    let peer = transformers(&python, &dir, prompt, output, reps, &log);
 
     let mut table = Table::new([
         "engine",
@@ -279,16 +282,28 @@ fn serve(
     })
 }
 
-/// transformers on the same GPU, run by `python` (`$KILN_PYTHON`, else `python3`):
-/// `(batch, served)` for B = 1 and 32, or why it did not run.
+/// How long transformers may take, warm-up and compilation included (`KILN_PEER_TIMEOUT`
+/// seconds): kiln's own figures are written only after it, so it must not take the run's
+/// whole time.
+const PEER_TIMEOUT_S: u64 = 240;
+
+/// transformers on the same GPU, run by `python` (`$KILN_PYTHON`, else `python3`) under
+/// `timeout`: `(batch, served)` for B = 1 and 32, or why it did not run. Its stderr goes to
+/// `log`.
 fn transformers(
     python: &str,
     model: &Path,
     prompt: usize,
     output: usize,
     reps: usize,
+    log: &Path,
 ) -> Result<Vec<(usize, Served)>, String> {
-    let result = Command::new(python)
+    let limit = std::env::var("KILN_PEER_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(PEER_TIMEOUT_S);
+    let result = Command::new("timeout")
+        .args(["-k", "10", &limit.to_string(), python])
         .args(["fixtures/scripts/bench_transformers_gpu.py", "--model"])
         .arg(model)
         .args([
@@ -299,14 +314,27 @@ fn transformers(
         ])
         .args(["--batches", "1,32", "--reps", &reps.to_string()])
         .output()
-        .map_err(|e| format!("{python}: {e}"))?;
-    if !result.status.success() {
-        let stderr = String::from_utf8_lossy(&result.stderr);
-        return Err(stderr.lines().last().unwrap_or("failed").to_string());
+        .map_err(|e| format!("timeout {limit} {python}: {e}"))?;
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    if let Err(e) = std::fs::write(log, stderr.as_bytes()) {
+        eprintln!("  could not write {}: {e}", log.display());
     }
+    if !result.status.success() {
+        return Err(match result.status.code() {
+            Some(124) => format!("it took more than {limit} s (KILN_PEER_TIMEOUT)"),
+            _ => stderr.lines().last().map_or_else(
+                || format!("{python} failed, saying nothing"),
+                str::to_string,
+            ),
+        });
+    }
+    // The last line that parses: libraries may write to stdout after the result.
     let stdout = String::from_utf8_lossy(&result.stdout);
-    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or(""))
-        .map_err(|e| format!("its output is not JSON: {e}"))?;
+    let json: serde_json::Value = stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .ok_or("no JSON line in its output")?;
     let rows = json["runs"].as_array().ok_or("no `runs` in its output")?;
     Ok(rows
         .iter()
@@ -346,7 +374,12 @@ mod tests {
     /// Without a working Python the peer is reported as not run, with the reason.
     #[test]
     fn a_missing_peer_is_reported_not_invented() {
-        let why = transformers("/nonexistent/python3", Path::new("unused"), 8, 8, 1).unwrap_err();
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("peer.log");
+        let why =
+            transformers("/nonexistent/python3", Path::new("unused"), 8, 8, 1, &log).unwrap_err();
         assert!(why.contains("/nonexistent/python3"), "{why}");
+        let logged = std::fs::read_to_string(&log).unwrap();
+        assert!(logged.contains("/nonexistent/python3"), "{logged}");
     }
 }
