@@ -3,7 +3,7 @@
 //! `KILN_REQUIRE_NVRTC=1`, so that a missing library fails the check instead of skipping it.
 
 use ch07_flash_attention::cuda::compile::nvrtc_present;
-use ch07_flash_attention::cuda::{Arch, KERNELS, compile_kernel};
+use ch07_flash_attention::cuda::{Arch, KERNELS, compile_kernel, compile_kernel_once};
 
 /// Whether NVRTC can be loaded; without it the test says it skipped, unless
 /// `KILN_REQUIRE_NVRTC` is set, which makes that a failure.
@@ -61,4 +61,28 @@ fn a_kernel_with_an_error_reports_the_compiler_log() {
         error.contains("broken.cu") && error.contains("undefined_name"),
         "{error}"
     );
+}
+
+/// The PTX a device gets (compiled once per process) is NVRTC's for that source: the same on a
+/// second call, and a different source of the same file name is compiled, not confused with it.
+#[test]
+fn a_kernel_compiled_once_is_the_compilers_ptx() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let kernel = &KERNELS[0];
+    let fresh = compile_kernel(kernel, Arch::Sm90).unwrap().to_src();
+    for _ in 0..2 {
+        assert_eq!(
+            compile_kernel_once(kernel, Arch::Sm90).unwrap().to_src(),
+            fresh
+        );
+    }
+    let other = ch07_flash_attention::cuda::KernelSource {
+        file: kernel.file,
+        source: "extern \"C\" __global__ void other_entry() {}",
+        functions: &["other_entry"],
+    };
+    let text = compile_kernel_once(&other, Arch::Sm90).unwrap().to_src();
+    assert!(text.contains(".entry other_entry("), "{text}");
 }

@@ -1,12 +1,15 @@
 //! NVRTC: a kernel's source → PTX for one GPU architecture, at start-up.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 
 use super::CudaError;
 use super::kernels::KernelSource;
 
 /// A GPU architecture the kernels are compiled for (`--gpu-architecture=sm_XY`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Arch {
     /// Ampere (A100): compute capability 8.0.
     Sm80,
@@ -70,6 +73,28 @@ pub fn compile_kernel(kernel: &KernelSource, arch: Arch) -> Result<Ptx, CudaErro
             other => other.to_string(),
         },
     })
+}
+
+/// [`compile_kernel`], once per process for each source and architecture: the sources are
+/// `'static` text that never changes, so a second device opened by the same process (a draft
+/// model's executor, each GPU test) reuses the PTX instead of running NVRTC again.
+pub fn compile_kernel_once(kernel: &KernelSource, arch: Arch) -> Result<Ptx, CudaError> {
+    type Key = (&'static str, &'static str, Arch); // file, source, architecture
+    static COMPILED: Mutex<Option<HashMap<Key, Ptx>>> = Mutex::new(None);
+    let key = (kernel.file, kernel.source, arch);
+    let cached = |compiled: &Option<HashMap<_, Ptx>>| compiled.as_ref()?.get(&key).cloned();
+    if let Some(ptx) = cached(&COMPILED.lock().unwrap_or_else(PoisonError::into_inner)) {
+        return Ok(ptx);
+    }
+    // Compiled outside the lock: two threads may both compile a file once; either result is
+    // the same PTX.
+    let ptx = compile_kernel(kernel, arch)?;
+    COMPILED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get_or_insert_with(HashMap::new)
+        .insert(key, ptx.clone());
+    Ok(ptx)
 }
 
 #[cfg(test)]

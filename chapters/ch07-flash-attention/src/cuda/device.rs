@@ -10,7 +10,7 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 
 use super::CudaError;
-use super::compile::{Arch, compile_kernel};
+use super::compile::{Arch, compile_kernel_once};
 use super::kernel_choice::{DecodeKernel, PrefillKernel};
 use super::kernels::KERNELS;
 use super::step_buffers::DecodePartials;
@@ -90,7 +90,7 @@ impl GpuDevice {
         let arch = Arch::from_capability(major, minor)?;
         let mut functions = HashMap::new();
         for kernel in KERNELS {
-            let module = context.load_module(compile_kernel(kernel, arch)?)?;
+            let module = context.load_module(compile_kernel_once(kernel, arch)?)?;
             for &function in kernel.functions {
                 functions.insert(function, module.load_function(function)?);
             }
