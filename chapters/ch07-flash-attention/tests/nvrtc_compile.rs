@@ -3,7 +3,9 @@
 //! `KILN_REQUIRE_NVRTC=1`, so that a missing library fails the check instead of skipping it.
 
 use ch07_flash_attention::cuda::compile::nvrtc_present;
-use ch07_flash_attention::cuda::{Arch, KERNELS, compile_kernel, compile_kernel_once};
+use ch07_flash_attention::cuda::{
+    Arch, KERNELS, compile_kernel, compile_kernel_cached, compile_kernel_once,
+};
 
 /// Whether NVRTC can be loaded; without it the test says it skipped, unless
 /// `KILN_REQUIRE_NVRTC` is set, which makes that a failure.
@@ -85,4 +87,35 @@ fn a_kernel_compiled_once_is_the_compilers_ptx() {
     };
     let text = compile_kernel_once(&other, Arch::Sm90).unwrap().to_src();
     assert!(text.contains(".entry other_entry("), "{text}");
+}
+
+/// `KILN_KERNEL_CACHE`'s folder: the first compilation stores NVRTC's PTX there, one file per
+/// source and architecture, and a later one reads the file instead of compiling.
+#[test]
+fn a_kernel_cache_folder_keeps_the_ptx_for_later_processes() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = &KERNELS[0];
+    let fresh = compile_kernel(kernel, Arch::Sm90).unwrap().to_src();
+    assert_eq!(
+        compile_kernel_cached(kernel, Arch::Sm90, dir.path())
+            .unwrap()
+            .to_src(),
+        fresh
+    );
+    let files: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(std::fs::read_to_string(&files[0]).unwrap(), fresh);
+    // What a later call returns is the file's text (here replaced, to tell the two apart).
+    std::fs::write(&files[0], "// from the cache\n").unwrap();
+    let cached = compile_kernel_cached(kernel, Arch::Sm90, dir.path()).unwrap();
+    assert_eq!(cached.to_src(), "// from the cache\n");
+    // Another architecture is another file.
+    compile_kernel_cached(kernel, Arch::Sm80, dir.path()).unwrap();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
 }

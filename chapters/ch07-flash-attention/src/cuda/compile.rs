@@ -1,6 +1,7 @@
 //! NVRTC: a kernel's source → PTX for one GPU architecture, at start-up.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
@@ -53,6 +54,9 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// NVRTC's options beside the architecture (part of what names a cached PTX file).
+const OPTIONS: &[&str] = &["--std=c++17"];
+
 /// Compiles one kernel file for `arch`. Precise division and square roots, no flush-to-zero:
 /// the kernels are held to the CPU reference within 1e-5.
 pub fn compile_kernel(kernel: &KernelSource, arch: Arch) -> Result<Ptx, CudaError> {
@@ -62,7 +66,7 @@ pub fn compile_kernel(kernel: &KernelSource, arch: Arch) -> Result<Ptx, CudaErro
     let options = CompileOptions {
         arch: Some(arch.name()),
         name: Some(kernel.file.to_string()),
-        options: vec!["--std=c++17".to_string()],
+        options: OPTIONS.iter().map(|o| o.to_string()).collect(),
         ..Default::default()
     };
     compile_ptx_with_opts(kernel.resolved(), options).map_err(|e| CudaError::Compile {
@@ -88,13 +92,77 @@ pub fn compile_kernel_once(kernel: &KernelSource, arch: Arch) -> Result<Ptx, Cud
     }
     // Compiled outside the lock: two threads may both compile a file once; either result is
     // the same PTX.
-    let ptx = compile_kernel(kernel, arch)?;
+    let ptx = match std::env::var_os(KERNEL_CACHE_VAR) {
+        Some(dir) => compile_kernel_cached(kernel, arch, Path::new(&dir))?,
+        None => compile_kernel(kernel, arch)?,
+    };
     COMPILED
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .get_or_insert_with(HashMap::new)
         .insert(key, ptx.clone());
     Ok(ptx)
+}
+
+/// A folder where [`compile_kernel_once`] keeps the PTX it compiles, for later processes:
+/// each kiln process otherwise runs NVRTC over every kernel as it opens a device.
+pub const KERNEL_CACHE_VAR: &str = "KILN_KERNEL_CACHE";
+
+/// [`compile_kernel`] through the folder `dir`: the PTX of this source, architecture, options
+/// and NVRTC version if a process has compiled it before, else compiled and stored there. A
+/// folder that cannot be read or written only costs the compilation.
+pub fn compile_kernel_cached(
+    kernel: &KernelSource,
+    arch: Arch,
+    dir: &Path,
+) -> Result<Ptx, CudaError> {
+    let Some(path) = cached_ptx_path(kernel, arch, dir) else {
+        return compile_kernel(kernel, arch);
+    };
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        return Ok(Ptx::from_src(text));
+    }
+    let ptx = compile_kernel(kernel, arch)?;
+    // Written whole under another name, then renamed: a reader never sees half a file.
+    let part = path.with_extension(format!("part{}", std::process::id()));
+    let stored = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&part, ptx.to_src()))
+        .and_then(|()| std::fs::rename(&part, &path));
+    if stored.is_err() {
+        let _ = std::fs::remove_file(&part);
+    }
+    Ok(ptx)
+}
+
+/// `dir/<file>-<arch>-<hash>.ptx`, the hash (FNV-1a, 64 bits) over everything that makes the
+/// PTX: the resolved source, the architecture, the options and NVRTC's version. `None` when
+/// NVRTC's version cannot be read.
+fn cached_ptx_path(kernel: &KernelSource, arch: Arch, dir: &Path) -> Option<PathBuf> {
+    let (major, minor) = nvrtc_version()?;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let parts = [
+        kernel.resolved(),
+        arch.name().to_string(),
+        OPTIONS.join(" "),
+        format!("nvrtc {major}.{minor}"),
+    ];
+    for byte in parts.iter().flat_map(|p| p.bytes().chain([0])) {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let stem = kernel.file.trim_end_matches(".cu");
+    Some(dir.join(format!("{stem}-{}-{hash:016x}.ptx", arch.name())))
+}
+
+/// NVRTC's (major, minor) version, `None` if the library cannot say.
+fn nvrtc_version() -> Option<(i32, i32)> {
+    if !nvrtc_present() {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present (checked above); nvrtcVersion writes two ints through
+    // the pointers, which point to live locals.
+    let result = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (result == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((major, minor))
 }
 
 #[cfg(test)]

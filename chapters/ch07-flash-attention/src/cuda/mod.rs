@@ -28,7 +28,7 @@ mod step_buffers;
 pub mod weights;
 
 pub use batch::{BatchIndex, BatchShape, DeviceTokens, PagedBatch, SeqRows, UploadedTokens};
-pub use compile::{Arch, compile_kernel, compile_kernel_once};
+pub use compile::{Arch, compile_kernel, compile_kernel_cached, compile_kernel_once};
 pub use device::{DeviceSpec, GpuDevice};
 pub use executor::{CudaExecutor, KvBudget, kv_bytes_for_share};
 pub use kernel_choice::{DecodeKernel, PrefillKernel};
