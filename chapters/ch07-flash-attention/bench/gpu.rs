@@ -29,8 +29,10 @@ use super::super::bars::BarChart;
 use super::super::ch04::workload::fixed_length;
 use super::super::table::Table;
 
-/// Where the default checkpoint is written.
+/// Where the default checkpoint is written: the Llama-1B shape, or with `--quick` the tiny
+/// one (a folder of its own, so that a quick run never leaves it where a full run looks).
 const DEFAULT_MODEL: &str = "target/llama-1b-random";
+const DEFAULT_QUICK_MODEL: &str = "target/tiny-d64-random";
 /// Batch-1 decode the issue asks for, tokens/s.
 const DECODE_TARGET: f64 = 500.0;
 /// Continuous batching at 64 against transformers' static batch of 32.
@@ -84,7 +86,12 @@ pub fn run(
     };
     // The GPU first: without one, nothing is written.
     let gpu = GpuDevice::open(ordinal).with_context(|| format!("--device {device}"))?;
-    let dir = model.unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    let dir = model.unwrap_or_else(|| {
+        PathBuf::from(match quick {
+            true => DEFAULT_QUICK_MODEL,
+            false => DEFAULT_MODEL,
+        })
+    });
     if !dir.join("config.json").exists() {
         let spec = match quick {
             true => ch01::random_model::RandomModelSpec::tiny_d64(),

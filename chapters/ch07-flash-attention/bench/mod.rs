@@ -113,7 +113,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     if let Some(device) = args.device.filter(|d| *d != ch07::cuda::DeviceSpec::Cpu) {
         let (markdown, svg) = gpu::run(device, args.model, args.output.quick, reps, &facts, &out)?;
-        println!("{markdown}");
         return write_figures(&out, &[("gpu-e2e", Some(&markdown), &svg)]);
     }
     let threads = rayon::current_num_threads();
