@@ -54,7 +54,7 @@
 mod allocator;
 mod prefix_cache;
 
-pub use prefix_cache::{ROOT_HASH, block_hash};
+pub use prefix_cache::{FNV_OFFSET, ROOT_HASH, block_hash, fnv1a_extend};
 
 use allocator::BlockAllocator;
 use prefix_cache::{Lookup, PrefixCache, ROOT};

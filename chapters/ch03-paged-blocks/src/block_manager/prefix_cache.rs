@@ -35,10 +35,11 @@ pub const ROOT_HASH: u64 = 0;
 
 /// FNV-1a, 64-bit (offset basis and prime from the FNV specification).
 // ANCHOR: block_hash
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
-fn fnv1a_extend(mut hash: u64, bytes: &[u8]) -> u64 {
+/// `hash` (start from [`FNV_OFFSET`]) extended by `bytes`.
+pub fn fnv1a_extend(mut hash: u64, bytes: &[u8]) -> u64 {
     for &byte in bytes {
         hash ^= u64::from(byte);
         hash = hash.wrapping_mul(FNV_PRIME);

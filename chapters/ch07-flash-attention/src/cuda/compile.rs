@@ -2,7 +2,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{LazyLock, Mutex, PoisonError};
+
+use ch03::block_manager::{FNV_OFFSET, fnv1a_extend};
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 
@@ -84,10 +86,10 @@ pub fn compile_kernel(kernel: &KernelSource, arch: Arch) -> Result<Ptx, CudaErro
 /// model's executor, each GPU test) reuses the PTX instead of running NVRTC again.
 pub fn compile_kernel_once(kernel: &KernelSource, arch: Arch) -> Result<Ptx, CudaError> {
     type Key = (&'static str, &'static str, Arch); // file, source, architecture
-    static COMPILED: Mutex<Option<HashMap<Key, Ptx>>> = Mutex::new(None);
+    static COMPILED: LazyLock<Mutex<HashMap<Key, Ptx>>> = LazyLock::new(Default::default);
+    let compiled = || COMPILED.lock().unwrap_or_else(PoisonError::into_inner);
     let key = (kernel.file, kernel.source, arch);
-    let cached = |compiled: &Option<HashMap<_, Ptx>>| compiled.as_ref()?.get(&key).cloned();
-    if let Some(ptx) = cached(&COMPILED.lock().unwrap_or_else(PoisonError::into_inner)) {
+    if let Some(ptx) = compiled().get(&key).cloned() {
         return Ok(ptx);
     }
     // Compiled outside the lock: two threads may both compile a file once; either result is
@@ -96,11 +98,7 @@ pub fn compile_kernel_once(kernel: &KernelSource, arch: Arch) -> Result<Ptx, Cud
         Some(dir) => compile_kernel_cached(kernel, arch, Path::new(&dir))?,
         None => compile_kernel(kernel, arch)?,
     };
-    COMPILED
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get_or_insert_with(HashMap::new)
-        .insert(key, ptx.clone());
+    compiled().insert(key, ptx.clone());
     Ok(ptx)
 }
 
@@ -139,16 +137,16 @@ pub fn compile_kernel_cached(
 /// NVRTC's version cannot be read.
 fn cached_ptx_path(kernel: &KernelSource, arch: Arch, dir: &Path) -> Option<PathBuf> {
     let (major, minor) = nvrtc_version()?;
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     let parts = [
         kernel.resolved(),
         arch.name().to_string(),
         OPTIONS.join(" "),
         format!("nvrtc {major}.{minor}"),
     ];
-    for byte in parts.iter().flat_map(|p| p.bytes().chain([0])) {
-        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-    }
+    // Each part and a 0 byte after it, so that no two lists of parts hash the same bytes.
+    let hash = parts.iter().fold(FNV_OFFSET, |hash, part| {
+        fnv1a_extend(fnv1a_extend(hash, part.as_bytes()), &[0])
+    });
     let stem = kernel.file.trim_end_matches(".cu");
     Some(dir.join(format!("{stem}-{}-{hash:016x}.ptx", arch.name())))
 }
