@@ -135,8 +135,9 @@ impl SpeculativeArgs {
         Ok(Some(draft))
     }
 
-    /// The engine's speculator for a target whose weights are where `target` says (and the draft model `load_draft` returned, for a target in host memory), or `None`
-    /// when speculation is off. `cache`: the target's K/V configuration, whose block size (and,
+    /// The engine's speculator for a target whose weights are where `target` says (and the
+    /// draft model `load_draft` returned, for a target in host memory), or `None` when
+    /// speculation is off. `cache`: the target's K/V configuration, whose block size (and,
     /// on a GPU, element type) the draft's own cache of --speculative-kv-cache-memory takes.
     pub fn speculator<'m>(
         &self,

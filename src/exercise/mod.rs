@@ -141,7 +141,7 @@ fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
     };
     // One `cargo test` per crate the tasks are in (chapter 8 spans two); each crate's results
     // apart, as two crates may have tests of the same name.
-    let mut results = Results::new();
+    let (target, mut results) = (target_dir(root), Results::new());
     for krate in &chapter.crates {
         let tests: Vec<table::TestRef> = tasks
             .iter()
@@ -149,7 +149,6 @@ fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
             .flat_map(|t| t.test_refs())
             .collect();
         if !tests.is_empty() {
-            let target = target_dir(root);
             let ran = run::run_tests(&learner, &target, &krate.package, &tests, &[])?;
             results.insert(krate.package.clone(), ran);
         }

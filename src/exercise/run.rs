@@ -16,8 +16,8 @@ pub struct TestResult {
     pub output: String,
 }
 
-/// Runs `tests` of the crate `package` in the workspace at `copy`, building into `target_dir` (the
-/// reference's, so the dependencies are not built again), with `env` set. Every test must
+/// Runs `tests` of the crate `package` in the workspace at `copy`, building into `target_dir`
+/// (the reference's, so the dependencies are not built again), with `env` set. Every test must
 /// have run: a name that matched nothing is an error, not a pass.
 pub fn run_tests(
     copy: &Path,
