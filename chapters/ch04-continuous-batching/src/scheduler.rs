@@ -527,7 +527,11 @@ impl Scheduler {
         for id in running {
             let seq = self.seqs.get_mut(&id).expect("running");
             seq.draft.clear();
-            if paused || k == 0 || seq.pending() != 1 || seq.processor.is_some() {
+            // Drafts follow a decode's last sampled token, never a prompt's last token: a
+            // request with `n` > 1 forks its choices from the prompt's K/V after that step,
+            // and accepted drafts would already be in it.
+            let decoding = seq.tokens.len() > seq.request.prompt.len();
+            if paused || k == 0 || !decoding || seq.pending() != 1 || seq.processor.is_some() {
                 continue;
             }
             // The step yields up to drafts + 1 tokens: stay within max_tokens and the context.
@@ -582,7 +586,8 @@ impl Scheduler {
     /// must do to K/V data first.
     pub fn schedule(&mut self) -> SchedulerOutput {
         self.trace = StepTrace::default();
-        let picked = self.pick();
+        let mut picked = self.pick();
+        self.grant_drafts(&mut picked);
         let mut seqs = Vec::with_capacity(picked.len());
         for (id, n) in picked {
             let s = &self.seqs[&id];
@@ -627,20 +632,6 @@ impl Scheduler {
             let Some(n) = self.chunk(id, budget) else {
                 continue;
             };
-            // Drafts (chapter 6) run in lookahead slots when the budget and the free blocks
-            // allow; otherwise they are dropped, never a reason to preempt.
-            let drafts = self.seqs[&id].draft.tokens.len().min(budget - n);
-            if drafts > 0 && self.reserve(id, n + drafts).is_ok() {
-                self.seqs
-                    .get_mut(&id)
-                    .expect("known")
-                    .draft
-                    .truncate(drafts);
-                scheduled.push((id, n + drafts));
-                budget -= n + drafts;
-                continue;
-            }
-            self.seqs.get_mut(&id).expect("known").draft.clear();
             if self.reserve_or_preempt(id, n, &scheduled) {
                 scheduled.push((id, n));
                 budget -= n;
@@ -679,6 +670,39 @@ impl Scheduler {
         // ANCHOR_END: task_4_2
     }
     // ANCHOR_END: schedule
+
+    // ANCHOR: grant_drafts
+    /// Gives chapter 6's drafts what the step leaves: once every running sequence has its
+    /// tokens and every admitted one its chunk, each picked decode, in scheduling order, gets
+    /// as many of its drafts as the rest of the token budget and the free blocks allow, in
+    /// lookahead slots past its end. The others are dropped: drafts never delay, starve or
+    /// preempt anyone's required tokens.
+    fn grant_drafts(&mut self, picked: &mut [(RequestId, usize)]) {
+        let used: usize = picked.iter().map(|&(_, n)| n).sum();
+        let mut budget = self.config.max_num_batched_tokens.saturating_sub(used);
+        for (id, n) in picked.iter_mut() {
+            let seq = &self.seqs[id];
+            // Only a step that reaches the sequence's last token can run its drafts.
+            let reaches_end = seq.num_computed + *n == seq.tokens.len();
+            let drafts = if reaches_end {
+                seq.draft.tokens.len().min(budget)
+            } else {
+                0
+            };
+            if drafts == 0 || self.reserve(*id, *n + drafts).is_err() {
+                self.seqs.get_mut(id).expect("picked").draft.clear();
+                continue;
+            }
+            self.seqs
+                .get_mut(id)
+                .expect("picked")
+                .draft
+                .truncate(drafts);
+            *n += drafts;
+            budget -= drafts;
+        }
+    }
+    // ANCHOR_END: grant_drafts
 
     /// Tokens of `id` to run within `budget`: its pending tokens, or with chunked prefill as
     /// many as fit. `None` if it cannot run this step.

@@ -1,5 +1,5 @@
 //! Speculation inside the batched engine: for random request sets (prompt and output lengths,
-//! arrival steps, aborts), random budgets and small block pools that force chunked prefill and
+//! arrival steps, aborts, extra choices of a prompt as the API's `n` asks), random budgets and small block pools that force chunked prefill and
 //! both kinds of preemption, with prefix caching on or off, every drafter and k, and
 //! speculation paused above a random batch size: every greedy output equals the target alone;
 //! after every step the block manager's invariants hold; afterwards no block of the target's
@@ -25,6 +25,8 @@ struct Arrival {
     max_tokens: usize,
     arrive_at: usize,
     abort_at: Option<usize>,
+    /// Extra choices forked from this request's prompt (`n` − 1).
+    forks: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -48,12 +50,14 @@ fn case(vocab: u32) -> impl Strategy<Value = Case> {
         1usize..14,
         0usize..6,
         proptest::option::weighted(0.15, 0usize..10),
+        prop_oneof![3 => Just(0usize), 1 => 1usize..3],
     )
-        .prop_map(|(prompt, max_tokens, arrive_at, abort_at)| Arrival {
+        .prop_map(|(prompt, max_tokens, arrive_at, abort_at, forks)| Arrival {
             prompt,
             max_tokens,
             arrive_at,
             abort_at,
+            forks,
         });
     (
         proptest::collection::vec(arrival, 1..6),
@@ -151,12 +155,19 @@ fn speculation_in_the_batched_engine_equals_the_target_alone_and_leaks_no_block(
                 .unwrap()
                 .with_speculator(Box::new(spec));
             let mut ids = vec![None; c.arrivals.len()];
+            // (arrival, fork): greedy, so each equals its parent's request alone.
+            let mut forks = Vec::new();
             let mut step = 0;
             while ids.iter().any(Option::is_none) || engine.has_unfinished() {
                 for (i, a) in c.arrivals.iter().enumerate() {
                     if ids[i].is_none() && a.arrive_at <= step {
                         let request = Request::greedy(a.prompt.clone(), a.max_tokens);
-                        ids[i] = Some(engine.add_request(request).unwrap());
+                        let id = engine.add_request(request).unwrap();
+                        ids[i] = Some(id);
+                        for _ in 0..a.forks {
+                            let fork = Request::greedy(a.prompt.clone(), a.max_tokens);
+                            forks.push((i, engine.add_fork(id, fork, None).unwrap()));
+                        }
                     }
                     if let (Some(id), Some(at)) = (ids[i], a.abort_at)
                         && at == step
@@ -186,6 +197,11 @@ fn speculation_in_the_batched_engine_equals_the_target_alone_and_leaks_no_block(
                 prop_assert_eq!(done.finish_reason, FinishReason::Length);
                 prop_assert_eq!(&done.tokens, reference, "max_tokens {}", a.max_tokens);
             }
+            for &(i, id) in &forks {
+                let done = engine.take(id).unwrap();
+                prop_assert_eq!(done.finish_reason, FinishReason::Length);
+                prop_assert_eq!(&done.tokens, &references[i], "a fork of request {}", i);
+            }
             prop_assert_eq!(
                 engine.scheduler().kv_usage(),
                 0.0,
@@ -210,4 +226,63 @@ fn speculation_in_the_batched_engine_equals_the_target_alone_and_leaks_no_block(
         preemptions > 0 && accepted > 0,
         "preemptions {preemptions}, accepted drafts {accepted}"
     );
+}
+
+/// Drafts take only what a step leaves. Four requests of three prompt tokens, a budget of twelve
+/// tokens a step (the four prompts at once, then four decodes and eight tokens to spare) and a
+/// drafter that always proposes k = 4 tokens: every unfinished request runs in every step, since
+/// the first sequences' drafts may not take the budget of those after them.
+#[test]
+fn drafts_never_crowd_out_another_sequence() {
+    let model = load("shakespeare-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|i| vec![1 + i, 2, 3]).collect();
+    let pool = KvPool::<f32>::new(&model.config, 4, 64).unwrap();
+    let config = EngineConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 12,
+        enable_chunked_prefill: true,
+        watermark: 0.0,
+        preemption: Preemption::Recompute,
+        enable_prefix_caching: false,
+    };
+    let spec = SpeculativeDecoding::new(
+        Box::new(RandomDrafter::new(vocab as usize, 3, false)),
+        SpecConfig {
+            num_speculative_tokens: 4,
+            disable_by_batch_size: None,
+        },
+    );
+    let mut engine = Engine::new(Checked(CpuExecutor::new(&model, pool)), config)
+        .unwrap()
+        .with_speculator(Box::new(spec));
+    let ids: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.add_request(Request::greedy(p.clone(), 12)).unwrap())
+        .collect();
+    let mut drafted = 0;
+    while engine.has_unfinished() {
+        let unfinished: Vec<_> = ids
+            .iter()
+            .filter(|&&id| {
+                let status = engine.scheduler().status(id);
+                matches!(status, Some(Status::Running | Status::Waiting))
+            })
+            .copied()
+            .collect();
+        engine.step_or_stall().unwrap();
+        let trace = engine.scheduler().last_step();
+        for id in unfinished {
+            assert!(
+                trace.scheduled.iter().any(|s| s.0 == id),
+                "request {id} was not scheduled: {:?}",
+                trace.scheduled
+            );
+        }
+        drafted += trace.speculated.len();
+    }
+    assert!(drafted > 0, "no step carried drafts");
+    for (prompt, id) in prompts.iter().zip(ids) {
+        assert_eq!(engine.take(id).unwrap().tokens, alone(&model, prompt, 12));
+    }
 }
