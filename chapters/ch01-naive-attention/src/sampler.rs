@@ -335,6 +335,19 @@ fn is_unmasked(logit: f32) -> bool {
     !logit.is_nan() && logit != f32::NEG_INFINITY
 }
 
+/// `after`, what a penalty or the temperature made of logit `before`, kept sampleable if
+/// `before` was: they change how likely a token is, never whether it can be drawn. A finite
+/// logit driven past f32's range (a huge repetition penalty, a temperature of 1e-45) stops at
+/// the lowest finite value instead of becoming a mask, so a request whose every other token
+/// is masked (by a grammar, `allowed_token_ids`) still has a token to sample.
+fn keep_unmasked(before: f32, after: f32) -> f32 {
+    if is_unmasked(before) {
+        after.max(f32::MIN)
+    } else {
+        after
+    }
+}
+
 /// Best first: higher logit, then lower token id. A total order on unmasked logits, so the
 /// sort and the top-k partition are deterministic. (`-0.0` and `0.0` count as equal.)
 fn by_rank(a: &Candidate, b: &Candidate) -> Ordering {
@@ -518,9 +531,9 @@ impl Sampler {
     fn filter_scaled(&mut self) -> Result<(), SamplingError> {
         let p = &self.params;
         // 5. Temperature. (-inf stays -inf; a tiny temperature may overflow a logit to +inf,
-        // which the softmax treats as its limit.)
+        // which the softmax treats as its limit, and a negative one stops at f32's lowest.)
         for logit in self.logits.iter_mut() {
-            *logit /= p.temperature;
+            *logit = keep_unmasked(*logit, *logit / p.temperature);
         }
         // 6-10.
         filter_candidates(
@@ -573,7 +586,8 @@ impl Sampler {
                 if !self.seen[token] {
                     self.seen[token] = true;
                     let logit = &mut self.logits[token];
-                    *logit = if *logit > 0.0 { *logit / r } else { *logit * r };
+                    *logit =
+                        keep_unmasked(*logit, if *logit > 0.0 { *logit / r } else { *logit * r });
                 }
             }
             // Clear only the entries we set: O(sequence), not O(vocab).
@@ -594,7 +608,8 @@ impl Sampler {
                 // once and the buffer is clean for the next call.
                 let count = std::mem::take(&mut self.output_counts[token as usize]);
                 if count > 0 {
-                    self.logits[token as usize] -= frequency * count as f32 + presence;
+                    let logit = &mut self.logits[token as usize];
+                    *logit = keep_unmasked(*logit, *logit - (frequency * count as f32 + presence));
                 }
             }
         }

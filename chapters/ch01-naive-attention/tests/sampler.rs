@@ -806,3 +806,28 @@ fn distribution_is_what_sample_draws_from() {
     assert_eq!(dist.len(), 1);
     assert_eq!((dist[0].token, dist[0].prob), (1, 1.0));
 }
+
+/// Penalties and the temperature change how likely a token is, never whether it can be drawn:
+/// one token left unmasked (as a grammar or `allowed_token_ids` leaves it) is still sampled
+/// when a huge repetition penalty or a temperature of 1e-45 (both valid) drives its logit past
+/// f32's range.
+#[test]
+fn a_penalty_or_a_tiny_temperature_never_masks_the_last_token() {
+    let mut logits = vec![f32::NEG_INFINITY; 8];
+    logits[5] = -100.0;
+    let cases = [
+        SamplingParams {
+            repetition_penalty: 1e38,
+            ..SamplingParams::greedy()
+        },
+        sampling(1e-45, 0, 1.0, 0.0, 7),
+        SamplingParams {
+            repetition_penalty: 1e38,
+            ..sampling(1e-45, 3, 0.5, 0.5, 7)
+        },
+    ];
+    for params in cases {
+        let mut sampler = Sampler::new(params.clone()).unwrap();
+        assert_eq!(sampler.sample(&logits, &[5], &[5, 5]), Ok(5), "{params:?}");
+    }
+}
