@@ -895,3 +895,28 @@ fn a_contiguous_cache_larger_than_memory_is_refused() {
         _ => eprintln!("skipped: this machine has the memory for the reservation"),
     }
 }
+
+#[test]
+fn an_fp8_checkpoint_runs_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures_dir().join("shakespeare-tiny");
+    ch05::testing::write_fp8_checkpoint(&src, dir.path(), "dynamic");
+    let model = dir.path().to_str().unwrap();
+    let base = [
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "ROMEO.",
+        "--max-tokens",
+        "4",
+    ];
+    let output = kiln(&base);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let mut args = base.to_vec();
+    args.extend(["--quantization", "q8_0"]);
+    assert_fails_with(&args, "is an FP8 checkpoint");
+    let mut args = base.to_vec();
+    args.extend(["--device", "cuda"]);
+    assert_fails_with(&args, "no GPTQ, AWQ or FP8 directory");
+}

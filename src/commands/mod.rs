@@ -209,10 +209,7 @@ impl ModelArgs {
             return Ok(Box::new(ch05::HfQuantLoader { config, dense }));
         }
         // A Hugging Face FP8 checkpoint (`quant_method: "fp8"`): its projections as stored.
-        if !self.is_gguf()
-            && self.model.join("config.json").exists()
-            && let Some(fp8) = ch05::fp8_config(&self.model)?
-        {
+        if let Some(fp8) = self.fp8()? {
             if self.quantization.is_some() {
                 bail!(
                     "{} is an FP8 checkpoint: --quantization does not apply",
@@ -246,11 +243,11 @@ impl ModelArgs {
         let DeviceSpec::Cuda(ordinal) = self.device else {
             anyhow::bail!("gpu_executor needs --device cuda");
         };
-        if self.quantization.is_some() || self.hf_quant()?.is_some() {
+        if self.quantization.is_some() || self.hf_quant()?.is_some() || self.fp8()?.is_some() {
             anyhow::bail!(
                 "--device {}: the GPU path runs f32 or bf16 weights so far (no --quantization, \
-                 no GPTQ or AWQ directory; a GGUF file's blocks are decoded to --dtype as they \
-                 load)",
+                 no GPTQ, AWQ or FP8 directory; a GGUF file's blocks are decoded to --dtype as \
+                 they load)",
                 self.device
             );
         }
@@ -316,10 +313,11 @@ impl ModelArgs {
         }
     }
 
-    /// The `quantization_config` of a GPTQ or AWQ directory (`None`: not one).
+    /// The `quantization_config` of a GPTQ or AWQ directory (`None`: not one; an FP8
+    /// directory is [`fp8`](Self::fp8)'s).
     pub fn hf_quant(&self) -> anyhow::Result<Option<ch05::HfQuantConfig>> {
         let path = self.model.join("config.json");
-        if self.is_gguf() || !path.exists() {
+        if self.is_gguf() || !path.exists() || self.fp8()?.is_some() {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&path)
@@ -328,6 +326,14 @@ impl ModelArgs {
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         ch05::HfQuantConfig::from_config_json(&json)
             .with_context(|| format!("in {}", path.display()))
+    }
+
+    /// The `quantization_config` of a Hugging Face FP8 directory (`None`: not one).
+    pub fn fp8(&self) -> anyhow::Result<Option<ch05::fp8_linear::Fp8Config>> {
+        if self.is_gguf() || !self.model.join("config.json").exists() {
+            return Ok(None);
+        }
+        Ok(ch05::fp8_config(&self.model)?)
     }
 
     /// Whether `--model` names a GGUF file rather than a directory.

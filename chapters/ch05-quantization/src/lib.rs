@@ -36,6 +36,7 @@ pub mod model_quant;
 pub mod quant_linear;
 mod scratch;
 pub mod smoothquant;
+pub mod testing;
 
 pub use blocks::BlockError;
 pub use format::GgmlType;

@@ -4,8 +4,6 @@
 //! checkpoints written by this test (`quant_method: "fp8"`, F8_E4M3 weights, `weight_scale`)
 //! loaded back through [`Fp8Loader`].
 
-use std::collections::HashMap;
-
 use ch01::linear::Linear;
 use ch01::testing::{relative_l2, seeded_runner};
 use ch01::{Llama, fixtures_dir};
@@ -13,9 +11,9 @@ use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch05_quantization::fp8::F8E4M3;
 use ch05_quantization::fp8_linear::{ActivationScale, Fp8Linear, Fp8Loader, fp8_config};
+use ch05_quantization::testing::write_fp8_checkpoint;
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 fn uniform(rng: &mut WorkloadRng, len: usize, scale: f32) -> Vec<f32> {
     (0..len)
@@ -147,59 +145,6 @@ fn bad_layers_are_errors() {
     );
     assert!(Fp8Linear::new(codes.clone(), 2, 3, &[1.0], Some(Array1::zeros(3)), dynamic).is_err());
     assert!(Fp8Linear::new(codes, 2, 3, &[1.0, 2.0], None, dynamic).is_ok());
-}
-
-/// Writes `src` (a Hugging Face directory) to `dst` as an FP8 checkpoint: every `*_proj.weight`
-/// as F8_E4M3 with a per-channel `weight_scale` [out, 1], everything else as it was;
-/// `config.json` gains `quantization_config`.
-fn write_fp8_checkpoint(src: &std::path::Path, dst: &std::path::Path, scheme: &str) {
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let file = SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = HashMap::new();
-    for (name, view) in file.tensors() {
-        if name.ends_with("_proj.weight") {
-            assert_eq!(view.dtype(), Dtype::F32, "{name}");
-            let shape = view.shape().to_vec();
-            let values: Vec<f32> = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            let w = Array2::from_shape_vec((shape[0], shape[1]), values).unwrap();
-            let (codes, scales) = Fp8Linear::quantize_per_channel(w.view());
-            let prefix = name.trim_end_matches(".weight");
-            let codes = codes.iter().map(|c| c.to_bits()).collect();
-            out.insert(name.clone(), (Dtype::F8_E4M3, shape.clone(), codes));
-            let scale_bytes = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-            out.insert(
-                format!("{prefix}.weight_scale"),
-                (Dtype::F32, vec![shape[0], 1], scale_bytes),
-            );
-            if scheme == "static" {
-                let s = (4.0f32 / 448.0).to_le_bytes().to_vec();
-                out.insert(format!("{prefix}.input_scale"), (Dtype::F32, vec![], s));
-            }
-        } else {
-            out.insert(
-                name.clone(),
-                (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
-            );
-        }
-    }
-    let views: Vec<(String, TensorView)> = out
-        .iter()
-        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    std::fs::create_dir_all(dst).unwrap();
-    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    config["quantization_config"] =
-        serde_json::json!({"quant_method": "fp8", "activation_scheme": scheme});
-    std::fs::write(dst.join("config.json"), config.to_string()).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
 }
 
 #[test]

@@ -1,0 +1,73 @@
+//! What tests of later chapters share: checkpoints written in this chapter's formats.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use ndarray::Array2;
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+
+use crate::Fp8Linear;
+
+/// Writes `src` (a Hugging Face directory) to `dst` as an FP8 checkpoint: every `*_proj.weight`
+/// as F8_E4M3 with a per-channel `weight_scale` [out, 1], everything else as it was;
+/// `config.json` gains `quantization_config` with `activation_scheme` `scheme` (`"static"`
+/// also writes an `input_scale` of 4 / 448 per projection). For tests: panics on any error.
+pub fn write_fp8_checkpoint(src: &Path, dst: &Path, scheme: &str) {
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("writing the FP8 checkpoint");
+    let file = SafeTensors::deserialize(&bytes).expect("writing the FP8 checkpoint");
+    let mut out: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = HashMap::new();
+    for (name, view) in file.tensors() {
+        if name.ends_with("_proj.weight") {
+            assert_eq!(view.dtype(), Dtype::F32, "{name}");
+            let shape = view.shape().to_vec();
+            let values: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let w = Array2::from_shape_vec((shape[0], shape[1]), values)
+                .expect("writing the FP8 checkpoint");
+            let (codes, scales) = Fp8Linear::quantize_per_channel(w.view());
+            let prefix = name.trim_end_matches(".weight");
+            let codes = codes.iter().map(|c| c.to_bits()).collect();
+            out.insert(name.clone(), (Dtype::F8_E4M3, shape.clone(), codes));
+            let scale_bytes = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+            out.insert(
+                format!("{prefix}.weight_scale"),
+                (Dtype::F32, vec![shape[0], 1], scale_bytes),
+            );
+            if scheme == "static" {
+                let s = (4.0f32 / 448.0).to_le_bytes().to_vec();
+                out.insert(format!("{prefix}.input_scale"), (Dtype::F32, vec![], s));
+            }
+        } else {
+            out.insert(
+                name.clone(),
+                (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
+            );
+        }
+    }
+    let views: Vec<(String, TensorView)> = out
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                TensorView::new(*d, s.clone(), b).expect("writing the FP8 checkpoint"),
+            )
+        })
+        .collect();
+    std::fs::create_dir_all(dst).expect("writing the FP8 checkpoint");
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors"))
+        .expect("writing the FP8 checkpoint");
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(src.join("config.json")).expect("writing the FP8 checkpoint"),
+    )
+    .expect("writing the FP8 checkpoint");
+    config["quantization_config"] =
+        serde_json::json!({"quant_method": "fp8", "activation_scheme": scheme});
+    std::fs::write(dst.join("config.json"), config.to_string())
+        .expect("writing the FP8 checkpoint");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("writing the FP8 checkpoint");
+    }
+}
