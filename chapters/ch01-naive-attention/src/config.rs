@@ -184,6 +184,21 @@ impl LlamaConfig {
                 return Err(bad(format!("{name} must be positive")));
             }
         }
+        // Counts far past any model's (the largest Llamas have 126 layers, 128 heads, hidden
+        // size 16,384, 256k-token vocabularies): a corrupt count would otherwise size
+        // allocations, or overflow a product of two, before any tensor is read.
+        for (name, value, max) in [
+            ("vocab_size", raw.vocab_size, 1 << 24),
+            ("hidden_size", raw.hidden_size, 1 << 20),
+            ("intermediate_size", raw.intermediate_size, 1 << 22),
+            ("num_hidden_layers", raw.num_hidden_layers, 1 << 12),
+            ("num_attention_heads", raw.num_attention_heads, 1 << 12),
+            ("head_dim", head_dim, 1 << 12),
+        ] {
+            if value > max {
+                return Err(bad(format!("{name} ({value}) is more than {max}")));
+            }
+        }
         // Buffers are sized from the context (a sequence's cache, attention scores): a bound
         // keeps a config's typo from becoming a terabyte allocation. Llama 4 Scout's 10M fits.
         if raw.max_position_embeddings > MAX_CONTEXT {
@@ -244,6 +259,18 @@ impl LlamaConfig {
     }
 }
 
+/// `value` of rope scaling field `name` if it is a finite number above zero (a factor of zero
+/// divides a frequency by zero: every rotation NaN).
+fn positive(name: &str, value: f64) -> std::result::Result<f64, String> {
+    if value.is_finite() && value > 0.0 {
+        Ok(value)
+    } else {
+        Err(format!(
+            "rope scaling `{name}` must be a finite number above zero, got {value}"
+        ))
+    }
+}
+
 fn parse_rope_scaling(rope: &RawRope) -> std::result::Result<RopeScaling, String> {
     let kind = rope
         .rope_type
@@ -256,16 +283,34 @@ fn parse_rope_scaling(rope: &RawRope) -> std::result::Result<RopeScaling, String
     match kind {
         "default" => Ok(RopeScaling::Default),
         "linear" => Ok(RopeScaling::Linear {
-            factor: field("factor", rope.factor)?,
+            factor: positive("factor", field("factor", rope.factor)?)?,
         }),
-        "llama3" => Ok(RopeScaling::Llama3 {
-            factor: field("factor", rope.factor)?,
-            low_freq_factor: field("low_freq_factor", rope.low_freq_factor)?,
-            high_freq_factor: field("high_freq_factor", rope.high_freq_factor)?,
-            original_max_position_embeddings: rope.original_max_position_embeddings.ok_or_else(
-                || format!("rope scaling `{kind}` needs `original_max_position_embeddings`"),
-            )?,
-        }),
+        "llama3" => {
+            let low_freq_factor = field("low_freq_factor", rope.low_freq_factor)?;
+            let high_freq_factor = field("high_freq_factor", rope.high_freq_factor)?;
+            // The wavelengths between the two bands are blended by (high − low): they must
+            // differ, high above low.
+            if !(positive("low_freq_factor", low_freq_factor)? < high_freq_factor) {
+                return Err(format!(
+                    "rope scaling `{kind}`: high_freq_factor ({high_freq_factor}) must be more \
+                     than low_freq_factor ({low_freq_factor})"
+                ));
+            }
+            let original = rope.original_max_position_embeddings.ok_or_else(|| {
+                format!("rope scaling `{kind}` needs `original_max_position_embeddings`")
+            })?;
+            if original == 0 {
+                return Err(format!(
+                    "rope scaling `{kind}`: original_max_position_embeddings must be positive"
+                ));
+            }
+            Ok(RopeScaling::Llama3 {
+                factor: positive("factor", field("factor", rope.factor)?)?,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: original,
+            })
+        }
         other => Err(format!(
             "rope scaling `{other}` is not supported (expected default, linear or llama3)"
         )),

@@ -148,6 +148,59 @@ fn config_llama3_rope_without_its_fields_is_rejected() {
     assert_mentions(&load_error(dir.path()), &["llama3", "low_freq_factor"]);
 }
 
+/// Rope factors that would make every rotation NaN (a factor of zero, a llama3 blend whose
+/// bands meet) are refused by name.
+#[test]
+fn config_rope_factors_that_divide_by_zero_are_rejected() {
+    let cases = [
+        (
+            serde_json::json!({"rope_type": "linear", "factor": 0.0}),
+            "`factor` must be",
+        ),
+        (
+            serde_json::json!({"rope_type": "linear", "factor": -2.0}),
+            "`factor` must be",
+        ),
+        (
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                "high_freq_factor": 2.0, "original_max_position_embeddings": 8192}),
+            "must be more than low_freq_factor",
+        ),
+        (
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 0}),
+            "original_max_position_embeddings must be positive",
+        ),
+    ];
+    for (rope, needle) in cases {
+        let dir = copy_fixture("random/gqa");
+        edit_json(&dir.path().join("config.json"), |c| {
+            c.remove("rope_parameters");
+            c.insert("rope_scaling".into(), rope.clone());
+        });
+        assert_mentions(&load_error(dir.path()), &[needle]);
+    }
+}
+
+/// A count no model has (a corrupt file) is refused before it sizes anything.
+#[test]
+fn config_absurd_counts_are_rejected() {
+    for (key, value) in [
+        ("num_hidden_layers", 4_294_967_295u64),
+        ("vocab_size", 1 << 40),
+        ("num_attention_heads", 1 << 32),
+    ] {
+        let dir = copy_fixture("random/gqa");
+        edit_json(&dir.path().join("config.json"), |c| {
+            c.insert(key.into(), value.into());
+        });
+        assert_mentions(
+            &load_error(dir.path()),
+            &[&format!("{key} ({value}) is more than")],
+        );
+    }
+}
+
 #[test]
 fn missing_config_file_is_named() {
     let dir = copy_fixture("random/gqa");

@@ -25,6 +25,7 @@ use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
 use crate::fp8::F8E4M3;
+use crate::kv_cache::{amax, scale_for};
 use crate::quant_linear::shard_bias;
 
 /// How a layer's activations are rounded to E4M3 before the products.
@@ -150,10 +151,7 @@ impl Fp8Linear {
         let scale = match self.activations {
             ActivationScale::None => return out.copy_from_slice(x),
             ActivationScale::Static(s) => s,
-            ActivationScale::Dynamic => {
-                let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                if amax > 0.0 { amax / F8E4M3::MAX } else { 1.0 }
-            }
+            ActivationScale::Dynamic => scale_for(amax(x), F8E4M3::MAX),
         };
         let inv = 1.0 / scale;
         for (o, &v) in out.iter_mut().zip(x) {

@@ -24,15 +24,21 @@ use ch03::{KvDtype, KvElement};
 
 use crate::fp8::F8E4M3;
 
-/// max |x| over a head's row, NaN-free (a NaN element is ignored for the scale, as it has no
+/// max |x| over a row, NaN-free (a NaN element is ignored for the scale, as it has no
 /// magnitude; it is stored as whatever the format makes of it).
-fn amax(x: &[f32]) -> f32 {
+pub(crate) fn amax(x: &[f32]) -> f32 {
     x.iter().fold(0.0f32, |m, v| m.max(v.abs()))
 }
 
-/// The scale that maps `amax` to `max`; 1 for an all-zero row (every code is then 0).
-fn scale_for(amax: f32, max: f32) -> f32 {
-    if amax > 0.0 { amax / max } else { 1.0 }
+/// The scale that maps `amax` to `max`; 1 for an all-zero row (every code is then 0). Never
+/// below f32's smallest normal number, so that `1 / scale` stays finite: a row of magnitudes
+/// near 1e-37 would otherwise get an infinite inverse, and `0 · inf` a NaN code.
+pub(crate) fn scale_for(amax: f32, max: f32) -> f32 {
+    if amax > 0.0 {
+        (amax / max).max(f32::MIN_POSITIVE)
+    } else {
+        1.0
+    }
 }
 
 // ANCHOR: kv_int8
@@ -116,6 +122,17 @@ mod tests {
         let mut codes = vec![K::default(); x.len()];
         let scale = K::quantize_head(x, &mut codes);
         codes.iter().map(|c| c.to_f32() * scale).collect()
+    }
+
+    /// A row of magnitudes near 1e-37 (its scale would be subnormal and its inverse infinite)
+    /// rounds to finite values, zeros to zero.
+    #[test]
+    fn a_row_of_tiny_values_rounds_to_finite_values() {
+        let x = [1e-37, 0.0, -3e-38, 0.0];
+        for back in [round_trip::<KvInt8>(&x), round_trip::<F8E4M3>(&x)] {
+            assert!(back.iter().all(|v| v.is_finite()), "{back:?}");
+            assert_eq!((back[1], back[3]), (0.0, 0.0));
+        }
     }
 
     proptest! {

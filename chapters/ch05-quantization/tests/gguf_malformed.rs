@@ -527,4 +527,30 @@ fn zero_sized_tensors_decode_to_nothing() {
     assert!(matches!(e, GgufError::ShapeOverflow { .. }), "{e}");
     let e = f32_tensor("t", &[1 << 62, 1], 0).err();
     assert!(matches!(e, GgufError::ShapeOverflow { .. }), "{e}");
+    // Nor may an empty tensor's rows overflow their count.
+    let e = f32_tensor("t", &[0, 1 << 32, 1 << 32], 0).err();
+    assert!(matches!(e, GgufError::ShapeOverflow { .. }), "{e}");
+    // An empty q projection of 2^40 rows (a llama file's rows are reordered per head) costs no
+    // memory for its rows: there is nothing to reorder.
+    let mut w = GgufWriter::new();
+    w.add_metadata("general.architecture", "llama").unwrap();
+    w.add_metadata("llama.attention.head_count", 1u32).unwrap();
+    w.add_metadata("llama.attention.head_count_kv", 1u32)
+        .unwrap();
+    w.add_tensor(
+        "blk.0.attn_k.weight",
+        GgmlType::F32,
+        &[1 << 40, 0],
+        Vec::new(),
+    )
+    .unwrap();
+    let source =
+        GgufSource::new(GgufFile::from_bytes("empty.gguf", w.to_bytes()).unwrap()).unwrap();
+    let (tensor, peak) = peak_bytes(|| {
+        source
+            .tensor("model.layers.0.self_attn.k_proj.weight")
+            .map(|t| t.bytes().len())
+    });
+    assert_eq!(tensor.unwrap(), 0);
+    assert!(peak < 1 << 20, "{peak} bytes");
 }

@@ -208,6 +208,27 @@ fn config_defaults_and_errors_name_the_key() {
     );
     let c = config_of(&minimal("qwen2")).unwrap();
     assert!(c.qkv_bias && c.model_type == "qwen2");
+    // JSON has no NaN: a non-finite float is refused by key, never read as absent (theta
+    // 10,000) or misreported as a null.
+    for (key, value) in [
+        ("llama.rope.freq_base", f32::NAN),
+        ("llama.rope.freq_base", f32::INFINITY),
+        ("llama.rope.scale_linear", f32::NAN),
+    ] {
+        let mut w = minimal("llama");
+        w.add_metadata(key, value).unwrap();
+        assert!(
+            matches!(config_of(&w), Err(GgufError::WrongType { key: k, .. }) if k == key),
+            "{key} = {value}"
+        );
+    }
+    let mut w = minimal("llama");
+    w.add_metadata("llama.rope.scale_linear", 0.0f32).unwrap();
+    let e = config_of(&w).unwrap_err().to_string();
+    assert!(
+        e.contains("`factor` must be a finite number above zero"),
+        "{e}"
+    );
 }
 
 #[test]

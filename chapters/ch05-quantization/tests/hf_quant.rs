@@ -361,6 +361,13 @@ fn a_checkpoint_loads_and_malformed_ones_are_typed_errors() {
                 t.remove(0);
             }),
         ),
+        // desc_act: without g_idx every column would read its neighbour's group.
+        (
+            "l.g_idx",
+            Box::new(|t| {
+                t.remove(3);
+            }),
+        ),
     ];
     for (needle, edit) in cases {
         let err = load_edited(edit).expect_err(needle);
@@ -585,5 +592,25 @@ fn the_numpy_unpacker_reads_kilns_files_as_kiln_does() {
                 "{method} {name}: {differing} weights differ from numpy's"
             );
         }
+    }
+}
+
+/// A Q4_1 offset `−scale · zero` past f16's range (scale 8192, zero 15: −122,880) cannot be
+/// stored in a block: the layer stays dense and computes the finite product.
+#[test]
+fn an_offset_past_f16s_range_keeps_the_layer_dense_and_finite() {
+    let (rows, cols, group) = (2, 64, 32);
+    let codes = vec![3u8; rows * cols];
+    let scales = vec![8192.0; rows * cols / group];
+    let zeros = vec![15u8; rows * cols / group];
+    let g_idx = (0..cols).map(|c| (c / group) as u32).collect();
+    let q = GroupQuantized::new(rows, cols, group, codes, scales, zeros, g_idx).unwrap();
+    let layer = GroupLinear::new(&q, None).unwrap();
+    assert_eq!(layer.kind(), GroupKind::Dense);
+    let x = Array2::from_elem((1, cols), 1e-3f32);
+    let y = layer.forward(x.view());
+    // Each weight is 8192 · (3 − 15) = −98,304; the row sums 64 of them times 1e-3.
+    for v in y.iter() {
+        assert!((v + 98_304.0 * 64.0 * 1e-3).abs() < 1.0, "{v}");
     }
 }

@@ -27,7 +27,8 @@ pub fn encode(x: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
     let d = amax / 127.0;
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     for (q, &x) in q.iter_mut().zip(x) {
-        *q = (x * id).round() as i8;
+        // (The clamp changes nothing but a scale too small to invert, whose `id` is ∞.)
+        *q = (x * id).clamp(-127.0, 127.0).round() as i8;
     }
     for (s, q) in bsums.iter_mut().zip(q.chunks_exact(16)) {
         *s = q.iter().map(|&q| i16::from(q)).sum();
@@ -63,5 +64,25 @@ pub fn quantize(values: &[f32], out: &mut [u8]) {
         for (b, s) in block[260..].chunks_exact_mut(2).zip(bsums) {
             b.copy_from_slice(&s.to_le_bytes());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block whose largest magnitude is near 1e-38 (a scale too small to invert) still
+    /// keeps every code within ±127.
+    #[test]
+    fn a_scale_too_small_to_invert_keeps_codes_within_127() {
+        let mut x = [0.0f32; BLOCK_ELEMS];
+        x[0] = -1e-38;
+        x[1] = 5e-39;
+        let (mut q, mut bsums) = ([0i8; BLOCK_ELEMS], [0i16; 16]);
+        let d = encode(&x, &mut q, &mut bsums);
+        assert!(d > 0.0);
+        assert_eq!(q[0], -127);
+        assert!(q.iter().all(|&q| q >= -127), "{:?}", &q[..4]);
+        assert!(q[2..].iter().all(|&q| q == 0));
     }
 }

@@ -115,11 +115,15 @@ pub fn llama_config(file: &GgufFile) -> GgufResult<LlamaConfig> {
 
     let rope_scaling = match file.opt_str(&key("rope.scaling.type"))? {
         None | Some("none") => match file.opt_f64(&key("rope.scale_linear"))? {
-            Some(factor) if factor != 1.0 => json!({"rope_type": "linear", "factor": factor}),
+            Some(factor) if factor != 1.0 => {
+                let factor = finite(file, &key("rope.scale_linear"), factor)?;
+                json!({"rope_type": "linear", "factor": factor})
+            }
             _ => Value::Null,
         },
         Some("linear") => {
-            json!({"rope_type": "linear", "factor": file.get_f64(&key("rope.scaling.factor"))?})
+            let k = key("rope.scaling.factor");
+            json!({"rope_type": "linear", "factor": finite(file, &k, file.get_f64(&k)?)?})
         }
         Some(other) => {
             return Err(unsupported(format!(
@@ -138,6 +142,11 @@ pub fn llama_config(file: &GgufFile) -> GgufResult<LlamaConfig> {
         },
     };
 
+    let (eps_key, theta_key) = (
+        key("attention.layer_norm_rms_epsilon"),
+        key("rope.freq_base"),
+    );
+    let theta = file.opt_f32(&theta_key)?.unwrap_or(10_000.0);
     let config = json!({
         "model_type": arch.name(),
         "hidden_act": "silu",
@@ -149,8 +158,8 @@ pub fn llama_config(file: &GgufFile) -> GgufResult<LlamaConfig> {
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": file.get_usize(&key("context_length"))?,
-        "rms_norm_eps": f32_as_decimal(file.get_f32(&key("attention.layer_norm_rms_epsilon"))?),
-        "rope_theta": f32_as_decimal(file.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0)),
+        "rms_norm_eps": f32_as_decimal(file, &eps_key, file.get_f32(&eps_key)?)?,
+        "rope_theta": f32_as_decimal(file, &theta_key, theta)?,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": file.tensor_info("output.weight").is_none(),
         "attention_bias": arch == GgufArch::Llama && file.tensor_info("blk.0.attn_q.bias").is_some(),
@@ -161,8 +170,24 @@ pub fn llama_config(file: &GgufFile) -> GgufResult<LlamaConfig> {
     Ok(LlamaConfig::from_json(&config.to_string(), file.path())?)
 }
 
-/// The f64 a Hugging Face config would hold for a value GGUF stores as f32: the shortest decimal
-/// that reads back as the same f32 (`1e-5`, not `9.99999974738e-06`).
-fn f32_as_decimal(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(f64::from(x))
+/// The f64 a Hugging Face config would hold for value `x` of `key`, which GGUF stores as f32:
+/// the shortest decimal that reads back as the same f32 (`1e-5`, not `9.99999974738e-06`).
+fn f32_as_decimal(file: &GgufFile, key: &str, x: f32) -> GgufResult<f64> {
+    let x = finite(file, key, f64::from(x))? as f32;
+    Ok(x.to_string().parse().unwrap_or(f64::from(x)))
+}
+
+/// `x`, the value of `key`, if finite. JSON has no NaN or infinity (serde_json writes `null`),
+/// so a non-finite value would reach the config as absent and take its default.
+fn finite(file: &GgufFile, key: &str, x: f64) -> GgufResult<f64> {
+    if x.is_finite() {
+        Ok(x)
+    } else {
+        Err(GgufError::WrongType {
+            path: file.path().to_path_buf(),
+            key: key.to_string(),
+            expected: "a finite number".to_string(),
+            found: x.to_string(),
+        })
+    }
 }

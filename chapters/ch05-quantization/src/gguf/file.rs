@@ -681,10 +681,14 @@ impl<'a> Reader<'a> {
         };
         // ggml stores dimensions as i64, and kiln indexes them with usize.
         let limit = usize::try_from(i64::MAX).unwrap_or(usize::MAX) as u64;
+        // The product skips zero dimensions: an empty tensor's other dimensions still count
+        // its rows, which must not overflow either.
         let elements = dims
             .iter()
+            .filter(|&&d| d != 0)
             .try_fold(1u64, |n, &d| n.checked_mul(d))
-            .filter(|&n| n <= limit && dims.iter().all(|&d| d <= limit))
+            .filter(|&n| n <= limit)
+            .map(|n| if dims.contains(&0) { 0 } else { n })
             .ok_or_else(overflow)?;
         let row_len = dims[0];
         let (block_elems, block_bytes) = (ty.block_elems() as u64, ty.block_bytes() as u64);

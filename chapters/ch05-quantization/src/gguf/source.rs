@@ -253,6 +253,9 @@ impl GgufSource {
         let Some(n_head) = self.permuted_head_count(name) else {
             return Ok(None);
         };
+        if info.size == 0 {
+            return Ok(None); // nothing stored, nothing to reorder (however many empty rows)
+        }
         let (rows, _) = Self::units(info);
         (0..rows)
             .map(|r| unpermuted_row(r, rows, n_head))

@@ -54,6 +54,12 @@ impl<'a> GgufWriter<'a> {
         value: impl Into<GgufValue>,
     ) -> GgufResult<&mut Self> {
         let (key, value) = (key.into(), value.into());
+        // Every check before any change: a refused call leaves the writer as it was.
+        if self.keys.contains(&key) {
+            return Err(GgufError::Write(format!(
+                "metadata key `{key}` added twice"
+            )));
+        }
         if key == ALIGNMENT_KEY {
             match value.as_u64() {
                 Some(a) if a.is_power_of_two() => self.alignment = Some(a),
@@ -64,11 +70,7 @@ impl<'a> GgufWriter<'a> {
                 }
             }
         }
-        if !self.keys.insert(key.clone()) {
-            return Err(GgufError::Write(format!(
-                "metadata key `{key}` added twice"
-            )));
-        }
+        self.keys.insert(key.clone());
         self.metadata.push((key, value));
         Ok(self)
     }
@@ -381,6 +383,14 @@ mod tests {
             w.add_tensor("t", GgmlType::F32, &[1], vec![0; 4]).is_err(),
             "duplicate tensor"
         );
+        // A refused second alignment leaves the first in force, in the header and the offsets.
+        let mut w = GgufWriter::new();
+        w.add_metadata(ALIGNMENT_KEY, 32u32).unwrap();
+        assert!(w.add_metadata(ALIGNMENT_KEY, 64u32).is_err());
+        w.add_tensor("t", GgmlType::F32, &[3], vec![7; 12]).unwrap();
+        let f = GgufFile::from_bytes("mem.gguf", w.to_bytes()).unwrap();
+        assert_eq!(f.alignment(), 32);
+        assert_eq!(f.tensor_bytes(&f.tensors()[0]), &[7; 12][..]);
     }
 
     #[test]

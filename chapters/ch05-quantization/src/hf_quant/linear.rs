@@ -77,7 +77,7 @@ fn group_order(q: &GroupQuantized) -> Option<Vec<usize>> {
 /// The blocks of `q` with its columns in `order`: Q4_0 when every zero is 8, else Q4_1, in
 /// runs of as many blocks per stored scale as every group allows (8, 4, 2 or 1: the largest `g`
 /// such that each run of `32·g` ordered columns lies in one group). `None` when a block of 32
-/// would straddle two groups.
+/// would straddle two groups, or when a Q4_1 offset `−scale · zero` is past f16's range.
 pub fn repack(q: &GroupQuantized, order: &[usize]) -> Option<QuantMatrix> {
     let (rows, cols) = (q.rows(), q.cols());
     let one_group = |g: usize| {
@@ -109,8 +109,11 @@ pub fn repack(q: &GroupQuantized, order: &[usize]) -> Option<QuantMatrix> {
             let grid = q.grid(o, columns[0]);
             run[0..2].copy_from_slice(&f16::from_f32(grid.scale).to_le_bytes());
             if ty == GgmlType::Q4_1 {
-                let m = -grid.scale * f32::from(grid.zero);
-                run[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+                let m = f16::from_f32(-grid.scale * f32::from(grid.zero));
+                if m.is_infinite() {
+                    return None; // past f16's range: the dense layer keeps it exact
+                }
+                run[2..4].copy_from_slice(&m.to_le_bytes());
             }
             let code = |j: usize| q.codes()[o * cols + columns[j]];
             for (k, block) in run[header..].chunks_exact_mut(16).enumerate() {
@@ -267,8 +270,10 @@ impl HfQuantLoader {
         let qzeros = raw(source, &format!("{name}.qzeros"), TensorDtype::I32)?;
         let scales = raw(source, &format!("{name}.scales"), TensorDtype::F16)?;
         let g_idx_name = format!("{name}.g_idx");
+        // Act-order (`desc_act`) permutes the groups through `g_idx`: without it every column
+        // would read the wrong group's scale, so it is required (a missing-tensor error).
         let g_idx = match self.config.method {
-            QuantMethod::Gptq if source.contains(&g_idx_name) => {
+            QuantMethod::Gptq if self.config.desc_act || source.contains(&g_idx_name) => {
                 Some(raw(source, &g_idx_name, TensorDtype::I32)?)
             }
             _ => None,
