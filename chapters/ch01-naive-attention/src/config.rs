@@ -286,11 +286,17 @@ fn parse_rope_scaling(rope: &RawRope) -> std::result::Result<RopeScaling, String
             factor: positive("factor", field("factor", rope.factor)?)?,
         }),
         "llama3" => {
-            let low_freq_factor = field("low_freq_factor", rope.low_freq_factor)?;
-            let high_freq_factor = field("high_freq_factor", rope.high_freq_factor)?;
+            let low_freq_factor = positive(
+                "low_freq_factor",
+                field("low_freq_factor", rope.low_freq_factor)?,
+            )?;
+            let high_freq_factor = positive(
+                "high_freq_factor",
+                field("high_freq_factor", rope.high_freq_factor)?,
+            )?;
             // The wavelengths between the two bands are blended by (high − low): they must
             // differ, high above low.
-            if !(positive("low_freq_factor", low_freq_factor)? < high_freq_factor) {
+            if high_freq_factor <= low_freq_factor {
                 return Err(format!(
                     "rope scaling `{kind}`: high_freq_factor ({high_freq_factor}) must be more \
                      than low_freq_factor ({low_freq_factor})"
