@@ -134,6 +134,11 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
         &["generate", "--model", "/nonexistent/model", "--prompt", "x"],
         "/nonexistent/model/config.json",
     );
+    // Zero ranks is no way to run a model (it used to run one, silently).
+    assert_fails_with(
+        &["generate", "--prompt", "x", "--tensor-parallel-size", "0"],
+        "invalid value '0' for '--tensor-parallel-size <N>'",
+    );
 
     let model = fixtures_dir().join("random/gqa");
     let model = model.to_str().unwrap();

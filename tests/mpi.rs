@@ -37,6 +37,11 @@ fn have_mpirun() -> bool {
 
 /// `mpirun -n 1 kiln <rank0> : -n world-1 kiln tp-worker`, killed after two minutes.
 fn group(world: usize, rank0: &[&str]) -> Output {
+    group_with(world, rank0, &[])
+}
+
+/// [`group`] with `worker` after each `kiln tp-worker`.
+fn group_with(world: usize, rank0: &[&str], worker: &[&str]) -> Output {
     let kiln = env!("CARGO_BIN_EXE_kiln");
     let workers = (world - 1).to_string();
     let mut child = Command::new("mpirun")
@@ -45,6 +50,7 @@ fn group(world: usize, rank0: &[&str]) -> Output {
         .args(["--oversubscribe", "-n", "1", kiln])
         .args(rank0)
         .args([":", "-n", &workers, kiln, "tp-worker"])
+        .args(worker)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -135,6 +141,40 @@ fn a_group_of_the_wrong_size_is_a_clear_error() {
     assert!(!output.status.success());
     let err = String::from_utf8_lossy(&output.stderr);
     assert!(err.contains("rank 1.. of an MPI group"), "{err}");
+}
+
+/// A rank that fails never leaves the others waiting in a collective: it exits with its
+/// error, without MPI's finalize (which waits for every process), and mpirun ends the job.
+#[test]
+fn a_failing_rank_ends_the_job_with_its_error() {
+    if !have_mpirun() {
+        return;
+    }
+    // Rank 0 asks for 3 ranks of a group of 2: its worker has loaded shard 1 of 2 and waits
+    // for the plan that never comes.
+    let generate = ["generate", "--prompt", "HAMLET.", "--max-tokens", "4"];
+    let three = [
+        "--tensor-parallel-size",
+        "3",
+        "--tensor-parallel-backend",
+        "mpi",
+    ];
+    let output = group(2, &[&generate[..], &three].concat());
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("needs 3 processes"), "{err}");
+    // The worker runs another model: the first step's collectives disagree on every rank.
+    let gqa = fixtures_dir().join("random/gqa");
+    let two = [
+        "--tensor-parallel-size",
+        "2",
+        "--tensor-parallel-backend",
+        "mpi",
+    ];
+    let output = group_with(2, &[&generate[..], &two].concat(), &["--model", path(&gqa)]);
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("tensor-parallel"), "{err}");
 }
 
 /// `mpirun -n 2 kiln bench ch08-tp --communicator mpi --quick`: both processes time the

@@ -31,7 +31,12 @@ pub struct TensorParallelArgs {
     /// the projections, of the vocabulary and of the KV heads, meeting in two all-reduces per
     /// layer. N must divide the query heads, the intermediate size and the vocabulary, and
     /// divide or be a multiple of the KV heads.
-    #[arg(long, default_value_t = 1, value_name = "N")]
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_name = "N",
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
     pub tensor_parallel_size: usize,
     /// Where the ranks run: threads of this process, or MPI processes (a kiln built with
     /// `--features mpi`, started by mpirun); nccl: threads whose collectives go through NCCL,

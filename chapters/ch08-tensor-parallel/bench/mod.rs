@@ -360,6 +360,7 @@ fn mpi_all_reduce(
     for &n in sizes {
         points.push((n, median(time_all_reduce(&mut comm, n, reps)?)));
     }
+    comm.finish(); // every rank's last collective is behind it: MPI may finalize
     if comm.rank() != 0 {
         return Ok(());
     }

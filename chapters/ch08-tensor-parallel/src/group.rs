@@ -42,6 +42,9 @@ pub struct RankGroupExecutor<C: Communicator> {
     message: Vec<u8>, // the step in flight, encoded
     layout: KvLayout,
     spec: ModelSpec,
+    /// The first failed step's error. The workers stop at their first error, so a later
+    /// broadcast would wait for ranks that are gone: every later step fails with this one.
+    broken: Option<String>,
 }
 
 /// Checks that `shard` is shard `rank` of a world of `comm.world()`.
@@ -78,6 +81,7 @@ impl<C: Communicator> RankGroupExecutor<C> {
             message: Vec::new(),
             layout,
             spec,
+            broken: None,
         })
     }
 
@@ -97,19 +101,37 @@ impl<C: Communicator> Executor for RankGroupExecutor<C> {
 
     // ANCHOR: group_execute
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
-        let failed = |e: CommError| ExecutorError(format!("tensor-parallel step: {e}"));
+        if let Some(error) = &self.broken {
+            return Err(ExecutorError(format!(
+                "the tensor-parallel group is down: {error}"
+            )));
+        }
         step_codec::encode(step, &mut self.message);
-        self.comm.broadcast(&mut self.message, 0).map_err(failed)?;
+        let broken = &mut self.broken;
+        let mut failed = |e: CommError| {
+            let error = format!("tensor-parallel step: {e}");
+            *broken = Some(error.clone());
+            ExecutorError(error)
+        };
+        self.comm
+            .broadcast(&mut self.message, 0)
+            .map_err(&mut failed)?;
         self.rank0.execute(step, &mut self.comm).map_err(failed)
     }
     // ANCHOR_END: group_execute
 }
 
 impl<C: Communicator> Drop for RankGroupExecutor<C> {
-    /// An empty message closes the group: every worker's [`run_worker`] returns.
+    /// An empty message closes the group: every worker's [`run_worker`] returns. A broken
+    /// group is left as it is (its workers are gone, or stopped at their own error).
     fn drop(&mut self) {
+        if self.broken.is_some() {
+            return;
+        }
         self.message.clear();
-        let _ = self.comm.broadcast(&mut self.message, 0);
+        if self.comm.broadcast(&mut self.message, 0).is_ok() {
+            self.comm.finish();
+        }
     }
 }
 
@@ -132,6 +154,7 @@ pub fn run_worker<C: Communicator>(shard: Llama, mut comm: C) -> Result<(), Work
     loop {
         comm.broadcast(&mut message, 0)?;
         if message.is_empty() {
+            comm.finish();
             return Ok(());
         }
         let step = step_codec::decode(&message)?;

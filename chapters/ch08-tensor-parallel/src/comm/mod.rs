@@ -60,5 +60,11 @@ pub trait Communicator: Send {
 
     /// `buf` ← the root's `buf` (any length: the others' buffers are resized to it).
     fn broadcast(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError>;
+
+    /// The group closed as agreed: this rank's last collective is behind it. A communicator
+    /// dropped without it (an error, a panic) must not wait for its peers on the way out:
+    /// [`MpiComm`](mpi::MpiComm) then skips MPI's finalize, which waits for every process, so
+    /// the process exits with its error and mpirun ends the others.
+    fn finish(&mut self) {}
 }
 // ANCHOR_END: communicator

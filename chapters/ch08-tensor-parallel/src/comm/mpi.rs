@@ -12,6 +12,8 @@
 //! different ranks.) Each collective first exchanges the lengths, so a rank whose buffer
 //! differs gets [`CommError::LengthMismatch`] on every rank instead of a corrupt exchange.
 
+use std::mem::ManuallyDrop;
+
 use mpi::Threading;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
@@ -25,8 +27,11 @@ use super::{CommError, Communicator};
 /// second time), so `&mut self` on it serializes every MPI call of the process, the
 /// threading level it asks MPI for.
 pub struct MpiComm {
-    /// Ends MPI when dropped, after the last collective.
-    _universe: Universe,
+    /// Ends MPI when dropped after [`finish`](Communicator::finish); left alone otherwise,
+    /// since its finalize waits for every rank, and a peer waiting in a collective for this
+    /// one never comes: both would hang.
+    universe: ManuallyDrop<Universe>,
+    finished: bool,
     rank: usize,
     world: usize,
     lens: Vec<u64>,     // [world] the lengths every rank passed
@@ -48,7 +53,8 @@ impl MpiComm {
         Ok(MpiComm {
             rank: world.rank() as usize,
             world: world.size() as usize,
-            _universe: universe,
+            universe: ManuallyDrop::new(universe),
+            finished: false,
             lens: Vec::new(),
             gathered: Vec::new(),
         })
@@ -83,7 +89,26 @@ impl MpiComm {
     }
 }
 
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if self.finished {
+            // SAFETY: dropped once, here, and never used again.
+            unsafe { ManuallyDrop::drop(&mut self.universe) };
+        } else {
+            eprintln!(
+                "kiln: MPI rank {} leaves before its group closed: MPI is not finalized, so the \
+                 process ends with its error and mpirun ends the other ranks",
+                self.rank
+            );
+        }
+    }
+}
+
 impl Communicator for MpiComm {
+    fn finish(&mut self) {
+        self.finished = true;
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
