@@ -647,7 +647,13 @@ impl Generation {
             }
             None => room,
         };
-        let mut stop_token_ids = limits.eos_token_ids.clone();
+        // `ignore_eos` drops the model's EOS ids, never the client's own `stop_token_ids`:
+        // the engine's `ignore_eos` would drop both, so it stays off here.
+        let mut stop_token_ids = if self.ignore_eos {
+            Vec::new()
+        } else {
+            limits.eos_token_ids.clone()
+        };
         stop_token_ids.extend(&self.stop_token_ids);
         Ok((0..self.n)
             .map(|i| Request {
@@ -658,7 +664,7 @@ impl Generation {
                 },
                 max_tokens,
                 stop_token_ids: stop_token_ids.clone(),
-                ignore_eos: self.ignore_eos,
+                ignore_eos: false,
                 priority: self.priority,
                 logprobs: self.logprobs,
             })
@@ -693,6 +699,22 @@ mod tests {
         let requests = g.requests(vec![5; 10], "prompt", &limits()).unwrap();
         assert_eq!(requests[0].max_tokens, 54, "the rest of the context");
         assert_eq!(requests[0].stop_token_ids, vec![1]);
+    }
+
+    /// `ignore_eos` ignores the model's EOS (id 1 here), not the client's stop tokens.
+    #[test]
+    fn ignore_eos_keeps_the_clients_stop_token_ids() {
+        let g = generation(
+            &sampling(r#"{"ignore_eos": true, "stop_token_ids": [9]}"#),
+            None,
+            None,
+            7,
+            &limits(),
+        )
+        .unwrap();
+        let requests = g.requests(vec![5; 10], "prompt", &limits()).unwrap();
+        assert_eq!(requests[0].stop_token_ids, vec![9]);
+        assert!(!requests[0].ignore_eos);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! default. Fields OpenAI defines that kiln does not implement are parsed only to be rejected
 //! with a clear message in [`crate::params`], so nothing accepted is ever ignored.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
 use crate::chat_template::ChatMessage;
@@ -40,7 +40,7 @@ pub enum Prompt {
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub include_usage: bool,
 }
 
@@ -60,9 +60,9 @@ pub struct Sampling {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub ignore_eos: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     /// An end-user id; it names the caller and never changes generation.
@@ -92,7 +92,7 @@ pub struct Sampling {
     /// EOS and stop_token_ids are masked until this many tokens are out.
     pub min_tokens: Option<u32>,
     /// Keep the stop string that ended a choice at the end of its text.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub include_stop_str_in_output: bool,
     /// Only `true` (the default): kiln never writes special tokens into the text.
     pub skip_special_tokens: Option<bool>,
@@ -117,7 +117,7 @@ pub struct StructuredOutputs {
     pub regex: Option<String>,
     pub choice: Option<Vec<String>>,
     pub grammar: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub json_object: bool,
 }
 
@@ -131,7 +131,7 @@ pub struct CompletionRequest {
     pub max_tokens: Option<u32>,
     /// Return the `logprobs` most likely tokens at each position, besides the sampled one.
     pub logprobs: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub echo: bool,
     /// Add the tokenizer's special tokens (BOS) to a text prompt; default true.
     pub add_special_tokens: Option<bool>,
@@ -166,6 +166,17 @@ pub struct RequestMessage {
     pub tool_calls: Option<Vec<Value>>,
     /// A `tool` message: the id of the call it answers.
     pub tool_call_id: Option<String>,
+    /// What an OpenAI response's assistant message may carry back into the history (a
+    /// refusal's text, audio): accepted, and left out of the prompt.
+    #[serde(default, rename = "refusal")]
+    pub _refusal: Option<Value>,
+    #[serde(default, rename = "audio")]
+    pub _audio: Option<Value>,
+}
+
+/// A boolean the OpenAI API allows to be `null`: absent and `null` both read as false.
+fn null_is_false<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
 }
 
 /// `POST /v1/chat/completions`.
@@ -177,14 +188,14 @@ pub struct ChatRequest {
     pub max_tokens: Option<u32>,
     /// OpenAI's newer name for `max_tokens`; give at most one of the two.
     pub max_completion_tokens: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub logprobs: bool,
     pub top_logprobs: Option<u32>,
     /// transformers' `add_generation_prompt` (vLLM's extension), default true.
     pub add_generation_prompt: Option<bool>,
     /// vLLM's: the last (assistant) message is left open for the model to continue; needs
     /// `add_generation_prompt: false`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub continue_final_message: bool,
     /// vLLM's: more variables for the chat template.
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
@@ -488,6 +499,31 @@ mod tests {
             Prompt::TokenLists(vec![vec![1], vec![2, 3]])
         );
         assert!(parse("3").is_err());
+    }
+
+    /// What the OpenAI API allows and its clients send: `null` for a boolean, and an
+    /// assistant message carried back from a response with its `refusal` and `audio`.
+    #[test]
+    fn null_booleans_and_a_responses_message_fields_parse() {
+        let chat: ChatRequest = serde_json::from_str(
+            r#"{"model": "m", "stream": null, "logprobs": null, "ignore_eos": null,
+                "stream_options": {"include_usage": null},
+                "messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "yes", "refusal": null,
+                              "audio": null}]}"#,
+        )
+        .unwrap();
+        assert!(!chat.sampling.stream && !chat.logprobs);
+        assert_eq!(chat.messages.len(), 2);
+        let completion: CompletionRequest =
+            serde_json::from_str(r#"{"model": "m", "prompt": "hi", "echo": null}"#).unwrap();
+        assert!(!completion.echo);
+        assert!(
+            serde_json::from_str::<CompletionRequest>(
+                r#"{"model": "m", "prompt": "hi", "echo": 3}"#
+            )
+            .is_err()
+        );
     }
 
     #[test]

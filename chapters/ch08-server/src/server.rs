@@ -282,7 +282,7 @@ impl Server {
                 .max_queue
                 .map(|queue| queue.saturating_add(config.engine.max_num_seqs)),
             in_flight: AtomicUsize::new(0),
-            tokenizing: tokio::sync::Semaphore::new(config.tokenizer_workers.max(1)),
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(config.tokenizer_workers.max(1))),
             seed: config.seed,
             next_request: AtomicU64::new(0),
             created: unix_now(),

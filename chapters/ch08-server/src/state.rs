@@ -42,7 +42,7 @@ pub struct AppState {
     pub in_flight: AtomicUsize,
     /// Tokenizing and template rendering run on tokio's blocking threads, this many at once,
     /// so that no HTTP worker thread ever tokenizes.
-    pub tokenizing: Semaphore,
+    pub tokenizing: Arc<Semaphore>,
     /// Seeds requests that name none: `seed + request number`, so a server started with the
     /// same `--seed` answers the same requests in the same order the same way.
     pub seed: u64,
@@ -195,19 +195,24 @@ impl AppState {
 
     /// Runs `work` (tokenizing, rendering a template) on tokio's blocking threads, at most
     /// [`AppState::tokenizing`]'s permits at once; a caller waits its turn without holding an
-    /// HTTP worker thread.
+    /// HTTP worker thread. The permit travels with the work: a client that goes away frees
+    /// its HTTP task, but the blocking work it started runs to the end, and still counts.
     pub async fn off_runtime<T: Send + 'static>(
         &self,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, ApiError> {
-        let _permit = self
+        let permit = self
             .tokenizing
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
-        tokio::task::spawn_blocking(work)
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            work()
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))
     }
 
     /// The model name a request must name; another is 404, as OpenAI and vLLM answer.
