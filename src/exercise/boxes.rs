@@ -45,6 +45,20 @@ pub fn render(chapter: &Chapter) -> String {
         )
         .unwrap();
         writeln!(md, ">\n> Tests: {}.", tests.join(", ")).unwrap();
+        if k > 1 {
+            // `verify` proves each task in number order, with the earlier ones written.
+            let earlier = if k == 2 {
+                format!("task {n}.1")
+            } else {
+                format!("tasks {n}.1 to {n}.{}", k - 1)
+            };
+            writeln!(
+                md,
+                ">\n> Write {earlier} first, wherever this page shows them: these tests may run \
+                 their code."
+            )
+            .unwrap();
+        }
         writeln!(md, ">\n> ```bash\n> just exercise {n}   # once: the learner copy, learner/, with chapter {n}'s bodies as todo!\n> just check {n} {k}\n> ```").unwrap();
         writeln!(md, "<!-- ANCHOR_END: {anchor} -->").unwrap();
     }

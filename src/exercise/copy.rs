@@ -100,6 +100,54 @@ pub fn sync(
     Ok(added)
 }
 
+/// What a copy's files held when they were copied: `.kiln-copied` in the copy, a line
+/// `hash path` per file (FNV-1a of its bytes). A file whose bytes still hash the same is
+/// untouched since, even when the reference has moved on.
+pub struct Copied {
+    path: PathBuf,
+    hashes: HashMap<PathBuf, u64>,
+}
+
+impl Copied {
+    pub fn load(dest: &Path) -> Copied {
+        let path = dest.join(".kiln-copied");
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let hashes = text
+            .lines()
+            .filter_map(|line| {
+                let (hash, rel) = line.split_once(' ')?;
+                Some((PathBuf::from(rel), u64::from_str_radix(hash, 16).ok()?))
+            })
+            .collect();
+        Copied { path, hashes }
+    }
+
+    /// Records the files of `dest` named in `added` as they are now.
+    pub fn record(&mut self, dest: &Path, added: &[PathBuf]) -> Result<()> {
+        for rel in added {
+            self.hashes
+                .insert(rel.clone(), hash(&std::fs::read(dest.join(rel))?));
+        }
+        let mut lines: Vec<String> = self
+            .hashes
+            .iter()
+            .map(|(rel, h)| format!("{h:016x} {}", rel.display()))
+            .collect();
+        lines.sort();
+        write_if_changed(&self.path, &(lines.join("\n") + "\n"))?;
+        Ok(())
+    }
+
+    /// Whether `text` is what file `rel` held when it was copied.
+    pub fn untouched(&self, rel: &Path, text: &str) -> bool {
+        self.hashes.get(rel) == Some(&hash(text.as_bytes()))
+    }
+}
+
+fn hash(bytes: &[u8]) -> u64 {
+    ch03::block_manager::fnv1a_extend(ch03::block_manager::FNV_OFFSET, bytes)
+}
+
 #[cfg(unix)]
 fn link_dir(from: &Path, to: &Path) -> Result<()> {
     std::os::unix::fs::symlink(from, to).with_context(|| format!("linking {}", to.display()))
@@ -131,6 +179,34 @@ pub fn tag_version(manifest: &str, tag: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file is untouched while it holds what was recorded, whatever the reference holds
+    /// now; the record survives a reload, and a later record of the same file replaces it.
+    #[test]
+    fn copied_files_are_untouched_until_their_bytes_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let rel = PathBuf::from("src/a.rs");
+        std::fs::create_dir_all(dir.path().join("src")).unwrap();
+        std::fs::write(dir.path().join(&rel), "fn a() { 1 }").unwrap();
+        let mut copied = Copied::load(dir.path());
+        assert!(
+            !copied.untouched(&rel, "fn a() { 1 }"),
+            "nothing recorded yet"
+        );
+        copied
+            .record(dir.path(), std::slice::from_ref(&rel))
+            .unwrap();
+        let copied = Copied::load(dir.path());
+        assert!(copied.untouched(&rel, "fn a() { 1 }"));
+        assert!(!copied.untouched(&rel, "fn a() { 2 }"));
+        assert!(!copied.untouched(Path::new("src/b.rs"), "fn a() { 1 }"));
+        std::fs::write(dir.path().join(&rel), "fn a() { todo!() }").unwrap();
+        let mut copied = Copied::load(dir.path());
+        copied
+            .record(dir.path(), std::slice::from_ref(&rel))
+            .unwrap();
+        assert!(Copied::load(dir.path()).untouched(&rel, "fn a() { todo!() }"));
+    }
 
     #[test]
     fn the_workspace_version_gets_the_tag_and_nothing_else_changes() {

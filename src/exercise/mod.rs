@@ -86,9 +86,19 @@ pub fn run(args: Args) -> Result<()> {
 /// `kiln exercise new N`.
 fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
     let chapter = table::load_chapter(root, n)?;
+    if let Some(r) = reset
+        && r as usize > chapter.tasks.len()
+    {
+        bail!(
+            "--reset {r}: chapter {n} has tasks 1 to {} (0 resets them all)",
+            chapter.tasks.len()
+        );
+    }
     let learner = learner_dir(root);
     let fresh = !learner.exists();
     let added = copy::sync(root, &learner, "learner", false, &Default::default())?;
+    let mut copied = copy::Copied::load(&learner);
+    copied.record(&learner, &added)?;
     if fresh {
         println!("made the learner copy {}", learner.display());
     } else if !added.is_empty() {
@@ -108,8 +118,12 @@ fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
         let forced = matches!(reset, Some(r) if r == 0 || r == k);
         let state = if theirs == stubbed {
             "a todo!, yours to write"
-        } else if theirs == ours || forced {
+        } else if theirs == ours || forced || copied.untouched(&rel, &mine) {
+            // The reference's body, as it is now or as it was when the file was copied (the
+            // reference has moved on since, and the learner has not touched the file).
             copy::write_if_changed(&path, &stub::replace_bodies(&mine, task, &stubbed)?)?;
+            // Blanked by kiln, not written by the learner: still untouched.
+            copied.record(&learner, std::slice::from_ref(&rel))?;
             "now a todo!"
         } else {
             "kept: your own code (--reset to start it again)"

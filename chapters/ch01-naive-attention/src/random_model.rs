@@ -283,6 +283,7 @@ impl RandomModelSpec {
     }
 }
 
+// ANCHOR: write_random_model
 /// Writes the checkpoint `spec` describes into `dir` (created if missing; the five files it
 /// writes are replaced, nothing else is touched). Fails before writing anything when the
 /// config would not load. `config.json` is written last, so a checkpoint whose writing was cut
@@ -302,6 +303,7 @@ pub fn write_random_model(spec: &RandomModelSpec, dir: &Path) -> Result<()> {
     write_weights(spec, &dir.join("model.safetensors"))?;
     write_file(&config_path, config_text.as_bytes())
 }
+// ANCHOR_END: write_random_model
 
 /// `model.safetensors`: every tensor of [`RandomModelSpec::tensors`], generated in parallel.
 fn write_weights(spec: &RandomModelSpec, path: &Path) -> Result<()> {
