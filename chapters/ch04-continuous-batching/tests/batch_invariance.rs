@@ -1,5 +1,8 @@
 //! Seeded sampling is batch-invariant: a request with a given seed produces the same tokens
-//! whether it runs alone or among other requests that come and go.
+//! whether it runs alone or among other requests that come and go. (Its logits may differ in
+//! the last bits: a lone row runs the matrix-vector kernel, a batched row the matrix-matrix
+//! one, which sum in another order; a draw within that rounding of a token boundary could
+//! differ, and these seeds meet none.)
 
 use ch01::{SamplingParams, fixtures_dir};
 use ch03::KvPool;

@@ -99,7 +99,7 @@ impl Partitions {
             Partitions::Auto => {
                 let wanted =
                     (4 * rayon::current_num_threads()).div_ceil(tasks_per_partition.max(1));
-                wanted.min(len.div_ceil(MIN_PARTITION)).max(1)
+                wanted.min(len / MIN_PARTITION).max(1)
             }
         }
     }
@@ -394,5 +394,28 @@ fn run_decode_task<K: KvElement>(
             // SAFETY: as above: the proof in `Isa::Avx2Fma` says the CPU has AVX2 and FMA.
             unsafe { avx2(kv, blocks, task, q_r, scores, partial) }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Auto` never cuts a partition shorter than [`MIN_PARTITION`] keys (a row shorter than
+    /// that stays whole), and never makes more than the threads want.
+    #[test]
+    fn auto_partitions_are_never_shorter_than_the_minimum() {
+        for len in [1, 255, 256, 257, 511, 512, 1000, 1024, 5000, 100_000] {
+            for rows in [1, 2, 7, 64] {
+                let count = Partitions::Auto.count(len, rows);
+                assert!(count >= 1);
+                if count > 1 {
+                    assert!(len / count >= MIN_PARTITION, "{len} keys in {count}");
+                }
+                let wanted = (4 * rayon::current_num_threads()).div_ceil(rows);
+                assert!(count <= wanted.max(1), "{len} keys, {rows} rows: {count}");
+            }
+        }
+        assert_eq!(Partitions::Auto.count(257, 1), 1);
     }
 }
