@@ -652,7 +652,7 @@ impl Scheduler {
             if budget == 0 || self.num_running() >= self.config.max_num_seqs {
                 break;
             }
-            if !self.admit(id, watermark) {
+            if !self.admit(id, watermark, budget) {
                 break; // FCFS: do not let later requests overtake this one
             }
             let Some(n) = self.chunk(id, budget) else {
@@ -782,14 +782,23 @@ impl Scheduler {
     }
 
     /// Gives waiting or swapped `id` blocks for what it has computed (or may reuse from the
-    /// prefix cache), if the free blocks stay above `watermark`. True if it is now running.
-    fn admit(&mut self, id: RequestId, watermark: usize) -> bool {
+    /// prefix cache), if the free blocks stay above `watermark`, counting for a swapped one the
+    /// blocks of its next chunk within `budget` too. True if it is now running.
+    fn admit(&mut self, id: RequestId, watermark: usize, budget: usize) -> bool {
         let seq = &self.seqs[&id];
+        let bs = self.manager.block_size();
         let known = match seq.status {
             Status::Swapped => seq.num_computed,
             _ => seq.tokens.len(),
         };
-        let needed = known.max(1).div_ceil(self.manager.block_size());
+        // Blocks for what it has (a prefix that running requests hold costs none), and for a
+        // swapped one the blocks its next chunk adds: admitted without them, it would be
+        // swapped straight out again, step after step.
+        let mut needed = self.manager.blocks_for_prompt(&seq.tokens[..known.max(1)]);
+        if seq.status == Status::Swapped {
+            let chunk = seq.pending().min(budget);
+            needed += (known + chunk).div_ceil(bs) - known.div_ceil(bs);
+        }
         if self.manager.num_free_blocks() < needed + watermark {
             return false;
         }

@@ -4,7 +4,7 @@
 use ch01::{Llama, fixtures_dir};
 use ch03::KvPool;
 use ch04_continuous_batching::{
-    CpuExecutor, Engine, EngineConfig, EngineError, Preemption, Request,
+    CpuExecutor, Engine, EngineConfig, EngineError, Preemption, Request, Status,
 };
 
 fn engine(model: &Llama, blocks: usize, config: EngineConfig) -> Result<Engine<'_>, EngineError> {
@@ -129,4 +129,39 @@ fn a_request_that_fits_one_unchunked_step_is_served() {
     while unchunked.has_unfinished() {
         unchunked.step_or_stall().unwrap();
     }
+}
+
+/// A waiting request whose prompt starts with blocks a running request holds needs free blocks
+/// only for the rest: with 14 blocks of 4, a running request holding 11 and 3 free, a second
+/// request with the same 40-token prefix (10 cached blocks) and 2 tokens more is admitted at
+/// once, and shares them.
+#[test]
+fn a_prefix_that_a_running_request_holds_costs_no_free_blocks_at_admission() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let config = EngineConfig {
+        watermark: 0.0,
+        enable_prefix_caching: true,
+        ..EngineConfig::default()
+    };
+    let mut engine = engine(&model, 14, config).unwrap();
+    let prefix: Vec<u32> = (1..=40).collect();
+    let a = engine
+        .add_request(Request::greedy(prefix.clone(), 3))
+        .unwrap();
+    engine.step_or_stall().unwrap(); // A's prompt: 10 blocks, cached once full
+    let mut longer = prefix.clone();
+    longer.extend([41, 42]);
+    let b = engine.add_request(Request::greedy(longer, 2)).unwrap();
+    engine.step_or_stall().unwrap();
+    assert_eq!(engine.scheduler().status(a), Some(Status::Running));
+    assert_eq!(
+        engine.scheduler().status(b),
+        Some(Status::Running),
+        "admitted beside A"
+    );
+    assert_eq!(engine.scheduler().prefix_stats().hit_blocks, 10);
+    while engine.has_unfinished() {
+        engine.step_or_stall().unwrap();
+    }
+    assert_eq!(engine.scheduler().kv_usage(), 0.0);
 }

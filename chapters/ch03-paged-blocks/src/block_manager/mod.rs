@@ -156,22 +156,12 @@ impl BlockManager {
         let bs = self.block_size;
         let mut table = BlockTable::new(bs);
         // 1. The longest cached prefix of whole blocks. Looking up takes nothing yet.
-        if let Some(cache) = &self.cache {
-            let mut parent = ROOT;
-            for chunk in tokens.chunks_exact(bs) {
-                let Lookup::Hit(block, pos) = cache.lookup(parent, chunk) else {
-                    break;
-                };
-                table.blocks.push(block);
-                parent = pos;
-            }
-        }
+        table.blocks = self.cached_prefix(tokens);
         let hits = table.blocks.len();
         let total = tokens.len().div_ceil(bs);
 
         // 2. Enough blocks? Hits nobody holds leave the free pool too.
-        let revived = table.blocks.iter().filter(|&&b| self.ref_count(b) == 0);
-        let needed = total - hits + revived.count();
+        let needed = self.new_blocks(&table.blocks, total);
         let free = self.num_free_blocks();
         if needed > free {
             return Err(BlockError::OutOfBlocks { needed, free });
@@ -193,6 +183,37 @@ impl BlockManager {
         Ok(table)
     }
     // ANCHOR_END: allocate_prompt
+
+    /// The free blocks [`allocate_prompt`](Self::allocate_prompt) would take for `tokens`,
+    /// now: its blocks but the cached prefix's that a table already holds. (A waiting request
+    /// whose prefix a running one holds needs only its own blocks.)
+    pub fn blocks_for_prompt(&self, tokens: &[u32]) -> usize {
+        let hits = self.cached_prefix(tokens);
+        self.new_blocks(&hits, tokens.len().div_ceil(self.block_size))
+    }
+
+    /// The longest cached prefix of whole blocks of `tokens` (none without prefix caching).
+    fn cached_prefix(&self, tokens: &[u32]) -> Vec<BlockId> {
+        let mut blocks = Vec::new();
+        if let Some(cache) = &self.cache {
+            let mut parent = ROOT;
+            for chunk in tokens.chunks_exact(self.block_size) {
+                let Lookup::Hit(block, pos) = cache.lookup(parent, chunk) else {
+                    break;
+                };
+                blocks.push(block);
+                parent = pos;
+            }
+        }
+        blocks
+    }
+
+    /// Free blocks a table of `total` blocks takes when `hits` start it: the rest, and the
+    /// hits nobody holds (they leave the evictable part of the free pool).
+    fn new_blocks(&self, hits: &[BlockId], total: usize) -> usize {
+        let revived = hits.iter().filter(|&&b| self.ref_count(b) == 0).count();
+        total - hits.len() + revived
+    }
 
     /// Makes room for positions `num_tokens..num_tokens + n`: adds blocks as needed and, if a
     /// block that will receive one of them is shared or cached, swaps in a private copy.
