@@ -84,6 +84,42 @@ fn f32_kernels_equal_the_naive_product() {
     kernels_equal_the_naive_product(WeightDtype::F32);
 }
 
+/// Products of 2^20 multiply-adds or more run on rayon's threads, each writing its own part of
+/// the output: equal to the naive product too, on shapes that are multiples of nothing.
+#[test]
+fn threaded_products_equal_the_naive_product() {
+    let shapes = (30usize..50, 180usize..260, 200usize..300, any::<bool>());
+    runner(8)
+        .run(&shapes, |(tokens, out_f, in_f, bf16)| {
+            let w = Array2::from_shape_fn((out_f, in_f), |(o, i)| {
+                ((o * 31 + i * 17) % 23) as f32 / 11.5 - 1.0
+            });
+            let x = Array2::from_shape_fn((tokens, in_f), |(t, i)| {
+                ((t * 13 + i * 7) % 19) as f32 / 9.5 - 1.0
+            });
+            let b = Some(Array1::from_shape_fn(out_f, |o| o as f32 * 0.01));
+            assert!(tokens * out_f * in_f >= 1 << 20);
+            let dtype = if bf16 {
+                WeightDtype::Bf16
+            } else {
+                WeightDtype::F32
+            };
+            let expected = naive(&w, &b, &x, dtype);
+            for isa in Isa::available() {
+                let layer = FastLinear::new(w.clone(), b.clone(), dtype).with_isa(isa);
+                assert_close_shaped(
+                    &format!("{isa:?} {dtype:?}: W {:?}, x {:?}", w.dim(), x.dim()),
+                    layer.forward(x.view()).as_slice().unwrap(),
+                    &expected,
+                    &[tokens, out_f],
+                    Tolerance::F32,
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
 #[test]
 fn bf16_kernels_equal_the_naive_product_on_bf16_rounded_weights() {
     kernels_equal_the_naive_product(WeightDtype::Bf16);
