@@ -104,6 +104,36 @@ fn a_full_cache_is_a_typed_error_and_keeps_its_contents() {
     assert_eq!(cache.len(), 4);
 }
 
+/// A write that does not append (a position before or after the stored ones) is a typed
+/// error and changes nothing: the cache goes on from where it was.
+#[test]
+fn a_write_that_does_not_append_is_a_typed_error_and_changes_nothing() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let mut cache = ContiguousKvCache::new(&model.config, 8);
+    forward_cached(&model, &[0, 5, 6], &mut cache).unwrap();
+    let kv_dim = model.config.num_key_value_heads * model.config.head_dim;
+    let rows = ndarray::Array2::<f32>::ones((1, kv_dim));
+    for start_pos in [2, 4] {
+        let error = cache
+            .write(0, start_pos, rows.view(), rows.view())
+            .unwrap_err();
+        assert!(
+            matches!(error, KvError::NotAppending { start_pos: s, len: 3 } if s == start_pos),
+            "{error}"
+        );
+    }
+    assert_eq!(cache.len(), 3);
+    let mut fresh = ContiguousKvCache::new(&model.config, 8);
+    let expected = forward_cached(&model, &[0, 5, 6, 7], &mut fresh).unwrap();
+    let logits = forward_cached(&model, &[7], &mut cache).unwrap();
+    assert_rel_close(
+        "the next token after the refused writes",
+        logits.as_slice().unwrap(),
+        &expected.as_slice().unwrap()[expected.len() - logits.len()..],
+        1e-5,
+    );
+}
+
 #[test]
 fn the_model_context_limit_still_applies() {
     let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();

@@ -27,6 +27,8 @@ use serde_json::Value as Json;
 
 /// The name the template is registered under (it appears in minijinja's error messages).
 const TEMPLATE_NAME: &str = "chat_template";
+/// The most work (minijinja's fuel: about one unit per instruction) one render may take.
+pub const TEMPLATE_FUEL: u64 = 5_000_000;
 
 /// One message of a conversation.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -152,6 +154,10 @@ impl ChatTemplate {
         path: Option<PathBuf>,
     ) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
+        // A template comes with the model file: a bound on its work per render, so that
+        // nested loops in one cannot spin every chat request for minutes. Real templates take
+        // a few hundred units a message.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
@@ -565,6 +571,27 @@ mod tests {
             t.render(&with_system, false).unwrap(),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
         );
+    }
+
+    /// A template whose loops would run 10^10 times stops at its fuel with an error, quickly;
+    /// a conversation of 2,000 messages through SmolLM2's template stays well within it.
+    #[test]
+    fn a_runaway_template_runs_out_of_fuel_and_a_long_conversation_does_not() {
+        let nested =
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let started = std::time::Instant::now();
+        assert!(render(nested, &[("user", "hi")]).is_err());
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        let long: Vec<(&str, &str)> = (0..2000)
+            .map(|i| {
+                if i % 2 == 0 {
+                    ("user", "a question")
+                } else {
+                    ("assistant", "an answer")
+                }
+            })
+            .collect();
+        assert!(render(SMOLLM2, &long).is_ok());
     }
 
     #[test]

@@ -701,6 +701,41 @@ mod tests {
         assert_eq!(requests[0].stop_token_ids, vec![1]);
     }
 
+    /// Every field `reject_unsupported` refuses, each named in its error, and each at its
+    /// default (or a value that asks for the default) accepted.
+    #[test]
+    fn unsupported_fields_are_refused_by_name_and_defaults_pass() {
+        for (json, param) in [
+            (r#"{"best_of": 3}"#, "best_of"),
+            (r#"{"best_of": 3, "n": 2}"#, "best_of"),
+            (r#"{"suffix": "end"}"#, "suffix"),
+            (r#"{"prompt_logprobs": 1}"#, "prompt_logprobs"),
+            (r#"{"skip_special_tokens": false}"#, "skip_special_tokens"),
+            (
+                r#"{"spaces_between_special_tokens": false}"#,
+                "spaces_between_special_tokens",
+            ),
+            (
+                r#"{"include_stop_str_in_output": true, "stop": ["x"]}"#,
+                "include_stop_str_in_output",
+            ),
+        ] {
+            let error = reject_unsupported(&sampling(json)).expect_err(json);
+            assert_eq!(error.param.as_deref(), Some(param), "{json}");
+        }
+        for json in [
+            r#"{}"#,
+            r#"{"best_of": 1}"#,
+            r#"{"best_of": 2, "n": 2}"#,
+            r#"{"suffix": ""}"#,
+            r#"{"skip_special_tokens": true, "spaces_between_special_tokens": true}"#,
+            r#"{"include_stop_str_in_output": true}"#,
+            r#"{"include_stop_str_in_output": false, "stop": ["x"]}"#,
+        ] {
+            assert!(reject_unsupported(&sampling(json)).is_ok(), "{json}");
+        }
+    }
+
     /// `ignore_eos` ignores the model's EOS (id 1 here), not the client's stop tokens.
     #[test]
     fn ignore_eos_keeps_the_clients_stop_token_ids() {

@@ -20,7 +20,10 @@
 //! per token: llama.cpp repeatedly merges the adjacent pair whose concatenation is the
 //! highest-scoring token. The same result comes from BPE with one merge per way of splitting a
 //! token into two tokens, ranked by the merged token's score; unknown characters fall back to
-//! their `<0xNN>` byte tokens.
+//! their `<0xNN>` byte tokens. Only while scores differ: llama.cpp breaks a tie between two
+//! pairs by position (the leftmost merges first), which a ranked merge list cannot express, so
+//! here equal scores rank by token id. Vocabularies converted without `tokenizer.model` carry
+//! one score for every token (−1000), and their tokens can then differ from llama.cpp's.
 
 use std::path::Path;
 
