@@ -82,6 +82,10 @@ pub struct Args {
     /// Seconds from when a connection waits for a request until that request's headers are in.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     pub header_read_timeout: f64,
+    /// Seconds a client may take none of a response (its socket's buffer full) before the
+    /// connection is closed and its request aborted.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub send_timeout: f64,
     /// Seconds a request body may take to arrive once its headers are in (408 beyond).
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     pub body_read_timeout: f64,
@@ -169,6 +173,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
             max_connections: args.max_connections,
             header_read_timeout: seconds(args.header_read_timeout, "header-read-timeout")?,
             keep_alive_timeout: seconds(args.timeout_keep_alive, "timeout-keep-alive")?,
+            send_timeout: seconds(args.send_timeout, "send-timeout")?,
         },
         body_read_timeout: seconds(args.body_read_timeout, "body-read-timeout")?,
         max_prompts: args.max_prompts_per_request,
@@ -219,12 +224,13 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         args.max_queue.map_or("none".into(), |q| q.to_string()),
     );
     eprintln!(
-        "kiln serve: max connections {} | timeouts: keep-alive {} s, headers {} s, body {} s | \
-         max prompts per request {} | access log {}",
+        "kiln serve: max connections {} | timeouts: keep-alive {} s, headers {} s, body {} s, \
+         send {} s | max prompts per request {} | access log {}",
         args.max_connections,
         args.timeout_keep_alive,
         args.header_read_timeout,
         args.body_read_timeout,
+        args.send_timeout,
         args.max_prompts_per_request,
         if args.disable_access_log { "off" } else { "on" },
     );

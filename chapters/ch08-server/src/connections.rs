@@ -8,6 +8,8 @@
 //!  one task per connection: hyper's HTTP/1 over the socket, axum's router per request
 //!    header-read timeout   from "waiting for a request" to its last header line
 //!    keep-alive timeout    no request in progress and no byte received for this long
+//!    send timeout          a response the client does not take: its socket's buffer full
+//!                          for this long (the request is aborted with the connection)
 //!    shutdown              finish the request in progress, then close
 //! ```
 //! The body-read timeout is the handlers' (they read the body after checking the key).
@@ -44,6 +46,11 @@ pub struct ConnectionLimits {
     pub header_read_timeout: Duration,
     /// A connection with no request in progress that receives nothing for this long is closed.
     pub keep_alive_timeout: Duration,
+    /// A connection whose client takes none of the response for this long (every write waits
+    /// on a full socket buffer) is closed, and its request aborted: a client that stops
+    /// reading a stream cannot hold its slot, nor have the server generate and buffer the
+    /// rest of its tokens.
+    pub send_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
@@ -52,6 +59,7 @@ impl Default for ConnectionLimits {
             max_connections: 512,
             header_read_timeout: Duration::from_secs(10),
             keep_alive_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -150,12 +158,15 @@ async fn connection(
     tokio::pin!(conn);
     let idle = activity.idle(limits.keep_alive_timeout);
     tokio::pin!(idle);
+    let stalled = activity.stalled(limits.send_timeout);
+    tokio::pin!(stalled);
     let shutdown = async move {
         let _ = closing.wait_for(|&closing| closing).await;
     };
     tokio::select! {
         _ = conn.as_mut() => {}
         () = &mut idle => {} // dropping the connection closes the socket
+        () = &mut stalled => {}
         () = shutdown => {
             conn.as_mut().graceful_shutdown();
             let _ = conn.await;
@@ -171,6 +182,9 @@ struct Activity {
     busy: AtomicUsize,
     /// Signalled when a request finishes.
     done: Notify,
+    /// 1 + nanoseconds from `opened` to the first write that found the socket's buffer full,
+    /// since the last write that went through; 0 while writes go through.
+    blocked: AtomicU64,
 }
 
 impl Activity {
@@ -180,6 +194,40 @@ impl Activity {
             last: AtomicU64::new(0),
             busy: AtomicUsize::new(0),
             done: Notify::new(),
+            blocked: AtomicU64::new(0),
+        }
+    }
+
+    /// Notes how a write went: `Pending` (the socket's buffer is full) starts the send clock
+    /// unless it runs already; anything else stops it.
+    fn wrote<T>(&self, poll: &Poll<T>) {
+        if poll.is_pending() {
+            let nanos = u64::try_from(self.opened.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let _ = self.blocked.compare_exchange(
+                0,
+                nanos.saturating_add(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        } else {
+            self.blocked.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Resolves once writes have waited on a full socket buffer for `timeout` without one
+    /// going through.
+    async fn stalled(&self, timeout: Duration) {
+        let period = (timeout / 4).max(Duration::from_millis(10));
+        loop {
+            tokio::time::sleep(period).await;
+            let blocked = self.blocked.load(Ordering::Relaxed);
+            if blocked == 0 {
+                continue;
+            }
+            let since = self.opened + Duration::from_nanos(blocked - 1);
+            if since.elapsed() >= timeout {
+                return;
+            }
         }
     }
 
@@ -283,11 +331,15 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let poll = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.activity.wrote(&poll);
+        poll
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
+        let poll = Pin::new(&mut self.stream).poll_flush(cx);
+        self.activity.wrote(&poll);
+        poll
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -299,7 +351,9 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let poll = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.activity.wrote(&poll);
+        poll
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -654,9 +654,21 @@ mod tests {
         assert_eq!(recent.request, second, "the latest arrival is the victim");
         assert_eq!(recent.step, snap.step);
         assert_eq!(snap.steps.last().unwrap().preempted, 1);
-        assert_eq!(snap.waiting.total, 1);
-        assert_eq!(snap.waiting.shown[0].id, second);
-        assert_eq!(snap.waiting.shown[0].num_computed, 0);
+        // The victim goes back to the queue, its K/V dropped. Its prompt's blocks, which the
+        // first request holds, cost it no free blocks, so it may be readmitted in the same
+        // step, its recompute starting from the cached prefix.
+        let waits = snap
+            .waiting
+            .shown
+            .iter()
+            .any(|r| r.id == second && r.num_computed == 0);
+        let readmitted = snap
+            .running
+            .shown
+            .iter()
+            .any(|r| r.id == second && r.num_cached_tokens > 0);
+        assert!(waits || readmitted, "{:?}", snap.waiting);
+        assert_eq!(snap.waiting.total, usize::from(waits));
         while engine.has_unfinished() {
             steps(&mut engine, &mut history, 1);
         }

@@ -122,6 +122,9 @@ pub struct ServerConfig {
     pub tokenizer_workers: usize,
     /// Open connections and their timeouts.
     pub connections: ConnectionLimits,
+    /// Events a stream may hold for a client that reads slower than the engine writes
+    /// (about 250 bytes each); one that falls further behind has its request aborted.
+    pub stream_buffer: usize,
     /// How long a body may take to arrive once its headers are in (408 beyond).
     pub body_read_timeout: Duration,
     /// Failed authentications a client address may make per minute before its requests are
@@ -152,6 +155,7 @@ impl Default for ServerConfig {
             max_prompts: crate::params::DEFAULT_MAX_PROMPTS,
             tokenizer_workers: 2,
             connections: ConnectionLimits::default(),
+            stream_buffer: 16_384,
             body_read_timeout: Duration::from_secs(30),
             auth_failures_per_minute: 10,
             access_log: None,
@@ -283,6 +287,7 @@ impl Server {
                 .map(|queue| queue.saturating_add(config.engine.max_num_seqs)),
             in_flight: AtomicUsize::new(0),
             tokenizing: Arc::new(tokio::sync::Semaphore::new(config.tokenizer_workers.max(1))),
+            stream_buffer: config.stream_buffer.max(1),
             seed: config.seed,
             next_request: AtomicU64::new(0),
             created: unix_now(),

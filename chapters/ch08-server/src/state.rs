@@ -43,6 +43,9 @@ pub struct AppState {
     /// Tokenizing and template rendering run on tokio's blocking threads, this many at once,
     /// so that no HTTP worker thread ever tokenizes.
     pub tokenizing: Arc<Semaphore>,
+    /// Events a stream holds for a client that reads slower than the engine writes; a client
+    /// that falls this far behind has its request aborted, as if it had gone.
+    pub stream_buffer: usize,
     /// Seeds requests that name none: `seed + request number`, so a server started with the
     /// same `--seed` answers the same requests in the same order the same way.
     pub seed: u64,

@@ -31,6 +31,7 @@ fn quick_timeouts(max_connections: usize) -> ConnectionLimits {
         max_connections,
         header_read_timeout: Duration::from_millis(800),
         keep_alive_timeout: Duration::from_millis(300),
+        send_timeout: Duration::from_millis(500),
     }
 }
 
@@ -569,6 +570,55 @@ async fn the_disconnect_of_a_16_choice_stream_stops_all_work_within_one_step() {
     // Counted once, as one aborted request.
     assert_eq!(finished(&text, "abort"), 1.0);
     assert_eq!(finished(&text, "length"), 0.0);
+    server.stop().await;
+}
+
+/// A client that sends a streaming request and never reads: once the socket's buffers and
+/// the stream's 64 events are full, the request is aborted, long before its tokens are all
+/// generated (and buffered), and the send timeout closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_nobody_reads_is_closed_after_the_send_timeout_and_aborted() {
+    // 4 prompts × 16 choices × 480 tokens: 30,720 chunks, about 8 MB of events, more than a
+    // loopback socket's buffers take in (up to 4 MB for the sender here).
+    let mut setup = Setup {
+        kv_blocks: 2100,
+        ..Setup::default()
+    };
+    setup.config.connections = quick_timeouts(64);
+    setup.config.stream_buffer = 64; // events held for a client that does not read
+    let server = start(setup).await;
+    let body = json!({"model": MODEL, "prompt": [PROMPT, PROMPT, PROMPT, PROMPT],
+                      "max_tokens": 480, "n": 16, "ignore_eos": true, "stream": true})
+    .to_string();
+    let address: std::net::SocketAddr = server.url.trim_start_matches("http://").parse().unwrap();
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap(); // a small window: the server's writes block soon
+    socket.connect(&address.into()).unwrap();
+    let mut socket: TcpStream = socket.into();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).unwrap();
+    // The response has begun (its headers, the first chunks); from here on nobody reads.
+    let mut first = [0u8; 64];
+    let n = std::io::Read::read(&mut socket, &mut first).unwrap();
+    assert!(first[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &first[..n]);
+    let text = server.wait_idle().await;
+    assert_eq!(finished(&text, "abort"), 1.0, "{text}");
+    let generated = metric(&text, "kiln:generation_tokens_total", "");
+    assert!(
+        generated < 64.0 * 480.0,
+        "{generated} tokens: the request ran to its end"
+    );
+    // The server closed the socket: after what the buffers held, the stream ends.
+    socket
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let (_, closed) =
+        blocking(move || until_closed(socket, Instant::now(), &[], Duration::ZERO)).await;
+    assert!(closed.is_some(), "the connection is still open");
     server.stop().await;
 }
 

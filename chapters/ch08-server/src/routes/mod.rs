@@ -300,12 +300,14 @@ async fn collect_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Result<R
 
 // ANCHOR: stream_response
 fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
-    let (events, receiver) = mpsc::unbounded_channel::<SseEvent>();
+    // Bounded: a client that stops reading holds at most this many events; past them its
+    // request is aborted (`emit` returns false), as if it had gone.
+    let (events, receiver) = mpsc::channel::<SseEvent>(job.state.stream_buffer);
     tokio::spawn(async move {
         let _admitted = admitted;
         let json = |text: String| SseEvent::default().data(text);
         for chunk in job.shape.opening_chunks(job.planned.requests.len()) {
-            let _ = events.send(json(chunk));
+            let _ = events.try_send(json(chunk));
         }
         let result = driver::generate(
             &job.state,
@@ -314,21 +316,21 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
             &job.generation,
             job.echo,
             events.closed(),
-            |delta| events.send(json(job.shape.chunk(&delta))).is_ok(),
+            |delta| events.try_send(json(job.shape.chunk(&delta))).is_ok(),
         )
         .await;
         match result {
             Ok(usage) => {
                 job.note.usage(usage);
                 if job.generation.include_usage {
-                    let _ = events.send(json(job.shape.usage_chunk(usage)));
+                    let _ = events.send(json(job.shape.usage_chunk(usage))).await;
                 }
             }
             Err(error) => {
-                let _ = events.send(SseEvent::default().data(error.to_json()));
+                let _ = events.send(SseEvent::default().data(error.to_json())).await;
             }
         }
-        let _ = events.send(SseEvent::default().data("[DONE]"));
+        let _ = events.send(SseEvent::default().data("[DONE]")).await;
     });
     let body = stream::unfold(receiver, |mut receiver| async move {
         receiver
