@@ -86,6 +86,10 @@ pub struct Args {
     /// connection is closed and its request aborted.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     pub send_timeout: f64,
+    /// fcfs: requests run in arrival order, and one asking for a `priority` other than 0 is
+    /// refused; priority: lower `priority` first, then arrival (vLLM's policies).
+    #[arg(long, default_value = "fcfs", value_parser = ["fcfs", "priority"])]
+    pub scheduling_policy: String,
     /// Seconds a request body may take to arrive once its headers are in (408 beyond).
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     pub body_read_timeout: f64,
@@ -169,6 +173,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         max_queue: args.max_queue,
         seed: args.seed,
         shutdown_grace: seconds(args.shutdown_grace, "shutdown-grace")?,
+        priority_scheduling: args.scheduling_policy == "priority",
         connections: ConnectionLimits {
             max_connections: args.max_connections,
             header_read_timeout: seconds(args.header_read_timeout, "header-read-timeout")?,

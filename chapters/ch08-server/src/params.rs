@@ -70,6 +70,9 @@ pub struct Limits {
     pub max_prompts: usize,
     /// Most bytes of input text one token can stand for (see [`max_token_bytes`]).
     pub max_token_bytes: usize,
+    /// Whether requests may ask for a `priority` (`--scheduling-policy priority`): off, a
+    /// priority other than 0 is refused, since any client could otherwise jump every queue.
+    pub priority_scheduling: bool,
 }
 
 // ANCHOR: max_token_bytes
@@ -185,6 +188,13 @@ pub fn generation(
     }
     if s.best_of.is_some_and(|b| b != n && b != 1) {
         return Err(ApiError::bad_param("best_of", "best_of must equal n"));
+    }
+    let priority = s.priority.unwrap_or(0);
+    if priority != 0 && !limits.priority_scheduling {
+        return Err(ApiError::bad_param(
+            "priority",
+            "priority scheduling is off on this server (kiln serve --scheduling-policy priority)",
+        ));
     }
     let max_tokens = match max_tokens {
         Some(0) => {
@@ -310,7 +320,7 @@ pub fn generation(
         grammar: None,
         rules,
         bad_words,
-        priority: s.priority.unwrap_or(0),
+        priority,
         truncate_prompt_tokens,
     })
 }
@@ -683,6 +693,7 @@ mod tests {
             vocab_size: 100,
             max_prompts: 4,
             max_token_bytes: 8,
+            priority_scheduling: false,
         }
     }
 
@@ -734,6 +745,21 @@ mod tests {
         ] {
             assert!(reject_unsupported(&sampling(json)).is_ok(), "{json}");
         }
+    }
+
+    /// A priority other than 0 needs a server that schedules by priority: otherwise any
+    /// client could put itself ahead of every other.
+    #[test]
+    fn a_priority_needs_priority_scheduling() {
+        let asks = sampling(r#"{"priority": -5}"#);
+        let err = generation(&asks, None, None, 7, &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("priority"));
+        assert!(generation(&sampling(r#"{"priority": 0}"#), None, None, 7, &limits()).is_ok());
+        let on = Limits {
+            priority_scheduling: true,
+            ..limits()
+        };
+        assert_eq!(generation(&asks, None, None, 7, &on).unwrap().priority, -5);
     }
 
     /// `ignore_eos` ignores the model's EOS (id 1 here), not the client's stop tokens.

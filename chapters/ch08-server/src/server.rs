@@ -125,6 +125,9 @@ pub struct ServerConfig {
     /// Events a stream may hold for a client that reads slower than the engine writes
     /// (about 250 bytes each); one that falls further behind has its request aborted.
     pub stream_buffer: usize,
+    /// Requests may ask for a `priority` (vLLM's `--scheduling-policy priority`); off, a
+    /// priority other than 0 is a 400.
+    pub priority_scheduling: bool,
     /// How long a body may take to arrive once its headers are in (408 beyond).
     pub body_read_timeout: Duration,
     /// Failed authentications a client address may make per minute before its requests are
@@ -156,6 +159,7 @@ impl Default for ServerConfig {
             tokenizer_workers: 2,
             connections: ConnectionLimits::default(),
             stream_buffer: 16_384,
+            priority_scheduling: false,
             body_read_timeout: Duration::from_secs(30),
             auth_failures_per_minute: 10,
             access_log: None,
@@ -269,6 +273,7 @@ impl Server {
                 vocab_size,
                 max_prompts: config.max_prompts.max(1),
                 max_token_bytes: crate::params::max_token_bytes(&served.tokenizer),
+                priority_scheduling: config.priority_scheduling,
             },
             tokenizer: served.tokenizer,
             chat_template: served.chat_template,

@@ -362,11 +362,12 @@ async fn cheap_vllm_parameters_are_honoured() {
         )
         .await;
     assert_eq!(body["usage"]["completion_tokens"], 12);
-    // truncate_prompt_tokens keeps the prompt's last tokens; priority is accepted.
+    // truncate_prompt_tokens keeps the prompt's last tokens; priority 0 is accepted (another
+    // needs --scheduling-policy priority).
     let body = server
         .json(
             "/v1/completions",
-            &with(json!({"truncate_prompt_tokens": 3, "priority": -1, "n": 1})),
+            &with(json!({"truncate_prompt_tokens": 3, "priority": 0, "n": 1})),
         )
         .await;
     assert_eq!(body["usage"]["prompt_tokens"], 3);

@@ -52,6 +52,13 @@ pub struct TensorParallelExecutor {
     handles: Vec<JoinHandle<()>>,
     layout: KvLayout,
     spec: ModelSpec,
+    /// The first failed step's error. Threads meeting through [`ThreadComm`] all see a failure
+    /// (a lost rank, lengths that differ), but NCCL reports some on one rank only, leaving the
+    /// others inside a collective: another step would pair its collectives with theirs. So
+    /// every later step fails with this one, and the group is not joined on drop.
+    ///
+    /// [`ThreadComm`]: crate::comm::ThreadComm
+    broken: Option<String>,
 }
 
 /// Where the KV memory of each rank comes from.
@@ -191,6 +198,7 @@ impl TensorParallelExecutor {
             handles,
             layout,
             spec,
+            broken: None,
         })
     }
 
@@ -215,6 +223,11 @@ impl Executor for TensorParallelExecutor {
 
     // ANCHOR: tp_execute
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        if let Some(error) = &self.broken {
+            return Err(ExecutorError(format!(
+                "the tensor-parallel group is down: {error}"
+            )));
+        }
         // "Broadcast" the step: in one process, hand each rank the same plan.
         if !self.workers.is_empty() {
             let shared = Arc::new(step.clone());
@@ -224,10 +237,14 @@ impl Executor for TensorParallelExecutor {
                 })?;
             }
         }
-        let (rank0, comm0) = (&mut self.rank0, &mut *self.comm0);
+        let (rank0, comm0, broken) = (&mut self.rank0, &mut *self.comm0, &mut self.broken);
         self.pool0
             .install(|| rank0.execute(step, comm0))
-            .map_err(|e| ExecutorError(format!("tensor-parallel step: {e}")))
+            .map_err(|e| {
+                let error = format!("tensor-parallel step: {e}");
+                *broken = Some(error.clone());
+                ExecutorError(error)
+            })
     }
     // ANCHOR_END: tp_execute
 }
@@ -235,6 +252,9 @@ impl Executor for TensorParallelExecutor {
 impl Drop for TensorParallelExecutor {
     fn drop(&mut self) {
         self.workers.clear(); // the ranks' loops end
+        if self.broken.is_some() || std::thread::panicking() {
+            return; // a rank may wait in a collective for good: it ends with the process
+        }
         for handle in self.handles.drain(..) {
             let _ = handle.join(); // a rank that panicked has already lost the group
         }
