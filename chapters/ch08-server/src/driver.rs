@@ -30,8 +30,10 @@ pub struct TokenInfo {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delta {
     pub choice: usize,
-    /// Where `text` starts in the choice's whole text (echo included), in bytes: the
-    /// completions' `text_offset` of the delta's first token.
+    /// The completions' `text_offset` of the delta's first token, in bytes: the echo and every
+    /// earlier token's own text (its logprobs entry's `token`). Text held back (a possible
+    /// stop string, a partial character) does not move it: it counts the tokens, not what was
+    /// sent.
     pub offset: usize,
     pub text: String,
     /// One per new token, when logprobs were asked for.
@@ -46,6 +48,9 @@ struct Choice<'t> {
     text: OutputText<'t>,
     /// Bytes of text sent so far (echo included).
     sent: usize,
+    /// The echo's bytes and each token's own text's so far: where the next token's
+    /// `text_offset` lies.
+    token_offset: usize,
     tokens: usize,
     last_token: Option<Instant>,
     finish: Option<&'static str>,
@@ -140,6 +145,7 @@ pub async fn generate(
             id,
             text: OutputText::new(&state.tokenizer, generation.stop.clone()),
             sent: 0,
+            token_offset: 0,
             tokens: 0,
             last_token: None,
             finish: None,
@@ -154,6 +160,7 @@ pub async fn generate(
         for (index, choice) in choices.iter_mut().enumerate() {
             let text = echo[index / generation.n].clone();
             choice.sent = text.len();
+            choice.token_offset = text.len();
             let delta = Delta {
                 choice: index,
                 offset: 0,
@@ -223,7 +230,7 @@ fn advance(
     let detokenize = |e: ch01::Error| ApiError::internal(format!("detokenizing: {e}"));
     let mut delta = Delta {
         choice: index,
-        offset: choice.sent,
+        offset: choice.token_offset,
         text: String::new(),
         logprobs: Vec::new(),
         finish_reason: None,
@@ -234,7 +241,9 @@ fn advance(
         choice.last_token = Some(now);
         choice.tokens += 1;
         if let Some(lp) = logprobs.get(i) {
-            delta.logprobs.push(token_info(state, lp)?);
+            let info = token_info(state, lp)?;
+            choice.token_offset += info.text.len();
+            delta.logprobs.push(info);
         }
         let piece = choice.text.push(token).map_err(detokenize)?;
         delta.text.push_str(&piece.text);

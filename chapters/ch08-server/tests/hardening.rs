@@ -780,8 +780,11 @@ fn check_logprobs(response: &CompletionResponse) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprob_offsets_and_order_follow_their_definitions_streamed_or_not() {
     let server = start(Setup::default()).await;
-    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                      "logprobs": 5, "ignore_eos": true});
+    // A stop string that never completes, but whose first character ends some tokens: their
+    // text is held back until the next token shows it is no stop, and the offsets must not
+    // lag behind.
+    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                      "logprobs": 5, "ignore_eos": true, "stop": ["\nQQQQ"]});
     let whole = server
         .post("/v1/completions")
         .json(&body)
@@ -793,6 +796,11 @@ async fn logprob_offsets_and_order_follow_their_definitions_streamed_or_not() {
         .unwrap();
     let whole: CompletionResponse = serde_json::from_str(&whole).unwrap();
     check_logprobs(&whole);
+    let text = &whole.choices[0].text;
+    assert!(
+        text[..text.len() - 1].contains('\n'),
+        "no text was held back: {text:?}"
+    );
 
     // The stream's chunks, joined into one choice: the same offsets, running on from chunk
     // to chunk.
