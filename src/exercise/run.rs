@@ -70,6 +70,15 @@ pub fn run_tests(
         if !out.status.success() && results.is_empty() {
             bail!("cargo test failed before running any test (see above)\n{stdout}");
         }
+        if !out.status.success() {
+            // Some tests reported and these did not: their binary stopped under them.
+            bail!(
+                "{} did not report (its test binary crashed: a stack overflow, an abort, a \
+                 signal; see above), or no test of {} has that name\n{stdout}",
+                missing.join(", "),
+                package
+            );
+        }
         bail!(
             "no test of {} is named {} (names are exact; unit tests need their module path)",
             package,
