@@ -90,11 +90,9 @@ fn generate_streams_text_and_reports_speed() {
 /// One prompt runs on chapter 3's f32 cache: `--dtype bf16` weights with the default
 /// `--kv-cache-dtype auto` keep it (auto means f32 there), while asking for a bf16 cache on that
 /// path is refused with the way to get one.
-#[test]
-fn one_prompt_with_bf16_weights_uses_the_f32_cache() {
-    let model = fixtures_dir().join("random/gqa");
-    let model = model.to_str().unwrap();
-    let base = [
+/// `kiln generate` of four tokens after "ROMEO." from `model`, with `extra` flags.
+fn four_tokens<'a>(model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
         "generate",
         "--model",
         model,
@@ -102,9 +100,16 @@ fn one_prompt_with_bf16_weights_uses_the_f32_cache() {
         "ROMEO.",
         "--max-tokens",
         "4",
-        "--dtype",
-        "bf16",
     ];
+    args.extend_from_slice(extra);
+    args
+}
+
+#[test]
+fn one_prompt_with_bf16_weights_uses_the_f32_cache() {
+    let model = fixtures_dir().join("random/gqa");
+    let model = model.to_str().unwrap();
+    let base = four_tokens(model, &["--dtype", "bf16"]);
     let output = kiln(&base);
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(
@@ -113,7 +118,7 @@ fn one_prompt_with_bf16_weights_uses_the_f32_cache() {
         stderr(&output)
     );
 
-    let mut args = base.to_vec();
+    let mut args = base;
     args.extend(["--kv-cache-dtype", "bf16"]);
     assert_fails_with(&args, "--prompts-file");
 }
@@ -907,21 +912,14 @@ fn an_fp8_checkpoint_runs_from_the_command_line() {
     let src = fixtures_dir().join("shakespeare-tiny");
     ch05::testing::write_fp8_checkpoint(&src, dir.path(), "dynamic");
     let model = dir.path().to_str().unwrap();
-    let base = [
-        "generate",
-        "--model",
-        model,
-        "--prompt",
-        "ROMEO.",
-        "--max-tokens",
-        "4",
-    ];
-    let output = kiln(&base);
+    let output = kiln(&four_tokens(model, &[]));
     assert!(output.status.success(), "{}", stderr(&output));
-    let mut args = base.to_vec();
-    args.extend(["--quantization", "q8_0"]);
-    assert_fails_with(&args, "is an FP8 checkpoint");
-    let mut args = base.to_vec();
-    args.extend(["--device", "cuda"]);
-    assert_fails_with(&args, "no GPTQ, AWQ or FP8 directory");
+    assert_fails_with(
+        &four_tokens(model, &["--quantization", "q8_0"]),
+        "is an FP8 checkpoint",
+    );
+    assert_fails_with(
+        &four_tokens(model, &["--device", "cuda"]),
+        "no GPTQ, AWQ or FP8 directory",
+    );
 }
