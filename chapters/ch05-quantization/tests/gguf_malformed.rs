@@ -372,6 +372,25 @@ fn bad_tensor_infos() {
         .tensor("t", &[8], 0, 32)
         .data(32, 64);
     assert!(matches!(b.err(), GgufError::DuplicateTensor { tensor, .. } if tensor == "t"));
+
+    // Two tensors' data may not overlap, wholly or in part; side by side they parse.
+    let f32 = GgmlType::F32.id();
+    for (a, b_at) in [((8, 0), 0), ((16, 0), 32)] {
+        let b = Bytes::header(3, 2, 0)
+            .tensor("a", &[a.0], f32, a.1)
+            .tensor("b", &[8], f32, b_at)
+            .data(32, 96);
+        assert!(
+            matches!(b.err(), GgufError::OverlappingTensors { first, second, .. }
+                if first == "a" && second == "b"),
+            "a {a:?}, b at {b_at}"
+        );
+    }
+    let b = Bytes::header(3, 2, 0)
+        .tensor("a", &[8], f32, 0)
+        .tensor("b", &[8], f32, 32)
+        .data(32, 64);
+    assert!(b.parse().is_ok());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -131,6 +131,13 @@ pub enum GgufError {
         alignment: u64,
     },
 
+    #[error("{path}: the data of tensors `{first}` and `{second}` overlap")]
+    OverlappingTensors {
+        path: PathBuf,
+        first: String,
+        second: String,
+    },
+
     #[error("{path}: tensor `{tensor}` appears twice")]
     DuplicateTensor { path: PathBuf, tensor: String },
 

@@ -508,6 +508,21 @@ fn parse_header(path: &Path, bytes: &[u8]) -> GgufResult<Header> {
             });
         }
     }
+    // Each tensor's bytes are its own: two whose data overlap would make one tensor's bytes
+    // another's (llama.cpp refuses such files too).
+    let mut spans: Vec<(u64, u64, &str)> = tensors
+        .iter()
+        .filter(|t| t.size > 0)
+        .map(|t| (t.offset, t.offset + t.size as u64, t.name.as_str()))
+        .collect();
+    spans.sort_unstable();
+    if let Some(pair) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(GgufError::OverlappingTensors {
+            path: path.to_path_buf(),
+            first: pair[0].2.to_string(),
+            second: pair[1].2.to_string(),
+        });
+    }
     Ok(Header {
         version,
         metadata,
