@@ -242,8 +242,11 @@ impl<'e> Engine<'e> {
         }
     }
 
+    /// Whether a step has work to do: a request not finished, or the copy outside the pool of
+    /// a swapped-out request that was aborted, which the executor drops in a step. (Without
+    /// the latter, an idle engine would keep that copy until the next request came.)
     pub fn has_unfinished(&self) -> bool {
-        self.scheduler.has_unfinished()
+        self.scheduler.has_unfinished() || self.scheduler.has_pending_drops()
     }
 
     // ANCHOR: step

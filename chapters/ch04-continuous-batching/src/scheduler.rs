@@ -356,6 +356,12 @@ impl Scheduler {
             .any(|s| !matches!(s.status, Status::Finished(_)))
     }
 
+    /// Whether the next step has K/V copies outside the pool to drop: swapped-out requests
+    /// that ended (aborted) since the last step.
+    pub fn has_pending_drops(&self) -> bool {
+        !self.finished_swapped.is_empty()
+    }
+
     fn num_running(&self) -> usize {
         self.seqs
             .values()

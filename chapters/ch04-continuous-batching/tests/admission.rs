@@ -4,7 +4,8 @@
 use ch01::{Llama, fixtures_dir};
 use ch03::KvPool;
 use ch04_continuous_batching::{
-    CpuExecutor, Engine, EngineConfig, EngineError, Preemption, Request, Status,
+    CpuExecutor, Engine, EngineConfig, EngineError, Executor, ExecutorError, KvLayout, ModelSpec,
+    Preemption, Request, SchedulerOutput, Status,
 };
 
 fn engine(model: &Llama, blocks: usize, config: EngineConfig) -> Result<Engine<'_>, EngineError> {
@@ -164,4 +165,64 @@ fn a_prefix_that_a_running_request_holds_costs_no_free_blocks_at_admission() {
         engine.step_or_stall().unwrap();
     }
     assert_eq!(engine.scheduler().kv_usage(), 0.0);
+}
+
+/// An executor that records which requests each step tells it to forget.
+struct Recording<E> {
+    inner: E,
+    finished: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+}
+
+impl<E: Executor> Executor for Recording<E> {
+    fn kv_layout(&self) -> KvLayout {
+        self.inner.kv_layout()
+    }
+    fn model_spec(&self) -> ModelSpec {
+        self.inner.model_spec()
+    }
+    fn execute(
+        &mut self,
+        step: &SchedulerOutput,
+    ) -> Result<ndarray::ArrayView2<'_, f32>, ExecutorError> {
+        self.finished.lock().unwrap().extend(&step.finished);
+        self.inner.execute(step)
+    }
+}
+
+/// A swapped-out request aborted when nothing else is left still reaches the executor, which
+/// drops its copy outside the pool: the engine has that step to run, not an idle wait for the
+/// next request.
+#[test]
+fn an_aborted_swapped_request_is_dropped_even_when_nothing_else_runs() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let finished = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let executor = Recording {
+        inner: CpuExecutor::new(&model, KvPool::<f32>::new(&model.config, 4, 6).unwrap()),
+        finished: std::sync::Arc::clone(&finished),
+    };
+    let config = EngineConfig {
+        watermark: 0.0,
+        preemption: Preemption::Swap,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(executor, config).unwrap();
+    let a = engine.add_request(Request::greedy(vec![1; 6], 12)).unwrap();
+    let b = engine.add_request(Request::greedy(vec![2; 6], 12)).unwrap();
+    // 6 blocks of 4 hold both prompts (2 blocks each) but not both outputs: one is swapped out.
+    let swapped = loop {
+        engine.step_or_stall().unwrap();
+        if let Some(id) = [a, b]
+            .into_iter()
+            .find(|&id| engine.scheduler().status(id) == Some(Status::Swapped))
+        {
+            break id;
+        }
+        assert!(engine.has_unfinished(), "nothing was swapped out");
+    };
+    engine.abort(a);
+    engine.abort(b);
+    assert!(engine.has_unfinished(), "the swapped copy is still to drop");
+    engine.step_or_stall().unwrap();
+    assert!(!engine.has_unfinished());
+    assert!(finished.lock().unwrap().contains(&swapped));
 }
