@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! rank 0 (the engine's process)                 rank r ≥ 1 (run_worker)
-//!   new:     broadcast plan (block size, blocks) ─▶ build my pool
+//!   new:     broadcast plan (block size, blocks, ─▶ check the model, build my pool
+//!            the model's fingerprint)
 //!   execute: broadcast encode(step) ───────────────▶ decode, run my shard
 //!            run my shard ◀──── all-reduces, all-gather ────▶
 //!   drop:    broadcast an empty message ──────────▶ return
@@ -31,8 +32,13 @@ pub enum WorkerError {
     Comm(#[from] CommError),
     #[error(transparent)]
     Codec(#[from] StepCodecError),
-    #[error("the group plan from rank 0 is {0} bytes, not 16")]
+    #[error("the group plan from rank 0 is {0} bytes, not 24")]
     Plan(usize),
+    #[error(
+        "this rank's model differs from rank 0's (its config, or how its projections are stored): \
+         start every rank with the same --model, --dtype and --quantization"
+    )]
+    OtherModel,
 }
 
 /// Rank 0 of a group whose other ranks run [`run_worker`].
@@ -45,6 +51,22 @@ pub struct RankGroupExecutor<C: Communicator> {
     /// The first failed step's error. The workers stop at their first error, so a later
     /// broadcast would wait for ranks that are gone: every later step fails with this one.
     broken: Option<String>,
+}
+
+/// What every rank of a group must agree on, hashed: the model's config and how its
+/// projections are stored (the bytes of a column-split projection and of the head shard, the
+/// same on every rank; a row-split bias lives on rank 0 only, so those are left out).
+fn fingerprint(shard: &Llama) -> u64 {
+    let q_proj = shard
+        .layers
+        .first()
+        .map_or(0, |l| l.self_attn.q_proj.weight_bytes());
+    let text = format!(
+        "{:?} {q_proj} {}",
+        shard.config,
+        shard.lm_head.weight_bytes()
+    );
+    ch03::block_manager::fnv1a_extend(ch03::block_manager::FNV_OFFSET, text.as_bytes())
 }
 
 /// Checks that `shard` is shard `rank` of a world of `comm.world()`.
@@ -71,9 +93,10 @@ impl<C: Communicator> RankGroupExecutor<C> {
     ) -> Result<Self, BuildError> {
         check_shard(&shard, &comm)?;
         let (layout, spec) = group_layout(&shard, block_size, blocks);
-        let mut plan = Vec::with_capacity(16);
+        let mut plan = Vec::with_capacity(24);
         plan.extend_from_slice(&(block_size as u64).to_le_bytes());
         plan.extend_from_slice(&(layout.num_blocks as u64).to_le_bytes());
+        plan.extend_from_slice(&fingerprint(&shard).to_le_bytes());
         comm.broadcast(&mut plan, 0)?;
         Ok(RankGroupExecutor {
             rank0: Rank::new(shard, block_size, layout.num_blocks)?,
@@ -142,14 +165,17 @@ pub fn run_worker<C: Communicator>(shard: Llama, mut comm: C) -> Result<(), Work
     check_shard(&shard, &comm)?;
     let mut message = Vec::new();
     comm.broadcast(&mut message, 0)?;
-    let plan: [u8; 16] = message
+    let plan: [u8; 24] = message
         .as_slice()
         .try_into()
         .map_err(|_| WorkerError::Plan(message.len()))?;
-    let [block_size, num_blocks] = [&plan[..8], &plan[8..]].map(|b| {
-        let v = u64::from_le_bytes(b.try_into().expect("8 bytes"));
-        usize::try_from(v).unwrap_or(usize::MAX)
-    });
+    let [block_size, num_blocks, model] = [&plan[..8], &plan[8..16], &plan[16..]]
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+    if model != fingerprint(&shard) {
+        return Err(WorkerError::OtherModel);
+    }
+    let [block_size, num_blocks] =
+        [block_size, num_blocks].map(|v| usize::try_from(v).unwrap_or(usize::MAX));
     let mut rank: Rank = Rank::new(shard, block_size, num_blocks).map_err(BuildError::from)?;
     loop {
         comm.broadcast(&mut message, 0)?;

@@ -12,7 +12,8 @@ mod engine_scenario;
 use ch01::fixtures_dir;
 use ch02::{FastLoader, WeightDtype};
 use ch08_tensor_parallel::{
-    KvBlocks, RankGroupExecutor, TensorParallelExecutor, load_shards, run_worker, thread_group,
+    KvBlocks, RankGroupExecutor, TensorParallelExecutor, WorkerError, load_shards, run_worker,
+    thread_group,
 };
 
 fn with_world(world: usize) {
@@ -57,4 +58,23 @@ fn every_request_equals_generating_it_alone_on_ranks_that_share_only_messages() 
         let blocks = KvBlocks::Count(pool.num_blocks());
         Box::new(RankGroupExecutor::new(shard0, comm0, pool.block_size(), blocks).unwrap())
     });
+}
+
+/// A worker whose shard is stored otherwise than rank 0's (bf16 against f32) refuses the
+/// group's plan instead of adding its partial sums to rank 0's.
+#[test]
+fn a_worker_with_another_model_refuses_the_plan() {
+    let dir = fixtures_dir().join("shakespeare-tiny");
+    let load = |dtype| load_shards(&dir, &FastLoader { dtype }, 2).unwrap();
+    let shard0 = load(WeightDtype::F32).into_iter().next().unwrap();
+    let shard1 = load(WeightDtype::Bf16).into_iter().nth(1).unwrap();
+    let mut comms = thread_group(2).unwrap().into_iter();
+    let (comm0, comm1) = (comms.next().unwrap(), comms.next().unwrap());
+    let worker = std::thread::spawn(move || run_worker(shard1, comm1));
+    let _rank0 = RankGroupExecutor::new(shard0, comm0, 4, KvBlocks::Count(8)).unwrap();
+    let refused = worker.join().unwrap();
+    assert!(
+        matches!(refused, Err(WorkerError::OtherModel)),
+        "{refused:?}"
+    );
 }
