@@ -337,9 +337,10 @@ fn is_unmasked(logit: f32) -> bool {
 
 /// `after`, what a penalty or the temperature made of logit `before`, kept sampleable if
 /// `before` was: they change how likely a token is, never whether it can be drawn. A finite
-/// logit driven past f32's range (a huge repetition penalty, a temperature of 1e-45) stops at
-/// the lowest finite value instead of becoming a mask, so a request whose every other token
-/// is masked (by a grammar, `allowed_token_ids`) still has a token to sample.
+/// logit driven past f32's range (a repetition penalty of 1e38) stops at the lowest finite
+/// value instead of becoming a mask, so a request whose every other token is masked (by a
+/// grammar, `allowed_token_ids`) still has a token to sample. Logits driven there together
+/// tie there: f32 cannot keep their order.
 fn keep_unmasked(before: f32, after: f32) -> f32 {
     if is_unmasked(before) {
         after.max(f32::MIN)
@@ -530,10 +531,23 @@ impl Sampler {
     /// Steps 5-10 on the penalised logits: temperature, then the candidate filters.
     fn filter_scaled(&mut self) -> Result<(), SamplingError> {
         let p = &self.params;
-        // 5. Temperature. (-inf stays -inf; a tiny temperature may overflow a logit to +inf,
-        // which the softmax treats as its limit, and a negative one stops at f32's lowest.)
+        // 5. Temperature. (-inf stays -inf.) A temperature so small that a finite logit
+        // overflows is applied to the logits less their largest, the same distribution: the
+        // largest stays at 0 and the others fall towards f32's lowest, their order kept
+        // wherever f32 can hold it.
+        let t = p.temperature;
+        let overflows = self
+            .logits
+            .iter()
+            .any(|&logit| logit.is_finite() && !(logit / t).is_finite());
+        let shift = if overflows {
+            let finite = self.logits.iter().copied().filter(|l| l.is_finite());
+            finite.fold(f32::NEG_INFINITY, f32::max)
+        } else {
+            0.0
+        };
         for logit in self.logits.iter_mut() {
-            *logit = keep_unmasked(*logit, *logit / p.temperature);
+            *logit = keep_unmasked(*logit, (*logit - shift) / t);
         }
         // 6-10.
         filter_candidates(

@@ -830,4 +830,13 @@ fn a_penalty_or_a_tiny_temperature_never_masks_the_last_token() {
         let mut sampler = Sampler::new(params.clone()).unwrap();
         assert_eq!(sampler.sample(&logits, &[5], &[5, 5]), Ok(5), "{params:?}");
     }
+    // Two tokens left, -2 and -50: a temperature of 1e-40 overflows both, yet it must pick
+    // the likelier one every time, as a temperature near 0 does.
+    let mut two = vec![f32::NEG_INFINITY; 8];
+    two[2] = -50.0;
+    two[6] = -2.0;
+    for seed in 0..20 {
+        let mut sampler = Sampler::new(sampling(1e-40, 0, 1.0, 0.0, seed)).unwrap();
+        assert_eq!(sampler.sample(&two, &[], &[]), Ok(6), "seed {seed}");
+    }
 }

@@ -226,3 +226,29 @@ fn an_aborted_swapped_request_is_dropped_even_when_nothing_else_runs() {
     assert!(!engine.has_unfinished());
     assert!(finished.lock().unwrap().contains(&swapped));
 }
+
+/// A prompt whose every block is a cache hit recomputes its last position into a private copy
+/// of the last block: admission counts that block. With none free, the second request waits
+/// rather than being admitted and preempted again, step after step.
+#[test]
+fn a_full_prefix_hit_waits_for_the_block_its_last_position_copies() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let config = EngineConfig {
+        watermark: 0.0,
+        enable_prefix_caching: true,
+        ..EngineConfig::default()
+    };
+    // 3 blocks of 4: A's 8-token prompt and its next 4 tokens, nothing more.
+    let mut engine = engine(&model, 3, config).unwrap();
+    let prompt: Vec<u32> = (1..=8).collect();
+    engine
+        .add_request(Request::greedy(prompt.clone(), 4))
+        .unwrap();
+    engine.step_or_stall().unwrap();
+    engine.step_or_stall().unwrap(); // A's first decode takes the third block
+    engine.add_request(Request::greedy(prompt, 4)).unwrap();
+    while engine.has_unfinished() {
+        engine.step_or_stall().unwrap();
+    }
+    assert_eq!(engine.scheduler().counters().preemptions, 0);
+}

@@ -184,12 +184,16 @@ impl BlockManager {
     }
     // ANCHOR_END: allocate_prompt
 
-    /// The free blocks [`allocate_prompt`](Self::allocate_prompt) would take for `tokens`,
-    /// now: its blocks but the cached prefix's that a table already holds. (A waiting request
-    /// whose prefix a running one holds needs only its own blocks.)
+    /// The free blocks a prompt of `tokens` takes before its first token is computed, now:
+    /// [`allocate_prompt`](Self::allocate_prompt)'s blocks but the cached prefix's that a
+    /// table already holds (a waiting request whose prefix a running one holds needs only its
+    /// own), and on a hit of every block the private copy of the last one, whose last position
+    /// is computed again ([`reserve`](Self::reserve) copies it).
     pub fn blocks_for_prompt(&self, tokens: &[u32]) -> usize {
         let hits = self.cached_prefix(tokens);
-        self.new_blocks(&hits, tokens.len().div_ceil(self.block_size))
+        let total = tokens.len().div_ceil(self.block_size);
+        let full_hit = total > 0 && hits.len() == total;
+        self.new_blocks(&hits, total) + usize::from(full_hit)
     }
 
     /// The longest cached prefix of whole blocks of `tokens` (none without prefix caching).

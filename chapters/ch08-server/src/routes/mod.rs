@@ -301,14 +301,15 @@ async fn collect_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Result<R
 // ANCHOR: stream_response
 fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
     // Bounded: a client that stops reading holds at most this many events; past them its
-    // request is aborted (`emit` returns false), as if it had gone.
+    // request is aborted (`emit` returns false), and the stream's last event says why.
     let (events, receiver) = mpsc::channel::<SseEvent>(job.state.stream_buffer);
     tokio::spawn(async move {
         let _admitted = admitted;
         let json = |text: String| SseEvent::default().data(text);
         for chunk in job.shape.opening_chunks(job.planned.requests.len()) {
-            let _ = events.try_send(json(chunk));
+            let _ = events.send(json(chunk)).await;
         }
+        let mut behind = false; // the buffer filled: the client is there, but too slow
         let result = driver::generate(
             &job.state,
             job.started,
@@ -316,9 +317,26 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
             &job.generation,
             job.echo,
             events.closed(),
-            |delta| events.try_send(json(job.shape.chunk(&delta))).is_ok(),
+            |delta| match events.try_send(json(job.shape.chunk(&delta))) {
+                Ok(()) => true,
+                Err(error) => {
+                    behind = matches!(error, mpsc::error::TrySendError::Full(_));
+                    false
+                }
+            },
         )
         .await;
+        let result = result.map_err(|error| {
+            if behind {
+                ApiError::bad_request(format!(
+                    "the client read the stream too slowly: {} chunks were waiting for it, and \
+                     the request was aborted",
+                    job.state.stream_buffer
+                ))
+            } else {
+                error
+            }
+        });
         match result {
             Ok(usage) => {
                 job.note.usage(usage);
