@@ -132,6 +132,16 @@ fn a_request_that_fits_one_unchunked_step_is_served() {
     }
 }
 
+/// An engine with prefix caching and no watermark over `blocks` blocks of 4.
+fn caching_engine(model: &Llama, blocks: usize) -> Engine<'_> {
+    let config = EngineConfig {
+        watermark: 0.0,
+        enable_prefix_caching: true,
+        ..EngineConfig::default()
+    };
+    engine(model, blocks, config).unwrap()
+}
+
 /// A waiting request whose prompt starts with blocks a running request holds needs free blocks
 /// only for the rest: with 14 blocks of 4, a running request holding 11 and 3 free, a second
 /// request with the same 40-token prefix (10 cached blocks) and 2 tokens more is admitted at
@@ -139,12 +149,7 @@ fn a_request_that_fits_one_unchunked_step_is_served() {
 #[test]
 fn a_prefix_that_a_running_request_holds_costs_no_free_blocks_at_admission() {
     let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
-    let config = EngineConfig {
-        watermark: 0.0,
-        enable_prefix_caching: true,
-        ..EngineConfig::default()
-    };
-    let mut engine = engine(&model, 14, config).unwrap();
+    let mut engine = caching_engine(&model, 14);
     let prefix: Vec<u32> = (1..=40).collect();
     let a = engine
         .add_request(Request::greedy(prefix.clone(), 3))
@@ -233,13 +238,8 @@ fn an_aborted_swapped_request_is_dropped_even_when_nothing_else_runs() {
 #[test]
 fn a_full_prefix_hit_waits_for_the_block_its_last_position_copies() {
     let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
-    let config = EngineConfig {
-        watermark: 0.0,
-        enable_prefix_caching: true,
-        ..EngineConfig::default()
-    };
     // 3 blocks of 4: A's 8-token prompt and its next 4 tokens, nothing more.
-    let mut engine = engine(&model, 3, config).unwrap();
+    let mut engine = caching_engine(&model, 3);
     let prompt: Vec<u32> = (1..=8).collect();
     engine
         .add_request(Request::greedy(prompt.clone(), 4))
