@@ -910,7 +910,7 @@ fn a_contiguous_cache_larger_than_memory_is_refused() {
 fn an_fp8_checkpoint_runs_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
     let src = fixtures_dir().join("shakespeare-tiny");
-    ch05::testing::write_fp8_checkpoint(&src, dir.path(), "dynamic");
+    ch05::testing::write_fp8_checkpoint(&src, dir.path(), "dynamic").unwrap();
     let model = dir.path().to_str().unwrap();
     let output = kiln(&four_tokens(model, &[]));
     assert!(output.status.success(), "{}", stderr(&output));

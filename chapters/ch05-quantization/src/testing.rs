@@ -1,6 +1,7 @@
 //! What tests of later chapters share: checkpoints written in this chapter's formats.
 
 use std::collections::HashMap;
+use std::io;
 use std::path::Path;
 
 use ndarray::Array2;
@@ -11,22 +12,25 @@ use crate::Fp8Linear;
 /// Writes `src` (a Hugging Face directory) to `dst` as an FP8 checkpoint: every `*_proj.weight`
 /// as F8_E4M3 with a per-channel `weight_scale` [out, 1], everything else as it was;
 /// `config.json` gains `quantization_config` with `activation_scheme` `scheme` (`"static"`
-/// also writes an `input_scale` of 4 / 448 per projection). For tests: panics on any error.
-pub fn write_fp8_checkpoint(src: &Path, dst: &Path, scheme: &str) {
-    let bytes = std::fs::read(src.join("model.safetensors")).expect("writing the FP8 checkpoint");
-    let file = SafeTensors::deserialize(&bytes).expect("writing the FP8 checkpoint");
+/// also writes an `input_scale` of 4 / 448 per projection). `src`'s projections must be F32
+/// matrices.
+pub fn write_fp8_checkpoint(src: &Path, dst: &Path, scheme: &str) -> io::Result<()> {
+    let bytes = std::fs::read(src.join("model.safetensors"))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(io::Error::other)?;
     let mut out: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = HashMap::new();
     for (name, view) in file.tensors() {
         if name.ends_with("_proj.weight") {
-            assert_eq!(view.dtype(), Dtype::F32, "{name}");
             let shape = view.shape().to_vec();
+            if view.dtype() != Dtype::F32 || shape.len() != 2 {
+                return Err(io::Error::other(format!("{name} is not an F32 matrix")));
+            }
             let values: Vec<f32> = view
                 .data()
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect();
-            let w = Array2::from_shape_vec((shape[0], shape[1]), values)
-                .expect("writing the FP8 checkpoint");
+            let w =
+                Array2::from_shape_vec((shape[0], shape[1]), values).map_err(io::Error::other)?;
             let (codes, scales) = Fp8Linear::quantize_per_channel(w.view());
             let prefix = name.trim_end_matches(".weight");
             let codes = codes.iter().map(|c| c.to_bits()).collect();
@@ -49,25 +53,19 @@ pub fn write_fp8_checkpoint(src: &Path, dst: &Path, scheme: &str) {
     }
     let views: Vec<(String, TensorView)> = out
         .iter()
-        .map(|(n, (d, s, b))| {
-            (
-                n.clone(),
-                TensorView::new(*d, s.clone(), b).expect("writing the FP8 checkpoint"),
-            )
-        })
-        .collect();
-    std::fs::create_dir_all(dst).expect("writing the FP8 checkpoint");
+        .map(|(n, (d, s, b))| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()
+        .map_err(io::Error::other)?;
+    std::fs::create_dir_all(dst)?;
     safetensors::serialize_to_file(views, None, &dst.join("model.safetensors"))
-        .expect("writing the FP8 checkpoint");
-    let mut config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(src.join("config.json")).expect("writing the FP8 checkpoint"),
-    )
-    .expect("writing the FP8 checkpoint");
+        .map_err(io::Error::other)?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
     config["quantization_config"] =
         serde_json::json!({"quant_method": "fp8", "activation_scheme": scheme});
-    std::fs::write(dst.join("config.json"), config.to_string())
-        .expect("writing the FP8 checkpoint");
+    std::fs::write(dst.join("config.json"), config.to_string())?;
     for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(src.join(f), dst.join(f)).expect("writing the FP8 checkpoint");
+        std::fs::copy(src.join(f), dst.join(f))?;
     }
+    Ok(())
 }

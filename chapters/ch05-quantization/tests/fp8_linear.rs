@@ -155,7 +155,7 @@ fn an_fp8_checkpoint_loads_and_stays_close_to_its_f32_model() {
     let expected = reference.forward(&tokens).unwrap();
     for scheme in ["dynamic", "static"] {
         let dir = tempfile::tempdir().unwrap();
-        write_fp8_checkpoint(&src, dir.path(), scheme);
+        write_fp8_checkpoint(&src, dir.path(), scheme).unwrap();
         let config = fp8_config(dir.path()).unwrap().expect("an FP8 checkpoint");
         assert_eq!(config.static_activations, scheme == "static");
         let loader = Fp8Loader {
@@ -198,7 +198,7 @@ fn an_fp8_checkpoint_loads_and_stays_close_to_its_f32_model() {
 fn unsupported_fp8_checkpoints_are_errors() {
     let src = fixtures_dir().join("shakespeare-tiny");
     let dir = tempfile::tempdir().unwrap();
-    write_fp8_checkpoint(&src, dir.path(), "dynamic");
+    write_fp8_checkpoint(&src, dir.path(), "dynamic").unwrap();
     let path = dir.path().join("config.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
