@@ -536,10 +536,12 @@ impl Sampler {
         // largest stays at 0 and the others fall towards f32's lowest, their order kept
         // wherever f32 can hold it.
         let t = p.temperature;
-        let overflows = self
-            .logits
-            .iter()
-            .any(|&logit| logit.is_finite() && !(logit / t).is_finite());
+        // Dividing a finite f32 by t ≥ 1 cannot overflow: no pass over the vocabulary then.
+        let overflows = t < 1.0
+            && self
+                .logits
+                .iter()
+                .any(|&logit| logit.is_finite() && !(logit / t).is_finite());
         let shift = if overflows {
             let finite = self.logits.iter().copied().filter(|l| l.is_finite());
             finite.fold(f32::NEG_INFINITY, f32::max)
