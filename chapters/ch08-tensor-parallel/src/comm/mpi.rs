@@ -12,8 +12,6 @@
 //! different ranks.) Each collective first exchanges the lengths, so a rank whose buffer
 //! differs gets [`CommError::LengthMismatch`] on every rank instead of a corrupt exchange.
 
-use std::mem::ManuallyDrop;
-
 use mpi::Threading;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
@@ -27,10 +25,10 @@ use super::{CommError, Communicator};
 /// second time), so `&mut self` on it serializes every MPI call of the process, the
 /// threading level it asks MPI for.
 pub struct MpiComm {
-    /// Ends MPI when dropped after [`finish`](Communicator::finish); left alone otherwise,
+    /// Ends MPI when dropped after [`finish`](Communicator::finish); forgotten otherwise,
     /// since its finalize waits for every rank, and a peer waiting in a collective for this
     /// one never comes: both would hang.
-    universe: ManuallyDrop<Universe>,
+    universe: Option<Universe>,
     finished: bool,
     rank: usize,
     world: usize,
@@ -53,7 +51,7 @@ impl MpiComm {
         Ok(MpiComm {
             rank: world.rank() as usize,
             world: world.size() as usize,
-            universe: ManuallyDrop::new(universe),
+            universe: Some(universe),
             finished: false,
             lens: Vec::new(),
             gathered: Vec::new(),
@@ -91,10 +89,13 @@ impl MpiComm {
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
+        let Some(universe) = self.universe.take() else {
+            return;
+        };
         if self.finished {
-            // SAFETY: dropped once, here, and never used again.
-            unsafe { ManuallyDrop::drop(&mut self.universe) };
+            drop(universe);
         } else {
+            std::mem::forget(universe);
             eprintln!(
                 "kiln: MPI rank {} leaves before its group closed: MPI is not finalized, so the \
                  process ends with its error and mpirun ends the other ranks",
