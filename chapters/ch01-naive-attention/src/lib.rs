@@ -9,6 +9,7 @@
 //! | [`weights`]   | safetensors (single or sharded): the Hugging Face [`WeightSource`]             |
 //! | [`shard`]     | [`ShardSpec`]: the rows or columns of a projection that one rank holds         |
 //! | [`tokenizer`] | `tokenizer.json` → ids and back, with streaming detokenisation                  |
+//! | [`token_bytes`] | a token's raw bytes when its text is part of a character (for logprobs)     |
 //! | [`rope`]      | rotary position embeddings (default, linear and llama3 frequency scaling)       |
 //! | [`attention`] | causal self-attention that materialises the full score matrix: the oracle     |
 //! | [`linear`]    | the [`Linear`] seam: dense f32 here, quantized kinds in chapter 5               |
@@ -37,6 +38,7 @@ pub mod sampler;
 pub mod shard;
 pub mod source;
 pub mod stop;
+pub mod token_bytes;
 pub mod tokenizer;
 pub mod weights;
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::token_bytes::ByteForm;
 
 /// A loaded tokenizer with its special tokens.
 pub struct Tokenizer {
@@ -17,6 +18,8 @@ pub struct Tokenizer {
     path: PathBuf,
     bos_token_id: Option<u32>,
     eos_token_id: Option<u32>,
+    /// How the vocabulary spells bytes, for [`Tokenizer::token_bytes`].
+    byte_form: ByteForm,
 }
 
 impl Tokenizer {
@@ -29,12 +32,7 @@ impl Tokenizer {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        let mut tokenizer = Tokenizer {
-            inner,
-            path,
-            bos_token_id: None,
-            eos_token_id: None,
-        };
+        let mut tokenizer = Tokenizer::from_parts(inner, path, None, None);
 
         let config_path = dir.join("tokenizer_config.json");
         if config_path.exists() {
@@ -59,6 +57,7 @@ impl Tokenizer {
         eos_token_id: Option<u32>,
     ) -> Self {
         Tokenizer {
+            byte_form: ByteForm::of(&inner),
             inner,
             path,
             bos_token_id,
@@ -121,6 +120,21 @@ impl Tokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| self.error(e.to_string()))
+    }
+
+    /// One token's bytes: its decoded text's, unless that text lost bytes (a token holding part
+    /// of a UTF-8 character decodes to U+FFFD), in which case the bytes its vocabulary string
+    /// spells ([`ByteForm`]). Joining the bytes of a sequence's tokens gives its text.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        let text = self.decode(&[id])?;
+        if !text.contains(char::REPLACEMENT_CHARACTER) {
+            return Ok(text.into_bytes());
+        }
+        let spelled = self
+            .inner
+            .id_to_token(id)
+            .and_then(|piece| self.byte_form.bytes(&piece));
+        Ok(spelled.unwrap_or_else(|| text.into_bytes()))
     }
 
     /// Whether encoding with special tokens prepends BOS (llama.cpp's `add_bos`).

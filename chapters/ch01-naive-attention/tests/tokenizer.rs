@@ -115,3 +115,32 @@ fn invalid_bytes_are_released_not_held_back_forever() {
     assert_eq!(pieces.concat(), text);
     assert!(pieces.len() >= 64 / 5, "{} pieces", pieces.len());
 }
+
+#[test]
+fn token_bytes_join_into_the_text_even_where_a_token_splits_a_character() {
+    let tokenizer = tokenizer();
+    let text = "naïve café — 東京 🦀";
+    let ids = tokenizer.encode(text, false).unwrap();
+    let pieces: Vec<Vec<u8>> = ids
+        .iter()
+        .map(|&id| tokenizer.token_bytes(id).unwrap())
+        .collect();
+    // The case this is for: some token holds part of a character, so its text is U+FFFD.
+    assert!(
+        ids.iter()
+            .any(|&id| tokenizer.decode(&[id]).unwrap().contains('\u{FFFD}'))
+    );
+    assert_eq!(pieces.concat(), text.as_bytes());
+
+    runner(64)
+        .run(&"\\PC{0,40}", |text| {
+            let ids = tokenizer.encode(&text, false).unwrap();
+            let joined: Vec<u8> = ids
+                .iter()
+                .flat_map(|&id| tokenizer.token_bytes(id).unwrap())
+                .collect();
+            prop_assert_eq!(joined, text.as_bytes());
+            Ok(())
+        })
+        .unwrap();
+}

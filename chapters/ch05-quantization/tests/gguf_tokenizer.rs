@@ -119,6 +119,11 @@ fn sentencepiece_vocab_tokenizes_like_llama_cpp() {
         t.decode(&t.encode("hello é", true).unwrap()).unwrap(),
         "hello é"
     );
+    // Each byte token decodes to U+FFFD alone, but its logprobs bytes are its byte.
+    assert_eq!(t.decode(&[3 + 0xC3]).unwrap(), "\u{FFFD}");
+    assert_eq!(t.token_bytes(3 + 0xC3).unwrap(), [0xC3]);
+    assert_eq!(t.token_bytes(3 + 0xA9).unwrap(), [0xA9]);
+    assert_eq!(t.token_bytes(id("▁world")).unwrap(), b"world");
     for text in [
         "hello world",
         "held a hall",

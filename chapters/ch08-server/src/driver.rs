@@ -18,12 +18,17 @@ use crate::params::{Generation, Planned};
 use crate::protocol::Usage;
 use crate::state::AppState;
 
-/// A token's text and logprob, with its alternatives' (best first).
+/// A token's text, bytes and logprob, with its alternatives' (best first; theirs empty).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenInfo {
     pub text: String,
+    /// The token's own bytes ([`Tokenizer::token_bytes`]): where `text` is U+FFFD for part of
+    /// a character, these are the bytes it holds.
+    ///
+    /// [`Tokenizer::token_bytes`]: ch01_naive_attention::Tokenizer::token_bytes
+    pub bytes: Vec<u8>,
     pub logprob: f32,
-    pub top: Vec<(String, f32)>,
+    pub top: Vec<TokenInfo>,
 }
 
 /// What one choice produced since the last delta.
@@ -274,19 +279,21 @@ fn advance(
 // ANCHOR_END: advance
 
 fn token_info(state: &AppState, lp: &TokenLogprobs) -> Result<TokenInfo, ApiError> {
-    let text = |id: u32| {
-        state
-            .tokenizer
-            .decode(&[id])
-            .map_err(|e| ApiError::internal(format!("detokenizing: {e}")))
+    let one = |id: u32, logprob: f32| {
+        let detokenize = |e| ApiError::internal(format!("detokenizing: {e}"));
+        Ok(TokenInfo {
+            text: state.tokenizer.decode(&[id]).map_err(detokenize)?,
+            bytes: state.tokenizer.token_bytes(id).map_err(detokenize)?,
+            logprob,
+            top: Vec::new(),
+        })
     };
     Ok(TokenInfo {
-        text: text(lp.token)?,
-        logprob: lp.logprob,
         top: lp
             .top
             .iter()
-            .map(|&(id, logprob)| Ok((text(id)?, logprob)))
+            .map(|&(id, logprob)| one(id, logprob))
             .collect::<Result<_, ApiError>>()?,
+        ..one(lp.token, lp.logprob)?
     })
 }

@@ -200,21 +200,15 @@ struct ChatShape {
 }
 
 fn token_logprob(info: &TokenInfo) -> ChatTokenLogprob {
-    ChatTokenLogprob {
+    let entry = |info: &TokenInfo| ChatTokenLogprob {
         token: info.text.clone(),
         logprob: info.logprob,
-        bytes: info.text.as_bytes().to_vec(),
-        top_logprobs: Some(
-            info.top
-                .iter()
-                .map(|(text, logprob)| ChatTokenLogprob {
-                    token: text.clone(),
-                    logprob: *logprob,
-                    bytes: text.as_bytes().to_vec(),
-                    top_logprobs: None,
-                })
-                .collect(),
-        ),
+        bytes: info.bytes.clone(),
+        top_logprobs: None,
+    };
+    ChatTokenLogprob {
+        top_logprobs: Some(info.top.iter().map(entry).collect()),
+        ..entry(info)
     }
 }
 

@@ -162,8 +162,9 @@ fn push_logprobs(into: &mut CompletionLogprobs, delta: &Delta) {
     for token in &delta.logprobs {
         into.tokens.push(token.text.clone());
         into.token_logprobs.push(token.logprob);
-        into.top_logprobs
-            .push(TopLogprobs::new(token.top.iter().cloned()));
+        into.top_logprobs.push(TopLogprobs::new(
+            token.top.iter().map(|alt| (alt.text.clone(), alt.logprob)),
+        ));
         into.text_offset.push(offset);
         offset += token.text.len();
     }
