@@ -170,11 +170,11 @@ serve *args:
 generate prompt="ROMEO." *args:
     cargo run --release -- generate --prompt "{{prompt}}" {{args}}
 
-# Chapter 7 part 2 on a GPU box: every CUDA kernel against its CPU twin, the engine, forward and perplexity on the GPU against the CPU, the attention kernels timed beside torch's SDPA, the model end to end beside transformers and `kiln serve --device cuda` under load (skips, saying why, without a GPU). KILN_GPU_BINS=folder runs binaries built elsewhere; KILN_GPU_PARTS=suite,attention,e2e,serve picks parts; KILN_GPU_BUDGET=seconds keeps the run inside a time limit; KILN_GPU_PACK=file packs the results into one .tar.gz (the settings are listed in fixtures/scripts/gpu_check.sh).
+# Chapter 7 part 2 on a GPU box: every CUDA kernel against its CPU twin, the engine, forward and perplexity on the GPU against the CPU, the attention kernels timed beside torch's SDPA, the model end to end beside transformers and `kiln serve --device cuda` under load (skips, saying why, without a GPU). KILN_GPU_BINS=folder (or KILN_GPU_BUNDLE=file.tar.xz) runs binaries built elsewhere; KILN_GPU_PARTS=suite,attention,e2e,serve picks parts; KILN_GPU_BUDGET=seconds keeps the run inside a time limit; KILN_GPU_PACK=file packs the results into one .tar.gz (the settings are listed in fixtures/scripts/gpu_check.sh).
 gpu-check out="target/gpu-check":
     bash fixtures/scripts/gpu_check.sh {{out}}
 
-# Build what gpu-check runs, stripped and packed into .gpu/bins.tar.xz (about 7 MB) to carry to a lent GPU box; there (fixtures/scripts/gpu_check.sh gives the whole command for a lent box): tar -xJf .gpu/bins.tar.xz -C .gpu && KILN_GPU_BINS=.gpu/bins just gpu-check.
+# Build what gpu-check runs, stripped and packed into .gpu/bins.tar.xz (about 8 MB; carry that file alone) to a lent GPU box; there (fixtures/scripts/gpu_check.sh gives the whole command for a lent box): KILN_GPU_BUNDLE=.gpu/bins.tar.xz just gpu-check.
 gpu-bundle:
     bash fixtures/scripts/gpu_build.sh --bundle .gpu/bins
 

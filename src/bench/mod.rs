@@ -89,6 +89,20 @@ enum Chapter {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // The CPU chapters accept the model options, `--device` among them: a GPU asked of one is
+    // an error before anything is measured, never a CPU run reported as if it were the GPU's.
+    let model = match &args.chapter {
+        Chapter::Ch01(a) => Some(&a.model),
+        Chapter::Ch02(a) => Some(&a.model),
+        Chapter::Ch03(a) => Some(&a.model),
+        Chapter::Ch04(a) => Some(&a.model),
+        Chapter::Ch06(a) => Some(&a.model),
+        Chapter::Ch08Tp(a) => Some(&a.model),
+        _ => None,
+    };
+    if let Some(model) = model {
+        model.check_runs_on_cpu()?;
+    }
     match args.chapter {
         Chapter::Ch01(args) => ch01::run(args),
         Chapter::Ch02(args) => ch02::run(args),

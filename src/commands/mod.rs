@@ -127,17 +127,24 @@ impl ModelArgs {
     /// serve) call [`ModelArgs::load_for_device`] and build their executor with
     /// [`ModelArgs::gpu_executor`].
     pub fn load(&self) -> anyhow::Result<LoadedModel> {
+        self.load_with(&*self.loader()?)
+    }
+
+    /// Refuses `--device cuda` and `--gpu-memory-utilization` on the paths that build a model
+    /// on the host ([`ModelArgs::load_with`], [`ModelArgs::loader`]): every command that does
+    /// not build a GPU executor runs on the CPU, and must say so rather than run there.
+    pub fn check_runs_on_cpu(&self) -> anyhow::Result<()> {
         if let DeviceSpec::Cuda(_) = self.device {
             anyhow::bail!(
                 "--device {}: this command runs on the CPU only so far; generate, forward, \
-                 perplexity and serve run on the GPU (chapter 7, part 2)",
+                 perplexity, serve and bench ch07 run on the GPU (chapter 7, part 2)",
                 self.device
             );
         }
         if self.gpu_memory_utilization.is_some() {
             bail!("--gpu-memory-utilization sizes a GPU's K/V pool: it needs --device cuda");
         }
-        self.load_with(&*self.loader()?)
+        Ok(())
     }
 
     /// What `--device` needs on the host: the configuration and tokenizer, and the weights
@@ -191,6 +198,7 @@ impl ModelArgs {
 
     /// The kind of projection `--dtype` and `--quantization` ask for.
     pub fn loader(&self) -> anyhow::Result<Box<dyn LinearLoader + Send + Sync>> {
+        self.check_runs_on_cpu()?;
         let dtype: ch02::WeightDtype = self.dtype.parse().map_err(anyhow::Error::msg)?;
         if self.dequantize {
             self.check_dequantize()?;
@@ -258,13 +266,10 @@ impl ModelArgs {
         let device =
             GpuDevice::open(ordinal).with_context(|| format!("--device {}", self.device))?;
         eprintln!(
-            "kiln: {} ({}, kernels for {}, decode attention: {:?}, tensor-core prefill: {:?} \
-             at head size 128, where they apply)",
+            "kiln: {} ({}, kernels for {})",
             self.device,
             device.name,
-            device.arch.name(),
-            device.decode_kernel,
-            device.tc_prefill_kernel(128)
+            device.arch.name()
         );
         // A GGUF file's tensors decode to f32 as the executor reads them (`GgufSource`: Hugging
         // Face names, q/k rows in Hugging Face's order) and go to the device as --dtype says.
@@ -296,10 +301,12 @@ impl ModelArgs {
             let (weights, kv) = executor.device_bytes();
             let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
             eprintln!(
-                "kiln: on the GPU: weights {:.2} GiB ({dtype:?}), K/V {:.2} GiB ({} blocks)",
+                "kiln: on the GPU: weights {:.2} GiB ({dtype:?}), K/V {:.2} GiB ({} blocks); \
+                 attention: {}",
                 gib(weights),
                 gib(kv),
-                ch04::Executor::kv_layout(&executor).num_blocks
+                ch04::Executor::kv_layout(&executor).num_blocks,
+                executor.attention_kernels()
             );
             Ok(Box::new(executor))
         }
@@ -354,6 +361,7 @@ impl ModelArgs {
 
     /// Loads with the given kind of projection (chapter 1's benchmark measures `DenseLoader`).
     pub fn load_with(&self, loader: &dyn LinearLoader) -> anyhow::Result<LoadedModel> {
+        self.check_runs_on_cpu()?;
         let path = &self.model;
         let context = || format!("loading model from {}", path.display());
         if self.is_gguf() {

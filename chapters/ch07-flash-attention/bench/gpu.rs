@@ -294,6 +294,21 @@ fn serve(
 /// whole time.
 const PEER_TIMEOUT_S: u64 = 240;
 
+/// Seconds transformers may take: `KILN_PEER_TIMEOUT` (else [`PEER_TIMEOUT_S`]), cut to what is
+/// left before `KILN_PEER_DEADLINE` (seconds since the Unix epoch) when that is set, so that a
+/// run under a time budget still writes its table.
+fn peer_limit() -> u64 {
+    let var = |name| std::env::var(name).ok().and_then(|s| s.parse::<u64>().ok());
+    let limit = var("KILN_PEER_TIMEOUT").unwrap_or(PEER_TIMEOUT_S);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    match var("KILN_PEER_DEADLINE") {
+        Some(deadline) => limit.min(deadline.saturating_sub(now)),
+        None => limit,
+    }
+}
+
 /// transformers on the same GPU, run by `python` (`$KILN_PYTHON`, else `python3`) under
 /// `timeout`: `(batch, served)` for B = 1 and 32, or why it did not run. Its stderr goes to
 /// `log`.
@@ -305,10 +320,12 @@ fn transformers(
     reps: usize,
     log: &Path,
 ) -> Result<Vec<(usize, Served)>, String> {
-    let limit = std::env::var("KILN_PEER_TIMEOUT")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or(PEER_TIMEOUT_S);
+    let limit = peer_limit();
+    if limit < 10 {
+        return Err(format!(
+            "{limit} s were left before KILN_PEER_DEADLINE, too few to start it"
+        ));
+    }
     let result = Command::new("timeout")
         .args(["-k", "10", &limit.to_string(), python])
         .args(["fixtures/scripts/bench_transformers_gpu.py", "--model"])

@@ -247,7 +247,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 fn pipeline_bubble(args: &Args, facts: &RunFacts, reps: usize) -> anyhow::Result<(String, String)> {
     use ch08tp::pipeline::{ideal_bubble, run_pipeline};
     let stages = 2;
-    let model = ch01::Llama::load_with(&args.model.model, &ch01::linear::DenseLoader)?;
+    let model = args.model.load_with(&ch01::linear::DenseLoader)?.model;
     let counts: &[usize] = if args.output.quick {
         &[1, 4]
     } else {

@@ -32,7 +32,7 @@ use ndarray::ArrayView2;
 use super::CudaError;
 use super::batch::{BatchIndex, PagedBatch, SeqRows};
 use super::device::GpuDevice;
-use super::ops::{DeviceScalar, HeadShape, LinearInput};
+use super::ops::{DeviceScalar, HeadShape, LinearInput, prefill_on_tensor_cores};
 use super::step_buffers::{self, Activations, RoundedInputs};
 use super::weights::DeviceWeights;
 
@@ -60,6 +60,26 @@ pub enum KvBudget {
     /// vLLM's `--gpu-memory-utilization`: the pool takes what the weights leave of this share
     /// (0 to 1) of the device's memory, measured once they are loaded.
     DeviceShare(f64),
+}
+
+/// Rows of a step that a device share keeps memory for, beside the weights and the pool: a
+/// step's activations are allocated at its first step, after the pool has taken its share,
+/// and kiln's `--max-num-batched-tokens` defaults far below this.
+const RESERVED_STEP_ROWS: u64 = 8192;
+
+/// Device bytes a step of `RESERVED_STEP_ROWS` rows needs at most: its f32 activations
+/// (`step_buffers::Activations`), the bf16 roundings of the projections' inputs, and as many
+/// rows of f32 logits.
+fn reserved_step_bytes(config: &LlamaConfig, heads: HeadShape) -> u64 {
+    let (hidden, inter, vocab) = (
+        config.hidden_size as u64,
+        config.intermediate_size as u64,
+        config.vocab_size as u64,
+    );
+    let (q_dim, kv_dim) = (heads.q_dim() as u64, heads.kv_dim() as u64);
+    let f32_row = 3 * hidden + 2 * q_dim + 2 * kv_dim + 3 * inter;
+    let bf16_row = hidden + q_dim + inter;
+    RESERVED_STEP_ROWS * (4 * f32_row + 2 * bf16_row + 4 * vocab)
 }
 
 /// The pool's bytes under `share` of a device of `total` bytes of which `free` are free once
@@ -204,6 +224,8 @@ impl<K: DeviceKv> CudaExecutor<K> {
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
         };
+        // An attention shape the kernels do not take fails here, before any weight is read.
+        heads.check()?;
         let block_elems = block_size * heads.kv_dim();
         let block_bytes = 2 * config.num_hidden_layers * block_elems * size_of::<K>();
         if block_size == 0 || block_bytes == 0 {
@@ -211,13 +233,16 @@ impl<K: DeviceKv> CudaExecutor<K> {
                 "KV blocks of {block_size} positions"
             )));
         }
-        // The weights first: a share of the device is what they leave of it.
+        // The weights and cuBLAS first: a share of the device is what they leave of it, less
+        // what the largest step will allocate.
         let weights = DeviceWeights::load(&dev, &config, source, weight_dtype)?;
+        let blas = CudaBlas::new(dev.stream.clone()).map_err(CudaError::Cublas)?;
         let kv_memory = match kv {
             KvBudget::Bytes(bytes) => bytes,
             KvBudget::DeviceShare(share) => {
                 let (free, total) = dev.context.mem_get_info()?;
-                kv_bytes_for_share(free as u64, total as u64, share)?
+                let free = (free as u64).saturating_sub(reserved_step_bytes(&config, heads));
+                kv_bytes_for_share(free, total as u64, share)?
             }
         };
         let num_blocks = blocks_in(kv_memory, block_bytes as u64, block_size)?;
@@ -227,7 +252,6 @@ impl<K: DeviceKv> CudaExecutor<K> {
             k_cache.push(dev.stream.alloc_zeros::<K>(num_blocks * block_elems)?);
             v_cache.push(dev.stream.alloc_zeros::<K>(num_blocks * block_elems)?);
         }
-        let blas = CudaBlas::new(dev.stream.clone()).map_err(CudaError::Cublas)?;
         Ok(CudaExecutor {
             dev,
             blas,
@@ -252,6 +276,20 @@ impl<K: DeviceKv> CudaExecutor<K> {
             argmax: Vec::new(),
             _kv: PhantomData,
         })
+    }
+
+    /// The attention kernels this model runs on this device, for the start-up line: the decode
+    /// kernel that takes its heads, and the tensor-core prefill when its cache takes one.
+    pub fn attention_kernels(&self) -> String {
+        let d = self.heads.head_dim;
+        let prefill = match prefill_on_tensor_cores::<K>(self.heads) {
+            true => format!("{:?} on tensor cores", self.dev.tc_prefill_kernel(d)),
+            false => "on CUDA cores (f32 K/V or a head size without a tensor-core kernel)".into(),
+        };
+        format!(
+            "decode {:?}, prefill {prefill}",
+            self.dev.decode_kernel_for(self.heads)
+        )
     }
 
     /// Device bytes of the weights and of the K/V pool.

@@ -7,8 +7,14 @@ use super::ops::{DeviceScalar, HeadShape};
 
 /// The value of `variable` among `choices` (name, value), the first when it is not set.
 fn from_env<T: Copy>(variable: &str, choices: &[(&str, T)]) -> Result<T, CudaError> {
-    let Ok(asked) = std::env::var(variable) else {
-        return Ok(choices[0].1);
+    let asked = match std::env::var(variable) {
+        Ok(asked) => asked,
+        Err(std::env::VarError::NotPresent) => return Ok(choices[0].1),
+        Err(std::env::VarError::NotUnicode(value)) => {
+            return Err(CudaError::Config(format!(
+                "{variable}={value:?} is not UTF-8"
+            )));
+        }
     };
     choices
         .iter()

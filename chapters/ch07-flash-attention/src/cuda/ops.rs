@@ -155,7 +155,9 @@ pub struct HeadShape {
 }
 
 impl HeadShape {
-    fn check(&self) -> Result<(), CudaError> {
+    /// Errors: KV heads that do not divide the query heads, a head size the kernels do not
+    /// take, or more query heads per KV head than the decode kernel holds.
+    pub fn check(&self) -> Result<(), CudaError> {
         let HeadShape {
             num_heads,
             num_kv_heads,
@@ -495,6 +497,17 @@ impl GpuDevice {
         Ok(())
     }
 
+    /// The decode kernel [`paged_decode`](Self::paged_decode) runs for `heads`: this device's
+    /// [`decode_kernel`](GpuDevice::decode_kernel) where it takes them, else
+    /// [`DecodeKernel::KeyPerThread`].
+    pub fn decode_kernel_for(&self, heads: HeadShape) -> DecodeKernel {
+        if self.decode_kernel.takes(heads) {
+            self.decode_kernel
+        } else {
+            DecodeKernel::KeyPerThread
+        }
+    }
+
     /// Split-K decode attention: every sequence of the batch has one row, its context cut in
     /// partitions of `partition_size` keys merged by log-sum-exp. Runs this device's
     /// [`decode_kernel`](GpuDevice::decode_kernel) where it takes `heads`, else
@@ -510,11 +523,7 @@ impl GpuDevice {
         v_cache: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let kernel = if self.decode_kernel.takes(heads) {
-            self.decode_kernel
-        } else {
-            DecodeKernel::KeyPerThread
-        };
+        let kernel = self.decode_kernel_for(heads);
         self.paged_decode_with(
             kernel,
             batch,
