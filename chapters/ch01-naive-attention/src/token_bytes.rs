@@ -1,14 +1,17 @@
-//! A token's raw bytes, for logprobs.
+//! A token's bytes: what it adds to the text.
 //!
-//! Decoding one token gives text, and a token that holds only part of a UTF-8 character (the
-//! first byte of `é`, say) decodes to U+FFFD: its bytes are lost. The OpenAI API's logprobs
-//! carry each token's `bytes` so that a client can join them back into the text. Two kinds of
-//! vocabulary spell every byte in their token strings, and [`ByteForm`] reads them back:
+//! Decoding one token alone gives text, which loses bytes twice over: a token that holds only
+//! part of a UTF-8 character (the first byte of `é`, say) decodes to U+FFFD, and a SentencePiece
+//! decoder strips the space in front of the first token (`▁Paris` alone decodes to `Paris`).
+//! The OpenAI API's logprobs carry each token's `bytes` so that a client can join them back into
+//! the text, and a grammar engine needs every token's bytes to walk its automaton. Both kinds of
+//! vocabulary that Llama models use spell every byte in their token strings, and [`ByteForm`]
+//! reads them back:
 //!
 //! - **byte-level BPE** (GPT-2, Llama 3, SmolLM2): every byte `b` is one printable character,
 //!   `b` itself for the printable ASCII and Latin-1 ranges, `U+0100 + n` for the n-th of the
 //!   other 68 bytes in order, so a token string maps back to its bytes character by character;
-//! - **byte fallback** (SentencePiece Llama vocabularies): a byte with no token of its own is
+//! - **SentencePiece** (Llama 2, Mistral): a space is `▁`, and a byte with no token of its own is
 //!   the token `<0xNN>`.
 
 use serde_json::Value;
@@ -16,12 +19,11 @@ use serde_json::Value;
 /// How a vocabulary spells bytes in its token strings, read from the tokenizer's decoder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ByteForm {
-    /// Every character of a token stands for one byte (a `ByteLevel` decoder).
+    /// Every character of a token stands for one byte (a `ByteLevel` decoder, alone or in a
+    /// sequence).
     ByteLevel,
-    /// `<0xNN>` tokens stand for the byte `NN` (a `ByteFallback` decoder).
-    ByteFallback,
-    /// Neither: a token's bytes are its decoded text's.
-    Text,
+    /// `▁` stands for a space and `<0xNN>` for the byte `NN` (any other decoder).
+    SentencePiece,
 }
 
 impl ByteForm {
@@ -30,24 +32,30 @@ impl ByteForm {
         let decoder = tokenizer
             .get_decoder()
             .and_then(|d| serde_json::to_value(d).ok());
-        let mut form = ByteForm::Text;
+        let mut form = ByteForm::SentencePiece;
         if let Some(decoder) = decoder {
-            visit_types(&decoder, &mut |kind| match kind {
-                "ByteLevel" => form = ByteForm::ByteLevel,
-                "ByteFallback" if form == ByteForm::Text => form = ByteForm::ByteFallback,
-                _ => {}
+            visit_types(&decoder, &mut |kind| {
+                if kind == "ByteLevel" {
+                    form = ByteForm::ByteLevel;
+                }
             });
         }
         form
     }
 
-    /// The bytes a token string spells, or `None` when it spells none in this form (an added
-    /// token, a character outside the byte alphabet, a SentencePiece piece that is not `<0xNN>`).
-    pub fn bytes(self, piece: &str) -> Option<Vec<u8>> {
+    /// The bytes a vocabulary token adds to the text. A byte-level piece with a character
+    /// outside the byte alphabet (an added token, written as plain text) is its own UTF-8.
+    pub fn bytes(self, piece: &str) -> Vec<u8> {
         match self {
-            ByteForm::ByteLevel => piece.chars().map(byte_of_char).collect(),
-            ByteForm::ByteFallback => fallback_byte(piece).map(|b| vec![b]),
-            ByteForm::Text => None,
+            ByteForm::ByteLevel => piece
+                .chars()
+                .map(byte_of_char)
+                .collect::<Option<Vec<u8>>>()
+                .unwrap_or_else(|| piece.as_bytes().to_vec()),
+            ByteForm::SentencePiece => match fallback_byte(piece) {
+                Some(byte) => vec![byte],
+                None => piece.replace('\u{2581}', " ").into_bytes(),
+            },
         }
     }
 }
@@ -125,12 +133,25 @@ mod tests {
     }
 
     #[test]
-    fn fallback_tokens_name_one_byte() {
-        assert_eq!(ByteForm::ByteFallback.bytes("<0xC3>"), Some(vec![0xC3]));
-        assert_eq!(ByteForm::ByteFallback.bytes("<0x0A>"), Some(vec![0x0A]));
-        assert_eq!(ByteForm::ByteFallback.bytes("<0xC>"), None);
-        assert_eq!(ByteForm::ByteFallback.bytes("<0x+C>"), None);
-        assert_eq!(ByteForm::ByteFallback.bytes("▁the"), None);
-        assert_eq!(ByteForm::Text.bytes("<0xC3>"), None);
+    fn sentencepiece_pieces_spell_spaces_and_fallback_bytes() {
+        let sp = ByteForm::SentencePiece;
+        assert_eq!(sp.bytes("<0xC3>"), [0xC3]);
+        assert_eq!(sp.bytes("<0x0A>"), [0x0A]);
+        assert_eq!(sp.bytes("<0xC>"), b"<0xC>");
+        assert_eq!(sp.bytes("<0x+C>"), b"<0x+C>");
+        assert_eq!(sp.bytes("\u{2581}the"), b" the");
+        assert_eq!(sp.bytes("\u{2581}\u{2581}"), b"  ");
+    }
+
+    #[test]
+    fn byte_level_pieces_map_back_and_added_tokens_are_plain_text() {
+        let bl = ByteForm::ByteLevel;
+        assert_eq!(bl.bytes("\u{120}the"), b" the");
+        assert_eq!(bl.bytes("\u{c3}"), [0xC3]);
+        // A character outside the alphabet: an added token, written as itself.
+        assert_eq!(
+            bl.bytes("<tool_call>\u{3000}"),
+            "<tool_call>\u{3000}".as_bytes()
+        );
     }
 }

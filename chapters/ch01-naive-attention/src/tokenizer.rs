@@ -122,19 +122,26 @@ impl Tokenizer {
             .map_err(|e| self.error(e.to_string()))
     }
 
-    /// One token's bytes: its decoded text's, unless that text lost bytes (a token holding part
-    /// of a UTF-8 character decodes to U+FFFD), in which case the bytes its vocabulary string
-    /// spells ([`ByteForm`]). Joining the bytes of a sequence's tokens gives its text.
+    /// One token's bytes: what it adds to the text after earlier tokens, which decoding it
+    /// alone loses where it holds part of a UTF-8 character (that decodes to U+FFFD) or starts
+    /// with a SentencePiece space (which a decoder strips from the first token). Read from its
+    /// vocabulary string ([`ByteForm`]); a special token, which decoded text leaves out, has
+    /// none. Joining the bytes of a run of tokens gives the text they add.
     pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
-        let text = self.decode(&[id])?;
-        if !text.contains(char::REPLACEMENT_CHARACTER) {
-            return Ok(text.into_bytes());
-        }
-        let spelled = self
-            .inner
-            .id_to_token(id)
-            .and_then(|piece| self.byte_form.bytes(&piece));
-        Ok(spelled.unwrap_or_else(|| text.into_bytes()))
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Ok(self.decode(&[id])?.into_bytes());
+        };
+        Ok(
+            match self.inner.get_added_vocabulary().is_special_token(&piece) {
+                true => Vec::new(),
+                false => self.byte_form.bytes(&piece),
+            },
+        )
+    }
+
+    /// How the vocabulary spells bytes in its token strings.
+    pub fn byte_form(&self) -> ByteForm {
+        self.byte_form
     }
 
     /// Whether encoding with special tokens prepends BOS (llama.cpp's `add_bos`).

@@ -123,7 +123,12 @@ fn sentencepiece_vocab_tokenizes_like_llama_cpp() {
     assert_eq!(t.decode(&[3 + 0xC3]).unwrap(), "\u{FFFD}");
     assert_eq!(t.token_bytes(3 + 0xC3).unwrap(), [0xC3]);
     assert_eq!(t.token_bytes(3 + 0xA9).unwrap(), [0xA9]);
-    assert_eq!(t.token_bytes(id("▁world")).unwrap(), b"world");
+    // A piece's `▁` is a space (decoding `▁world` alone strips it), as llama.cpp's pieces.
+    assert_eq!(t.token_bytes(id("▁world")).unwrap(), b" world");
+    let joined: Vec<u8> = (t.encode("hello é", false).unwrap().iter())
+        .flat_map(|&id| t.token_bytes(id).unwrap())
+        .collect();
+    assert_eq!(joined, " hello é".as_bytes(), "with the space the text is given");
     for text in [
         "hello world",
         "held a hall",

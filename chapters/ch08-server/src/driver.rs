@@ -21,9 +21,9 @@ use crate::state::AppState;
 /// A token's text, bytes and logprob, with its alternatives' (best first; theirs empty).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenInfo {
+    /// What `bytes` spell, U+FFFD for part of a character.
     pub text: String,
-    /// The token's own bytes ([`Tokenizer::token_bytes`]): where `text` is U+FFFD for part of
-    /// a character, these are the bytes it holds.
+    /// The token's own bytes ([`Tokenizer::token_bytes`]): what it adds to the text, exactly.
     ///
     /// [`Tokenizer::token_bytes`]: ch01_naive_attention::Tokenizer::token_bytes
     pub bytes: Vec<u8>,
@@ -279,11 +279,14 @@ fn advance(
 // ANCHOR_END: advance
 
 fn token_info(state: &AppState, lp: &TokenLogprobs) -> Result<TokenInfo, ApiError> {
+    // The token's text is what its bytes spell (U+FFFD for part of a character): decoded alone,
+    // a SentencePiece token would lose its leading space.
     let one = |id: u32, logprob: f32| {
-        let detokenize = |e| ApiError::internal(format!("detokenizing: {e}"));
+        let bytes = (state.tokenizer.token_bytes(id))
+            .map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
         Ok(TokenInfo {
-            text: state.tokenizer.decode(&[id]).map_err(detokenize)?,
-            bytes: state.tokenizer.token_bytes(id).map_err(detokenize)?,
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
             logprob,
             top: Vec::new(),
         })

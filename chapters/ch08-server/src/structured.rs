@@ -123,68 +123,28 @@ fn compact(mut schema: Value) -> Value {
 }
 
 // ANCHOR: token_bytes
-/// Every token's bytes, as the grammar engine needs them: what the token adds to the text.
-/// Byte-level BPE (GPT-2, Llama 3, SmolLM) writes each byte as one printable character;
-/// SentencePiece writes a space as `▁` and an odd byte as `<0xNN>`. A special token is its
-/// text after the marker byte 0xFF, which no text contains.
-fn token_bytes(tokenizer: &tokenizers::Tokenizer, vocab_size: usize) -> Vec<Vec<u8>> {
-    let byte_level = matches!(
-        tokenizer.get_decoder(),
-        Some(tokenizers::DecoderWrapper::ByteLevel(_))
-    );
-    let unicode_to_byte = byte_level_alphabet();
-    let specials: std::collections::HashSet<u32> = tokenizer
-        .get_added_tokens_decoder()
-        .into_iter()
-        .filter(|(_, t)| t.special)
-        .map(|(id, _)| id)
-        .collect();
+/// Every token's bytes, as the grammar engine needs them: what the token adds to the text
+/// (chapter 1's `ByteForm`: byte-level BPE writes each byte as one printable character,
+/// SentencePiece a space as `▁` and an odd byte as `<0xNN>`). A special token, and every stop
+/// token, is its text after the marker byte 0xFF, which no text contains: a grammar can never
+/// spell one inside a string.
+fn token_bytes(tokenizer: &ch01::Tokenizer, vocab_size: usize, eos: &[u32]) -> Vec<Vec<u8>> {
+    let inner = tokenizer.inner();
+    let form = tokenizer.byte_form();
+    let added = inner.get_added_vocabulary();
     (0..vocab_size as u32)
         .map(|id| {
-            let Some(token) = tokenizer.id_to_token(id) else {
+            let Some(token) = inner.id_to_token(id) else {
                 return Vec::new(); // a row of the model past the tokenizer's vocabulary
             };
-            if specials.contains(&id) {
+            if eos.contains(&id) || added.is_special_token(&token) {
                 let mut bytes = vec![TokTrie::SPECIAL_TOKEN_MARKER];
                 bytes.extend_from_slice(token.as_bytes());
                 return bytes;
             }
-            if byte_level {
-                let bytes: Option<Vec<u8>> = token
-                    .chars()
-                    .map(|c| unicode_to_byte.get(&c).copied())
-                    .collect();
-                // An added (non-special) token is written as plain text.
-                return bytes.unwrap_or_else(|| token.into_bytes());
-            }
-            if token.len() == 6
-                && token.starts_with("<0x")
-                && token.ends_with('>')
-                && let Ok(byte) = u8::from_str_radix(&token[3..5], 16)
-            {
-                return vec![byte];
-            }
-            token.replace('\u{2581}', " ").into_bytes()
+            form.bytes(&token)
         })
         .collect()
-}
-
-/// Byte-level BPE's alphabet, character → byte: the printable bytes stand for themselves,
-/// the other 68 are shifted to U+0100 onwards, in order.
-fn byte_level_alphabet() -> std::collections::HashMap<char, u8> {
-    let mut map = std::collections::HashMap::new();
-    let mut shifted = 0u32;
-    for byte in 0..=255u8 {
-        let printable = matches!(byte, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        let c = if printable {
-            char::from(byte)
-        } else {
-            shifted += 1;
-            char::from_u32(255 + shifted).unwrap_or('\u{FFFD}')
-        };
-        map.insert(c, byte);
-    }
-    map
 }
 // ANCHOR_END: token_bytes
 
@@ -200,12 +160,17 @@ impl TokenizerEnv for KilnTokEnv {
         &self.trie
     }
 
+    /// The tokens a grammar forces for the bytes `s`: they must spell exactly `s`, since the
+    /// engine forces them without checking. The tokenizer's own where they do; else (bytes that
+    /// end inside a character, a SentencePiece tokenizer's `▁` in front of the text) the trie's
+    /// greedy tokens, valid if not the tokenizer's choice.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        match self.tokenizer.encode(&String::from_utf8_lossy(s), false) {
-            Ok(ids) => ids,
-            // Fall back on the trie's greedy tokenization (valid, if not canonical).
-            Err(_) => self.trie.greedy_tokenize(s),
-        }
+        self.trie.tokenize_with_greedy_fallback(s, |text| {
+            match self.tokenizer.encode(text, false) {
+                Ok(ids) if self.trie.decode_raw(&ids) == text.as_bytes() => ids,
+                _ => self.trie.greedy_tokenize(text.as_bytes()),
+            }
+        })
     }
 }
 
@@ -227,7 +192,7 @@ impl Grammars {
         let &first = eos
             .first()
             .ok_or("the model has no end-of-sequence token: a grammar could never end")?;
-        let words = token_bytes(tokenizer.inner(), vocab_size);
+        let words = token_bytes(&tokenizer, vocab_size, eos);
         let info = TokRxInfo::new(vocab_size as u32, first);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
         let env: TokEnv = Arc::new(KilnTokEnv { trie, tokenizer });
@@ -467,13 +432,84 @@ impl LogitsProcessor for RequestProcessor {
 mod tests {
     use super::*;
 
+    /// A SentencePiece-style tokenizer (Llama 2's layout: `▁` for spaces, one in front of the
+    /// text, `<0xNN>` byte fallback) over a few pieces: `encode("\"")` gives `▁"`, whose bytes
+    /// are not `"`.
+    fn sentencepiece_tokenizer() -> ch01::Tokenizer {
+        let mut vocab = serde_json::Map::new();
+        for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+            vocab.insert(t.to_string(), json!(i));
+        }
+        for b in 0..=255u32 {
+            vocab.insert(format!("<0x{b:02X}>"), json!(3 + b));
+        }
+        for (i, piece) in ["▁", "\"", "▁\"", "{", "▁{", "}"].iter().enumerate() {
+            vocab.insert(piece.to_string(), json!(259 + i));
+        }
+        let special = |id: u32, content: &str| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        };
+        let file = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+            "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                      "vocab": vocab, "merges": [["▁", "\""], ["▁", "{"]]}
+        });
+        let inner = tokenizers::Tokenizer::from_bytes(file.to_string().as_bytes()).unwrap();
+        ch01::Tokenizer::from_parts(inner, "spm.json".into(), Some(1), Some(2))
+    }
+
+    /// Runs `constraint` to its end (a token that completes it, or a stop token), always taking
+    /// the lowest token id the mask allows; the text it spells.
+    fn lowest_token_walk(tokenizer: ch01::Tokenizer, constraint: Constraint) -> String {
+        let vocab = tokenizer.vocab_size();
+        let tokenizer = Arc::new(tokenizer);
+        let grammars = Grammars::new(Arc::clone(&tokenizer), vocab, &[2]).unwrap();
+        let mut state = grammars.compile(&constraint, "test").unwrap().start();
+        let mut bytes = Vec::new();
+        for _ in 0..64 {
+            state.prepare();
+            let mut logits = vec![0.0f32; vocab];
+            state.apply(&mut logits);
+            let token = logits.iter().position(|l| l.is_finite()).unwrap() as u32;
+            bytes.extend(tokenizer.token_bytes(token).unwrap());
+            if state.accept(token) {
+                return String::from_utf8(bytes).unwrap();
+            }
+        }
+        panic!(
+            "no end after 64 tokens: {:?}",
+            String::from_utf8_lossy(&bytes)
+        );
+    }
+
     #[test]
-    fn the_byte_level_alphabet_is_a_bijection_over_bytes() {
-        let map = byte_level_alphabet();
-        assert_eq!(map.len(), 256);
-        assert_eq!(map[&'Ġ'], b' ');
-        assert_eq!(map[&'Ċ'], b'\n');
-        assert_eq!(map[&'a'], b'a');
+    fn forced_text_is_spelled_exactly_by_sentencepiece_and_inside_a_character() {
+        // The schema forces `"` and then the byte 0xE6 that both choices start with: a
+        // SentencePiece tokenizer would put `▁` before the quote, and the byte alone is no
+        // character. Either way tokens that spell other bytes were forced, and the grammar
+        // rejected them.
+        let schema = Constraint::JsonSchema(json!({"enum": ["日本", "月曜"]}));
+        assert_eq!(
+            lowest_token_walk(sentencepiece_tokenizer(), schema),
+            "\"日本\""
+        );
+        let object = Constraint::JsonSchema(json!({
+            "type": "object", "properties": {"a": {"enum": ["é", "è"]}}, "required": ["a"],
+            "additionalProperties": false}));
+        let text = lowest_token_walk(sentencepiece_tokenizer(), object);
+        assert_eq!(text, "{\"a\":\"è\"}");
     }
 
     #[test]
