@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use ch01::testing::seeded_config;
-use ch05_quantization::gguf::tokenizer::{load_tokenizer, token_type};
+use ch05_quantization::gguf::tokenizer::{eos_token_ids, load_tokenizer, token_type};
 use ch05_quantization::gguf::{GgufFile, GgufValue, GgufWriter};
 use proptest::prelude::*;
 
@@ -128,7 +128,11 @@ fn sentencepiece_vocab_tokenizes_like_llama_cpp() {
     let joined: Vec<u8> = (t.encode("hello é", false).unwrap().iter())
         .flat_map(|&id| t.token_bytes(id).unwrap())
         .collect();
-    assert_eq!(joined, " hello é".as_bytes(), "with the space the text is given");
+    assert_eq!(
+        joined,
+        " hello é".as_bytes(),
+        "with the space the text is given"
+    );
     for text in [
         "hello world",
         "held a hall",
@@ -174,4 +178,70 @@ fn a_vocabulary_too_costly_to_split_is_refused() {
         .expect("refused")
         .to_string();
     assert!(error.contains("would hash more than"), "{error}");
+}
+
+/// Which added tokens decoded text keeps, and which end generation, as llama.cpp reads them:
+/// a user-defined token is text the model writes (Qwen's `<tool_call>`), a control or unknown
+/// token is not, and an end-of-generation text is a control stop token even when its file
+/// types it otherwise.
+#[test]
+fn user_defined_tokens_are_text_and_end_of_generation_texts_stop() {
+    let (mut tokens, mut scores, mut types) = vocab();
+    for (token, ty) in [
+        ("<tool_call>", token_type::USER_DEFINED),
+        ("<|im_end|>", token_type::NORMAL),
+    ] {
+        tokens.push(token.to_string());
+        scores.push(0.0);
+        types.push(ty);
+    }
+    let (call, im_end) = (tokens.len() as u32 - 2, tokens.len() as u32 - 1);
+    let file = file_of(tokens, scores, types, Some(false));
+    let t = load_tokenizer(&file).unwrap();
+    let ids = t
+        .encode("hello<tool_call>world<unk><|im_end|>", false)
+        .unwrap();
+    assert!(
+        ids.contains(&call) && ids.contains(&im_end) && ids.contains(&0),
+        "{ids:?}"
+    );
+    // (Each stretch of text after an added token gets its `▁`, as in llama.cpp.)
+    assert_eq!(t.decode(&ids).unwrap(), "hello<tool_call> world");
+    assert_eq!(t.token_bytes(call).unwrap(), b"<tool_call>");
+    assert_eq!(eos_token_ids(&file).unwrap(), [2, im_end]);
+}
+
+/// A byte-level file with Llama 3's pre-tokenizer: a piece that is a token is taken whole
+/// before any merge (`abc` is a token that no merge reaches), and BOS begins every text unless
+/// the file says otherwise.
+#[test]
+fn llama3_vocabularies_take_whole_tokens_first_and_begin_with_bos() {
+    let file = |pre: &str| {
+        let tokens = [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "a",
+            "b",
+            "c",
+            "ab",
+            "abc",
+        ];
+        let mut w = GgufWriter::new();
+        w.add_metadata("tokenizer.ggml.model", "gpt2").unwrap();
+        w.add_metadata("tokenizer.ggml.pre", pre).unwrap();
+        w.add_metadata("tokenizer.ggml.tokens", GgufValue::strings(tokens))
+            .unwrap();
+        let types = [3i32, 3, 1, 1, 1, 1, 1];
+        w.add_metadata("tokenizer.ggml.token_type", GgufValue::array(types))
+            .unwrap();
+        w.add_metadata("tokenizer.ggml.merges", GgufValue::strings(["a b"]))
+            .unwrap();
+        w.add_metadata("tokenizer.ggml.bos_token_id", 0u32).unwrap();
+        w.add_metadata("tokenizer.ggml.eos_token_id", 1u32).unwrap();
+        GgufFile::from_bytes("bpe.gguf", w.to_bytes()).unwrap()
+    };
+    let llama3 = load_tokenizer(&file("llama-bpe")).unwrap();
+    assert_eq!(llama3.encode("abc", true).unwrap(), [0, 6]);
+    let gpt2 = load_tokenizer(&file("gpt2")).unwrap();
+    assert_eq!(gpt2.encode("abc", true).unwrap(), [5, 4]);
 }

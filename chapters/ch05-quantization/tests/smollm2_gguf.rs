@@ -179,7 +179,11 @@ fn config_matches_the_converted_config() {
     let mut want = LlamaConfig::from_dir(&dir).unwrap();
     want.eos_token_ids = ch01::eos_token_ids(&dir, &want).unwrap();
     assert_eq!(llama_config(&file).unwrap(), want);
-    assert_eq!(eos_token_ids(&file).unwrap(), want.eos_token_ids);
+    // The directory's stop tokens, then `<|endoftext|>` (id 0), which ends generation by its
+    // text in a GGUF file, as in llama.cpp.
+    let mut stops = want.eos_token_ids.clone();
+    stops.push(0);
+    assert_eq!(eos_token_ids(&file).unwrap(), stops);
     let tokenizer_config: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap())
             .unwrap();

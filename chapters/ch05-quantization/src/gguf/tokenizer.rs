@@ -84,13 +84,47 @@ pub fn load_tokenizer(file: &GgufFile) -> GgufResult<Tokenizer> {
     ))
 }
 
-/// The stop tokens: EOS, and the end-of-turn token when the file names one.
+/// Tokens that end generation by their text alone, whatever the metadata names: files made
+/// before the end-of-turn keys existed name only EOS (Llama 3 Instruct's is
+/// `<|end_of_text|>`, while its turns end with `<|eot_id|>`). llama.cpp stops on the same list,
+/// and treats each as a control token.
+pub const END_OF_GENERATION_TEXTS: [&str; 12] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+];
+
+/// The stop tokens: EOS, the end-of-turn and end-of-message tokens the file names, and every
+/// token of [`END_OF_GENERATION_TEXTS`] (EOS first).
 pub fn eos_token_ids(file: &GgufFile) -> GgufResult<Vec<u32>> {
     let mut ids = Vec::new();
-    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+    for key in [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ] {
         if let Some(id) = special_id(file, key)?
             && !ids.contains(&id)
         {
+            ids.push(id);
+        }
+    }
+    for (id, token) in file
+        .get_str_array("tokenizer.ggml.tokens")?
+        .iter()
+        .enumerate()
+    {
+        let id = id as u32;
+        if END_OF_GENERATION_TEXTS.contains(token) && !ids.contains(&id) {
             ids.push(id);
         }
     }
@@ -154,7 +188,14 @@ pub fn hf_tokenizer(file: &GgufFile) -> GgufResult<tokenizers::Tokenizer> {
 
     let model = file.get_str("tokenizer.ggml.model")?;
     let (mut tokenizer, default_add_bos) = match model {
-        "gpt2" => (byte_level_bpe(file, vocab)?, false),
+        // Llama 3's vocabulary begins every text with `<|begin_of_text|>`, as llama.cpp does.
+        "gpt2" => {
+            let llama3 = matches!(
+                file.opt_str("tokenizer.ggml.pre")?,
+                Some("llama-bpe" | "llama3")
+            );
+            (byte_level_bpe(file, vocab)?, llama3)
+        }
         "llama" => (sentencepiece_bpe(file, vocab, &tokens, &types)?, true),
         other => {
             return Err(tokenizer_error(
@@ -164,14 +205,23 @@ pub fn hf_tokenizer(file: &GgufFile) -> GgufResult<tokenizers::Tokenizer> {
         }
     };
 
-    // Control and user-defined tokens are matched whole, before the model sees the text.
-    let specials: Vec<AddedToken> = tokens
+    // Control, unknown and user-defined tokens are matched whole, before the model sees the
+    // text, as llama.cpp does. Control and unknown tokens (and the end-of-generation texts,
+    // control tokens whatever the file says) are special: decoded text leaves them out. A
+    // user-defined token is text the model writes (Qwen's `<tool_call>`, `<think>`), so
+    // decoded text keeps it.
+    let added: Vec<AddedToken> = tokens
         .iter()
         .zip(&types)
-        .filter(|&(_, &ty)| ty == token_type::CONTROL || ty == token_type::USER_DEFINED)
-        .map(|(&t, _)| AddedToken::from(t, true).normalized(false))
+        .filter_map(|(&t, &ty)| {
+            let control = ty == token_type::CONTROL
+                || ty == token_type::UNKNOWN
+                || END_OF_GENERATION_TEXTS.contains(&t);
+            (control || ty == token_type::USER_DEFINED)
+                .then(|| AddedToken::from(t, control).normalized(false))
+        })
         .collect();
-    tokenizer.add_special_tokens(&specials);
+    tokenizer.add_tokens(&added);
 
     // BOS / EOS added around every encoded text when the file says so.
     let add_bos = file
@@ -228,8 +278,12 @@ fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Token
                 .ok_or_else(|| tokenizer_error(path, format!("merge {m:?} is not two tokens")))
         })
         .collect::<GgufResult<_>>()?;
+    // Llama 3's vocabulary takes a piece that is a token as it is, before any merge (some of
+    // its tokens cannot be reached by merging), as its tokenizer.json and llama.cpp do.
+    let pre_name = file.opt_str("tokenizer.ggml.pre")?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
+        .ignore_merges(matches!(pre_name, Some("llama-bpe" | "llama3")))
         .build()
         .map_err(|e| tokenizer_error(path, e.to_string()))?;
 
@@ -245,7 +299,7 @@ fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Token
         .map(Into::into)
         .map_err(|e| tokenizer_error(path, e.to_string()))
     };
-    let pre: PreTokenizerWrapper = match file.opt_str("tokenizer.ggml.pre")? {
+    let pre: PreTokenizerWrapper = match pre_name {
         None | Some("default" | "gpt2" | "gpt-2") => byte_level(true).into(),
         // Digits one by one, then GPT-2's split.
         Some("smollm") => {
