@@ -351,6 +351,7 @@ fn run_many(
     };
     for ((i, prompt), tokens) in prompts.iter().enumerate().zip(tokenized) {
         let context = || format!("prompt {i} ({prompt:?})");
+        let text = OutputText::after(tokenizer, options.stop.clone(), &tokens);
         let request = Request {
             prompt: tokens,
             params: SamplingParams {
@@ -368,9 +369,7 @@ fn run_many(
              raise --max-num-batched-tokens if a step must hold more",
         )?;
         client.index.insert(id, i);
-        client
-            .texts
-            .push(OutputText::new(tokenizer, options.stop.clone()));
+        client.texts.push(text);
     }
     ch04::drive(&mut engine, &mut client)?;
     if let Some(error) = client.error {

@@ -112,7 +112,7 @@ pub fn generate_with<E: From<Error>>(
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation, E> {
     let mut sampler = Sampler::new(options.sampling.clone()).map_err(Error::from)?;
-    let mut text = OutputText::new(tokenizer, options.stop.clone());
+    let mut text = OutputText::after(tokenizer, options.stop.clone(), prompt_tokens);
     let mut tokens = prompt_tokens.to_vec();
     let mut output_tokens = Vec::new();
     let (mut prompt_time, mut generation_time, mut decode_steps) =

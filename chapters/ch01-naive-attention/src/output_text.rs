@@ -31,8 +31,14 @@ pub struct OutputText<'t> {
 impl<'t> OutputText<'t> {
     /// A fold that decodes with `tokenizer` and ends before any of `stops`.
     pub fn new(tokenizer: &'t Tokenizer, stops: Vec<String>) -> Self {
+        Self::after(tokenizer, stops, &[])
+    }
+
+    /// The same for a text that continues `context` (the prompt's tokens): see
+    /// [`TextStream::after`].
+    pub fn after(tokenizer: &'t Tokenizer, stops: Vec<String>, context: &[u32]) -> Self {
         OutputText {
-            stream: TextStream::new(tokenizer),
+            stream: TextStream::after(tokenizer, context),
             stops: StopStrings::new(stops),
             stopped: false,
         }

@@ -160,35 +160,59 @@ impl Tokenizer {
     }
 }
 
-/// The most tokens [`TextStream`] holds back waiting for a character to complete.
+/// Held-back tokens past which [`TextStream`] releases the text that is final.
 pub const MAX_PENDING_TOKENS: usize = 4;
+
+/// Held-back tokens past which [`TextStream`] releases text even if a later token might still
+/// change it: only tokens that each end inside a character, one after another, are held so
+/// long, and this bounds the window every push re-decodes.
+pub const MAX_HELD_TOKENS: usize = 32;
+
+/// Tokens of context (the prompt's last ones) that [`TextStream::after`] decodes in front.
+pub const CONTEXT_TOKENS: usize = 5;
 
 /// Incremental detokenisation.
 ///
 /// Decoding ids one at a time is wrong twice over: a character can span several byte-level
 /// tokens (the first ones decode to U+FFFD), and some tokenizers drop or add spaces depending on
-/// the neighbouring token. So the stream re-decodes a short window,
-/// `tokens[prefix_offset..]`, and emits only the text past `tokens[prefix_offset..read_offset]`,
-/// holding it back while it ends in an incomplete character.
+/// the neighbouring token (a SentencePiece decoder strips the space of the first token it sees).
+/// So the stream re-decodes a short window, `tokens[prefix_offset..]`, and emits only the text
+/// past `tokens[prefix_offset..read_offset]`, holding it back while it ends in an incomplete
+/// character.
 ///
 /// Invariant: the concatenation of everything returned by [`TextStream::push`] and
-/// [`TextStream::finish`] equals `decode(all tokens)` when that decodes cleanly. Past
-/// [`MAX_PENDING_TOKENS`] held-back tokens, the text before the last 3 is released (bytes that
-/// stay invalid, as U+FFFD), so the window, re-decoded on every push, stays short.
+/// [`TextStream::finish`] equals `decode(all tokens)` when that decodes cleanly (after the
+/// context's text, with [`TextStream::after`]). Past [`MAX_PENDING_TOKENS`] held-back tokens,
+/// the text up to the last token boundary that no later token can change is released (bytes that
+/// stay invalid, as U+FFFD), so the window stays short; past [`MAX_HELD_TOKENS`] the text is
+/// released even where a character might still complete.
 pub struct TextStream<'t> {
     tokenizer: &'t Tokenizer,
     tokens: Vec<u32>,
+    /// How many of `tokens` are context, decoded in front but never emitted.
+    context: usize,
     prefix_offset: usize,
     read_offset: usize,
 }
 
 impl<'t> TextStream<'t> {
     pub fn new(tokenizer: &'t Tokenizer) -> Self {
+        Self::after(tokenizer, &[])
+    }
+
+    /// A stream whose text continues `context` (the prompt): its last [`CONTEXT_TOKENS`]
+    /// tokens are decoded in front of the first generated ones, so that a token's leading space
+    /// survives a decoder that strips the first token's (SentencePiece's `▁Paris` after "is"
+    /// is " Paris", alone "Paris").
+    pub fn after(tokenizer: &'t Tokenizer, context: &[u32]) -> Self {
+        let tokens = context[context.len().saturating_sub(CONTEXT_TOKENS)..].to_vec();
+        let context = tokens.len();
         TextStream {
             tokenizer,
-            tokens: Vec::new(),
+            tokens,
+            context,
             prefix_offset: 0,
-            read_offset: 0,
+            read_offset: context,
         }
     }
 
@@ -200,31 +224,57 @@ impl<'t> TextStream<'t> {
             .tokenizer
             .decode(&self.tokens[self.prefix_offset..self.read_offset])?;
         let new_text = self.tokenizer.decode(&self.tokens[self.prefix_offset..])?;
-        if new_text.len() > prefix_text.len() && !new_text.ends_with('\u{FFFD}') {
-            let delta = new_text
-                .get(prefix_text.len()..)
-                .unwrap_or(&new_text)
-                .to_string();
+        let held = self.tokens.len() - self.read_offset;
+        if new_text.len() > prefix_text.len()
+            && !new_text.ends_with('\u{FFFD}')
+            && new_text.starts_with(&prefix_text)
+        {
+            let delta = new_text[prefix_text.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.tokens.len();
             Ok(Some(delta))
-        } else if self.tokens.len() - self.read_offset > MAX_PENDING_TOKENS {
-            // Held too long: bytes that never make a character, or a run of literal U+FFFD.
-            // A character still waiting for bytes spans at most 4 tokens, the last one among
-            // them, so it starts within the last 3: what lies before them is final.
-            let cut = self.tokens.len() - 3;
-            let settled = self
-                .tokenizer
-                .decode(&self.tokens[self.prefix_offset..cut])?;
-            let delta = settled.get(prefix_text.len()..).unwrap_or("").to_string();
-            self.prefix_offset = self.read_offset;
-            self.read_offset = cut;
-            Ok((!delta.is_empty()).then_some(delta))
+        } else if held > MAX_PENDING_TOKENS {
+            // Held long: bytes that never make a character, a run of literal U+FFFD, or
+            // tokens that each end inside a character. Release the text up to the latest token
+            // boundary whose text the tokens after it only extend.
+            let last = self.tokens.len();
+            for cut in (self.read_offset + 1..last).rev() {
+                let settled = self
+                    .tokenizer
+                    .decode(&self.tokens[self.prefix_offset..cut])?;
+                let last_final = !settled.ends_with('\u{FFFD}') || new_text.len() > settled.len();
+                if settled.len() > prefix_text.len()
+                    && settled.starts_with(&prefix_text)
+                    && new_text.starts_with(&settled)
+                    && (last_final || held > MAX_HELD_TOKENS)
+                {
+                    return Ok(Some(self.release(&prefix_text, &settled, cut)));
+                }
+            }
+            if held > MAX_HELD_TOKENS {
+                // No boundary where the text is final: the window must stay bounded.
+                let cut = last - 1;
+                let settled = self
+                    .tokenizer
+                    .decode(&self.tokens[self.prefix_offset..cut])?;
+                let released = self.release(&prefix_text, &settled, cut);
+                return Ok((!released.is_empty()).then_some(released));
+            }
+            Ok(None)
         } else {
             Ok(None)
         }
     }
     // ANCHOR_END: text_stream_push
+
+    /// Emits `settled` past `prefix_text` (the text of `tokens[prefix_offset..cut]` past that
+    /// of `tokens[prefix_offset..read_offset]`), and moves the window to start at `read_offset`
+    /// and to read from `cut`.
+    fn release(&mut self, prefix_text: &str, settled: &str, cut: usize) -> String {
+        self.prefix_offset = self.read_offset;
+        self.read_offset = cut;
+        settled.get(prefix_text.len()..).unwrap_or("").to_string()
+    }
 
     /// Whatever text is still held back (an incomplete character decodes as U+FFFD here).
     pub fn finish(&mut self) -> Result<Option<String>> {
@@ -240,8 +290,8 @@ impl<'t> TextStream<'t> {
             .map(str::to_string))
     }
 
-    /// Every token pushed so far.
+    /// Every token pushed so far (not the context).
     pub fn tokens(&self) -> &[u32] {
-        &self.tokens
+        &self.tokens[self.context..]
     }
 }

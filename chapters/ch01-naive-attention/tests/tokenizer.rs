@@ -144,3 +144,74 @@ fn token_bytes_join_into_the_text_even_where_a_token_splits_a_character() {
         })
         .unwrap();
 }
+
+/// A byte-level tokenizer whose tokens are the 256 bytes and then `extra`, any byte strings:
+/// enough to decode ids, which is all a [`TextStream`] does.
+fn byte_level_tokenizer(extra: &[&[u8]]) -> Tokenizer {
+    use ch01_naive_attention::token_bytes::char_of_byte;
+    let spell = |bytes: &[u8]| bytes.iter().map(|&b| char_of_byte(b)).collect::<String>();
+    let mut vocab = serde_json::Map::new();
+    for b in 0..=255u8 {
+        vocab.insert(spell(&[b]), serde_json::json!(b));
+    }
+    for (i, bytes) in extra.iter().enumerate() {
+        vocab.insert(spell(bytes), serde_json::json!(256 + i));
+    }
+    let file = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                    "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    });
+    let inner = tokenizers::Tokenizer::from_bytes(file.to_string().as_bytes()).unwrap();
+    Tokenizer::from_parts(inner, "bytes.json".into(), None, None)
+}
+
+/// Tokens that each end inside a character (the tail of one and the head of the next) are
+/// held until the character completes, never released as U+FFFD, however many in a row.
+#[test]
+fn tokens_that_straddle_characters_stream_without_replacement_characters() {
+    let text = "中文字符串好, 😀 and ok";
+    let bytes = text.as_bytes();
+    // Cut the bytes into tokens of 2 and 3 bytes, most of them across characters.
+    let mut pieces: Vec<&[u8]> = Vec::new();
+    let mut at = 0;
+    for size in [2, 3].iter().cycle() {
+        let end = (at + size).min(bytes.len());
+        pieces.push(&bytes[at..end]);
+        at = end;
+        if at == bytes.len() {
+            break;
+        }
+    }
+    let tokenizer = byte_level_tokenizer(&pieces);
+    let ids: Vec<u32> = (0..pieces.len() as u32).map(|i| 256 + i).collect();
+    assert_eq!(tokenizer.decode(&ids).unwrap(), text);
+    let streamed = stream_pieces(&tokenizer, &ids);
+    assert_eq!(streamed.concat(), text, "{streamed:?}");
+    assert!(
+        streamed.iter().all(|p| !p.contains('\u{FFFD}')),
+        "{streamed:?}"
+    );
+}
+
+/// A stream after the prompt's tokens emits only the new text, with the spaces the decoder
+/// gives a token inside a text (the fixture's vocabulary keeps them either way).
+#[test]
+fn a_stream_after_a_context_emits_only_the_continuation() {
+    let tokenizer = tokenizer();
+    let prompt = tokenizer.encode("To be, or not", false).unwrap();
+    let more = tokenizer.encode(" to be, that is", false).unwrap();
+    let mut stream = TextStream::after(&tokenizer, &prompt);
+    let mut out: String = more
+        .iter()
+        .filter_map(|&id| stream.push(id).unwrap())
+        .collect();
+    out.extend(stream.finish().unwrap());
+    assert_eq!(out, " to be, that is");
+    assert_eq!(stream.tokens(), &more[..]);
+}

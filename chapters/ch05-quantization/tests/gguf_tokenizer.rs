@@ -133,6 +133,14 @@ fn sentencepiece_vocab_tokenizes_like_llama_cpp() {
         " hello é".as_bytes(),
         "with the space the text is given"
     );
+    // Streamed after a prompt, the first token keeps its space; alone the decoder strips it.
+    let mut stream = ch01::TextStream::after(&t, &t.encode("hello", true).unwrap());
+    assert_eq!(
+        stream.push(id("▁world")).unwrap().as_deref(),
+        Some(" world")
+    );
+    let mut alone = ch01::TextStream::new(&t);
+    assert_eq!(alone.push(id("▁world")).unwrap().as_deref(), Some("world"));
     for text in [
         "hello world",
         "held a hall",

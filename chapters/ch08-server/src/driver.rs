@@ -135,6 +135,16 @@ pub async fn generate(
         processors,
         prompt_tokens,
     } = planned;
+    // Each choice's text continues its prompt: the prompt's last tokens decode in front.
+    let contexts: Vec<Vec<u32>> = (requests.iter())
+        .map(|r| {
+            r.prompt[r
+                .prompt
+                .len()
+                .saturating_sub(ch01::tokenizer::CONTEXT_TOKENS)..]
+                .to_vec()
+        })
+        .collect();
     let (events, mut received) = mpsc::unbounded_channel();
     let ids = state
         .engine
@@ -144,11 +154,10 @@ pub async fn generate(
             SubmitError::Stopped => ApiError::unavailable("the engine has stopped"),
             SubmitError::Rejected(e) => ApiError::bad_request(e.to_string()),
         })?;
-    let mut choices: Vec<Choice<'_>> = ids
-        .into_iter()
-        .map(|id| Choice {
+    let mut choices: Vec<Choice<'_>> = (ids.into_iter().zip(&contexts))
+        .map(|(id, context)| Choice {
             id,
-            text: OutputText::new(&state.tokenizer, generation.stop.clone()),
+            text: OutputText::after(&state.tokenizer, generation.stop.clone(), context),
             sent: 0,
             token_offset: 0,
             tokens: 0,
