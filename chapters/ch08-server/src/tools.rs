@@ -120,21 +120,31 @@ pub fn constraint(mode: &ToolMode, tools: &[Tool], parallel: bool) -> Option<Con
             .find(|t| &t.name == name)
             .map(|t| Constraint::JsonSchema(t.parameters.clone())),
         ToolMode::Required => {
+            // Each tool's schema sits under the root's `$defs`, its own `#...` references
+            // rebased there: a reference resolves from the document's root, which is now the
+            // array of calls.
+            let mut defs = serde_json::Map::new();
             let calls: Vec<Value> = tools
                 .iter()
-                .map(|t| {
+                .enumerate()
+                .map(|(i, t)| {
+                    let base = format!("#/$defs/kiln_tool_{i}");
+                    let mut parameters = t.parameters.clone();
+                    rebase_refs(&mut parameters, &base);
+                    defs.insert(format!("kiln_tool_{i}"), parameters);
                     json!({
                         "type": "object",
                         "properties": {
                             "name": {"type": "string", "enum": [t.name]},
-                            "parameters": t.parameters,
+                            "parameters": {"$ref": base},
                         },
                         "required": ["name", "parameters"],
                         "additionalProperties": false,
                     })
                 })
                 .collect();
-            let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+            let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                                    "$defs": defs});
             if !parallel {
                 schema["maxItems"] = json!(1);
             }
@@ -143,6 +153,27 @@ pub fn constraint(mode: &ToolMode, tools: &[Tool], parallel: bool) -> Option<Con
     }
 }
 // ANCHOR_END: tool_constraint
+
+/// Every local reference in `schema` (`"$ref": "#..."`) made relative to `base`, where the
+/// schema will sit: `#` becomes `base`, `#/$defs/x` becomes `base/$defs/x`.
+fn rebase_refs(schema: &mut Value, base: &str) {
+    match schema {
+        Value::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                match value {
+                    Value::String(target) if key == "$ref" => {
+                        if let Some(rest) = target.strip_prefix('#') {
+                            *target = format!("{base}{rest}");
+                        }
+                    }
+                    _ => rebase_refs(value, base),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, base)),
+        _ => {}
+    }
+}
 
 /// A call as a response carries it; `id` from the response's id and the call's place.
 pub fn call(id: String, name: &str, arguments: String) -> ToolCall {
@@ -169,8 +200,17 @@ pub struct Parsed {
 /// Reads the calls back from a choice's whole text. `required`: a JSON array of
 /// `{"name", "parameters"}`; named: the text is the arguments; `auto`: every
 /// `<tool_call>{"name", "arguments"}</tool_call>` block is a call, the rest is content. Text
-/// that does not parse (a `length` cut) stays content.
-pub fn parse(mode: &ToolMode, text: &str) -> Parsed {
+/// that does not parse (a `length` cut) stays content. Without `parallel`
+/// (`parallel_tool_calls: false`) only the first call is kept, as OpenAI answers.
+pub fn parse(mode: &ToolMode, text: &str, parallel: bool) -> Parsed {
+    let mut parsed = parse_all(mode, text);
+    if !parallel {
+        parsed.calls.truncate(1);
+    }
+    parsed
+}
+
+fn parse_all(mode: &ToolMode, text: &str) -> Parsed {
     let content = |text: &str| Parsed {
         content: Some(text.to_string()),
         calls: Vec::new(),
@@ -279,27 +319,78 @@ mod tests {
         assert!(parse_tools(&[json!({"type": "function"})]).is_err());
     }
 
+    /// A `required` choice nests each tool's schema in one document: its references, written
+    /// against its own root, must still resolve (Pydantic writes `$defs`; a tree refers to `#`).
+    #[test]
+    fn required_calls_keep_each_tools_references() {
+        let tools = parse_tools(&[
+            json!({"type": "function", "function": {"name": "locate", "parameters": {
+                "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}},
+                "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}}}}),
+            json!({"type": "function", "function": {"name": "tree", "parameters": {
+                "type": "object", "properties": {
+                    "label": {"type": "string"},
+                    "children": {"type": "array", "items": {"$ref": "#"}}}}}}),
+        ])
+        .unwrap();
+        let Some(Constraint::JsonSchema(schema)) = constraint(&ToolMode::Required, &tools, true)
+        else {
+            panic!("a JSON schema");
+        };
+        let defs = &schema["$defs"];
+        assert_eq!(
+            defs["kiln_tool_0"]["properties"]["loc"]["$ref"],
+            "#/$defs/kiln_tool_0/$defs/Loc"
+        );
+        assert_eq!(
+            defs["kiln_tool_1"]["properties"]["children"]["items"]["$ref"],
+            "#/$defs/kiln_tool_1"
+        );
+        let any_of = &schema["items"]["anyOf"];
+        assert_eq!(
+            any_of[1]["properties"]["parameters"]["$ref"],
+            "#/$defs/kiln_tool_1"
+        );
+        // And the grammar engine resolves them.
+        let dir = ch01::fixtures_dir().join("tokenizer");
+        let tokenizer = std::sync::Arc::new(ch01::Tokenizer::from_dir(&dir).unwrap());
+        let vocab = tokenizer.vocab_size();
+        let grammars = crate::structured::Grammars::new(tokenizer, vocab, &[1]).unwrap();
+        grammars
+            .compile(&Constraint::JsonSchema(schema), "tool_choice")
+            .unwrap();
+    }
+
     #[test]
     fn calls_are_read_back_in_each_mode() {
         let required = parse(
             &ToolMode::Required,
             r#"[{"name": "get_weather", "parameters": {"city": "Paris"}}]"#,
+            true,
         );
         assert_eq!(required.content, None);
         assert_eq!(
             required.calls,
             vec![("get_weather".into(), r#"{"city":"Paris"}"#.into())]
         );
-        let named = parse(&ToolMode::Named("f".into()), r#"{"a": 1}"#);
+        let named = parse(&ToolMode::Named("f".into()), r#"{"a": 1}"#, true);
         assert_eq!(named.calls, vec![("f".into(), r#"{"a":1}"#.into())]);
         let auto = parse(
             &ToolMode::Auto,
             "Let me look.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 2}}\n</tool_call>",
+            true,
         );
         assert_eq!(auto.content.as_deref(), Some("Let me look."));
         assert_eq!(auto.calls, vec![("f".into(), r#"{"x":2}"#.into())]);
-        let cut = parse(&ToolMode::Required, r#"[{"name": "get_wea"#);
+        let cut = parse(&ToolMode::Required, r#"[{"name": "get_wea"#, true);
         assert_eq!(cut.calls, Vec::new());
         assert_eq!(cut.content.as_deref(), Some(r#"[{"name": "get_wea"#));
+        // Two calls; without parallel calls, the first alone.
+        let two = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\
+                   <tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>";
+        assert_eq!(parse(&ToolMode::Auto, two, true).calls.len(), 2);
+        let first = parse(&ToolMode::Auto, two, false);
+        assert_eq!(first.calls, vec![("f".into(), "{}".into())]);
+        assert_eq!(first.content, None);
     }
 }

@@ -101,6 +101,7 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
             logprobs: logprobs.is_some(),
             include_usage: generation.include_usage,
             tools: mode,
+            parallel_tool_calls: parallel,
         },
         state,
         started,
@@ -194,6 +195,8 @@ struct ChatShape {
     logprobs: bool,
     include_usage: bool,
     tools: ToolMode,
+    /// `parallel_tool_calls`: false keeps at most one call (the first), as OpenAI answers.
+    parallel_tool_calls: bool,
     /// Streamed `required` / `auto` choices: their text so far, held back until it can be
     /// told apart into content and calls (at the choice's end).
     buffered: Mutex<Vec<String>>,
@@ -248,7 +251,7 @@ impl ChatShape {
         text: String,
         finish: Option<&str>,
     ) -> (ResponseMessage, Option<String>) {
-        let parsed = tools::parse(&self.tools, &text);
+        let parsed = tools::parse(&self.tools, &text, self.parallel_tool_calls);
         let finish = finish.map(str::to_string);
         if parsed.calls.is_empty() {
             let message = ResponseMessage {
