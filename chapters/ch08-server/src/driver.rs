@@ -17,6 +17,7 @@ use crate::error::ApiError;
 use crate::params::{Generation, Planned};
 use crate::protocol::Usage;
 use crate::state::AppState;
+use crate::structured::EndedEarly;
 
 /// A token's text, bytes and logprob, with its alternatives' (best first; theirs empty).
 #[derive(Debug, Clone, PartialEq)]
@@ -133,6 +134,7 @@ pub async fn generate(
     let Planned {
         requests,
         processors,
+        ended_early,
         prompt_tokens,
     } = planned;
     // Each choice's text continues its prompt: the prompt's last tokens decode in front.
@@ -215,6 +217,12 @@ pub async fn generate(
             state, &mut clock, choice, index, &tokens, &logprobs, finished,
         )?;
         if choice.finish.is_some() {
+            // A choice its processor ended early did not finish: its output does not match
+            // what the request asked for.
+            if let Some(why) = ended_early.get(index).and_then(EndedEarly::reason) {
+                clock.finished(state, "abort");
+                return Err(ApiError::bad_request(format!("choice {index}: {why}")));
+            }
             remaining -= 1;
         }
         if !emit(delta) {

@@ -8,7 +8,7 @@ use ch04::{LogitsProcessor, Request};
 
 use crate::error::ApiError;
 use crate::protocol::Sampling;
-use crate::structured::{Compiled, Constraint, RequestProcessor, TokenRules};
+use crate::structured::{Compiled, Constraint, EndedEarly, RequestProcessor, TokenRules};
 
 /// The most alternatives `logprobs` / `top_logprobs` may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
@@ -505,6 +505,8 @@ pub struct Planned {
     pub requests: Vec<Request>,
     /// Each request's logits processor (its grammar and token rules), if it has any.
     pub processors: Vec<Option<Box<dyn LogitsProcessor>>>,
+    /// Where each request's processor says why it ended the request early, if it does.
+    pub ended_early: Vec<EndedEarly>,
     /// The prompts' tokens, each prompt counted once (however many choices share it).
     pub prompt_tokens: usize,
 }
@@ -573,27 +575,33 @@ impl Generation {
         }
         // One copy of the token rules, shared by every choice's processor.
         let rules = Arc::new(self.rules.clone());
-        let processors = requests
-            .iter()
-            .map(|_| self.processor_with(&rules))
+        let ended_early: Vec<EndedEarly> = requests.iter().map(|_| EndedEarly::default()).collect();
+        let processors = (ended_early.iter())
+            .map(|error| self.processor_with(&rules, error))
             .collect();
         Ok(Planned {
             requests,
             processors,
+            ended_early,
             prompt_tokens,
         })
     }
 
     /// One choice's logits processor: its grammar from the start, and `rules`, this request's
     /// token rules, shared by its choices. `None` when the request has neither.
-    fn processor_with(&self, rules: &Arc<TokenRules>) -> Option<Box<dyn LogitsProcessor>> {
+    fn processor_with(
+        &self,
+        rules: &Arc<TokenRules>,
+        error: &EndedEarly,
+    ) -> Option<Box<dyn LogitsProcessor>> {
         if self.grammar.is_none() && rules.is_empty() {
             return None;
         }
         Some(Box::new(RequestProcessor::new(
             Arc::clone(rules),
-            self.grammar.as_ref().map(|g| g.start()),
+            self.grammar.as_ref().map(|g| g.start(error.clone())),
             rules.stop_token_ids.clone(),
+            error.clone(),
         )))
     }
 

@@ -263,8 +263,9 @@ impl std::fmt::Debug for Compiled {
 }
 
 impl Compiled {
-    /// A fresh matcher at the grammar's start, for one choice.
-    pub fn start(&self) -> GrammarState {
+    /// A fresh matcher at the grammar's start, for one choice; why it ended the choice early,
+    /// if it does, goes to `error`.
+    pub fn start(&self, error: EndedEarly) -> GrammarState {
         let matcher = match self.matcher.lock() {
             Ok(m) => m.deep_clone(),
             Err(poisoned) => poisoned.into_inner().deep_clone(),
@@ -273,7 +274,26 @@ impl Compiled {
             matcher,
             mask: None,
             eos: self.eos.clone(),
+            error,
         }
+    }
+}
+
+/// Why a choice's processor ended it before its output was complete (a grammar past the
+/// engine's limits, token rules that leave no token): written once by the processor inside
+/// the engine, read by the request's driver, which fails the choice instead of reporting a
+/// normal `stop`.
+#[derive(Debug, Clone, Default)]
+pub struct EndedEarly(Arc<OnceLock<String>>);
+
+impl EndedEarly {
+    fn set(&self, why: impl Into<String>) {
+        let _ = self.0.set(why.into()); // the first reason is the one to report
+    }
+
+    /// The reason, once the processor has ended its choice early.
+    pub fn reason(&self) -> Option<&str> {
+        self.0.get().map(String::as_str)
     }
 }
 
@@ -284,13 +304,26 @@ pub struct GrammarState {
     /// Computed by [`GrammarState::prepare`]; `None`: the grammar cannot go on (only stop).
     mask: Option<SimpleVob>,
     eos: Vec<u32>,
+    error: EndedEarly,
 }
 
 impl GrammarState {
     /// The mask of tokens that keep the output a prefix of the grammar's language (only the
-    /// stop tokens once it is complete). The costly part: a walk of the token trie.
+    /// stop tokens once it is complete). The costly part: a walk of the token trie. An engine
+    /// error (a limit passed) leaves only stop, and says so through [`EndedEarly`].
     pub fn prepare(&mut self) {
-        self.mask = self.matcher.compute_mask_or_eos().ok();
+        self.mask = match self.matcher.compute_mask_or_eos() {
+            Ok(mask) => Some(mask),
+            Err(e) => {
+                self.error.set(format!("the grammar engine stopped: {e}"));
+                None
+            }
+        };
+    }
+
+    /// Whether the output so far is a whole word of the grammar's language.
+    fn is_complete(&mut self) -> bool {
+        self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
     }
 
     /// Every token the mask forbids to `-inf`. With no mask (an error), only stop is allowed.
@@ -307,12 +340,18 @@ impl GrammarState {
         }
     }
 
-    /// Moves the parse on by `token`; true when the output is complete (or cannot go on).
+    /// Moves the parse on by `token`; true when the output is complete (or cannot go on,
+    /// which [`EndedEarly`] reports).
     pub fn accept(&mut self, token: u32) -> bool {
         if self.matcher.is_stopped() || self.eos.contains(&token) {
             return true;
         }
-        self.matcher.consume_token(token).is_err() || self.matcher.is_stopped()
+        if let Err(e) = self.matcher.consume_token(token) {
+            self.error
+                .set(format!("the grammar refused token {token}: {e}"));
+            return true;
+        }
+        self.matcher.is_stopped()
     }
 }
 // ANCHOR_END: grammar_state
@@ -361,14 +400,22 @@ pub struct RequestProcessor {
     grammar: Option<GrammarState>,
     /// The stop tokens, allowed when the rules and the grammar together left nothing.
     fallback: Vec<u32>,
+    /// Why the choice ended before its output was complete, for the request's driver.
+    error: EndedEarly,
 }
 
 impl RequestProcessor {
-    pub fn new(rules: Arc<TokenRules>, grammar: Option<GrammarState>, fallback: Vec<u32>) -> Self {
+    pub fn new(
+        rules: Arc<TokenRules>,
+        grammar: Option<GrammarState>,
+        fallback: Vec<u32>,
+        error: EndedEarly,
+    ) -> Self {
         RequestProcessor {
             rules,
             grammar,
             fallback,
+            error,
         }
     }
 }
@@ -412,9 +459,20 @@ impl LogitsProcessor for RequestProcessor {
         if let Some(grammar) = &self.grammar {
             grammar.apply(logits);
         }
-        // Rules that contradict each other (min_tokens against a complete grammar) must not
-        // leave nothing to sample: then the sequence stops.
+        // Rules that contradict each other must not leave nothing to sample: then the
+        // sequence stops. Against a complete grammar (min_tokens not yet reached) that is a
+        // normal stop; against one that is not (allowed_token_ids outside the grammar's
+        // tokens), the output does not match the constraint, which the driver reports as the
+        // error it is.
         if !logits.iter().any(|l| *l > f32::NEG_INFINITY) {
+            if let Some(grammar) = self.grammar.as_mut()
+                && !grammar.is_complete()
+            {
+                self.error.set(
+                    "the request's token rules (allowed_token_ids, bad_words, logit_bias, \
+                     min_tokens) and its constraint leave no token that continues the output",
+                );
+            }
             allow_only(logits, &self.fallback);
         }
     }
@@ -476,7 +534,8 @@ mod tests {
         let vocab = tokenizer.vocab_size();
         let tokenizer = Arc::new(tokenizer);
         let grammars = Grammars::new(Arc::clone(&tokenizer), vocab, &[2]).unwrap();
-        let mut state = grammars.compile(&constraint, "test").unwrap().start();
+        let mut state =
+            (grammars.compile(&constraint, "test").unwrap()).start(EndedEarly::default());
         let mut bytes = Vec::new();
         for _ in 0..64 {
             state.prepare();
@@ -535,7 +594,7 @@ mod tests {
             allowed_token_ids: Some(vec![1]),
             ..TokenRules::default()
         });
-        let mut p = RequestProcessor::new(rules, None, vec![1]);
+        let mut p = RequestProcessor::new(rules, None, vec![1], EndedEarly::default());
         let mut logits = vec![0.5; 4];
         p.process(&[], &mut logits);
         assert!(logits[1].is_finite(), "the stop token is left");

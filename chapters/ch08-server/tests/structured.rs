@@ -270,6 +270,23 @@ async fn bad_constraints_and_parameters_are_400s_naming_their_field() {
         let err = expect_error(post(extra.clone()).await.unwrap(), StatusCode::BAD_REQUEST).await;
         assert_eq!(err["param"], param, "{extra}: {err}");
     }
+    // Rules that leave no token of the grammar end the choice early: an error, never an
+    // output cut short and reported as a normal stop. (Token 5 is no prefix of "yes" or "no".)
+    let tokenizer = &loaded().tokenizer;
+    let yes_no = ["yes", "no"].map(|w| tokenizer.encode(w, false).unwrap()[0]);
+    assert!(!yes_no.contains(&5), "{yes_no:?}");
+    for stream in [false, true] {
+        let contradiction = json!({"guided_choice": ["yes", "no"], "allowed_token_ids": [5],
+                                   "stream": stream});
+        let response = post(contradiction).await.unwrap();
+        let text = match stream {
+            false => expect_error(response, StatusCode::BAD_REQUEST)
+                .await
+                .to_string(),
+            true => response.text().await.unwrap(),
+        };
+        assert!(text.contains("leave no token"), "{text}");
+    }
     // The server is still fine.
     let ok = post(json!({"guided_choice": ["a", "b"]})).await.unwrap();
     assert_eq!(ok.status(), StatusCode::OK);
