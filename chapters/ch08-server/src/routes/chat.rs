@@ -167,15 +167,12 @@ async fn render_and_tokenize(
                 .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
             if let Some((_, content)) = last.filter(|_| continue_final) {
                 // End the prompt where the last message's text ends: the model continues it.
-                let end = text
-                    .rfind(&content)
-                    .map(|at| at + content.len())
-                    .ok_or_else(|| {
-                        ApiError::bad_param(
-                            "continue_final_message",
-                            "the chat template does not write the last message's text as is",
-                        )
-                    })?;
+                let end = continuation_end(&text, &content).ok_or_else(|| {
+                    ApiError::bad_param(
+                        "continue_final_message",
+                        "the chat template does not write the last message's text",
+                    )
+                })?;
                 text.truncate(end);
             }
             params::fits_by_bytes(text.len(), max_tokens, "messages", &shared.limits)?;
@@ -186,6 +183,20 @@ async fn render_and_tokenize(
                 .map_err(|e| ApiError::bad_param("messages", format!("cannot tokenize: {e}")))
         })
         .await?
+}
+
+/// Where a rendered prompt ends for the model to continue its last message, `content`:
+/// after the last place the template wrote it. A template may trim the message (Llama 3's
+/// `| trim`), so it is looked for without its surrounding whitespace, and kept with its trailing
+/// whitespace only where the template kept that too, as transformers does.
+fn continuation_end(rendered: &str, content: &str) -> Option<usize> {
+    let trimmed = content.trim();
+    let at = rendered.rfind(trimmed)?;
+    let kept = content.trim_start();
+    Some(match rendered[at..].starts_with(kept) {
+        true => at + kept.len(),
+        false => at + trimmed.len(),
+    })
 }
 
 struct ChatShape {
@@ -415,5 +426,25 @@ impl Shape for ChatShape {
             })
             .collect();
         self.envelope("chat.completion", choices, Some(Some(usage)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::continuation_end;
+
+    #[test]
+    fn a_continued_message_ends_where_the_template_wrote_it() {
+        // The template keeps the text as it is: the prompt ends after it, spaces included.
+        let kept = "<|user|>Hi<|assistant|>The answer is ";
+        assert_eq!(continuation_end(kept, "The answer is "), Some(kept.len()));
+        // The template trims it (Llama 3's `| trim`): the prompt ends after the trimmed text.
+        let trimmed = "<|user|>Hi<|assistant|>The answer is<|eot|>";
+        let end = continuation_end(trimmed, "The answer is ").unwrap();
+        assert_eq!(&trimmed[..end], "<|user|>Hi<|assistant|>The answer is");
+        // The last place it appears, and none at all.
+        let twice = "<|user|>Yes<|assistant|>Yes";
+        assert_eq!(continuation_end(twice, "Yes"), Some(twice.len()));
+        assert_eq!(continuation_end(kept, "Goodbye"), None);
     }
 }
