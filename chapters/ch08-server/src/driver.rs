@@ -213,16 +213,16 @@ pub async fn generate(
         if choice.finish.is_some() {
             continue; // stopped by a stop string; the engine's last tokens are dropped
         }
+        // A choice its processor ended early (or must end) does not match what the request
+        // asked for: the request fails, and its tokens from then on are never shown.
+        if let Some(why) = ended_early.get(index).and_then(EndedEarly::reason) {
+            clock.finished(state, "abort");
+            return Err(ApiError::bad_request(format!("choice {index}: {why}")));
+        }
         let delta = advance(
             state, &mut clock, choice, index, &tokens, &logprobs, finished,
         )?;
         if choice.finish.is_some() {
-            // A choice its processor ended early did not finish: its output does not match
-            // what the request asked for.
-            if let Some(why) = ended_early.get(index).and_then(EndedEarly::reason) {
-                clock.finished(state, "abort");
-                return Err(ApiError::bad_request(format!("choice {index}: {why}")));
-            }
             remaining -= 1;
         }
         if !emit(delta) {

@@ -473,6 +473,17 @@ impl LogitsProcessor for RequestProcessor {
                      min_tokens) and its constraint leave no token that continues the output",
                 );
             }
+            if self.fallback.is_empty() {
+                // A model with no stop token: nothing can end the choice here, and an empty
+                // row would fail the engine's whole step. The choice is failed instead, and
+                // the token sampled from this open row is never shown.
+                self.error.set(
+                    "the request's token rules leave no token, and the model has no stop token \
+                     to end the output with",
+                );
+                logits.fill(0.0);
+                return;
+            }
             allow_only(logits, &self.fallback);
         }
     }
@@ -584,6 +595,23 @@ mod tests {
             .grammar("response_format")
             .unwrap_err();
         assert!(err.message.contains("object"), "{}", err.message);
+    }
+
+    /// A model with no stop token and rules that leave nothing: the row stays samplable (an
+    /// empty one would fail the engine's whole step) and the choice is marked to fail.
+    #[test]
+    fn rules_that_leave_nothing_without_a_stop_token_fail_only_their_choice() {
+        let rules = Arc::new(TokenRules {
+            allowed_token_ids: Some(vec![1]),
+            bad_words: vec![vec![1]],
+            ..TokenRules::default()
+        });
+        let error = EndedEarly::default();
+        let mut p = RequestProcessor::new(rules, None, Vec::new(), error.clone());
+        let mut logits = vec![0.5; 4];
+        p.process(&[], &mut logits);
+        assert!(logits.iter().all(|l| l.is_finite()), "{logits:?}");
+        assert!(error.reason().is_some_and(|r| r.contains("no stop token")));
     }
 
     #[test]
