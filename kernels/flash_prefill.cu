@@ -70,6 +70,9 @@ __device__ void flash_prefill(const float* q, const T* k_cache, const T* v_cache
             v_tile[j][d] = vx;
         }
         __syncthreads();
+        // A warp whose rows are all padding (a short sequence's tile) has nothing to compute;
+        // it only helps load the tiles.
+        if (warp * ROWS_PER_WARP >= tile_rows) continue;
 
         // Scores of key key0 + lane against the warp's rows.
         float s[ROWS_PER_WARP];

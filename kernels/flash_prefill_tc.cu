@@ -211,8 +211,9 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
         __syncthreads();  // and every thread's
         // A tile whose first key lies past this warp's last row is masked for all its rows: the
         // warp skips it (its m, l and O would not change), and masks only the tiles that reach
-        // past its first row.
-        if (key0 > pos0 + warp_row0 + 16 * MF - 1) continue;
+        // past its first row. A warp whose rows are all padding (a short sequence's tile, a
+        // decode row in a mixed batch) skips every tile: it only helps load them.
+        if (warp_row0 >= tile_rows || key0 > pos0 + warp_row0 + 16 * MF - 1) continue;
         bool diagonal = key0 + TC_BC - 1 > pos0 + warp_row0;
         bf16_bits(*k_s)[D + TC_PAD] = tc_tile<D>(buf, 0);
         bf16_bits(*v_s)[D + TC_PAD] = tc_tile<D>(buf, 1);
