@@ -139,7 +139,7 @@ impl Fp8Linear {
         let mut scales = Vec::with_capacity(weight.nrows());
         for row in weight.rows() {
             let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let scale = if amax > 0.0 { amax / F8E4M3::MAX } else { 1.0 };
+            let scale = crate::kv_cache::scale_for(amax, F8E4M3::MAX);
             codes.extend(row.iter().map(|&x| F8E4M3::from_f32(x / scale)));
             scales.push(scale);
         }

@@ -217,3 +217,35 @@ fn unsupported_fp8_checkpoints_are_errors() {
     assert!(error.contains("input_scale"), "{error}");
     assert_eq!(fp8_config(&src).unwrap(), None);
 }
+
+/// Weight quantization to E4M3 against its bound, element by element, rows of tiny and zero
+/// values included: every scale is finite and positive, so the layer always builds.
+#[test]
+fn per_channel_codes_keep_the_e4m3_bound() {
+    use ch05_quantization::kv_cache::e4m3_error_bound;
+    seeded_runner(64, 0xF8)
+        .run(&(1usize..9, 1usize..70, any::<u64>()), |(out, n, seed)| {
+            let mut rng = WorkloadRng::new(seed);
+            let mut w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 3.0)).unwrap();
+            w.row_mut(0).mapv_inplace(|v| v * 1e-44); // amax / 448 would round to 0
+            if out > 1 {
+                w.row_mut(1).fill(0.0);
+            }
+            let (codes, scales) = Fp8Linear::quantize_per_channel(w.view());
+            for (o, row) in w.rows().into_iter().enumerate() {
+                let scale = scales[o];
+                prop_assert!(scale.is_finite() && scale > 0.0, "row {o}: scale {scale:e}");
+                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                for (i, &v) in row.iter().enumerate() {
+                    let got = codes[o * n + i].to_f32() * scale;
+                    let bound = e4m3_error_bound(v, amax);
+                    prop_assert!(
+                        (v - got).abs() <= bound,
+                        "{v:e} → {got:e} (bound {bound:e})"
+                    );
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}

@@ -285,3 +285,32 @@ fn smoothing_beats_naive_w8a8_on_outlier_channels() {
         })
         .unwrap();
 }
+
+/// Weight quantization against its definition, element by element: each weight is within half
+/// a step of its row's grid (`max |row| / 127`), rows of tiny and zero values included. (The
+/// kernel tests take the layer's own codes, so only this checks how they were made.)
+#[test]
+fn weight_codes_are_round_to_nearest_on_each_rows_grid() {
+    seeded_runner(64, 0x57)
+        .run(&(1usize..9, 1usize..70, any::<u64>()), |(out, n, seed)| {
+            let mut rng = WorkloadRng::new(seed);
+            let mut w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 3.0)).unwrap();
+            w.row_mut(0).mapv_inplace(|v| v * 1e-38); // a scale too small to invert
+            if out > 1 {
+                w.row_mut(1).fill(0.0);
+            }
+            let layer = W8A8Linear::quantize(w.view(), None, Int8Activations::PerToken).unwrap();
+            let dequantized = layer.dequantized();
+            for (o, (row, got)) in w.rows().into_iter().zip(dequantized.rows()).enumerate() {
+                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let step = f64::from(layer.scales()[o]);
+                prop_assert!(step >= f64::from(amax) / 127.0 * (1.0 - 1e-6));
+                for (&v, &g) in row.iter().zip(got) {
+                    let err = (f64::from(v) - f64::from(g)).abs();
+                    prop_assert!(err <= step * (0.5 + 1e-5), "{v:e} → {g:e}, step {step:e}");
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}

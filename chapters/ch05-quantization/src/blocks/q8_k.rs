@@ -10,7 +10,7 @@
 //! ```
 //!
 //! **Encoding** (symmetric, the rule of Q8_0 with an f32 scale; llama.cpp instead maps the value
-//! of largest magnitude to −128): `d = max|x| / 127`, `id = 1 / d` (0 when `d = 0`),
+//! of largest magnitude to −128): `d = max|x| / 127` (never below f32's smallest normal), `id = 1 / d` (0 when `d = 0`),
 //! `q = round(x · id)` (halves away from zero). So `|x − d·q| ≤ d·(½ + 2⁻¹⁵)`: `x · id` is within
 //! three f32 roundings (of `d`, `id` and the product) of `x / d`, whose magnitude is at most 127,
 //! and 127 · 3 · 2⁻²⁴ < 2⁻¹⁵.
@@ -24,7 +24,7 @@ pub const BLOCK_ELEMS: usize = 256;
 #[inline]
 pub fn encode(x: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
+    let d = crate::kernels::act_scale(amax);
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     for (q, &x) in q.iter_mut().zip(x) {
         // (The clamp changes nothing but a scale too small to invert, whose `id` is ∞.)
@@ -71,18 +71,22 @@ pub fn quantize(values: &[f32], out: &mut [u8]) {
 mod tests {
     use super::*;
 
-    /// A block whose largest magnitude is near 1e-38 (a scale too small to invert) still
-    /// keeps every code within ±127.
+    /// A block whose largest magnitude is near 1e-38 (where `max / 127` is too small to
+    /// invert): the scale stops at f32's smallest normal, and every code keeps the bound
+    /// `|x − d·q| ≤ d·(½ + 2⁻¹⁵)`.
     #[test]
-    fn a_scale_too_small_to_invert_keeps_codes_within_127() {
+    fn a_scale_too_small_to_invert_keeps_the_bound() {
         let mut x = [0.0f32; BLOCK_ELEMS];
         x[0] = -1e-38;
         x[1] = 5e-39;
+        x[2] = 1.17e-38;
         let (mut q, mut bsums) = ([0i8; BLOCK_ELEMS], [0i16; 16]);
         let d = encode(&x, &mut q, &mut bsums);
-        assert!(d > 0.0);
-        assert_eq!(q[0], -127);
-        assert!(q.iter().all(|&q| q >= -127), "{:?}", &q[..4]);
-        assert!(q[2..].iter().all(|&q| q == 0));
+        assert_eq!(d, f32::MIN_POSITIVE);
+        for (&x, &q) in x.iter().zip(&q) {
+            let err = (f64::from(x) - f64::from(d) * f64::from(q)).abs();
+            assert!(err <= f64::from(d) * (0.5 + 2f64.powi(-15)), "{x:e} as {q}");
+        }
+        assert_eq!(&q[..3], &[-1, 0, 1]);
     }
 }

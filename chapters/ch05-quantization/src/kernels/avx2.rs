@@ -222,7 +222,7 @@ unsafe fn quantize_act32_avx2(x: &[f32]) -> Act32 {
     // SAFETY: `lanes` is 8 writable f32.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
     let amax = lanes.iter().fold(0.0f32, |m, &v| m.max(v));
-    let d = amax / 127.0;
+    let d = super::act_scale(amax);
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     let (half, id) = (_mm256_set1_ps(0.5), _mm256_set1_ps(id));
     let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));

@@ -109,6 +109,17 @@ pub struct Act32 {
     pub sum: i32,
 }
 
+/// The scale of 8-bit activation codes for a block whose largest magnitude is `amax`:
+/// `amax / 127`, never below f32's smallest normal number (below it `1 / d` would be infinite
+/// and every code ±127), 0 for a block of zeros.
+pub fn act_scale(amax: f32) -> f32 {
+    if amax > 0.0 {
+        crate::kv_cache::scale_for(amax, 127.0)
+    } else {
+        0.0
+    }
+}
+
 impl Act32 {
     const ZERO: Act32 = Act32 {
         q: [0; 32],
@@ -116,11 +127,11 @@ impl Act32 {
         sum: 0,
     };
 
-    /// Quantizes 32 values: `d = max|x| / 127`, `q = round(x / d)` (halves away from zero; a NaN
-    /// to 0).
+    /// Quantizes 32 values: `d = max|x| / 127` ([`act_scale`]), `q = round(x / d)` (halves
+    /// away from zero; a NaN to 0).
     pub fn quantize(x: &[f32]) -> Act32 {
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
+        let d = act_scale(amax);
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
         let mut q = [0i8; 32];
         for (q, &x) in q.iter_mut().zip(x) {

@@ -71,10 +71,11 @@ pub struct W8A8Linear {
     in_features: usize,
 }
 
-/// The symmetric int8 grid of `values`: its scale `max |v| / 127` (1 for all zeros).
+/// The symmetric int8 grid of `values`: its scale `max |v| / 127` (1 for all zeros; never
+/// below f32's smallest normal, whose inverse is the largest finite one).
 pub fn grid_scale(values: &[f32]) -> f32 {
     let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    if amax > 0.0 { amax / QMAX } else { 1.0 }
+    crate::kv_cache::scale_for(amax, QMAX)
 }
 
 /// `round(v / scale)`, halves away from zero, clamped to `-127..=127`.
