@@ -77,8 +77,22 @@ enum Command {
     Figures(figures::Args),
 }
 
+/// The most `--threads` per CPU of the machine.
+const MAX_THREADS_PER_CPU: usize = 8;
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // More threads than a few per CPU only queue behind each other (thousands take seconds a
+    // token): refused, not run.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Some(threads) = cli.threads
+        && threads > MAX_THREADS_PER_CPU * cpus
+    {
+        anyhow::bail!(
+            "--threads {threads}: this machine has {cpus} CPUs; at most {} threads",
+            MAX_THREADS_PER_CPU * cpus
+        );
+    }
     ch02::elementwise::set_parallel_elementwise(!cli.serial_elementwise);
     // Every command runs on a worker of the kernels' thread pool: parallel loops started there
     // queue their jobs on the worker's own deque, so a decode step allocates nothing.

@@ -156,7 +156,46 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
     let too_long = "word ".repeat(2000);
     assert_fails_with(
         &["generate", "--model", model, "--prompt", &too_long],
-        "exceeds the model's context of 512 tokens",
+        "more than the model's context of 512 positions",
+    );
+    // The refusals of flags that would change nothing, or run forever.
+    let prompt = ["generate", "--model", model, "--prompt", "x"];
+    for (extra, needle) in [
+        (
+            &["--recompute", "--speculative-method", "ngram"][..],
+            "cannot be used with",
+        ),
+        (
+            &["--contiguous", "--block-size", "0"][..],
+            "cannot be used with",
+        ),
+        (&["--num-speculative-tokens", "2"][..], "--speculative-"),
+        (
+            &[
+                "--speculative-method",
+                "layer-skip",
+                "--speculative-layers",
+                "0",
+            ][..],
+            "at least 1",
+        ),
+    ] {
+        assert_fails_with(&[&prompt[..], extra].concat(), needle);
+    }
+    assert_fails_with(&["-t", "100000", "generate", "--prompt", "x"], "at most");
+    let hamlet_path = fixtures_dir().join("corpus/hamlet.txt");
+    let hamlet_str = hamlet_path.to_str().unwrap();
+    assert_fails_with(
+        &[
+            "perplexity",
+            "--model",
+            model,
+            "--file",
+            hamlet_str,
+            "--chunks",
+            "0",
+        ],
+        "--chunks must be at least 1",
     );
     assert_fails_with(
         &["perplexity", "--model", model, "--file", "/nonexistent.txt"],
@@ -926,4 +965,45 @@ fn an_fp8_checkpoint_runs_from_the_command_line() {
         &four_tokens(model, &["--device", "cuda"]),
         "no GPTQ, AWQ or FP8 directory",
     );
+}
+
+/// `quantize --method` writes a new directory or nothing: never over its own model (which it
+/// once emptied, file by file), never beside another checkpoint's files.
+#[test]
+fn quantize_method_never_writes_over_a_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    let fixture = ch01::fixtures_dir().join("random/gqa");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, model.join(path.file_name().unwrap())).unwrap();
+    }
+    let before = std::fs::read(model.join("tokenizer.json")).unwrap();
+    let model_str = model.to_str().unwrap();
+    let rtn = |out: &str| {
+        kiln(&[
+            "quantize", "--method", "rtn", "--model", model_str, "--out", out,
+        ])
+    };
+    let same = rtn(model_str);
+    assert!(
+        !same.status.success() && stderr(&same).contains("is not empty"),
+        "{}",
+        stderr(&same)
+    );
+    assert_eq!(std::fs::read(model.join("tokenizer.json")).unwrap(), before);
+    // Into a new directory: the whole checkpoint, and no staging directory left beside it.
+    let out = tmp.path().join("q");
+    let done = rtn(out.to_str().unwrap());
+    assert!(done.status.success(), "{}", stderr(&done));
+    assert!(out.join("model.safetensors").exists() && out.join("tokenizer.json").exists());
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains("partial")), "{names:?}");
+    // Again into it, now not empty.
+    let again = rtn(out.to_str().unwrap());
+    assert!(!again.status.success() && stderr(&again).contains("is not empty"));
 }

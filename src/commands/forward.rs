@@ -37,7 +37,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::F32, shape.clone(), &bytes)?;
     let metadata = HashMap::from([("input_ids".to_string(), format!("{tokens:?}"))]);
-    safetensors::serialize_to_file([("logits", view)], Some(metadata), &args.out)
+    // Written beside the file and renamed over it: a failed write leaves no truncated file.
+    let name = args
+        .out
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("logits");
+    let partial = args
+        .out
+        .with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    safetensors::serialize_to_file([("logits", view)], Some(metadata), &partial)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| Ok(std::fs::rename(&partial, &args.out)?))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&partial);
+        })
         .with_context(|| format!("writing {}", args.out.display()))?;
     eprintln!(
         "wrote logits {shape:?} for {} tokens to {}",

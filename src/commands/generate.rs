@@ -65,11 +65,12 @@ pub struct Args {
     #[arg(long)]
     pub ignore_eos: bool,
     /// Chapter 1's loop: recompute the whole sequence for every token instead of using the KV cache.
-    #[arg(long, conflicts_with = "contiguous")]
+    // (Neither it nor --contiguous has a paged cache to size, or an engine to speculate on.)
+    #[arg(long, conflicts_with_all = ["contiguous", "KvArgs", "speculation"])]
     pub recompute: bool,
     /// Chapter 2's cache: one contiguous buffer reserved for the model's whole context, instead
     /// of chapter 3's paged blocks.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["KvArgs", "speculation"])]
     pub contiguous: bool,
     #[command(flatten)]
     pub kv: KvArgs,
@@ -164,6 +165,13 @@ fn run_one(
         prompt_tokens.len()
     );
 
+    // The prompt must fit the context, before anything is printed.
+    let context = model.config.max_position_embeddings;
+    anyhow::ensure!(
+        prompt_tokens.len() <= context,
+        "the prompt has {} tokens, more than the model's context of {context} positions",
+        prompt_tokens.len()
+    );
     // Chapter 3's paged pool, checked before anything is printed.
     let mut paged = None;
     if !(args.recompute || args.contiguous) {

@@ -442,6 +442,26 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// `--out` must be missing or an empty directory: a command that writes a model directory
+/// (`random-model`, `quantize --method`) never overwrites anything.
+pub fn refuse_non_empty(out: &std::path::Path) -> anyhow::Result<()> {
+    if !out.exists() {
+        return Ok(());
+    }
+    if !out.is_dir() {
+        bail!("--out {} exists and is not a directory", out.display());
+    }
+    let mut entries =
+        std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))?;
+    if entries.next().is_some() {
+        bail!(
+            "--out {} is not empty: give a new or empty directory",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::{ModelArgs, ModelFormat, parse_bytes};

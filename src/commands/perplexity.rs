@@ -1,5 +1,6 @@
 //! `kiln perplexity`: score a text file the way llama.cpp's perplexity tool does.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -37,9 +38,19 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (host, model) = args.model.load_for_device()?;
+    // What is cheap to check comes before the model loads.
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
+    anyhow::ensure!(args.ctx >= 2, "--ctx must be at least 2 tokens");
+    anyhow::ensure!(args.chunks != Some(0), "--chunks must be at least 1");
+    if args.tensor_parallel.is_parallel()
+        && let Some(dtype) = args.kv_cache_dtype.as_deref().filter(|d| *d != "f32")
+    {
+        anyhow::bail!(
+            "tensor parallelism scores with an f32 KV cache: drop --kv-cache-dtype {dtype}"
+        );
+    }
+    let (host, model) = args.model.load_for_device()?;
     let tokens = host.tokenizer.encode(&text, false)?;
     let bos = host
         .tokenizer
@@ -100,15 +111,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .enumerate()
         .map(|(i, p)| format!("[{}]{p:.4}", i + 1))
         .collect();
-    println!("{}", running.join(","));
-    println!(
+    // Written, not printed: a closed pipe is an error to report, not a panic.
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{}", running.join(","))?;
+    writeln!(
+        stdout,
         "Final estimate: PPL = {:.4} ({} chunks of {} tokens, {} tokens scored, {:.1} s)",
         result.perplexity,
         result.num_chunks,
         args.ctx,
         result.scored_tokens,
         start.elapsed().as_secs_f64()
-    );
+    )?;
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 //! directory that kiln, vLLM and transformers load (chapter 5 part 2, `--method`), with sizes
 //! and time on stdout.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -18,7 +19,7 @@ pub struct Args {
     /// Type of the projection weights. K-quants fall back as llama.cpp does for layers whose
     /// input size is not a multiple of 256; the output matrix (or tied embedding) follows
     /// llama.cpp's rule (Q6_K, or Q8_0); norms stay f32.
-    #[arg(long = "type", value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"], required_unless_present = "method", conflicts_with = "method")]
+    #[arg(long = "type", value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"], required_unless_present = "method", conflicts_with = "part2")]
     pub ty: Option<String>,
     /// The GGUF file (`--type`) or the model directory (`--method`) to write.
     #[arg(long, value_name = "FILE.gguf|DIR")]
@@ -73,24 +74,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .iter()
         .map(|(t, n)| format!("{n} {t}"))
         .collect();
-    println!(
+    // Written, not printed: a closed pipe or a full disk is an error to report, not a panic.
+    let mut stdout = std::io::stdout().lock();
+    writeln!(
+        stdout,
         "wrote {} ({} tensors: {})",
         args.out.display(),
         report.tensors.len(),
         types.join(", ")
-    );
-    println!(
+    )?;
+    writeln!(
+        stdout,
         "before: {:.2} MiB of tensors ({:.2} bits per weight) in {}",
         mib(report.source_bytes() as f64),
         report.source_bytes() as f64 * 8.0 / params.max(1.0),
         args.model.display()
-    );
-    println!(
+    )?;
+    writeln!(
+        stdout,
         "after:  {:.2} MiB of tensors ({:.2} bits per weight), file {:.2} MiB ({file_bytes} bytes)",
         mib(report.tensor_bytes() as f64),
         report.bits_per_weight(),
         mib(file_bytes as f64)
-    );
-    println!("{:.0} weights in {seconds:.2} s", params);
+    )?;
+    writeln!(stdout, "{:.0} weights in {seconds:.2} s", params)?;
     Ok(())
 }

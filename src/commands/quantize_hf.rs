@@ -2,6 +2,7 @@
 //! quantizers, calibrated on the Shakespeare training text (never Hamlet, the evaluation
 //! text), written in the Hugging Face GPTQ or AWQ layout.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -35,10 +36,10 @@ pub struct Args {
     /// `python fixtures/scripts/corpus.py`].
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
-    /// Calibration samples.
+    /// Calibration samples (1 to 4096).
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub samples: usize,
-    /// Tokens per calibration sample.
+    /// Tokens per calibration sample (1 to 32768).
     #[arg(long, default_value_t = 512, value_name = "L")]
     pub seq_len: usize,
 }
@@ -105,6 +106,11 @@ impl Args {
     }
 }
 
+/// The most calibration samples, and tokens in each: bounds on the work and memory one
+/// command line asks for (the defaults are 32 and 512).
+pub const MAX_SAMPLES: usize = 4096;
+pub const MAX_SEQ_LEN: usize = 32768;
+
 /// `samples` windows of `seq_len` tokens from `text`, at evenly spaced places.
 pub fn calibration_samples(
     tokenizer: &ch01::Tokenizer,
@@ -112,6 +118,12 @@ pub fn calibration_samples(
     samples: usize,
     seq_len: usize,
 ) -> anyhow::Result<Vec<Vec<u32>>> {
+    if !(1..=MAX_SAMPLES).contains(&samples) || !(1..=MAX_SEQ_LEN).contains(&seq_len) {
+        bail!(
+            "--samples {samples} and --seq-len {seq_len}: calibration takes 1 to {MAX_SAMPLES} \
+             samples of 1 to {MAX_SEQ_LEN} tokens"
+        );
+    }
     let window = seq_len * 8; // bytes: comfortably more than seq_len tokens of English
     if text.len() < window {
         bail!(
@@ -120,16 +132,18 @@ pub fn calibration_samples(
         );
     }
     let stride = (text.len() - window) / samples.max(1);
-    let mut out = Vec::with_capacity(samples);
+    let mut out = Vec::new();
+    // The window's ends move forward to character boundaries, never past the text's end
+    // (which is one).
+    let boundary = |mut at: usize| {
+        while at < text.len() && !text.is_char_boundary(at) {
+            at += 1;
+        }
+        at.min(text.len())
+    };
     for k in 0..samples {
-        let mut start = k * stride;
-        while !text.is_char_boundary(start) {
-            start += 1;
-        }
-        let mut end = start + window;
-        while !text.is_char_boundary(end) {
-            end += 1;
-        }
+        let start = boundary(k * stride);
+        let end = boundary(start + window);
         let tokens = tokenizer.encode(&text[start..end], false)?;
         if tokens.len() < seq_len {
             bail!(
@@ -154,15 +168,18 @@ pub fn run(model_dir: &Path, out: &Path, args: &Args) -> anyhow::Result<()> {
             model_dir.display()
         );
     }
+    // Before any work: the writer refuses it too, but only once every layer is quantized.
+    super::refuse_non_empty(out)?;
     let start = Instant::now();
     let report = quantize_dir(model_dir, out, args)?;
-    println!(
+    writeln!(
+        std::io::stdout(),
         "wrote {} ({} projections, {}) in {:.1} s",
         out.display(),
         report.layers.len(),
         args.method.as_deref().unwrap_or(""),
         start.elapsed().as_secs_f64()
-    );
+    )?;
     for (group, alpha, error, rtn) in &report.awq {
         eprintln!(
             "awq {group}: alpha {alpha:.2}, output error {error:.4e} (round-to-nearest {rtn:.4e})"
@@ -208,4 +225,20 @@ pub fn quantize_dir(
     let result = quantize_model(&mut model, &weights, &samples, &method, &mut progress)?;
     write_quantized_dir(model_dir, out, &config, &result.layers, &result.dense)?;
     Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::calibration_samples;
+
+    /// A window that starts inside a character near the text's end: its end moves to the
+    /// text's end (it once looked for a character boundary past it, forever).
+    #[test]
+    fn calibration_windows_stop_at_the_texts_end() {
+        let tokenizer = ch01::Tokenizer::from_dir(&ch01::fixtures_dir().join("tokenizer")).unwrap();
+        let text = format!("{}😀bbbbbb", "a".repeat(40));
+        let samples = calibration_samples(&tokenizer, &text, 42, 1).unwrap();
+        assert_eq!(samples.len(), 42);
+        assert!(samples.iter().all(|s| s.len() == 1));
+    }
 }

@@ -2,10 +2,10 @@
 //! `random_model`), for GPU benchmarks at a real size (`--preset llama-1b`, nothing to
 //! download) and tests of shapes the fixtures lack (`--preset tiny-d64`: `head_dim` 64).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use ch01::{RandomModelSpec, write_random_model};
 
 #[derive(clap::Args, Debug)]
@@ -30,7 +30,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = spec(&args)?;
-    refuse_non_empty(&args.out)?;
+    super::refuse_non_empty(&args.out)?;
     // The weights are generated in memory, then written.
     let bytes = spec.parameter_count() as u64 * spec.dtype.size() as u64;
     if let Some(available) = super::available_memory()
@@ -93,23 +93,4 @@ fn spec(args: &Args) -> anyhow::Result<RandomModelSpec> {
     }
     spec.seed = args.seed;
     Ok(spec)
-}
-
-/// `--out` must be missing or an empty directory: a random model never overwrites anything.
-fn refuse_non_empty(out: &Path) -> anyhow::Result<()> {
-    if !out.exists() {
-        return Ok(());
-    }
-    if !out.is_dir() {
-        bail!("--out {} exists and is not a directory", out.display());
-    }
-    let mut entries =
-        std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))?;
-    if entries.next().is_some() {
-        bail!(
-            "--out {} is not empty: give a new or empty directory",
-            out.display()
-        );
-    }
-    Ok(())
 }

@@ -110,7 +110,7 @@ pub struct Args {
     pub disable_access_log: bool,
     /// Origins a browser page may call the API from (CORS), comma-separated, or `*` for any.
     /// Off by default.
-    #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
+    #[arg(long, value_delimiter = ',', value_name = "ORIGINS", value_parser = parse_origin)]
     pub allowed_origins: Vec<String>,
 }
 
@@ -125,7 +125,42 @@ fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(value))
 }
 
+/// One `--allowed-origins` entry as a browser sends it in `Origin`: `*`, or
+/// `scheme://host[:port]` (spaces around it and a trailing `/` dropped), never a path.
+fn parse_origin(text: &str) -> Result<String, String> {
+    let origin = text.trim().trim_end_matches('/');
+    if origin == "*" {
+        return Ok(origin.to_string());
+    }
+    let valid = origin.split_once("://").is_some_and(|(scheme, host)| {
+        matches!(scheme, "http" | "https") && !host.is_empty() && !host.contains('/')
+    });
+    match valid {
+        true => Ok(origin.to_string()),
+        false => Err(format!(
+            "{text:?} is not an origin: expected `*` or scheme://host[:port], such as \
+             https://example.com"
+        )),
+    }
+}
+
+/// `--host` and `--port` as an address to listen on: an IP address (`127.0.0.1`, `::1`,
+/// `[::1]`) or a name the system resolves (`localhost`), its first address.
+fn listen_address(host: &str, port: u16) -> anyhow::Result<SocketAddr> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .with_context(|| format!("--host {host}: not an IP address, nor a name that resolves"))?
+        .next()
+        .with_context(|| format!("--host {host} resolves to no address"))
+}
+
 pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
+    // What is cheap to check comes before the model loads.
+    let addr = listen_address(&args.host, args.port)?;
+    let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
     // On a GPU the host keeps the tokenizer and the configuration only; the engine thread's
     // executor reads the weights from --model straight onto the device.
     let (host, model) = pool.install(|| args.model.load_for_device())?;
@@ -154,7 +189,6 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| args.model.name());
-    let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
     let cache = args.kv.cache(weights.config(), &args.model.dtype)?;
     anyhow::ensure!(
         args.max_connections >= 1 && args.max_prompts_per_request >= 1,
@@ -240,9 +274,6 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         if args.disable_access_log { "off" } else { "on" },
     );
 
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .with_context(|| format!("--host {} --port {}", args.host, args.port))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -251,7 +282,9 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("listening on {addr}"))?;
-        eprintln!("kiln serve: listening on http://{addr} (Ctrl-C to stop)");
+        // The address bound (with --port 0, the port the system chose).
+        let bound = listener.local_addr().unwrap_or(addr);
+        eprintln!("kiln serve: listening on http://{bound} (Ctrl-C to stop)");
         server.run(listener, shutdown_signal()).await?;
         eprintln!("kiln serve: stopped");
         anyhow::Ok(())
@@ -351,4 +384,55 @@ fn executor_factory(args: &Args) -> anyhow::Result<Option<ExecutorFactory>> {
         tp.tensor_parallel_executor(&model, cache, attention)
             .map_err(|e| format!("{e:#}"))
     }))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::listen_address;
+
+    #[test]
+    fn origins_are_trimmed_and_checked() {
+        use super::parse_origin;
+        assert_eq!(
+            parse_origin(" https://b.example/ ").unwrap(),
+            "https://b.example"
+        );
+        assert_eq!(
+            parse_origin("http://localhost:3000").unwrap(),
+            "http://localhost:3000"
+        );
+        assert_eq!(parse_origin("*").unwrap(), "*");
+        for bad in [
+            "b.example",
+            "https://",
+            "https://a.example/app",
+            "ftp://a.example",
+            "",
+        ] {
+            assert!(parse_origin(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hosts_are_addresses_in_any_spelling_or_names() {
+        let port = 8000;
+        assert_eq!(
+            listen_address("127.0.0.1", port).unwrap().to_string(),
+            "127.0.0.1:8000"
+        );
+        assert_eq!(
+            listen_address("::1", port).unwrap().to_string(),
+            "[::1]:8000"
+        );
+        assert_eq!(
+            listen_address("[::1]", port).unwrap().to_string(),
+            "[::1]:8000"
+        );
+        assert!(
+            listen_address("localhost", port)
+                .unwrap()
+                .ip()
+                .is_loopback()
+        );
+    }
 }

@@ -66,7 +66,19 @@ pub enum SpecMethod {
     LayerSkip,
 }
 
+/// A count of at least 1.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{text:?}: expected a whole number of at least 1")),
+    }
+}
+
+// The tuning flags need a method: given alone they would change nothing, silently.
 #[derive(clap::Args, Debug, Clone)]
+#[command(group(clap::ArgGroup::new("speculation")
+    .args(["speculative_model", "speculative_method"])
+    .multiple(true)))]
 pub struct SpeculativeArgs {
     /// Draft model directory (same tokenizer as --model); implies --speculative-method draft.
     #[arg(long, value_name = "DIR")]
@@ -75,22 +87,22 @@ pub struct SpeculativeArgs {
     #[arg(long, value_enum)]
     pub speculative_method: Option<SpecMethod>,
     /// Most draft tokens per sequence and step (k).
-    #[arg(long, default_value_t = 4, value_name = "K")]
+    #[arg(long, default_value_t = 4, value_name = "K", requires = "speculation")]
     pub num_speculative_tokens: usize,
     /// No drafts in steps where more than N sequences run.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", requires = "speculation")]
     pub speculative_disable_by_batch_size: Option<usize>,
     /// Shortest n-gram the n-gram method looks up.
-    #[arg(long, default_value_t = 1, value_name = "N")]
+    #[arg(long, default_value_t = 1, value_name = "N", requires = "speculation")]
     pub prompt_lookup_min: usize,
     /// Longest n-gram the n-gram method looks up (tried first).
-    #[arg(long, default_value_t = 4, value_name = "N")]
+    #[arg(long, default_value_t = 4, value_name = "N", requires = "speculation")]
     pub prompt_lookup_max: usize,
     /// Layers the layer-skip drafter keeps [default: half the model's].
-    #[arg(long, value_name = "L")]
+    #[arg(long, value_name = "L", requires = "speculation", value_parser = at_least_one)]
     pub speculative_layers: Option<usize>,
     /// KV memory of the draft model's own paged cache (draft and layer-skip).
-    #[arg(long, default_value = "64MiB", value_parser = super::parse_bytes)]
+    #[arg(long, default_value = "64MiB", value_parser = super::parse_bytes, requires = "speculation")]
     pub speculative_kv_cache_memory: u64,
 }
 

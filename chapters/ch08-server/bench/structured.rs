@@ -118,7 +118,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let mut logits = vec![0.0f32; vocab];
             for walk in 0..walks {
                 let mut rng = ChaCha8Rng::seed_from_u64(walk as u64);
-                let mut state = compiled.start();
+                let mut state = compiled.start(Default::default());
                 for _ in 0..max_steps {
                     let t = Instant::now();
                     state.prepare();

@@ -29,6 +29,13 @@ pub enum AuthError {
     /// The request had a bearer key, but not one of ours.
     #[error("Incorrect API key provided.")]
     Invalid,
+    /// Keys were asked for (`--api-key`, `--api-key-file`) and none is usable: the server
+    /// would be open to everyone.
+    #[error(
+        "no API key is usable (every one given is empty, or the key file holds none): the \
+         server would accept any request; give a key, or none of these options"
+    )]
+    NoneUsable,
     /// The key file could not be read.
     #[error("cannot read API key file {}: {source}", path.display())]
     File {
@@ -68,8 +75,9 @@ impl ApiKeys {
     }
 
     /// `--api-key` values plus, if given, a file with one key per line (blank lines and lines
-    /// starting with '#' ignored).
+    /// starting with '#' ignored). Errors: keys asked for, and none usable.
     pub fn load(keys: &[String], file: Option<&Path>) -> Result<Self, AuthError> {
+        let asked = !keys.is_empty() || file.is_some();
         let mut all = keys.to_vec();
         if let Some(path) = file {
             let text = std::fs::read_to_string(path).map_err(|source| AuthError::File {
@@ -83,7 +91,11 @@ impl ApiKeys {
                     .map(str::to_string),
             );
         }
-        Ok(ApiKeys::new(all))
+        let keys = ApiKeys::new(all);
+        if asked && keys.is_open() {
+            return Err(AuthError::NoneUsable);
+        }
+        Ok(keys)
     }
 
     /// True when no key is configured: every request is accepted as [`ANONYMOUS`].
@@ -208,6 +220,28 @@ mod tests {
         assert_eq!(k.len(), 2);
         assert_eq!(k.check(Some("Bearer a")).unwrap(), "key-1");
         assert_eq!(k.check(Some("Bearer b")).unwrap(), "key-2");
+    }
+
+    #[test]
+    fn keys_asked_for_and_none_usable_are_an_error_not_an_open_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.txt");
+        std::fs::write(
+            &path,
+            "# only a comment
+
+",
+        )
+        .unwrap();
+        assert!(matches!(
+            ApiKeys::load(&[" ".to_string()], None),
+            Err(AuthError::NoneUsable)
+        ));
+        assert!(matches!(
+            ApiKeys::load(&[], Some(&path)),
+            Err(AuthError::NoneUsable)
+        ));
+        assert!(ApiKeys::load(&[], None).unwrap().is_open());
     }
 
     #[test]

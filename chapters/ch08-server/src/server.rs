@@ -172,7 +172,7 @@ impl Default for ServerConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("--max-model-len {requested} exceeds the model's context of {model} tokens")]
+    #[error("--max-model-len {requested}: expected 1 to the model's context of {model} tokens")]
     MaxModelLen { requested: usize, model: usize },
     #[error(
         "the KV cache holds {capacity} tokens for one request (above the watermark), fewer than \

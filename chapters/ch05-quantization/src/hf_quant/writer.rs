@@ -49,8 +49,46 @@ fn le_bytes<T: Copy>(values: &[T], f: fn(T) -> [u8; 4]) -> Vec<u8> {
     values.iter().flat_map(|&v| f(v)).collect()
 }
 
-/// Writes `out` (created if missing) from the model directory `src`.
+/// Writes the directory `out`, which must be new or empty, from the model directory `src`. The
+/// files are written into a sibling directory first and moved into place at the end, so that
+/// a failure (a full disk, a layer the format cannot hold) leaves nothing behind, and `out`
+/// holds either the whole checkpoint or nothing.
 pub fn write_quantized_dir(
+    src: &Path,
+    out: &Path,
+    config: &HfQuantConfig,
+    layers: &BTreeMap<String, GroupQuantized>,
+    dense: &BTreeMap<String, Vec<f32>>,
+) -> Result<(), WriteError> {
+    if out.exists() {
+        let empty = std::fs::read_dir(out).map_err(io(out))?.next().is_none();
+        if !empty {
+            return Err(format_error(
+                out,
+                "is not empty: the quantized checkpoint goes into a new or empty directory",
+            ));
+        }
+    }
+    let name = out
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("quantized");
+    let staging = out.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging); // a leftover of an earlier run of this process id
+    let written = write_into(src, &staging, config, layers, dense).and_then(|()| {
+        if out.exists() {
+            std::fs::remove_dir(out).map_err(io(out))?;
+        }
+        std::fs::rename(&staging, out).map_err(io(out))
+    });
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    written
+}
+
+/// [`write_quantized_dir`]'s files, into `out` (created).
+fn write_into(
     src: &Path,
     out: &Path,
     config: &HfQuantConfig,
@@ -119,11 +157,9 @@ pub fn write_quantized_dir(
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format_error(out, e))?;
     let model = out.join("model.safetensors");
-    let partial = out.join("model.safetensors.partial");
     let metadata = [("format".to_string(), "pt".to_string())].into();
-    safetensors::serialize_to_file(views, Some(metadata), &partial)
-        .map_err(|e| format_error(&partial, e))?;
-    std::fs::rename(&partial, &model).map_err(io(&model))?;
+    safetensors::serialize_to_file(views, Some(metadata), &model)
+        .map_err(|e| format_error(&model, e))?;
 
     // config.json with the quantization_config.
     let config_path = src.join("config.json");
