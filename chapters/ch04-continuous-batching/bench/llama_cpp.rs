@@ -183,11 +183,13 @@ pub fn run(
             bars.push(("llama.cpp, F16 KV".into(), l.output_tok_s()));
             let ratio = |run: &Summary| run.throughput / l.output_tok_s();
             let (f32_kv, bf16_kv) = (ratio(&kiln), ratio(&kiln_bf16));
+            let verdict = |r: f64| if r >= 1.5 { "met" } else { "not met" };
             format!(
                 "kiln served **{bf16_kv:.2}×** llama.cpp's output tokens per second on the same \
-                 work with a 16-bit KV cache like llama.cpp's, and {f32_kv:.2}× with an f32 one \
-                 (target: at least 1.5×, {}).",
-                if bf16_kv >= 1.5 { "met" } else { "not met" }
+                 work with a 16-bit KV cache like llama.cpp's (target: at least 1.5×, {}), and \
+                 {f32_kv:.2}× with an f32 one ({}).",
+                verdict(bf16_kv),
+                verdict(f32_kv)
             )
         }
         Err(why) => format!("llama.cpp was not measured: {why}."),

@@ -39,9 +39,9 @@ const LLAMA_70B: Shape = Shape {
 // ANCHOR: assumptions
 /// The assumptions of every prediction.
 const BYTES: f64 = 2.0; // bf16 weights, activations and KV
-const HBM: f64 = 4.3e12; // bytes/s a GPU reads: the device-copy rate recorded on the lent H200
+const HBM: f64 = 4.3e12; // bytes/s a GPU reads: the device-copy rate kiln measured on an H200 (4,268 GB/s, book/src/ch07/gpu-attention.md)
 const HBM_CAPACITY: f64 = 141e9; // bytes of one H200
-const FLOPS: f64 = 790e12; // bf16 cuBLAS GEMM rate recorded on the lent H200
+const FLOPS: f64 = 790e12; // bf16 GEMM rate of an H200 with cuBLAS: assumed, not measured by kiln
 const LINK: f64 = 900e9; // NVLink bytes/s per GPU
 const ALPHA: f64 = 10e-6; // seconds of fixed cost per all-reduce: assumed, not measured
 const CONTEXT: f64 = 4096.0; // positions each sequence has in its KV cache
@@ -135,8 +135,8 @@ pub fn figures(facts: &RunFacts) -> (String, String) {
     let markdown = format!(
         "{}\n**Predicted, not measured.** Assumptions: bf16 weights, activations and KV; each GPU \
          reads its share of weights and KV at {:.1} TB/s unless its FLOPs at {:.0} TFLOP/s take \
-         longer (the device-copy and cuBLAS bf16 GEMM rates the project recorded on its lent H200, \
-         not measured by this benchmark); \
+         longer (the read rate is the device-to-device copy kiln measured on an H200, chapter 7's \
+         table; the GEMM rate an assumption for cuBLAS bf16 on an H200, never measured by kiln); \
          {CONTEXT} positions of KV per sequence; two ring all-reduces of [batch, hidden] per \
          layer over {:.0} GB/s NVLink per GPU plus an assumed {:.0} µs fixed cost each; no \
          overlap of communication with compute; the embedding's all-reduce and the logits' \

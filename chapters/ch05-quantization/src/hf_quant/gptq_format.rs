@@ -12,8 +12,10 @@
 //! The weights are stored transposed (input-major), eight codes of consecutive **input**
 //! columns per word; the zero points eight consecutive **outputs** per word. The stored zero is
 //! one less than the zero used (the original GPTQ convention, `checkpoint_format: "gptq"`), so a
-//! zero of 0 cannot be written (it would read back as 16): [`pack`] refuses it, which only an
-//! asymmetric grid over weights that are all ≥ 0 can produce.
+//! zero of 0 cannot be written (it would read back as 16): [`pack`] refuses it. An asymmetric
+//! grid gives it to any group whose smallest weight is above `−scale / 2` (weights all ≥ 0, or
+//! barely below 0), so asymmetric grids are better written in AWQ's layout, which stores zeros
+//! as they are.
 
 use half::f16;
 
@@ -60,7 +62,10 @@ pub fn pack(q: &GroupQuantized) -> Result<Packed, HfQuantError> {
             if zero == 0 {
                 return Err(layout(
                     q,
-                    format!("zero point 0 (group {g}, row {o}) is not representable (stored − 1)"),
+                    format!(
+                        "zero point 0 (group {g}, row {o}) is not representable (stored − 1): \
+                         write an asymmetric grid in AWQ's layout (--format awq)"
+                    ),
                 ));
             }
             qzeros[g * rows / 8 + o / 8] |= (u32::from(zero - 1) << (4 * (o % 8))) as i32;
