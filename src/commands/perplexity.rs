@@ -50,7 +50,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "tensor parallelism scores with an f32 KV cache: drop --kv-cache-dtype {dtype}"
         );
     }
-    let (host, model) = args.model.load_for_device()?;
+    // Tensor-parallel ranks load their own shards: the host keeps no copy of the weights.
+    let (host, model) = match args.tensor_parallel.is_parallel() {
+        true => (args.model.load_host_side()?, None),
+        false => args.model.load_for_device()?,
+    };
     let tokens = host.tokenizer.encode(&text, false)?;
     let bos = host
         .tokenizer
