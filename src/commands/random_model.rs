@@ -44,8 +44,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     let start = Instant::now();
-    write_random_model(&spec, &args.out)
-        .with_context(|| format!("writing a random model to {}", args.out.display()))?;
+    // All at once: a failure (a full disk) leaves no directory that a rerun would refuse.
+    ch01::new_dir::write_new_dir(
+        &args.out,
+        |dir| write_random_model(&spec, dir).map_err(anyhow::Error::from),
+        |path, e| anyhow::Error::from(e).context(format!("writing {}", path.display())),
+    )
+    .with_context(|| format!("writing a random model to {}", args.out.display()))?;
     let seconds = start.elapsed().as_secs_f64();
 
     let weights = args.out.join("model.safetensors");

@@ -13,6 +13,7 @@
 //! | [`rope`]      | rotary position embeddings (default, linear and llama3 frequency scaling)       |
 //! | [`attention`] | causal self-attention that materialises the full score matrix: the oracle     |
 //! | [`linear`]    | the [`Linear`] seam: dense f32 here, quantized kinds in chapter 5               |
+//! | [`new_dir`]   | writing a model directory all at once (staged, then renamed into place)        |
 //! | [`model`]     | the Llama forward pass: embedding → N × (RMSNorm, attention, SwiGLU) → logits   |
 //! | [`output_text`] | generated ids → text: detokenisation and stop strings, one fold for every caller |
 //! | [`sampler`]   | greedy, temperature, top-k/top-p/min-p, penalties, seeded                       |
@@ -30,6 +31,7 @@ pub mod error;
 pub mod generate;
 pub mod linear;
 pub mod model;
+pub mod new_dir;
 pub mod output_text;
 pub mod perplexity;
 pub mod random_model;

@@ -49,10 +49,9 @@ fn le_bytes<T: Copy>(values: &[T], f: fn(T) -> [u8; 4]) -> Vec<u8> {
     values.iter().flat_map(|&v| f(v)).collect()
 }
 
-/// Writes the directory `out`, which must be new or empty, from the model directory `src`. The
-/// files are written into a sibling directory first and moved into place at the end, so that
-/// a failure (a full disk, a layer the format cannot hold) leaves nothing behind, and `out`
-/// holds either the whole checkpoint or nothing.
+/// Writes the directory `out`, which must be new or empty, from the model directory `src`, all
+/// at once (`ch01::new_dir`): a failure (a full disk, a layer the format cannot hold) leaves
+/// nothing behind.
 pub fn write_quantized_dir(
     src: &Path,
     out: &Path,
@@ -69,25 +68,17 @@ pub fn write_quantized_dir(
             ));
         }
     }
-    let name = out
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("quantized");
-    let staging = out.with_file_name(format!(".{name}.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staging); // a leftover of an earlier run of this process id
-    let written = write_into(src, &staging, config, layers, dense).and_then(|()| {
-        if out.exists() {
-            std::fs::remove_dir(out).map_err(io(out))?;
-        }
-        std::fs::rename(&staging, out).map_err(io(out))
-    });
-    if written.is_err() {
-        let _ = std::fs::remove_dir_all(&staging);
-    }
-    written
+    ch01::new_dir::write_new_dir(
+        out,
+        |staging| write_into(src, staging, config, layers, dense),
+        |path, source| WriteError::Io {
+            path: path.display().to_string(),
+            source,
+        },
+    )
 }
 
-/// [`write_quantized_dir`]'s files, into `out` (created).
+/// [`write_quantized_dir`]'s files, into the directory `out`.
 fn write_into(
     src: &Path,
     out: &Path,
