@@ -145,14 +145,15 @@ fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
 /// `kiln exercise check N [K]`.
 fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
     let chapter = table::load_chapter(root, n)?;
-    let learner = learner_dir(root);
-    if !learner.exists() {
-        bail!("no learner copy yet: run `just exercise {n}` first");
-    }
+    // The task number first: an error in the command line before one about the copy.
     let tasks: Vec<&table::Task> = match k {
         Some(k) => vec![chapter.task(k)?],
         None => chapter.tasks.iter().collect(),
     };
+    let learner = learner_dir(root);
+    if !learner.exists() {
+        bail!("no learner copy yet: run `just exercise {n}` first");
+    }
     // One `cargo test` per crate the tasks are in (chapter 8 spans two); each crate's results
     // apart, as two crates may have tests of the same name.
     let (target, mut results) = (target_dir(root), Results::new());
