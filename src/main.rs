@@ -118,15 +118,3 @@ fn main() -> anyhow::Result<()> {
         Command::Figures(args) => figures::run(args),
     })
 }
-
-#[cfg(test)]
-mod tests {
-    /// clap checks its definitions only in debug builds, as they are parsed: an id that a
-    /// `conflicts_with` or `requires` names and no command defines would panic there. Checked
-    /// here for every command, in any build.
-    #[test]
-    fn every_commands_flags_are_well_defined() {
-        use clap::CommandFactory;
-        super::Cli::command().debug_assert();
-    }
-}

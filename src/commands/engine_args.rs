@@ -15,8 +15,10 @@ pub const KV_CACHE_DTYPES: [&str; 6] = ["auto", "f32", "bf16", "fp8", "fp8_e4m3"
 /// `--kv-cache-dtype`.
 #[derive(clap::Args, Debug)]
 pub struct KvArgs {
-    /// Memory for the paged KV cache, e.g. 512MiB, 2GiB, 1.5GB or a number of bytes.
-    #[arg(long, default_value = "512MiB", value_parser = super::parse_bytes)]
+    /// Memory for the paged KV cache, e.g. 512MiB, 2GiB, 1.5GB or a number of bytes. (On a
+    /// GPU, --gpu-memory-utilization sizes it instead: not both.)
+    #[arg(long, default_value = "512MiB", value_parser = super::parse_bytes,
+          conflicts_with = "gpu_memory_utilization")]
     pub kv_cache_memory: u64,
     /// Positions per KV block.
     #[arg(long, default_value_t = 16)]
