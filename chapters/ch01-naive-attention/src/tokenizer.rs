@@ -168,6 +168,18 @@ pub const MAX_PENDING_TOKENS: usize = 4;
 /// long, and this bounds the window every push re-decodes.
 pub const MAX_HELD_TOKENS: usize = 32;
 
+/// `text` past its first `len` bytes, from the next character boundary: what a window's text
+/// adds to the text already emitted. When a decoder rewrote earlier text (a byte-fallback run
+/// that turned invalid decodes as U+FFFD as a whole), the emitted text is not a prefix of the
+/// window's any more; the stream then goes on from the same length, never holding back.
+fn after(text: &str, len: usize) -> &str {
+    let mut at = len.min(text.len());
+    while !text.is_char_boundary(at) {
+        at += 1;
+    }
+    &text[at..]
+}
+
 /// Tokens of context (the prompt's last ones) that [`TextStream::after`] decodes in front.
 pub const CONTEXT_TOKENS: usize = 5;
 
@@ -184,8 +196,9 @@ pub const CONTEXT_TOKENS: usize = 5;
 /// [`TextStream::finish`] equals `decode(all tokens)` when that decodes cleanly (after the
 /// context's text, with [`TextStream::after`]). Past [`MAX_PENDING_TOKENS`] held-back tokens,
 /// the text up to the last token boundary that no later token can change is released (bytes that
-/// stay invalid, as U+FFFD), so the window stays short; past [`MAX_HELD_TOKENS`] the text is
-/// released even where a character might still complete.
+/// stay invalid, as U+FFFD), so the window stays short; past [`MAX_HELD_TOKENS`] (tokens that
+/// all end inside a character, one after another) the text is released even where a character
+/// might still complete, and it shows as U+FFFD. Text is never dropped.
 pub struct TextStream<'t> {
     tokenizer: &'t Tokenizer,
     tokens: Vec<u32>,
@@ -225,56 +238,45 @@ impl<'t> TextStream<'t> {
             .decode(&self.tokens[self.prefix_offset..self.read_offset])?;
         let new_text = self.tokenizer.decode(&self.tokens[self.prefix_offset..])?;
         let held = self.tokens.len() - self.read_offset;
-        if new_text.len() > prefix_text.len()
-            && !new_text.ends_with('\u{FFFD}')
-            && new_text.starts_with(&prefix_text)
-        {
-            let delta = new_text[prefix_text.len()..].to_string();
+        if new_text.len() > prefix_text.len() && !new_text.ends_with('\u{FFFD}') {
+            let delta = after(&new_text, prefix_text.len()).to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.tokens.len();
-            Ok(Some(delta))
-        } else if held > MAX_PENDING_TOKENS {
-            // Held long: bytes that never make a character, a run of literal U+FFFD, or
-            // tokens that each end inside a character. Release the text up to the latest token
-            // boundary whose text the tokens after it only extend.
-            let last = self.tokens.len();
-            for cut in (self.read_offset + 1..last).rev() {
-                let settled = self
-                    .tokenizer
-                    .decode(&self.tokens[self.prefix_offset..cut])?;
-                let last_final = !settled.ends_with('\u{FFFD}') || new_text.len() > settled.len();
-                if settled.len() > prefix_text.len()
-                    && settled.starts_with(&prefix_text)
-                    && new_text.starts_with(&settled)
-                    && (last_final || held > MAX_HELD_TOKENS)
-                {
-                    return Ok(Some(self.release(&prefix_text, &settled, cut)));
-                }
-            }
-            if held > MAX_HELD_TOKENS {
-                // No boundary where the text is final: the window must stay bounded.
-                let cut = last - 1;
-                let settled = self
-                    .tokenizer
-                    .decode(&self.tokens[self.prefix_offset..cut])?;
-                let released = self.release(&prefix_text, &settled, cut);
-                return Ok((!released.is_empty()).then_some(released));
-            }
-            Ok(None)
-        } else {
-            Ok(None)
+            return Ok(Some(delta));
         }
+        if held <= MAX_PENDING_TOKENS {
+            return Ok(None);
+        }
+        // Held long: bytes that never make a character, a run of literal U+FFFD, or tokens
+        // that each end inside a character. Release the text up to the latest token boundary
+        // whose text the tokens after it only extend: final text.
+        for cut in (self.read_offset + 1..self.tokens.len()).rev() {
+            let settled = self
+                .tokenizer
+                .decode(&self.tokens[self.prefix_offset..cut])?;
+            let last_final = !settled.ends_with('\u{FFFD}') || new_text.len() > settled.len();
+            if settled.len() > prefix_text.len() && new_text.starts_with(&settled) && last_final {
+                let delta = after(&settled, prefix_text.len()).to_string();
+                self.prefix_offset = self.read_offset;
+                self.read_offset = cut;
+                return Ok(Some(delta));
+            }
+        }
+        if held <= MAX_HELD_TOKENS {
+            return Ok(None);
+        }
+        // No boundary where the text is final: the window must stay bounded. Release all but
+        // the last token (a character cut there shows as U+FFFD) and start a new window there.
+        let cut = self.tokens.len() - 1;
+        let settled = self
+            .tokenizer
+            .decode(&self.tokens[self.prefix_offset..cut])?;
+        let delta = after(&settled, prefix_text.len()).to_string();
+        self.prefix_offset = cut;
+        self.read_offset = cut;
+        Ok((!delta.is_empty()).then_some(delta))
     }
     // ANCHOR_END: text_stream_push
-
-    /// Emits `settled` past `prefix_text` (the text of `tokens[prefix_offset..cut]` past that
-    /// of `tokens[prefix_offset..read_offset]`), and moves the window to start at `read_offset`
-    /// and to read from `cut`.
-    fn release(&mut self, prefix_text: &str, settled: &str, cut: usize) -> String {
-        self.prefix_offset = self.read_offset;
-        self.read_offset = cut;
-        settled.get(prefix_text.len()..).unwrap_or("").to_string()
-    }
 
     /// Whatever text is still held back (an incomplete character decodes as U+FFFD here).
     pub fn finish(&mut self) -> Result<Option<String>> {
@@ -284,10 +286,8 @@ impl<'t> TextStream<'t> {
         let new_text = self.tokenizer.decode(&self.tokens[self.prefix_offset..])?;
         self.prefix_offset = self.tokens.len();
         self.read_offset = self.tokens.len();
-        Ok(new_text
-            .get(prefix_text.len()..)
-            .filter(|rest| !rest.is_empty())
-            .map(str::to_string))
+        let rest = after(&new_text, prefix_text.len());
+        Ok((!rest.is_empty()).then(|| rest.to_string()))
     }
 
     /// Every token pushed so far (not the context).

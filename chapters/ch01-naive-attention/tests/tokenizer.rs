@@ -1,6 +1,7 @@
 //! The tokenizer round-trips text, and the streaming detokeniser emits exactly the decoded text.
 
 use ch01_naive_attention::testing::seeded_runner;
+use ch01_naive_attention::tokenizer::{MAX_HELD_TOKENS, MAX_PENDING_TOKENS};
 use ch01_naive_attention::{TextStream, Tokenizer, fixtures_dir};
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
@@ -145,17 +146,23 @@ fn token_bytes_join_into_the_text_even_where_a_token_splits_a_character() {
         .unwrap();
 }
 
-/// A byte-level tokenizer whose tokens are the 256 bytes and then `extra`, any byte strings:
-/// enough to decode ids, which is all a [`TextStream`] does.
-fn byte_level_tokenizer(extra: &[&[u8]]) -> Tokenizer {
+/// A byte string as byte-level BPE spells it.
+fn spell(bytes: &[u8]) -> String {
     use ch01_naive_attention::token_bytes::char_of_byte;
-    let spell = |bytes: &[u8]| bytes.iter().map(|&b| char_of_byte(b)).collect::<String>();
+    bytes.iter().map(|&b| char_of_byte(b)).collect()
+}
+
+/// A byte-level tokenizer whose tokens are the 256 bytes and then `extra`, any byte strings
+/// (each once), and the ids of `extra` in order: enough to decode ids, which is all a
+/// [`TextStream`] does.
+fn byte_level_tokens(extra: &[&[u8]]) -> (Tokenizer, Vec<u32>) {
     let mut vocab = serde_json::Map::new();
     for b in 0..=255u8 {
         vocab.insert(spell(&[b]), serde_json::json!(b));
     }
-    for (i, bytes) in extra.iter().enumerate() {
-        vocab.insert(spell(bytes), serde_json::json!(256 + i));
+    for bytes in extra {
+        let next = vocab.len();
+        vocab.entry(spell(bytes)).or_insert(serde_json::json!(next));
     }
     let file = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
@@ -168,7 +175,14 @@ fn byte_level_tokenizer(extra: &[&[u8]]) -> Tokenizer {
                   "vocab": vocab, "merges": []}
     });
     let inner = tokenizers::Tokenizer::from_bytes(file.to_string().as_bytes()).unwrap();
-    Tokenizer::from_parts(inner, "bytes.json".into(), None, None)
+    let ids = extra
+        .iter()
+        .map(|bytes| inner.token_to_id(&spell(bytes)).unwrap())
+        .collect();
+    (
+        Tokenizer::from_parts(inner, "bytes.json".into(), None, None),
+        ids,
+    )
 }
 
 /// Tokens that each end inside a character (the tail of one and the head of the next) are
@@ -188,14 +202,69 @@ fn tokens_that_straddle_characters_stream_without_replacement_characters() {
             break;
         }
     }
-    let tokenizer = byte_level_tokenizer(&pieces);
-    let ids: Vec<u32> = (0..pieces.len() as u32).map(|i| 256 + i).collect();
+    let (tokenizer, ids) = byte_level_tokens(&pieces);
     assert_eq!(tokenizer.decode(&ids).unwrap(), text);
     let streamed = stream_pieces(&tokenizer, &ids);
     assert_eq!(streamed.concat(), text, "{streamed:?}");
     assert!(
         streamed.iter().all(|p| !p.contains('\u{FFFD}')),
         "{streamed:?}"
+    );
+}
+
+/// Every token of a run longer than [`MAX_PENDING_TOKENS`] ends inside a character (a 1-byte
+/// head, then 2-byte tokens over 2-byte characters): the hold's release must find the
+/// boundaries where the text is final, never emit U+FFFD for a character still completing.
+#[test]
+fn a_long_run_of_tokens_inside_characters_streams_exactly() {
+    let text = "приветствую ok";
+    let bytes = text.as_bytes();
+    let cyrillic = bytes.len() - 3; // the bytes before " ok"
+    let mut pieces: Vec<&[u8]> = vec![&bytes[..1]];
+    let mut at = 1;
+    while at < cyrillic {
+        let end = (at + 2).min(cyrillic);
+        pieces.push(&bytes[at..end]);
+        at = end;
+    }
+    pieces.push(&bytes[cyrillic..]);
+    let (tokenizer, ids) = byte_level_tokens(&pieces);
+    assert_eq!(tokenizer.decode(&ids).unwrap(), text);
+    assert!(pieces.len() > MAX_PENDING_TOKENS + 2);
+    let streamed = stream_pieces(&tokenizer, &ids);
+    assert_eq!(streamed.concat(), text, "{streamed:?}");
+}
+
+/// A run longer than [`MAX_HELD_TOKENS`] with no boundary where the text is final is released
+/// anyway (the window stays bounded): a character cut there shows as U+FFFD, and nothing else
+/// is lost.
+#[test]
+fn a_run_longer_than_the_hold_is_released_and_loses_nothing_else() {
+    let cyrillic = "б".repeat(3 * MAX_HELD_TOKENS);
+    let text = format!("{cyrillic} ok");
+    let bytes = text.as_bytes();
+    let mut pieces: Vec<&[u8]> = vec![&bytes[..1]];
+    let mut at = 1;
+    while at < cyrillic.len() {
+        let end = (at + 2).min(cyrillic.len());
+        pieces.push(&bytes[at..end]);
+        at = end;
+    }
+    pieces.push(&bytes[cyrillic.len()..]);
+    let (tokenizer, ids) = byte_level_tokens(&pieces);
+    assert_eq!(tokenizer.decode(&ids).unwrap(), text);
+    let streamed = stream_pieces(&tokenizer, &ids).concat();
+    assert!(streamed.ends_with(" ok"), "{streamed:?}");
+    let releases = pieces.len() / MAX_HELD_TOKENS + 1;
+    let lost = streamed.matches('\u{FFFD}').count();
+    assert!(
+        lost <= 2 * releases,
+        "{lost} replacement characters: {streamed:?}"
+    );
+    let kept = streamed.chars().filter(|&c| c == 'б').count();
+    assert!(
+        kept + releases >= 3 * MAX_HELD_TOKENS,
+        "{kept} of the characters kept: {streamed:?}"
     );
 }
 

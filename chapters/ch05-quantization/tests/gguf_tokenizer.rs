@@ -141,6 +141,21 @@ fn sentencepiece_vocab_tokenizes_like_llama_cpp() {
     );
     let mut alone = ch01::TextStream::new(&t);
     assert_eq!(alone.push(id("▁world")).unwrap().as_deref(), Some("world"));
+    // A byte run that turns invalid (é, then a stray continuation byte) is rewritten by the
+    // decoder as a whole: the stream goes on, and the words after it still come out.
+    let mut ids = t.encode("hello é", false).unwrap();
+    ids.push(3 + 0x80);
+    ids.extend(t.encode(" world hello", false).unwrap());
+    let mut stream = ch01::TextStream::new(&t);
+    let mut text: String = ids
+        .iter()
+        .filter_map(|&i| stream.push(i).unwrap())
+        .collect();
+    text.extend(stream.finish().unwrap());
+    assert!(
+        text.starts_with("hello") && text.ends_with("world hello"),
+        "{text:?}"
+    );
     for text in [
         "hello world",
         "held a hall",
