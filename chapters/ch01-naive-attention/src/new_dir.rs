@@ -1,39 +1,52 @@
-//! Writing a model directory all at once: the files go into a sibling staging directory,
-//! which takes the directory's place only once every file is written. A failure (a full disk,
-//! a tensor the format cannot hold) leaves nothing behind, and the directory holds either a
-//! whole checkpoint or nothing.
+//! Writing a model directory all at once: the files go into a staging directory, which takes
+//! the directory's place only once every file is written. A failure (a full disk, a tensor the
+//! format cannot hold) leaves nothing behind, and the directory holds either a whole checkpoint
+//! or nothing.
 
-use std::path::{Path, PathBuf};
-
-/// The staging directory of `out`: a hidden sibling, named for this process.
-fn staging_for(out: &Path) -> PathBuf {
-    let name = out.file_name().and_then(|n| n.to_str()).unwrap_or("model");
-    out.with_file_name(format!(".{name}.partial-{}", std::process::id()))
-}
+use std::path::Path;
 
 /// Creates the directory `out` (missing, or empty: the caller checked) with what `write` puts
 /// into the directory it is given. `io` turns a filesystem error at a path into the caller's
 /// error.
+///
+/// A missing `out` is staged beside it (a hidden sibling named for this process) and renamed
+/// into place. An existing one (a mount point, a directory with its own owner and mode) is
+/// kept: the staging directory is a hidden one inside it, whose files move up at the end.
 pub fn write_new_dir<E>(
     out: &Path,
     write: impl FnOnce(&Path) -> Result<(), E>,
     io: impl Fn(&Path, std::io::Error) -> E,
 ) -> Result<(), E> {
-    let staging = staging_for(out);
+    let existing = out.is_dir();
+    let partial = format!(".partial-{}", std::process::id());
+    let staging = match existing {
+        true => out.join(&partial),
+        false => {
+            let name = out.file_name().and_then(|n| n.to_str()).unwrap_or("model");
+            out.with_file_name(format!(".{name}{partial}"))
+        }
+    };
     let _ = std::fs::remove_dir_all(&staging); // a leftover of an earlier run of this process id
     let written = std::fs::create_dir_all(&staging)
         .map_err(|e| io(&staging, e))
         .and_then(|()| write(&staging))
-        .and_then(|()| {
-            if out.exists() {
-                std::fs::remove_dir(out).map_err(|e| io(out, e))?;
-            }
-            std::fs::rename(&staging, out).map_err(|e| io(out, e))
+        .and_then(|()| match existing {
+            false => std::fs::rename(&staging, out).map_err(|e| io(out, e)),
+            true => move_up(&staging, out).map_err(|e| io(out, e)),
         });
     if written.is_err() {
         let _ = std::fs::remove_dir_all(&staging);
     }
     written
+}
+
+/// Moves every entry of `staging` into `out` (its parent), then removes `staging`.
+fn move_up(staging: &Path, out: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(staging)? {
+        let entry = entry?;
+        std::fs::rename(entry.path(), out.join(entry.file_name()))?;
+    }
+    std::fs::remove_dir(staging)
 }
 
 #[cfg(test)]
@@ -55,14 +68,21 @@ mod tests {
         );
         assert!(failed.is_err());
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
-        std::fs::create_dir(&out).unwrap(); // an empty directory is replaced
-        write_new_dir(
-            &out,
-            |dir| std::fs::write(dir.join("config.json"), "{}").map_err(|e| e.to_string()),
-            io,
-        )
-        .unwrap();
+        let write_config =
+            |dir: &Path| std::fs::write(dir.join("config.json"), "{}").map_err(|e| e.to_string());
+        write_new_dir(&out, write_config, io).unwrap();
         assert!(out.join("config.json").exists());
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+        // An existing empty directory is kept (a mount point, say) and filled; a failure
+        // leaves it empty.
+        let kept = tmp.path().join("kept");
+        std::fs::create_dir(&kept).unwrap();
+        assert!(write_new_dir(&kept, |_| Err("no".to_string()), io).is_err());
+        assert_eq!(std::fs::read_dir(&kept).unwrap().count(), 0);
+        write_new_dir(&kept, write_config, io).unwrap();
+        let names: Vec<_> = (std::fs::read_dir(&kept).unwrap())
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["config.json"]);
     }
 }

@@ -357,6 +357,11 @@ pub fn run(s: &Settings) -> anyhow::Result<()> {
                 );
                 if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
                     let args = parse_options(options, &calibration, s)?;
+                    // Another run's checkpoint (other options, or cut short): replaced whole.
+                    if dir.exists() {
+                        std::fs::remove_dir_all(&dir)
+                            .with_context(|| format!("removing {}", dir.display()))?;
+                    }
                     let start = Instant::now();
                     quantize_hf::quantize_dir(&model_dir, &dir, &args)
                         .with_context(|| command.clone())?;

@@ -489,7 +489,11 @@ impl LogitsProcessor for RequestProcessor {
     }
 
     fn accept(&mut self, token: u32) -> bool {
+        // Under a grammar, a stop token (the model's, or one of the request's
+        // `stop_token_ids`) ends the output whatever the grammar would say of it: never fed to
+        // the grammar as text. Without one, the engine's own stop checks decide (`ignore_eos`).
         match &mut self.grammar {
+            Some(_) if self.fallback.contains(&token) => true,
             Some(grammar) => grammar.accept(token),
             None => false,
         }

@@ -14,7 +14,8 @@ use super::tokenizer::{chat_template, eos_token_ids, load_tokenizer};
 pub struct GgufModel {
     pub model: Llama,
     pub tokenizer: Tokenizer,
-    /// Tokens that end a generation (EOS, and the end-of-turn token when the file has one).
+    /// Tokens that end a generation ([`super::tokenizer::eos_token_ids`]: EOS, the end-of-turn
+    /// and end-of-message tokens the file names, and the end-of-generation texts).
     pub eos_token_ids: Vec<u32>,
     /// `tokenizer.chat_template`, when present.
     pub chat_template: Option<String>,
@@ -25,7 +26,8 @@ pub struct GgufModel {
 pub struct GgufHostSide {
     pub config: LlamaConfig,
     pub tokenizer: Tokenizer,
-    /// Tokens that end a generation (EOS, and the end-of-turn token when the file has one).
+    /// Tokens that end a generation ([`super::tokenizer::eos_token_ids`]: EOS, the end-of-turn
+    /// and end-of-message tokens the file names, and the end-of-generation texts).
     pub eos_token_ids: Vec<u32>,
     /// `tokenizer.chat_template`, when present.
     pub chat_template: Option<String>,

@@ -62,14 +62,16 @@ pub enum KvBudget {
     DeviceShare(f64),
 }
 
-/// Rows of a step that a device share keeps memory for, beside the weights and the pool: a
-/// step's activations are allocated at its first step, after the pool has taken its share,
-/// and kiln's `--max-num-batched-tokens` defaults far below this.
-const RESERVED_STEP_ROWS: u64 = 8192;
+/// Rows of a step, and rows of logits, that a device share keeps memory for beside the weights
+/// and the pool: a step's buffers are allocated at its first step, after the pool has taken
+/// its share. kiln's defaults (`--max-num-batched-tokens` 512, `--max-num-seqs` 64) are well
+/// within them; a larger step needs a smaller share.
+const RESERVED_STEP_ROWS: u64 = 2048;
+const RESERVED_LOGIT_ROWS: u64 = 256;
 
-/// Device bytes a step of `RESERVED_STEP_ROWS` rows needs at most: its f32 activations
-/// (`step_buffers::Activations`), the bf16 roundings of the projections' inputs, and as many
-/// rows of f32 logits.
+/// Device bytes a step of [`RESERVED_STEP_ROWS`] rows and [`RESERVED_LOGIT_ROWS`] rows of
+/// logits needs at most: its f32 activations (`step_buffers::Activations`), the bf16
+/// roundings of the projections' inputs, and the f32 logits.
 fn reserved_step_bytes(config: &LlamaConfig, heads: HeadShape) -> u64 {
     let (hidden, inter, vocab) = (
         config.hidden_size as u64,
@@ -79,7 +81,7 @@ fn reserved_step_bytes(config: &LlamaConfig, heads: HeadShape) -> u64 {
     let (q_dim, kv_dim) = (heads.q_dim() as u64, heads.kv_dim() as u64);
     let f32_row = 3 * hidden + 2 * q_dim + 2 * kv_dim + 3 * inter;
     let bf16_row = hidden + q_dim + inter;
-    RESERVED_STEP_ROWS * (4 * f32_row + 2 * bf16_row + 4 * vocab)
+    RESERVED_STEP_ROWS * (4 * f32_row + 2 * bf16_row) + RESERVED_LOGIT_ROWS * 4 * vocab
 }
 
 /// The pool's bytes under `share` of a device of `total` bytes of which `free` are free once
@@ -97,9 +99,9 @@ pub fn kv_bytes_for_share(free: u64, total: u64, share: f64) -> Result<u64, Cuda
     match allowed.checked_sub(used) {
         Some(bytes) if bytes > 0 => Ok(bytes),
         _ => Err(CudaError::Shape(format!(
-            "{:.2} GiB of the GPU's {:.2} GiB are in use once the weights are loaded, at or \
-             above the share of {share}: no memory is left for K/V (raise \
-             --gpu-memory-utilization or use --dtype bf16)",
+            "{:.2} GiB of the GPU's {:.2} GiB are in use once the weights are loaded (with \
+             what a step needs kept aside), at or above the share of {share}: no memory is left \
+             for K/V (raise --gpu-memory-utilization or use --dtype bf16)",
             used as f64 / f64::from(1u32 << 30),
             total as f64 / f64::from(1u32 << 30)
         ))),
