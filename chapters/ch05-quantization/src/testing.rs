@@ -69,3 +69,15 @@ pub fn write_fp8_checkpoint(src: &Path, dst: &Path, scheme: &str) -> io::Result<
     }
     Ok(())
 }
+
+/// Random weights `[out, in]` (uniform in ±3, seeded) whose first row is scaled by `tiny` and
+/// whose second (if any) is all zeros: the rows that test how a quantizer picks its scale.
+pub fn weights_with_tiny_and_zero_rows(out: usize, n: usize, seed: u64, tiny: f32) -> Array2<f32> {
+    let mut rng = ch02::workload::WorkloadRng::new(seed);
+    let mut w = Array2::from_shape_fn((out, n), |_| (rng.uniform_open0() as f32 * 2.0 - 1.0) * 3.0);
+    w.row_mut(0).mapv_inplace(|v| v * tiny);
+    if out > 1 {
+        w.row_mut(1).fill(0.0);
+    }
+    w
+}

@@ -11,7 +11,7 @@ use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch05_quantization::fp8::F8E4M3;
 use ch05_quantization::fp8_linear::{ActivationScale, Fp8Linear, Fp8Loader, fp8_config};
-use ch05_quantization::testing::write_fp8_checkpoint;
+use ch05_quantization::testing::{weights_with_tiny_and_zero_rows, write_fp8_checkpoint};
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
 
@@ -225,12 +225,8 @@ fn per_channel_codes_keep_the_e4m3_bound() {
     use ch05_quantization::kv_cache::e4m3_error_bound;
     seeded_runner(64, 0xF8)
         .run(&(1usize..9, 1usize..70, any::<u64>()), |(out, n, seed)| {
-            let mut rng = WorkloadRng::new(seed);
-            let mut w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 3.0)).unwrap();
-            w.row_mut(0).mapv_inplace(|v| v * 1e-44); // amax / 448 would round to 0
-            if out > 1 {
-                w.row_mut(1).fill(0.0);
-            }
+            // Row 0 scaled by 1e-44: amax / 448 would round to 0.
+            let w = weights_with_tiny_and_zero_rows(out, n, seed, 1e-44);
             let (codes, scales) = Fp8Linear::quantize_per_channel(w.view());
             for (o, row) in w.rows().into_iter().enumerate() {
                 let scale = scales[o];

@@ -12,6 +12,7 @@ use ch05_quantization::smoothquant::w8a8::{MAX_IN_FEATURES, dot_i8, quantize_tok
 use ch05_quantization::smoothquant::{
     ChannelMax, Int8Activations, SmoothConfig, W8A8Error, W8A8Linear, calibrate, smooth,
 };
+use ch05_quantization::testing::weights_with_tiny_and_zero_rows;
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
 
@@ -293,12 +294,8 @@ fn smoothing_beats_naive_w8a8_on_outlier_channels() {
 fn weight_codes_are_round_to_nearest_on_each_rows_grid() {
     seeded_runner(64, 0x57)
         .run(&(1usize..9, 1usize..70, any::<u64>()), |(out, n, seed)| {
-            let mut rng = WorkloadRng::new(seed);
-            let mut w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 3.0)).unwrap();
-            w.row_mut(0).mapv_inplace(|v| v * 1e-38); // a scale too small to invert
-            if out > 1 {
-                w.row_mut(1).fill(0.0);
-            }
+            // Row 0 scaled by 1e-38: a scale too small to invert.
+            let w = weights_with_tiny_and_zero_rows(out, n, seed, 1e-38);
             let layer = W8A8Linear::quantize(w.view(), None, Int8Activations::PerToken).unwrap();
             let dequantized = layer.dequantized();
             for (o, (row, got)) in w.rows().into_iter().zip(dequantized.rows()).enumerate() {
