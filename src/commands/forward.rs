@@ -37,21 +37,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view = TensorView::new(Dtype::F32, shape.clone(), &bytes)?;
     let metadata = HashMap::from([("input_ids".to_string(), format!("{tokens:?}"))]);
-    // Written beside the file and renamed over it: a failed write leaves no truncated file.
-    let name = args
-        .out
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("logits");
-    let partial = args
-        .out
-        .with_file_name(format!(".{name}.partial-{}", std::process::id()));
-    safetensors::serialize_to_file([("logits", view)], Some(metadata), &partial)
-        .map_err(anyhow::Error::from)
-        .and_then(|()| Ok(std::fs::rename(&partial, &args.out)?))
-        .inspect_err(|_| {
-            let _ = std::fs::remove_file(&partial);
-        })
+    // Written whole, then renamed over the file: a failed write leaves no truncated file.
+    let file = safetensors::serialize([("logits", view)], Some(metadata))?;
+    ch01::new_dir::write_new_file(&args.out, &file)
         .with_context(|| format!("writing {}", args.out.display()))?;
     eprintln!(
         "wrote logits {shape:?} for {} tokens to {}",

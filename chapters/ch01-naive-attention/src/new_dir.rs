@@ -1,13 +1,13 @@
-//! Writing a model directory all at once: the files go into a staging directory, which takes
-//! the directory's place only once every file is written. A failure (a full disk, a tensor the
-//! format cannot hold) leaves nothing behind, and the directory holds either a whole checkpoint
-//! or nothing.
+//! Writing a model directory, or one file, all at once: it is written under another name, which
+//! takes its place only once everything is written. A failure (a full disk, a tensor the format
+//! cannot hold) leaves nothing behind, and the directory holds either a whole checkpoint or
+//! nothing; a reader of the file never sees half of it.
 
 use std::path::Path;
 
-/// Creates the directory `out` (missing, or empty: the caller checked) with what `write` puts
-/// into the directory it is given. `io` turns a filesystem error at a path into the caller's
-/// error.
+/// Creates the directory `out` (missing, or empty; a directory with anything in it is an error
+/// of kind `DirectoryNotEmpty`) with what `write` puts into the directory it is given. `io`
+/// turns a filesystem error at a path into the caller's error.
 ///
 /// A missing `out` is staged beside it (a hidden sibling named for this process) and renamed
 /// into place. An existing one (a mount point, a directory with its own owner and mode) is
@@ -18,6 +18,18 @@ pub fn write_new_dir<E>(
     io: impl Fn(&Path, std::io::Error) -> E,
 ) -> Result<(), E> {
     let existing = out.is_dir();
+    if existing
+        && std::fs::read_dir(out)
+            .map_err(|e| io(out, e))?
+            .next()
+            .is_some()
+    {
+        let not_empty = std::io::Error::new(
+            std::io::ErrorKind::DirectoryNotEmpty,
+            "is not empty: a model directory is written into a new or empty directory",
+        );
+        return Err(io(out, not_empty));
+    }
     let partial = format!(".partial-{}", std::process::id());
     let staging = match existing {
         true => out.join(&partial),
@@ -36,6 +48,18 @@ pub fn write_new_dir<E>(
         });
     if written.is_err() {
         let _ = std::fs::remove_dir_all(&staging);
+    }
+    written
+}
+
+/// Writes the file `path` with `bytes`: under a hidden name beside it (named for this
+/// process), then renamed over it.
+pub fn write_new_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let partial = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    let written = std::fs::write(&partial, bytes).and_then(|()| std::fs::rename(&partial, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
     }
     written
 }
@@ -84,5 +108,9 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["config.json"]);
+        // A directory with anything in it is refused, untouched.
+        let refused = write_new_dir(&kept, write_config, io).unwrap_err();
+        assert!(refused.contains("is not empty"), "{refused}");
+        assert_eq!(std::fs::read(kept.join("config.json")).unwrap(), b"{}");
     }
 }

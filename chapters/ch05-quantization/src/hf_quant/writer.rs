@@ -59,15 +59,6 @@ pub fn write_quantized_dir(
     layers: &BTreeMap<String, GroupQuantized>,
     dense: &BTreeMap<String, Vec<f32>>,
 ) -> Result<(), WriteError> {
-    if out.exists() {
-        let empty = std::fs::read_dir(out).map_err(io(out))?.next().is_none();
-        if !empty {
-            return Err(format_error(
-                out,
-                "is not empty: the quantized checkpoint goes into a new or empty directory",
-            ));
-        }
-    }
     ch01::new_dir::write_new_dir(
         out,
         |staging| write_into(src, staging, config, layers, dense),

@@ -121,14 +121,10 @@ pub fn compile_kernel_cached(
         return Ok(Ptx::from_src(text));
     }
     let ptx = compile_kernel(kernel, arch)?;
-    // Written whole under another name, then renamed: a reader never sees half a file.
-    let part = path.with_extension(format!("part{}", std::process::id()));
-    let stored = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&part, ptx.to_src()))
-        .and_then(|()| std::fs::rename(&part, &path));
-    if stored.is_err() {
-        let _ = std::fs::remove_file(&part);
-    }
+    // Written whole under another name, then renamed: a reader never sees half a file. (A
+    // cache that cannot be written only costs the next process a compile.)
+    let _ = std::fs::create_dir_all(dir)
+        .and_then(|()| ch01::new_dir::write_new_file(&path, ptx.to_src().as_bytes()));
     Ok(ptx)
 }
 
