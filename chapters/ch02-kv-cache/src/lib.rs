@@ -20,6 +20,7 @@
 //! | [`profile`]    | an off-by-default, per-op timer of forward steps                           |
 //! | [`workload`]   | a seeded log-normal request workload; how much of a contiguous reservation it uses |
 //! | [`fast_linear`]| [`FastLinear`]: chapter 1's `Linear` seam on those kernels                 |
+//! | [`weight_memory`] | memory for a model's weights, on 2 MiB pages where Linux allows it      |
 //!
 //! Chapter 3 plugs paged storage into the same [`KvStore`] seam without touching this chapter.
 
@@ -34,6 +35,7 @@ pub mod kv_store;
 pub mod memory;
 pub mod prefill_attention;
 pub mod profile;
+pub mod weight_memory;
 pub mod workload;
 
 pub use cached::{CachedSession, Workspace, forward_cached, generate_cached};

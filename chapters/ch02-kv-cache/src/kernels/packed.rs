@@ -1,10 +1,12 @@
 //! The packed weight layout shared by the decode and prefill kernels.
 
+use crate::weight_memory::{Elements, ZeroBits};
+
 /// Output rows per panel: two 8-lane f32 vectors.
 pub const NR: usize = 16;
 
 /// A weight element: f32, or bf16 kept as its bits and widened to f32 where it is used.
-pub trait WeightElement: Copy + Default + Send + Sync + 'static {
+pub trait WeightElement: ZeroBits {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 
@@ -93,29 +95,42 @@ impl WeightElement for u16 {
 /// Invariants: `data.len() == num_panels · in · NR`, `num_panels = ceil(out / NR)`, and the rows
 /// of the last panel past `out` are zero, so kernels may always compute whole panels.
 pub struct PackedWeight<W> {
-    data: Vec<W>,
+    data: Elements<W>,
     in_features: usize,
     out_features: usize,
 }
 // ANCHOR_END: packed_weight
 
 impl<W: WeightElement> PackedWeight<W> {
-    /// Packs row-major `w` [out, in].
+    /// Packs row-major `w` [out, in], a model's weight: into weight memory (2 MiB pages where
+    /// the system gives them, see [`crate::weight_memory`]).
     pub fn pack(w: &[f32], out_features: usize, in_features: usize) -> Self {
         assert_eq!(w.len(), out_features * in_features, "w is [out, in]");
-        Self::pack_rows(out_features, in_features, |o| {
+        let data = Elements::for_weights(out_features.div_ceil(NR) * in_features * NR);
+        Self::fill_rows(data, out_features, in_features, |o| {
             &w[o * in_features..][..in_features]
         })
     }
 
     /// Packs `W` [out, in] whose output row `o` is `row(o)` [in], wherever each row lies (a
-    /// head's keys, one per stored position, inside rows of every KV head).
+    /// head's keys, one per stored position, inside rows of every KV head), on the heap: a
+    /// short-lived weight.
     pub fn pack_rows<'w>(
         out_features: usize,
         in_features: usize,
         row: impl Fn(usize) -> &'w [f32],
     ) -> Self {
-        let mut data = vec![W::default(); out_features.div_ceil(NR) * in_features * NR];
+        let data = Elements::on_heap(out_features.div_ceil(NR) * in_features * NR);
+        Self::fill_rows(data, out_features, in_features, row)
+    }
+
+    /// Writes row `o` of `W` [out, in], `row(o)` [in], into zeroed `data` in the packed order.
+    fn fill_rows<'w>(
+        mut data: Elements<W>,
+        out_features: usize,
+        in_features: usize,
+        row: impl Fn(usize) -> &'w [f32],
+    ) -> Self {
         for o in 0..out_features {
             let row = row(o);
             assert_eq!(row.len(), in_features, "row {o} is [in]");
@@ -133,13 +148,14 @@ impl<W: WeightElement> PackedWeight<W> {
 
     /// Packs `W` [out, in] given by its columns: `column(k)` [out] holds input `k`'s weight for
     /// every output (a head's values, one per stored position, as the weight whose outputs are
-    /// the head's channels). A panel row is a run of [`NR`] consecutive elements of a column.
+    /// the head's channels), on the heap. A panel row is a run of [`NR`] consecutive elements of
+    /// a column.
     pub fn pack_columns<'w>(
         out_features: usize,
         in_features: usize,
         column: impl Fn(usize) -> &'w [f32],
     ) -> Self {
-        let mut data = vec![W::default(); out_features.div_ceil(NR) * in_features * NR];
+        let mut data = Elements::on_heap(out_features.div_ceil(NR) * in_features * NR);
         for k in 0..in_features {
             let column = column(k);
             assert_eq!(column.len(), out_features, "column {k} is [out]");
@@ -177,5 +193,10 @@ impl<W: WeightElement> PackedWeight<W> {
     /// Bytes of storage, padding included: what one decode step reads.
     pub fn bytes(&self) -> usize {
         self.data.len() * size_of::<W>()
+    }
+
+    /// Whether the elements are in weight memory (see [`PackedWeight::pack`]).
+    pub fn in_weight_memory(&self) -> bool {
+        self.data.in_weight_memory()
     }
 }

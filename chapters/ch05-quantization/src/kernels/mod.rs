@@ -98,6 +98,7 @@ pub use ch02::kernels::Isa;
 
 use crate::blocks::{self, BlockError, q8_k};
 use crate::format::GgmlType;
+use ch02::weight_memory::Elements;
 
 /// 32 activations quantized as Q8_0 is (`x ≈ d·q`, `|q| ≤ 127`) but with an f32 scale, and the sum
 /// of `q` for the weight formats' offsets.
@@ -271,7 +272,8 @@ pub struct QuantMatrix {
     cols: usize,
     /// Bytes of one row in the file's layout.
     row_bytes: usize,
-    stored: Vec<u8>,
+    /// In weight memory (2 MiB pages where the system gives them), as chapter 2's weights.
+    stored: Elements<u8>,
 }
 
 /// The blocks per scale a grouped [`QuantMatrix`] may share (besides 1, every format's).
@@ -320,11 +322,13 @@ impl QuantMatrix {
         row_bytes: usize,
         bytes: Vec<u8>,
     ) -> QuantMatrix {
-        let stored = if interleave::interleaved(ty) {
+        let layout = if interleave::interleaved(ty) {
             interleave::pack(ty, group, rows, row_bytes, &bytes)
         } else {
             bytes
         };
+        let mut stored = Elements::for_weights(layout.len());
+        stored.copy_from_slice(&layout);
         QuantMatrix {
             ty,
             group,
@@ -435,7 +439,7 @@ impl QuantMatrix {
     /// borrowed for the K-quants, put back in row order for the interleaved formats.
     pub fn bytes(&self) -> Cow<'_, [u8]> {
         if !interleave::interleaved(self.ty) {
-            return self.stored.as_slice().into();
+            return self.stored[..].into();
         }
         let mut out = vec![0u8; self.rows * self.row_bytes];
         for (r, row) in out.chunks_exact_mut(self.row_bytes.max(1)).enumerate() {
