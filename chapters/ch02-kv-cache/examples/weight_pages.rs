@@ -11,6 +11,8 @@
 use std::path::Path;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use ch01::config::LlamaConfig;
 use ch02_kv_cache::WeightDtype;
 use ch02_kv_cache::kernels::{Isa, PackedWeight, WeightElement, matvec};
@@ -78,12 +80,27 @@ fn run<W: WeightElement>(config: &LlamaConfig, rounds: usize, name: &str) {
         }
         bytes as f64 / start.elapsed().as_secs_f64() / 1e9
     };
+    // Reading alone, as the read probe does: every element summed, panels split across threads.
+    let read = |set: &[PackedWeight<W>]| {
+        let start = Instant::now();
+        let mut total = 0.0f32;
+        for w in set {
+            total += (0..w.num_panels())
+                .into_par_iter()
+                .map(|p| sum(w.panel(p)))
+                .sum::<f32>();
+        }
+        std::hint::black_box(total);
+        bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
     sweep(&heap);
     sweep(&weights); // warm-up
-    let (mut on_heap, mut on_huge) = (Vec::new(), Vec::new());
+    let mut rates: [Vec<f64>; 4] = Default::default();
     for _ in 0..rounds.max(1) {
-        on_heap.push(sweep(&heap));
-        on_huge.push(sweep(&weights));
+        rates[0].push(sweep(&heap));
+        rates[1].push(sweep(&weights));
+        rates[2].push(read(&heap));
+        rates[3].push(read(&weights));
     }
     println!(
         "{name}: {} projections, {:.1} MB a step; {in_memory} in weight memory, {:.1} MB of it on 2 MiB pages",
@@ -91,13 +108,30 @@ fn run<W: WeightElement>(config: &LlamaConfig, rounds: usize, name: &str) {
         bytes as f64 / 1e6,
         huge as f64 / 1e6
     );
-    for (label, rates) in [("heap (4 KiB pages)", on_heap), ("weight memory", on_huge)] {
+    let labels = [
+        "matvec, heap (4 KiB pages)",
+        "matvec, weight memory",
+        "read, heap (4 KiB pages)",
+        "read, weight memory",
+    ];
+    for (label, rates) in labels.iter().zip(&rates) {
         println!(
-            "{label:>20}: median {:.1} GB/s, best {:.1}",
-            median(&rates),
-            best(&rates)
+            "{label:>28}: median {:.1} GB/s, best {:.1}",
+            median(rates),
+            best(rates)
         );
     }
+}
+
+/// The elements' sum in 16 lanes, as the read probe adds (vectorised by the compiler).
+fn sum<W: WeightElement>(elements: &[W]) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    for c in elements.chunks_exact(16) {
+        for l in 0..16 {
+            lanes[l] += c[l].to_f32();
+        }
+    }
+    lanes.iter().sum()
 }
 
 fn median(rates: &[f64]) -> f64 {

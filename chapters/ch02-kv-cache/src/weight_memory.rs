@@ -15,6 +15,9 @@
 //! chunk is unmapped when its last buffer is dropped, and the space of a dropped buffer is not
 //! reused before that (weights live as long as their model, so nothing is lost in practice).
 //!
+//! `KILN_WEIGHT_MEMORY=heap` in the environment puts every weight on the heap instead, to
+//! measure what the pages buy (read once, at the first weight).
+//!
 //! Cost: one `mmap` per chunk. Untouched pages cost no memory, so a chunk's unused tail is free;
 //! each chunk's last huge page may hold up to 2 MiB of memory no weight uses. Elsewhere than
 //! Linux, or when a mapping is refused, [`Elements`] falls back to the heap.
@@ -189,9 +192,19 @@ pub enum Elements<T> {
     Heap(Vec<T>),
 }
 
+/// Whether `KILN_WEIGHT_MEMORY=heap` asks for weights on the heap.
+fn weights_on_heap() -> bool {
+    static ON_HEAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON_HEAP.get_or_init(|| std::env::var_os("KILN_WEIGHT_MEMORY").is_some_and(|v| v == "heap"))
+}
+
 impl<T: ZeroBits> Elements<T> {
-    /// `len` zeros for a weight that lives as long as its model: weight memory.
+    /// `len` zeros for a weight that lives as long as its model: weight memory (the heap under
+    /// `KILN_WEIGHT_MEMORY=heap`, or where no weight memory can be mapped).
     pub fn for_weights(len: usize) -> Elements<T> {
+        if weights_on_heap() {
+            return Elements::on_heap(len);
+        }
         match WeightBuffer::zeroed(len) {
             Some(buffer) => Elements::Weights(buffer),
             None => Elements::Heap(vec![T::default(); len]),
