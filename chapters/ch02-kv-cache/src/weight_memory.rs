@@ -112,6 +112,7 @@ impl Drop for Chunk {
     }
 }
 
+// ANCHOR: carve
 /// The chunk being filled and how many of its bytes are handed out. `Weak`: the chunk belongs
 /// to its buffers, so one whose buffers were all dropped is unmapped, not kept for later.
 static FILLING: Mutex<Option<(Weak<Chunk>, usize)>> = Mutex::new(None);
@@ -138,6 +139,7 @@ fn carve(bytes: usize) -> Option<(Arc<Chunk>, usize)> {
     *filling = Some((Arc::downgrade(&chunk), bytes));
     Some((chunk, 0))
 }
+// ANCHOR_END: carve
 
 /// `len` zeroed `T`s in weight memory: a range of a chunk that no other buffer shares.
 pub struct WeightBuffer<T> {
