@@ -451,6 +451,34 @@ fn a_full_hit_leaves_the_last_token_to_compute_and_copies_the_cached_last_block(
     assert_eq!(b.blocks().len(), 3);
 }
 
+/// Tokens whose K/V is known already (a swapped-out sequence's computed positions, copied back
+/// when it is readmitted) are never computed again: on a hit of every block the table takes the
+/// hits, its next position starts a new block, and nothing is copied. `blocks_for_computed`
+/// counts exactly that; `blocks_for_prompt` counts the copy a prompt's recomputed last
+/// position needs.
+#[test]
+fn blocks_for_computed_counts_no_copy_on_a_full_hit() {
+    let mut bm = BlockManager::new(8, 4, true);
+    let tokens: Vec<u32> = (0..8).collect(); // exactly two full blocks
+    let a = prefill(&mut bm, &tokens).unwrap();
+    bm.free(a);
+    assert_eq!(bm.blocks_for_prompt(&tokens), 3, "two hits and the copy");
+    assert_eq!(bm.blocks_for_computed(&tokens), 2, "two hits");
+
+    let free = bm.num_free_blocks();
+    let mut b = bm.allocate_prompt(&tokens).unwrap();
+    bm.commit(&mut b, tokens.len());
+    assert_eq!(free - bm.num_free_blocks(), 2);
+    assert_eq!(bm.reserve(&mut b, 1).unwrap(), None, "a new block, no copy");
+    assert_eq!(free - bm.num_free_blocks(), 3);
+    assert_invariants(&bm, &[&b]);
+
+    // Without hits, both count the table's blocks.
+    let other: Vec<u32> = (100..106).collect();
+    assert_eq!(bm.blocks_for_computed(&other), 2);
+    assert_eq!(bm.blocks_for_prompt(&other), 2);
+}
+
 #[test]
 fn a_full_hit_while_the_owner_lives_copies_and_leaves_the_owner_alone() {
     let mut bm = BlockManager::new(8, 2, true);

@@ -48,13 +48,14 @@ impl EngineConfig {
     /// Tokens one step must hold for a request of `prompt_len` tokens and `max_tokens`, when
     /// prompts are not chunked: its prompt, and when preemption recomputes, the prompt and its
     /// output so far, all but the last sampled token (which ends the request without running).
-    /// `None` with chunked prefill: any chunk fits.
+    /// `None` with chunked prefill: any chunk fits. Saturates rather than wraps on absurd
+    /// `max_tokens`, so that the sum stays an upper bound.
     pub fn unchunked_step_tokens(&self, prompt_len: usize, max_tokens: usize) -> Option<usize> {
         if self.enable_chunked_prefill {
             return None;
         }
         Some(match self.preemption {
-            Preemption::Recompute => prompt_len + max_tokens.saturating_sub(1),
+            Preemption::Recompute => prompt_len.saturating_add(max_tokens.saturating_sub(1)),
             Preemption::Swap => prompt_len,
         })
     }
@@ -87,6 +88,10 @@ pub enum EngineError {
          above the free-block watermark"
     )]
     TooLong { needed: usize, capacity: usize },
+    /// A request must ask for at least one token: the step that computes its prompt always
+    /// samples one.
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
     #[error(
         "without chunked prefill one step must hold a whole prompt (plus, when preemption \
          recomputes, its output so far): up to {needed} tokens here, but max_num_batched_tokens \
@@ -291,8 +296,12 @@ impl<'e> Engine<'e> {
         Ok(outputs)
     }
 
-    /// Runs `requests` to completion; completions in request order.
+    /// Runs `requests` to completion; completions in request order. If one is refused, none
+    /// is queued: all are checked before the first is added.
     pub fn generate(&mut self, requests: Vec<Request>) -> Result<Vec<Completion>, EngineError> {
+        for request in &requests {
+            self.scheduler.check(request)?;
+        }
         let ids = requests
             .into_iter()
             .map(|r| self.add_request(r))

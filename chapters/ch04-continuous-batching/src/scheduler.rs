@@ -224,13 +224,25 @@ impl Scheduler {
         self.insert(request, None)
     }
 
-    /// Refuses a request the engine could never serve.
-    fn check(&self, request: &Request) -> Result<(), EngineError> {
+    /// Refuses a request the engine could never serve. A request it accepts is queued by
+    /// `insert` without error.
+    pub(crate) fn check(&self, request: &Request) -> Result<(), EngineError> {
         // ANCHOR: task_4_1
         self.model.check_tokens(&request.prompt)?;
         request.params.validate()?;
+        if request.max_tokens == 0 {
+            return Err(EngineError::ZeroMaxTokens);
+        }
         let max_len = self.model.max_model_len;
-        let needed = (request.prompt.len() + request.max_tokens).min(max_len);
+        let prompt_len = request.prompt.len();
+        let mut needed = prompt_len.saturating_add(request.max_tokens).min(max_len);
+        // A prompt found whole in the prefix cache computes its last position again, into a
+        // private copy of its last block while the cached one is still held: one block past
+        // the prompt's, which `prompt_len + 1` positions count exactly (a partial last block
+        // is never a hit). Only a prompt that fills the pool needs more than the line above.
+        if self.config.enable_prefix_caching {
+            needed = needed.max(prompt_len + 1);
+        }
         // A request alone must fit above the watermark, or it could never be admitted.
         let capacity = self.max_request_tokens();
         if needed > capacity {
@@ -436,7 +448,9 @@ impl Scheduler {
     }
 
     /// The most KV positions one request may use (prompt + max_tokens): the pool above the
-    /// free-block watermark. A server refuses to start if this is below its max_model_len.
+    /// free-block watermark. With prefix caching a prompt must also leave one position of it
+    /// free (see `check`); with `max_tokens >= 1` every request within it does. A server
+    /// refuses to start if this is below its max_model_len.
     pub fn max_request_tokens(&self) -> usize {
         let blocks = self.manager.num_blocks() - self.watermark_blocks();
         blocks * self.manager.block_size()
@@ -793,23 +807,31 @@ impl Scheduler {
     fn admit(&mut self, id: RequestId, watermark: usize, budget: usize) -> bool {
         let seq = &self.seqs[&id];
         let bs = self.manager.block_size();
-        let known = match seq.status {
-            Status::Swapped => seq.num_computed,
-            _ => seq.tokens.len(),
+        let swapped = seq.status == Status::Swapped;
+        // A waiting one's table covers its tokens, computed or not (at least one: it has a
+        // prompt); a swapped one's the positions it computed (perhaps none).
+        let known = if swapped {
+            seq.num_computed
+        } else {
+            seq.tokens.len()
         };
-        // Blocks for what it has (a prefix that running requests hold costs none), and for a
-        // swapped one the blocks its next chunk adds: admitted without them, it would be
-        // swapped straight out again, step after step.
-        let mut needed = self.manager.blocks_for_prompt(&seq.tokens[..known.max(1)]);
-        if seq.status == Status::Swapped {
+        // Blocks for what it has (a prefix that running requests hold costs none). A waiting
+        // one computes its last token again, on a full prefix hit into a copy of the last
+        // block; a swapped one computes none of its `known` tokens again, so it copies
+        // nothing, but needs the blocks its next chunk adds: admitted without them, it would
+        // be swapped straight out again, step after step.
+        let needed = if swapped {
             let chunk = seq.pending().min(budget);
-            needed += (known + chunk).div_ceil(bs) - known.div_ceil(bs);
-        }
+            self.manager.blocks_for_computed(&seq.tokens[..known]) + (known + chunk).div_ceil(bs)
+                - known.div_ceil(bs)
+        } else {
+            self.manager.blocks_for_prompt(&seq.tokens[..known])
+        };
         if self.manager.num_free_blocks() < needed + watermark {
             return false;
         }
         let seq = self.seqs.get_mut(&id).expect("known");
-        let Ok(mut table) = self.manager.allocate_prompt(&seq.tokens[..known.max(1)]) else {
+        let Ok(mut table) = self.manager.allocate_prompt(&seq.tokens[..known]) else {
             return false;
         };
         seq.num_cached_tokens = table.num_tokens();
@@ -1057,6 +1079,12 @@ impl Scheduler {
 
     /// Starts each fork from its table (every prompt position computed) and samples its first
     /// token from `row`, the logits of the prompt's last position: `[vocab]`.
+    ///
+    /// If a fork's sampling fails, the error is returned with that fork running (for the caller
+    /// to fail or abort, as any request of a failed step); the forks after it give their tables
+    /// back and wait as a request of their own (with the rest as its forks), as when a parent
+    /// ends before its prompt is computed: no table is dropped unfreed, no fork waits for a
+    /// parent that has already forked.
     fn start_forks(
         &mut self,
         forks: Vec<(RequestId, BlockTable)>,
@@ -1067,13 +1095,26 @@ impl Scheduler {
         let logits = row.as_slice().expect("a contiguous row");
         let rows = row.insert_axis(ndarray::Axis(0)); // [1, vocab]
         self.prepare_processors_of(forks.iter().map(|(id, _)| *id).collect());
-        for (id, table) in forks {
+        let mut forks = forks.into_iter();
+        while let Some((id, table)) = forks.next() {
             let seq = self.seqs.get_mut(&id).expect("a waiting fork");
             seq.fork_of = None;
             seq.num_computed = table.num_tokens();
             seq.table = Some(table);
             seq.status = Status::Running;
-            let (token, stop) = seq.sample(logits, &mut self.processed)?;
+            let (token, stop) = match seq.sample(logits, &mut self.processed) {
+                Ok(sampled) => sampled,
+                Err(error) => {
+                    let unstarted = forks
+                        .map(|(id, table)| {
+                            self.manager.free(table);
+                            id
+                        })
+                        .collect();
+                    self.promote(unstarted);
+                    return Err(error.into());
+                }
+            };
             let pushed = seq.push_tokens(&[token], rows, None, stop, max_len);
             self.counters.generation_tokens += pushed.tokens as u64;
             outputs.push(self.report(id, pushed));

@@ -252,3 +252,218 @@ fn a_full_prefix_hit_waits_for_the_block_its_last_position_copies() {
     }
     assert_eq!(engine.scheduler().counters().preemptions, 0);
 }
+
+/// `max_tokens` = 0 is refused: the step that computes a prompt always samples a token, so
+/// the engine would return one that was not asked for. A fork is checked the same way.
+#[test]
+fn a_request_for_no_tokens_is_refused() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let mut engine = engine(&model, 8, EngineConfig::default()).unwrap();
+    let error = engine
+        .add_request(Request::greedy(vec![1, 2, 3], 0))
+        .unwrap_err();
+    assert!(matches!(error, EngineError::ZeroMaxTokens), "{error}");
+    let first = engine
+        .add_request(Request::greedy(vec![1, 2, 3], 2))
+        .unwrap();
+    let error = engine
+        .add_fork(first, Request::greedy(vec![1, 2, 3], 0), None)
+        .unwrap_err();
+    assert!(matches!(error, EngineError::ZeroMaxTokens), "{error}");
+}
+
+/// An absurd `max_tokens` saturates instead of wrapping around: the request needs the whole
+/// context, which a small pool, or an unchunked step budget, cannot hold.
+#[test]
+fn a_huge_max_tokens_is_refused_not_wrapped_around() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let max_len = model.config.max_position_embeddings; // 512
+    let config = EngineConfig {
+        watermark: 0.0,
+        ..EngineConfig::default()
+    };
+    let mut small = engine(&model, 8, config).unwrap();
+    for max_tokens in [usize::MAX, usize::MAX - 2] {
+        let error = small
+            .add_request(Request::greedy(vec![1; 4], max_tokens))
+            .unwrap_err();
+        assert!(
+            matches!(error, EngineError::TooLong { needed, capacity: 32 } if needed == max_len),
+            "{error}"
+        );
+    }
+
+    let unchunked = EngineConfig {
+        enable_chunked_prefill: false,
+        max_num_batched_tokens: 16,
+        ..EngineConfig::default()
+    };
+    assert_eq!(
+        unchunked.unchunked_step_tokens(4, usize::MAX),
+        Some(usize::MAX)
+    );
+    // 200 blocks of 4 hold the whole context: only the step budget refuses it.
+    let mut unchunked = engine(&model, 200, unchunked).unwrap();
+    let error = unchunked
+        .add_request(Request::greedy(vec![1; 4], usize::MAX))
+        .unwrap_err();
+    assert!(
+        matches!(error, EngineError::OverBudget { needed, budget: 16 } if needed == max_len),
+        "{error}"
+    );
+}
+
+/// `generate` queues nothing when one of its requests is refused: the ones before it do not
+/// linger in the engine (unfinished, never taken) to run with the caller's next requests.
+#[test]
+fn generate_queues_nothing_when_one_request_is_refused() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let config = EngineConfig {
+        watermark: 0.0,
+        ..EngineConfig::default()
+    };
+    let mut engine = engine(&model, 8, config).unwrap();
+    let fits = Request::greedy(vec![1, 2, 3], 4);
+    let error = engine
+        .generate(vec![fits.clone(), Request::greedy(vec![1; 20], 20)])
+        .unwrap_err();
+    assert!(matches!(error, EngineError::TooLong { .. }), "{error}");
+    assert!(!engine.has_unfinished());
+    assert_eq!(engine.scheduler().sequences().count(), 0);
+    let done = engine.generate(vec![fits]).unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].tokens.len(), 4);
+}
+
+/// The executor under test with a shorter context: `max_model_len` positions.
+struct ShortContext<E> {
+    inner: E,
+    max_model_len: usize,
+}
+
+impl<E: Executor> Executor for ShortContext<E> {
+    fn kv_layout(&self) -> KvLayout {
+        self.inner.kv_layout()
+    }
+    fn model_spec(&self) -> ModelSpec {
+        ModelSpec {
+            max_model_len: self.max_model_len,
+            ..self.inner.model_spec()
+        }
+    }
+    fn execute(
+        &mut self,
+        step: &SchedulerOutput,
+    ) -> Result<ndarray::ArrayView2<'_, f32>, ExecutorError> {
+        self.inner.execute(step)
+    }
+}
+
+/// A prompt found whole in the prefix cache computes its last position again into a copy of
+/// its last block, while the cached one is held: one block more than the prompt's. With a
+/// 12-token context and 3 blocks of 4, a 12-token prompt fits the pool exactly, so with prefix
+/// caching the second time it is asked it could never be admitted: it is refused up front (and
+/// served, twice, without prefix caching or with one block more).
+#[test]
+fn a_prompt_that_fills_the_pool_is_refused_when_a_full_prefix_hit_could_not_be_admitted() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let prompt: Vec<u32> = (1..=12).collect();
+    for (blocks, caching, served) in [(3, true, false), (3, false, true), (4, true, true)] {
+        let executor = ShortContext {
+            inner: CpuExecutor::new(
+                &model,
+                KvPool::<f32>::new(&model.config, 4, blocks).unwrap(),
+            ),
+            max_model_len: 12,
+        };
+        let config = EngineConfig {
+            watermark: 0.0,
+            enable_prefix_caching: caching,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(executor, config).unwrap();
+        let request = Request::greedy(prompt.clone(), 1);
+        if !served {
+            let error = engine.add_request(request).unwrap_err();
+            assert!(
+                matches!(
+                    error,
+                    EngineError::TooLong {
+                        needed: 13,
+                        capacity: 12
+                    }
+                ),
+                "{error}"
+            );
+            continue;
+        }
+        for _ in 0..2 {
+            let done = engine.generate(vec![request.clone()]).unwrap();
+            assert_eq!(
+                done[0].tokens.len(),
+                1,
+                "{blocks} blocks, caching {caching}"
+            );
+        }
+        let hits = engine.scheduler().prefix_stats().hit_blocks;
+        assert_eq!(
+            hits,
+            if caching { 3 } else { 0 },
+            "the second is a full hit"
+        );
+    }
+}
+
+/// One request that fills the pool exactly (4 blocks of 4: a 4-token prompt and 12 tokens),
+/// with prefix caching on, preempted for a request of higher priority just after its third
+/// block filled (and was cached), is readmitted once that request is done and ends as it would
+/// alone. Swapped out, its 12 computed positions are copied back or found in the cache; none
+/// is computed again, so it needs its 3 blocks and its next token's, 4, never the copy of a
+/// last block that a recomputed prompt makes.
+#[test]
+fn a_request_that_fills_the_pool_comes_back_after_preemption_with_prefix_caching() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let mut a = Request::greedy(vec![1, 2, 3, 4], 12);
+    a.priority = 1;
+    let b = Request::greedy(vec![5], 4); // priority 0: runs first
+    for preemption in [Preemption::Swap, Preemption::Recompute] {
+        let config = EngineConfig {
+            watermark: 0.0,
+            preemption,
+            enable_prefix_caching: true,
+            ..EngineConfig::default()
+        };
+        let alone = engine(&model, 4, config)
+            .unwrap()
+            .generate(vec![a.clone()])
+            .unwrap();
+        let mut engine = engine(&model, 4, config).unwrap();
+        let a_id = engine.add_request(a.clone()).unwrap();
+        let computed = |engine: &Engine<'_>| {
+            let mut seqs = engine.scheduler().sequences();
+            seqs.find(|s| s.id == a_id).unwrap().num_computed
+        };
+        // A's 11 positions fill 3 blocks but the last slot, which its next token takes.
+        while computed(&engine) < 11 {
+            engine.step_or_stall().unwrap();
+        }
+        let b_id = engine.add_request(b.clone()).unwrap();
+        let mut swapped = false;
+        while engine.has_unfinished() {
+            engine
+                .step_or_stall()
+                .unwrap_or_else(|e| panic!("{preemption:?}: {e}"));
+            engine.scheduler().check_invariants().unwrap();
+            swapped |= engine.scheduler().status(a_id) == Some(Status::Swapped);
+        }
+        assert_eq!(
+            engine.scheduler().counters().preemptions,
+            1,
+            "{preemption:?}"
+        );
+        assert_eq!(swapped, preemption == Preemption::Swap);
+        assert_eq!(engine.take(a_id).unwrap().tokens, alone[0].tokens);
+        assert_eq!(engine.take(b_id).unwrap().tokens.len(), 4);
+        assert_eq!(engine.scheduler().kv_usage(), 0.0);
+    }
+}

@@ -268,3 +268,42 @@ fn each_fork_samples_its_first_token_through_its_own_prepared_processor() {
         assert_eq!(of(&outputs, id).0, vec![6 + i as u32; 3], "fork {id}");
     }
 }
+
+/// A fork whose first token cannot be sampled (its processor masks every token) fails the step,
+/// as any sampling error does, and stays for the caller to abort. The forks after it had been
+/// given shares of the parent's blocks: they give them back and wait as a request of their own
+/// (the last as its fork), so no block leaks, and once the failed requests are aborted they
+/// are served, each as it would be alone.
+#[test]
+fn a_fork_that_cannot_sample_leaks_no_blocks_and_strands_no_later_fork() {
+    let model = model();
+    let mut engine = engine(&model, 4, EngineConfig::default());
+    let prompt: Vec<u32> = (1..10).collect();
+    let first = engine.add_request(sampled(&prompt, 3, 0)).unwrap();
+    let nothing = Box::new(OnlyToken {
+        token: u32::MAX, // outside the vocabulary: every logit is masked
+        prepared: false,
+    });
+    let failing = engine
+        .add_fork(first, sampled(&prompt, 3, 1), Some(nothing))
+        .unwrap();
+    let later: Vec<_> = (2..4)
+        .map(|seed| engine.add_fork(first, sampled(&prompt, 3, seed), None))
+        .collect::<Result<_, _>>()
+        .unwrap();
+
+    let error = engine.step_or_stall().unwrap_err();
+    assert!(matches!(error, EngineError::Sampling(_)), "{error}");
+    engine.scheduler().check_invariants().unwrap();
+
+    assert!(engine.abort(first));
+    assert!(engine.abort(failing));
+    let outputs = run_all(&mut engine);
+    engine.scheduler().check_invariants().unwrap();
+    assert_eq!(engine.scheduler().kv_usage(), 0.0, "every block is back");
+    for (&id, seed) in later.iter().zip(2..) {
+        let mut alone = self::engine(&model, 4, EngineConfig::default());
+        let lone = alone.add_request(sampled(&prompt, 3, seed)).unwrap();
+        same(of(&outputs, id), of(&run_all(&mut alone), lone)).unwrap();
+    }
+}

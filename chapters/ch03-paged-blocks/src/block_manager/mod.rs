@@ -196,6 +196,17 @@ impl BlockManager {
         self.new_blocks(&hits, total) + usize::from(full_hit)
     }
 
+    /// The free blocks a table for `tokens` takes, now, when the K/V of every one of them is
+    /// known already (a sequence swapped out after computing them, whose K/V is copied back):
+    /// [`blocks_for_prompt`](Self::blocks_for_prompt)'s count without the copy of the last
+    /// block on a hit of every block. No position of `tokens` is computed again, so the table
+    /// is committed to `tokens.len()` positions and its next write, at a block boundary, goes
+    /// to a new block.
+    pub fn blocks_for_computed(&self, tokens: &[u32]) -> usize {
+        let hits = self.cached_prefix(tokens);
+        self.new_blocks(&hits, tokens.len().div_ceil(self.block_size))
+    }
+
     /// The longest cached prefix of whole blocks of `tokens` (none without prefix caching).
     fn cached_prefix(&self, tokens: &[u32]) -> Vec<BlockId> {
         let mut blocks = Vec::new();
