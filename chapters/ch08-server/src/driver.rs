@@ -52,6 +52,9 @@ pub struct Delta {
 struct Choice<'t> {
     id: RequestId,
     text: OutputText<'t>,
+    /// The stop tokens whose text is left out when one ends the choice (as vLLM leaves it
+    /// out): the request's stop_token_ids and EOS, none with `include_stop_str_in_output`.
+    silent_stops: &'t [u32],
     /// Bytes of text sent so far (echo included).
     sent: usize,
     /// The echo's bytes and each token's own text's so far: where the next token's
@@ -147,6 +150,11 @@ pub async fn generate(
                 .to_vec()
         })
         .collect();
+    // Every choice of a request has the same stop tokens.
+    let silent_stops: Vec<u32> = match generation.include_stop_str_in_output {
+        true => Vec::new(),
+        false => (requests.first()).map_or_else(Vec::new, |r| r.stop_token_ids.clone()),
+    };
     let (events, mut received) = mpsc::unbounded_channel();
     let ids = state
         .engine
@@ -160,6 +168,7 @@ pub async fn generate(
         .map(|(id, context)| Choice {
             id,
             text: OutputText::after(&state.tokenizer, generation.stop.clone(), context),
+            silent_stops: &silent_stops,
             sent: 0,
             token_offset: 0,
             tokens: 0,
@@ -238,7 +247,9 @@ pub async fn generate(
 // ANCHOR_END: generate
 
 // ANCHOR: advance
-/// Folds one event into its choice; the delta to send.
+/// Folds one event into its choice; the delta to send. A stop token that ends the choice is
+/// counted and keeps its logprob, but adds no text unless the request asked for it
+/// (`include_stop_str_in_output`), as in vLLM.
 fn advance(
     state: &AppState,
     clock: &mut RequestClock,
@@ -258,6 +269,10 @@ fn advance(
         finish_reason: None,
     };
     let mut stopped = false;
+    let ends_on_stop_token = finished == Some(FinishReason::Stop)
+        && tokens
+            .last()
+            .is_some_and(|t| choice.silent_stops.contains(t));
     for (i, &token) in tokens.iter().enumerate() {
         clock.token(state, now, choice.last_token);
         choice.last_token = Some(now);
@@ -266,6 +281,9 @@ fn advance(
             let info = token_info(state, lp)?;
             choice.token_offset += info.text.len();
             delta.logprobs.push(info);
+        }
+        if i + 1 == tokens.len() && ends_on_stop_token {
+            break; // the stop token: the engine ends the choice after it
         }
         let piece = choice.text.push(token).map_err(detokenize)?;
         delta.text.push_str(&piece.text);

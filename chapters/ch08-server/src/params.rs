@@ -17,18 +17,31 @@ pub const MAX_N: u32 = 16;
 /// The most prompts one completions request may list (each is `n` engine sequences).
 pub const DEFAULT_MAX_PROMPTS: usize = 64;
 /// The most token entries one response may carry: every choice's max_tokens, times one plus
-/// its logprobs alternatives. At a few dozen bytes an entry, a response stays under ~100 MB.
+/// its logprobs alternatives, and every choice's echo at [`ECHO_BYTES_PER_ENTRY`]. At a few
+/// dozen bytes an entry, a response stays under ~100 MB.
 pub const MAX_RESPONSE_ENTRIES: usize = 1 << 21;
+/// Bytes of echoed prompt text counted as one response entry: each choice carries its own copy
+/// of its prompt's text, so `echo` with `n` 16 writes every prompt 16 times.
+pub const ECHO_BYTES_PER_ENTRY: usize = 32;
 
 /// The parts of a request that apply to each of its choices, checked.
 #[derive(Debug, Clone)]
 pub struct Generation {
+    /// Choice `p × n + i` is seeded `params.seed + p × n + i`, or `params.seed + i` when
+    /// `seeded` (see [`Generation::requests`]).
     pub params: SamplingParams,
+    /// Whether the client gave the `seed`.
+    pub seeded: bool,
     /// How many completions per prompt.
     pub n: usize,
     pub max_tokens: Option<usize>,
+    /// The field the client gave `max_tokens` in (`max_tokens` or `max_completion_tokens`),
+    /// named in the errors about it.
+    pub max_tokens_param: &'static str,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
+    /// Keep the text of the stop token that ended a choice (its stop strings are refused).
+    pub include_stop_str_in_output: bool,
     pub ignore_eos: bool,
     /// `Some(k)`: report each token's logprob and its `k` best alternatives.
     pub logprobs: Option<usize>,
@@ -98,23 +111,30 @@ pub fn max_token_bytes(tokenizer: &ch01::Tokenizer) -> usize {
 // ANCHOR: fits_by_bytes
 /// Refuses a text of `bytes` bytes that cannot fit the context, before it is tokenized: it is
 /// at least `⌈bytes / max_token_bytes⌉` tokens, and needs room for `max_tokens` (at least one)
-/// more. Tokenizing 8 MB takes seconds and a gigabyte; this takes nothing.
+/// more. Tokenizing 8 MB takes seconds and a gigabyte; this takes nothing. (A request with
+/// `truncate_prompt_tokens` skips it: the text is cut after tokenizing, and the body limit
+/// bounds that work.) `max_tokens` comes with the field the client gave it in, which the error
+/// names when the completion alone fills the context; otherwise it names `param`, the text's.
 pub fn fits_by_bytes(
     bytes: usize,
-    max_tokens: Option<u32>,
+    max_tokens: Option<(u32, &str)>,
     param: &str,
     limits: &Limits,
 ) -> Result<(), ApiError> {
     let at_least = bytes.div_ceil(limits.max_token_bytes);
-    let completion = max_tokens.map_or(1, |m| m.max(1) as usize);
+    let completion = max_tokens.map_or(1, |(m, _)| m.max(1) as usize);
     if at_least.saturating_add(completion) > limits.max_model_len {
+        let at_fault = match max_tokens {
+            Some((_, field)) if completion >= limits.max_model_len => field,
+            _ => param,
+        };
         return Err(ApiError::bad_param(
-            param,
+            at_fault,
             format!(
                 "This model's maximum context length is {} tokens. However, your {param} is \
                  {bytes} bytes of text, at least {at_least} tokens (no token covers more than \
                  {} bytes), and the completion needs {completion}. Please reduce the length \
-                 of the {param}.",
+                 of the {at_fault}.",
                 limits.max_model_len, limits.max_token_bytes
             ),
         ));
@@ -161,7 +181,7 @@ fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
     if s.include_stop_str_in_output && s.stop.is_some() {
         return unsupported(
             "include_stop_str_in_output",
-            "the stop string is always cut from the text",
+            "a stop string is always cut from the text (a stop token's text is kept)",
         );
     }
     Ok(())
@@ -174,6 +194,19 @@ fn reject_unsupported(s: &Sampling) -> Result<(), ApiError> {
 pub fn generation(
     s: &Sampling,
     max_tokens: Option<u32>,
+    logprobs: Option<u32>,
+    request_seed: u64,
+    limits: &Limits,
+) -> Result<Generation, ApiError> {
+    generation_as(s, max_tokens, "max_tokens", logprobs, request_seed, limits)
+}
+
+/// [`generation`] for a `max_tokens` the client gave in the field `max_tokens_param` (chat's
+/// `max_completion_tokens`), which its errors name.
+pub fn generation_as(
+    s: &Sampling,
+    max_tokens: Option<u32>,
+    max_tokens_param: &'static str,
     logprobs: Option<u32>,
     request_seed: u64,
     limits: &Limits,
@@ -199,8 +232,8 @@ pub fn generation(
     let max_tokens = match max_tokens {
         Some(0) => {
             return Err(ApiError::bad_param(
-                "max_tokens",
-                "max_tokens must be at least 1",
+                max_tokens_param,
+                format!("{max_tokens_param} must be at least 1"),
             ));
         }
         Some(m) => Some(m as usize),
@@ -308,10 +341,13 @@ pub fn generation(
     };
     Ok(Generation {
         params,
+        seeded: s.seed.is_some(),
         n: n as usize,
         max_tokens,
+        max_tokens_param,
         stop,
         stop_token_ids,
+        include_stop_str_in_output: s.include_stop_str_in_output,
         ignore_eos: s.ignore_eos,
         logprobs: logprobs.map(|k| k as usize),
         stream: s.stream,
@@ -526,6 +562,23 @@ impl Planned {
     pub fn budget(&self) -> u64 {
         (self.prompt_tokens + self.requests.iter().map(|r| r.max_tokens).sum::<usize>()) as u64
     }
+
+    /// Lowers the choices' max_tokens so that the [`budget`](Planned::budget) is at most
+    /// `tokens`, each choice keeping an equal share (at least 1). For a request that gave no
+    /// `max_tokens` (each choice may use the rest of the context) under a limit of `tokens` a
+    /// minute, which a larger budget could never fit: it is served, each choice ending with
+    /// `length` at its share, and is charged what it may use, as any other request.
+    pub fn hold_to(&mut self, tokens: u64) {
+        if self.budget() <= tokens || self.requests.is_empty() {
+            return;
+        }
+        let left = tokens.saturating_sub(self.prompt_tokens as u64);
+        let share = (left / self.requests.len() as u64).max(1);
+        let share = usize::try_from(share).unwrap_or(usize::MAX);
+        for request in &mut self.requests {
+            request.max_tokens = request.max_tokens.min(share);
+        }
+    }
 }
 
 impl Generation {
@@ -553,26 +606,10 @@ impl Generation {
         let kept = self.truncate_prompt_tokens.unwrap_or(usize::MAX);
         let prompt_tokens = prompts.iter().map(|p| p.len().min(kept)).sum();
         let mut requests = Vec::with_capacity(prompts.len() * self.n);
-        for prompt in prompts {
-            requests.extend(self.requests(prompt, prompt_param, limits)?);
+        for (index, prompt) in prompts.into_iter().enumerate() {
+            requests.extend(self.requests(prompt, index, prompt_param, limits)?);
         }
-        let per_token = 1 + self.logprobs.unwrap_or(0);
-        let entries: usize = requests.iter().map(|r| r.max_tokens * per_token).sum();
-        if entries > MAX_RESPONSE_ENTRIES {
-            return Err(ApiError::bad_param(
-                if self.logprobs.is_some() {
-                    "logprobs"
-                } else {
-                    "n"
-                },
-                format!(
-                    "the response could carry {entries} token entries ({} sequences, their \
-                     max_tokens, {per_token} entries a token with logprobs), more than \
-                     {MAX_RESPONSE_ENTRIES}: lower n, max_tokens, logprobs or the prompts",
-                    requests.len()
-                ),
-            ));
-        }
+        self.check_response_size(&requests, 0)?;
         // One copy of the token rules, shared by every choice's processor.
         let rules = Arc::new(self.rules.clone());
         let ended_early: Vec<EndedEarly> = requests.iter().map(|_| EndedEarly::default()).collect();
@@ -585,6 +622,49 @@ impl Generation {
             ended_early,
             prompt_tokens,
         })
+    }
+
+    /// Refuses a plan whose response could carry more than [`MAX_RESPONSE_ENTRIES`] entries
+    /// when each choice also carries its prompt's text of `echo` (as `echo: true` sends it).
+    pub fn check_echo(&self, planned: &Planned, echo: &[String]) -> Result<(), ApiError> {
+        let bytes = echo
+            .iter()
+            .map(String::len)
+            .fold(0usize, usize::saturating_add);
+        self.check_response_size(&planned.requests, bytes.saturating_mul(self.n))
+    }
+
+    /// The response's entries: every choice's max_tokens, one plus its logprobs alternatives
+    /// a token, and `echo_bytes` of echoed text (all choices'), at most
+    /// [`MAX_RESPONSE_ENTRIES`].
+    fn check_response_size(&self, requests: &[Request], echo_bytes: usize) -> Result<(), ApiError> {
+        let per_token = 1 + self.logprobs.unwrap_or(0);
+        let tokens: usize = requests.iter().map(|r| r.max_tokens * per_token).sum();
+        let echoed = echo_bytes.div_ceil(ECHO_BYTES_PER_ENTRY);
+        let entries = tokens.saturating_add(echoed);
+        if entries <= MAX_RESPONSE_ENTRIES {
+            return Ok(());
+        }
+        let param = if echoed > 0 && tokens <= MAX_RESPONSE_ENTRIES {
+            "echo" // the tokens alone fit: the echo is at fault
+        } else if self.logprobs.is_some() {
+            "logprobs"
+        } else {
+            "n"
+        };
+        let echo = match echoed {
+            0 => String::new(),
+            _ => format!(", {echo_bytes} bytes of echo at {ECHO_BYTES_PER_ENTRY} an entry"),
+        };
+        Err(ApiError::bad_param(
+            param,
+            format!(
+                "the response could carry {entries} token entries ({} sequences, their \
+                 max_tokens, {per_token} entries a token with logprobs{echo}), more than \
+                 {MAX_RESPONSE_ENTRIES}: lower n, max_tokens, logprobs or the prompts",
+                requests.len()
+            ),
+        ))
     }
 
     /// One choice's logits processor: its grammar from the start, and `rules`, this request's
@@ -605,12 +685,17 @@ impl Generation {
         )))
     }
 
-    /// The engine requests for one prompt: `n` of them, choice `i` seeded `seed + i` so that
-    /// the choices differ and each is reproducible. Refuses a prompt that, with `max_tokens`,
-    /// does not fit the context; without `max_tokens` a request may use the rest of it.
+    /// The engine requests for prompt `index` of a request: `n` of them, so that the choices
+    /// differ and each is reproducible. With the client's `seed`, choice `i` is seeded
+    /// `seed + i`, whatever the prompt (vLLM's rule: equal prompts answer the same); without,
+    /// choice `index × n + i` of the request is seeded `seed + index × n + i`, so that every
+    /// choice of a prompt list samples its own stream. Refuses a prompt that, with
+    /// `max_tokens`, does not fit the context; without `max_tokens` a request may use the
+    /// rest of it.
     pub fn requests(
         &self,
         prompt: Vec<u32>,
+        index: usize,
         prompt_param: &str,
         limits: &Limits,
     ) -> Result<Vec<Request>, ApiError> {
@@ -640,7 +725,7 @@ impl Generation {
                 let param = if room == 0 {
                     prompt_param
                 } else {
-                    "max_tokens"
+                    self.max_tokens_param
                 };
                 return Err(ApiError::bad_param(
                     param,
@@ -673,11 +758,12 @@ impl Generation {
             limits.eos_token_ids.clone()
         };
         stop_token_ids.extend(&self.stop_token_ids);
+        let first = if self.seeded { 0 } else { index * self.n };
         Ok((0..self.n)
             .map(|i| Request {
                 prompt: prompt.clone(),
                 params: SamplingParams {
-                    seed: self.params.seed.wrapping_add(i as u64),
+                    seed: self.params.seed.wrapping_add((first + i) as u64),
                     ..self.params.clone()
                 },
                 max_tokens,
@@ -715,7 +801,7 @@ mod tests {
         assert_eq!(g.params.temperature, 1.0);
         assert_eq!(g.params.seed, 7);
         assert_eq!(g.n, 1);
-        let requests = g.requests(vec![5; 10], "prompt", &limits()).unwrap();
+        let requests = g.requests(vec![5; 10], 0, "prompt", &limits()).unwrap();
         assert_eq!(requests[0].max_tokens, 54, "the rest of the context");
         assert_eq!(requests[0].stop_token_ids, vec![1]);
     }
@@ -781,7 +867,7 @@ mod tests {
             &limits(),
         )
         .unwrap();
-        let requests = g.requests(vec![5; 10], "prompt", &limits()).unwrap();
+        let requests = g.requests(vec![5; 10], 0, "prompt", &limits()).unwrap();
         assert_eq!(requests[0].stop_token_ids, vec![9]);
         assert!(!requests[0].ignore_eos);
     }
@@ -861,30 +947,34 @@ mod tests {
             &limits(),
         )
         .unwrap();
-        let err = g.requests(vec![5; 50], "prompt", &limits()).unwrap_err();
+        let err = g.requests(vec![5; 50], 0, "prompt", &limits()).unwrap_err();
         assert!(
             err.message.contains("maximum context length is 64"),
             "{}",
             err.message
         );
-        let requests = g.requests(vec![5; 44], "prompt", &limits()).unwrap();
+        let requests = g.requests(vec![5; 44], 0, "prompt", &limits()).unwrap();
         let seeds: Vec<u64> = requests.iter().map(|r| r.params.seed).collect();
         assert_eq!(seeds, [10, 11, 12]);
-        assert!(g.requests(vec![], "prompt", &limits()).is_err());
-        assert!(g.requests(vec![100], "prompt", &limits()).is_err());
+        assert!(g.requests(vec![], 0, "prompt", &limits()).is_err());
+        assert!(g.requests(vec![100], 0, "prompt", &limits()).is_err());
     }
 
     #[test]
     fn a_prompt_that_fills_the_context_names_the_prompt_param() {
         let g = generation(&sampling("{}"), Some(10), None, 0, &limits()).unwrap();
-        let err = g.requests(vec![5; 64], "messages", &limits()).unwrap_err();
+        let err = g
+            .requests(vec![5; 64], 0, "messages", &limits())
+            .unwrap_err();
         assert_eq!(err.param.as_deref(), Some("messages"));
         // The prompt fits, the completion does not: max_tokens is at fault.
-        let err = g.requests(vec![5; 60], "messages", &limits()).unwrap_err();
+        let err = g
+            .requests(vec![5; 60], 0, "messages", &limits())
+            .unwrap_err();
         assert_eq!(err.param.as_deref(), Some("max_tokens"));
         let open = generation(&sampling("{}"), None, None, 0, &limits()).unwrap();
         let err = open
-            .requests(vec![5; 64], "messages", &limits())
+            .requests(vec![5; 64], 0, "messages", &limits())
             .unwrap_err();
         assert_eq!(err.param.as_deref(), Some("messages"));
     }
@@ -916,15 +1006,81 @@ mod tests {
         assert!(g.plan(vec![vec![5]], "prompt", &wide).is_ok());
     }
 
+    /// Without a client seed, every choice of a prompt list has its own seed (two equal
+    /// prompts would otherwise answer the same); with one, each prompt's choice `i` is
+    /// `seed + i`, as vLLM seeds them.
+    #[test]
+    fn unseeded_choices_of_a_prompt_list_never_share_a_seed() {
+        let seeds = |json: &str| -> Vec<u64> {
+            let g = generation(&sampling(json), Some(4), None, 7, &limits()).unwrap();
+            let planned = g.plan(vec![vec![5; 3]; 3], "prompt", &limits()).unwrap();
+            planned.requests.iter().map(|r| r.params.seed).collect()
+        };
+        assert_eq!(seeds(r#"{"n": 2}"#), [7, 8, 9, 10, 11, 12]);
+        assert_eq!(seeds(r#"{"n": 2, "seed": 10}"#), [10, 11, 10, 11, 10, 11]);
+        assert_eq!(seeds(r#"{"seed": 10}"#), [10, 10, 10]);
+        assert_eq!(seeds("{}"), [7, 8, 9]);
+    }
+
+    /// Errors about the completion's length name the field the client sent it in.
+    #[test]
+    fn max_tokens_errors_name_the_field_the_client_used() {
+        let s = sampling("{}");
+        let param = |max: u32| {
+            generation_as(&s, Some(max), "max_completion_tokens", None, 0, &limits())
+                .and_then(|g| g.requests(vec![5; 10], 0, "messages", &limits()))
+                .unwrap_err()
+                .param
+        };
+        assert_eq!(param(0).as_deref(), Some("max_completion_tokens"));
+        assert_eq!(param(60).as_deref(), Some("max_completion_tokens"));
+    }
+
+    /// A request without max_tokens is held to the tokens a minute allows, an equal share a
+    /// choice, instead of a budget no minute could ever pay.
+    #[test]
+    fn hold_to_shares_the_limit_between_the_choices() {
+        let g = generation(&sampling(r#"{"n": 4}"#), None, None, 0, &limits()).unwrap();
+        let mut planned = g.plan(vec![vec![5; 10]], "prompt", &limits()).unwrap();
+        assert_eq!(planned.budget(), 10 + 4 * 54);
+        planned.hold_to(1000);
+        assert_eq!(planned.budget(), 10 + 4 * 54, "what fits is left alone");
+        planned.hold_to(50);
+        let max: Vec<usize> = planned.requests.iter().map(|r| r.max_tokens).collect();
+        assert_eq!(max, [10; 4]);
+        assert_eq!(planned.budget(), 50);
+        planned.hold_to(3);
+        assert!(planned.requests.iter().all(|r| r.max_tokens == 1));
+    }
+
+    /// Every choice carries its prompt's echo: `n` copies count against the response size.
+    #[test]
+    fn echo_counts_once_per_choice_against_the_response_size() {
+        let g = generation(&sampling(r#"{"n": 16}"#), Some(4), None, 0, &limits()).unwrap();
+        let planned = g.plan(vec![vec![5]; 4], "prompt", &limits()).unwrap();
+        // 256 token entries; each byte of the 4 prompts is half an entry (16 copies, 32 bytes
+        // an entry).
+        let fits = MAX_RESPONSE_ENTRIES * ECHO_BYTES_PER_ENTRY / 16 / 4 - 128;
+        assert!(g.check_echo(&planned, &vec!["x".repeat(fits); 4]).is_ok());
+        let err = g
+            .check_echo(&planned, &vec!["x".repeat(fits + 64); 4])
+            .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("echo"));
+    }
+
     #[test]
     fn text_that_cannot_fit_is_refused_by_its_bytes() {
         // 8 bytes a token at most: 63 x 8 bytes is at least 63 tokens, + 1 to generate = 64.
         assert!(fits_by_bytes(63 * 8, None, "prompt", &limits()).is_ok());
         let err = fits_by_bytes(63 * 8 + 1, None, "prompt", &limits()).unwrap_err();
         assert_eq!(err.param.as_deref(), Some("prompt"));
-        assert!(fits_by_bytes(60 * 8, Some(4), "messages", &limits()).is_ok());
-        let err = fits_by_bytes(60 * 8, Some(5), "messages", &limits()).unwrap_err();
+        let max = |m: u32| Some((m, "max_completion_tokens"));
+        assert!(fits_by_bytes(60 * 8, max(4), "messages", &limits()).is_ok());
+        let err = fits_by_bytes(60 * 8, max(5), "messages", &limits()).unwrap_err();
         assert_eq!(err.param.as_deref(), Some("messages"));
-        assert!(fits_by_bytes(usize::MAX, Some(u32::MAX), "prompt", &limits()).is_err());
+        // A completion that fills the context alone is at fault, named as the client sent it.
+        let err = fits_by_bytes(1, max(64), "messages", &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("max_completion_tokens"));
+        assert!(fits_by_bytes(usize::MAX, max(u32::MAX), "prompt", &limits()).is_err());
     }
 }

@@ -91,7 +91,8 @@ pub struct Sampling {
     pub bad_words: Option<Vec<String>>,
     /// EOS and stop_token_ids are masked until this many tokens are out.
     pub min_tokens: Option<u32>,
-    /// Keep the stop string that ended a choice at the end of its text.
+    /// Keep the text of the stop token (`stop_token_ids`, EOS) that ended a choice at the end
+    /// of its text; refused with `stop` strings, which are always cut.
     #[serde(default, deserialize_with = "null_is_false")]
     pub include_stop_str_in_output: bool,
     /// Only `true` (the default): kiln never writes special tokens into the text.
@@ -167,11 +168,21 @@ pub struct RequestMessage {
     /// A `tool` message: the id of the call it answers.
     pub tool_call_id: Option<String>,
     /// What an OpenAI response's assistant message may carry back into the history (a
-    /// refusal's text, audio): accepted, and left out of the prompt.
+    /// refusal's text, audio, annotations such as URL citations; vLLM's reasoning text):
+    /// accepted, and left out of the prompt. openai-python's `model_dump()` writes them, null
+    /// or empty, into every assistant message.
     #[serde(default, rename = "refusal")]
     pub _refusal: Option<Value>,
     #[serde(default, rename = "audio")]
     pub _audio: Option<Value>,
+    #[serde(default, rename = "annotations")]
+    pub _annotations: Option<Value>,
+    #[serde(default, rename = "reasoning_content")]
+    pub _reasoning_content: Option<Value>,
+    /// The deprecated form of `tool_calls`: accepted when null (as `model_dump()` writes it);
+    /// a call in it is refused, since the template would never see it.
+    #[serde(default)]
+    pub function_call: Option<Value>,
 }
 
 /// A boolean the OpenAI API allows to be `null`: absent and `null` both read as false.
@@ -209,6 +220,9 @@ pub struct ChatRequest {
 impl RequestMessage {
     /// The message as the chat template sees it: the text parts joined by newlines.
     pub fn to_template(&self) -> Result<ChatMessage, String> {
+        if self.function_call.is_some() {
+            return Err("function_call is not supported: send the call in tool_calls".into());
+        }
         let content = match &self.content {
             None if self.role == "assistant" && self.tool_calls.is_some() => String::new(),
             None => return Err(format!("a {} message needs content", self.role)),

@@ -221,6 +221,38 @@ async fn a_chat_prompt_too_long_for_the_context_names_messages() {
     server.stop().await;
 }
 
+/// `truncate_prompt_tokens` keeps a prompt's last tokens, so a text far longer than the
+/// context is served when it asks for truncation: the byte bound, which refuses such a text
+/// before tokenizing it, does not apply (the body limit still bounds the work).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_prompt_tokens_serves_a_text_longer_than_the_context() {
+    let server = start(Setup::default()).await;
+    let per_token = max_token_bytes(&loaded().tokenizer);
+    let long = "ROMEO. ".repeat(512 * per_token / 7 + 100);
+    assert!(long.len() > 512 * per_token, "beyond the byte bound");
+    let completion = json!({"model": MODEL, "prompt": long, "max_tokens": 2,
+                            "truncate_prompt_tokens": 8});
+    let chat = json!({"model": MODEL, "max_tokens": 2, "truncate_prompt_tokens": 8,
+                      "messages": [{"role": "user", "content": long}]});
+    for (path, body) in [
+        ("/v1/completions", &completion),
+        ("/v1/chat/completions", &chat),
+    ] {
+        let r = server.json(path, body).await;
+        assert_eq!(r["usage"]["prompt_tokens"], 8, "{path}");
+        // Without truncation the same text is refused by its bytes.
+        let mut refused = body.clone();
+        refused
+            .as_object_mut()
+            .unwrap()
+            .remove("truncate_prompt_tokens");
+        let response = server.post(path).json(&refused).send().await.unwrap();
+        let e = expect_error(response, StatusCode::BAD_REQUEST).await;
+        assert!(e["message"].as_str().unwrap().contains("bytes"), "{e}");
+    }
+    server.stop().await;
+}
+
 // ─────────────────────────────────── 2. connections ───────────────────────────────────
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

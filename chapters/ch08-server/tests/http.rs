@@ -509,6 +509,105 @@ async fn n_choices_are_indexed_and_seeded_one_apart() {
     server.stop().await;
 }
 
+/// Without a `seed`, every choice of a prompt list samples its own stream: two equal prompts
+/// answer differently, as vLLM's do. With a `seed`, each prompt's choice `i` is seeded
+/// `seed + i` (vLLM's rule), so equal prompts answer the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equal_prompts_of_a_list_sample_apart_unless_seeded() {
+    let server = start(Setup::default()).await;
+    let body = json!({"model": MODEL, "prompt": [PROMPT, PROMPT], "temperature": 1.0,
+                      "max_tokens": 20, "ignore_eos": true});
+    let r = server.json("/v1/completions", &body).await;
+    let (a, b) = (text_of(&r["choices"][0]), text_of(&r["choices"][1]));
+    assert_ne!(a, b, "two unseeded prompts shared one random stream");
+    // n 2: four choices, four streams.
+    let mut wide = body.clone();
+    wide["n"] = json!(2);
+    let r = server.json("/v1/completions", &wide).await;
+    let texts: Vec<&str> = (0..4).map(|i| text_of(&r["choices"][i])).collect();
+    for i in 0..4 {
+        for j in i + 1..4 {
+            assert_ne!(texts[i], texts[j], "choices {i} and {j}: {texts:?}");
+        }
+    }
+    // Seeded: prompt p's choice i is seed + i, whatever p.
+    let mut seeded = wide.clone();
+    seeded["seed"] = json!(7);
+    let r = server.json("/v1/completions", &seeded).await;
+    let texts: Vec<&str> = (0..4).map(|i| text_of(&r["choices"][i])).collect();
+    assert_eq!([texts[0], texts[1]], [texts[2], texts[3]]);
+    assert_ne!(texts[0], texts[1]);
+    server.stop().await;
+}
+
+/// openai-python's `message.model_dump()` writes `annotations` and `function_call` (null)
+/// into an assistant message, and vLLM's responses carry `reasoning_content`: a history sent
+/// back as the client holds it is accepted. A real `function_call` is refused (kiln reads
+/// `tool_calls`), never dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_history_as_openai_python_dumps_it_is_accepted() {
+    let server = start(Setup::default()).await;
+    let chat = |assistant: Value| {
+        json!({"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "Speak."},
+            assistant,
+            {"role": "user", "content": "Again."}]})
+    };
+    let dumped = json!({"role": "assistant", "content": "Anon.", "refusal": null,
+                        "annotations": [], "audio": null, "function_call": null,
+                        "tool_calls": null, "reasoning_content": "thinking"});
+    let plain = json!({"role": "assistant", "content": "Anon."});
+    let mut greedy = chat(dumped);
+    greedy["temperature"] = json!(0);
+    let mut control = chat(plain);
+    control["temperature"] = json!(0);
+    let r = server.json("/v1/chat/completions", &greedy).await;
+    let same = server.json("/v1/chat/completions", &control).await;
+    assert_eq!(
+        r["usage"], same["usage"],
+        "the extra fields stay out of the prompt"
+    );
+    assert_eq!(r["choices"][0]["message"], same["choices"][0]["message"]);
+    let called = json!({"role": "assistant", "content": null,
+                        "function_call": {"name": "f", "arguments": "{}"}});
+    let response = server
+        .post("/v1/chat/completions")
+        .json(&chat(called))
+        .send()
+        .await
+        .unwrap();
+    let e = expect_error(response, StatusCode::BAD_REQUEST).await;
+    assert_eq!(e["param"], "messages", "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("function_call"),
+        "{e}"
+    );
+    server.stop().await;
+}
+
+/// A chat request that says `max_completion_tokens` is answered about
+/// `max_completion_tokens`, not `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_name_max_completion_tokens_when_the_client_sent_it() {
+    let server = start(Setup::default()).await;
+    for field in ["max_completion_tokens", "max_tokens"] {
+        // 0; more than the context of 512 tokens (refused before the prompt is tokenized);
+        // more than it holds after the prompt (refused once the prompt is counted).
+        for value in [0, 600, 500] {
+            let response = server
+                .post("/v1/chat/completions")
+                .json(&json!({"model": MODEL, field: value,
+                              "messages": [{"role": "user", "content": "Speak."}]}))
+                .send()
+                .await
+                .unwrap();
+            let e = expect_error(response, StatusCode::BAD_REQUEST).await;
+            assert_eq!(e["param"], field, "{field}: {value}: {e}");
+        }
+    }
+    server.stop().await;
+}
+
 // ───────────────────────────────────────── 3. stop strings ─────────────────────────────────────────
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -549,17 +648,17 @@ async fn stop_strings_cut_the_text_even_across_tokens() {
     assert_eq!(cut["choices"][0]["finish_reason"], "stop");
     assert!(cut["usage"]["completion_tokens"].as_u64().unwrap() < 40);
 
-    // A stop string that spans two tokens: the end of one piece and the start of the next.
-    let i = (1..pieces.len() - 1)
-        .find(|&i| !pieces[i].is_empty() && !pieces[i + 1].is_empty())
-        .expect("two non-empty pieces in a row");
-    let across: String = pieces[i]
-        .chars()
-        .last()
-        .into_iter()
-        .chain(pieces[i + 1].chars().next())
-        .collect();
-    let expected = &text[..text.find(&across).unwrap()];
+    // A stop string that spans two tokens: the end of one piece and the start of the next,
+    // chosen where it first appears across that boundary (not inside an earlier token).
+    let (across, at) = (1..pieces.len() - 1)
+        .find_map(|i| {
+            let last = pieces[i].chars().last()?;
+            let across: String = [last, pieces[i + 1].chars().next()?].into_iter().collect();
+            let at = pieces[..=i].concat().len() - last.len_utf8();
+            (text.find(&across) == Some(at)).then_some((across, at))
+        })
+        .expect("two characters that first appear across a token boundary");
+    let expected = &text[..at];
     for stream in [false, true] {
         let mut b = with_stop(json!([across, "never appears \u{1F600}"]));
         let got = if stream {
@@ -995,6 +1094,44 @@ async fn a_request_over_the_whole_token_limit_gets_429_without_retry_after() {
             &json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}),
         )
         .await;
+    server.stop().await;
+}
+
+/// A chat request without `max_tokens` may use the rest of the context, for each of its
+/// choices: 16 × ~490 tokens, more than a minute's 1,000. It is served, each choice held to
+/// its share of the minute's tokens, and charged exactly that: the same request at once
+/// must wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_max_tokens_is_held_to_the_token_limit_not_refused() {
+    let mut setup = Setup::default();
+    setup.config.rate_limit = Some(RateLimit {
+        requests_per_minute: None,
+        tokens_per_minute: Some(1000),
+    });
+    let server = start(setup).await;
+    let body = json!({"model": MODEL, "n": 16, "temperature": 1.0, "seed": 3,
+                      "messages": [{"role": "user", "content": "Speak."}]});
+    let r = server.json("/v1/chat/completions", &body).await;
+    let prompt = r["usage"]["prompt_tokens"].as_u64().unwrap();
+    let completion = r["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(prompt + completion <= 1000, "{}", r["usage"]);
+    let share = (1000 - prompt) / 16;
+    for choice in r["choices"].as_array().unwrap() {
+        let reason = choice["finish_reason"].as_str().unwrap();
+        assert!(["stop", "length"].contains(&reason), "{choice}");
+    }
+    assert!(completion <= 16 * share, "{completion} > 16 × {share}");
+    let again = server
+        .post("/v1/chat/completions")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        again.headers().get("retry-after").is_some(),
+        "waiting helps"
+    );
+    expect_error(again, StatusCode::TOO_MANY_REQUESTS).await;
     server.stop().await;
 }
 

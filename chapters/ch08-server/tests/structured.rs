@@ -371,14 +371,24 @@ async fn cheap_vllm_parameters_are_honoured() {
             "{word:?} in {text:?}"
         );
     }
-    // min_tokens: no choice stops early.
-    let body = server
-        .json(
-            "/v1/completions",
-            &with(json!({"min_tokens": 12, "temperature": 0.0, "n": 1})),
-        )
-        .await;
-    assert_eq!(body["usage"]["completion_tokens"], 12);
+    // min_tokens: no choice stops early. The control: the same greedy run without it stops
+    // before 12 tokens, at a stop token that its first greedy token is made into.
+    let first = ids_of(
+        &server
+            .json(
+                "/v1/completions",
+                &with(json!({"temperature": 0.0, "n": 1, "max_tokens": 1})),
+            )
+            .await,
+    )[0][0];
+    let greedy = json!({"temperature": 0.0, "n": 1, "stop_token_ids": [first]});
+    let body = server.json("/v1/completions", &with(greedy.clone())).await;
+    assert_eq!(body["usage"]["completion_tokens"], 1, "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    let mut min = greedy;
+    min["min_tokens"] = json!(12);
+    let body = server.json("/v1/completions", &with(min)).await;
+    assert_eq!(body["usage"]["completion_tokens"], 12, "{body}");
     // truncate_prompt_tokens keeps the prompt's last tokens; priority 0 is accepted (another
     // needs --scheduling-policy priority).
     let body = server
@@ -389,6 +399,72 @@ async fn cheap_vllm_parameters_are_honoured() {
         .await;
     assert_eq!(body["usage"]["prompt_tokens"], 3);
     server.wait_idle().await;
+    server.stop().await;
+}
+
+/// A `stop_token_ids` token ends its choice and, as in vLLM, its text is not in the output
+/// (it is still counted in the usage and has its logprob); `include_stop_str_in_output`
+/// keeps it. `logit_bias` makes " the" every token, `min_tokens` masks it for three first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_token_ids_text_is_left_out_unless_asked_for() {
+    let server = start(Setup::default()).await;
+    let the = loaded().tokenizer.encode(" the", false).unwrap();
+    assert_eq!(the.len(), 1, "{the:?}");
+    let the = the[0];
+    let body = |extra: Value| {
+        let mut body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 10,
+                              "temperature": 0.0, "logprobs": 0,
+                              "logit_bias": {the.to_string(): 100}, "stop_token_ids": [the]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    for stream in [false, true] {
+        let mut cases = vec![
+            (json!({}), 1, String::new()),
+            (
+                json!({"include_stop_str_in_output": true}),
+                1,
+                " the".to_string(),
+            ),
+        ];
+        // Three other tokens first: their text, without the stop token's.
+        let three = server
+            .json("/v1/completions", &body(json!({"min_tokens": 3})))
+            .await;
+        let tokens = three["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap();
+        assert_eq!(tokens.len(), 4, "{three}");
+        assert_eq!(tokens[3], " the");
+        let before: String = tokens[..3].iter().map(|t| t.as_str().unwrap()).collect();
+        cases.push((json!({"min_tokens": 3}), 4, before));
+        for (extra, count, text) in cases {
+            let mut b = body(extra.clone());
+            let (got, usage, reason) = if stream {
+                let events = server.stream("/v1/completions", &streamed(&b)).await;
+                let (chunks, last) = split_usage(&events);
+                let text: String = chunks.iter().map(|c| text_of(&c["choices"][0])).collect();
+                let reason = chunks.last().unwrap()["choices"][0]["finish_reason"].clone();
+                (text, last["usage"].clone(), reason)
+            } else {
+                b["stream"] = json!(false);
+                let r = server.json("/v1/completions", &b).await;
+                let lp = &r["choices"][0]["logprobs"]["tokens"];
+                assert_eq!(lp.as_array().unwrap().len(), count, "{r}");
+                let c = &r["choices"][0];
+                (
+                    text_of(c).to_string(),
+                    r["usage"].clone(),
+                    c["finish_reason"].clone(),
+                )
+            };
+            assert_eq!(got, text, "{extra} (stream {stream})");
+            assert_eq!(usage["completion_tokens"], count, "{extra}");
+            assert_eq!(reason, "stop", "{extra}");
+        }
+    }
     server.stop().await;
 }
 

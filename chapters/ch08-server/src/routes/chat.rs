@@ -75,10 +75,22 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
     };
     let tools = tools::parse_tools(request.sampling.tools.as_deref().unwrap_or_default())?;
     let mode = tools::tool_mode(request.sampling.tool_choice.as_ref(), &tools)?;
-    let prompt = render_and_tokenize(&state, messages, &request, max_tokens, &mode).await?;
+    // Errors about the completion's length name the field the client sent.
+    let max_tokens_param = match request.max_completion_tokens {
+        Some(_) => "max_completion_tokens",
+        None => "max_tokens",
+    };
+    let named = max_tokens.map(|m| (m, max_tokens_param));
+    let prompt = render_and_tokenize(&state, messages, &request, named, &mode).await?;
     let (number, seed) = state.number_request();
-    let mut generation =
-        params::generation(&request.sampling, max_tokens, logprobs, seed, &state.limits)?;
+    let mut generation = params::generation_as(
+        &request.sampling,
+        max_tokens,
+        max_tokens_param,
+        logprobs,
+        seed,
+        &state.limits,
+    )?;
     let parallel = request.sampling.parallel_tool_calls.unwrap_or(true);
     if let Some(constraint) = tools::constraint(&mode, &tools, parallel) {
         if let Some((_, param)) = &generation.constraint {
@@ -116,16 +128,23 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
 
 /// The messages through the chat template, then tokenized, off the async runtime. The
 /// messages' text is refused by its bytes first (the template only adds to it), and the
-/// rendered text again before it is tokenized.
+/// rendered text again before it is tokenized; neither for a request that asks for
+/// `truncate_prompt_tokens`, whose prompt may be longer than the context.
 async fn render_and_tokenize(
     state: &Arc<AppState>,
     messages: Vec<ChatMessage>,
     request: &ChatRequest,
-    max_tokens: Option<u32>,
+    max_tokens: Option<(u32, &'static str)>,
     mode: &ToolMode,
 ) -> Result<Vec<u32>, ApiError> {
+    let truncating = request
+        .sampling
+        .truncate_prompt_tokens
+        .is_some_and(|k| k >= 1);
     let bytes = messages.iter().map(|m| m.content.len()).sum();
-    params::fits_by_bytes(bytes, max_tokens, "messages", &state.limits)?;
+    if !truncating {
+        params::fits_by_bytes(bytes, max_tokens, "messages", &state.limits)?;
+    }
     let continue_final = request.continue_final_message;
     let add_generation_prompt = match (continue_final, request.add_generation_prompt) {
         (true, Some(true)) => {
@@ -175,7 +194,9 @@ async fn render_and_tokenize(
                 })?;
                 text.truncate(end);
             }
-            params::fits_by_bytes(text.len(), max_tokens, "messages", &shared.limits)?;
+            if !truncating {
+                params::fits_by_bytes(text.len(), max_tokens, "messages", &shared.limits)?;
+            }
             // The template writes the special tokens (BOS) itself, unless asked.
             shared
                 .tokenizer

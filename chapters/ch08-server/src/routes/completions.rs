@@ -50,9 +50,15 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
     }
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     let special = request.add_special_tokens.unwrap_or(true);
+    // A prompt to be truncated may be longer than the context: no byte bound applies.
+    let truncating = request
+        .sampling
+        .truncate_prompt_tokens
+        .is_some_and(|k| k >= 1);
+    let bound = (!truncating).then_some(max_tokens);
     let (prompts, texts) = match request.prompt {
-        Prompt::Text(text) => tokenize(&state, vec![text], max_tokens, special).await?,
-        Prompt::Texts(texts) => tokenize(&state, texts, max_tokens, special).await?,
+        Prompt::Text(text) => tokenize(&state, vec![text], bound, special).await?,
+        Prompt::Texts(texts) => tokenize(&state, texts, bound, special).await?,
         Prompt::Tokens(tokens) => (vec![tokens], None),
         Prompt::TokenLists(lists) => {
             params::check_prompt_count(lists.len(), &state.limits)?;
@@ -71,7 +77,7 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
     // Token prompts are echoed once the plan has checked them (lengths, vocabulary).
     let echoed_tokens = (request.echo && texts.is_none()).then(|| prompts.clone());
     let planned = generation.plan(prompts, "prompt", &state.limits)?;
-    let echo = if request.echo {
+    let echo: Option<Vec<String>> = if request.echo {
         Some(match texts {
             Some(texts) => texts,
             None => echoed_tokens
@@ -88,6 +94,9 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
     } else {
         None
     };
+    if let Some(echo) = &echo {
+        generation.check_echo(&planned, echo)?;
+    }
     serve_generation(Job {
         shape: CompletionShape {
             id: format!("cmpl-{number}"),
@@ -108,17 +117,21 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
 
 // ANCHOR: tokenize
 /// Tokenizes text prompts off the async runtime (see [`AppState::off_runtime`]), after
-/// refusing, by their bytes alone, a list that is too long and a text that cannot fit the
-/// context with `max_tokens`. Returns the prompts' ids and their texts (for echo).
+/// refusing, by their bytes alone, a list that is too long and, given `bound` (the request's
+/// `max_tokens`, `None` for a prompt to be truncated), a text that cannot fit the context with
+/// it. Returns the prompts' ids and their texts (for echo).
 async fn tokenize(
     state: &Arc<AppState>,
     texts: Vec<String>,
-    max_tokens: u32,
+    bound: Option<u32>,
     add_special_tokens: bool,
 ) -> Result<(Vec<Vec<u32>>, Option<Vec<String>>), ApiError> {
     params::check_prompt_count(texts.len(), &state.limits)?;
-    for text in &texts {
-        params::fits_by_bytes(text.len(), Some(max_tokens), "prompt", &state.limits)?;
+    if let Some(max_tokens) = bound {
+        for text in &texts {
+            let max_tokens = Some((max_tokens, "max_tokens"));
+            params::fits_by_bytes(text.len(), max_tokens, "prompt", &state.limits)?;
+        }
     }
     let shared = Arc::clone(state);
     state

@@ -264,7 +264,16 @@ pub async fn compile_rules(
 }
 // ANCHOR_END: compile_rules
 
-pub async fn serve_generation<S: Shape>(job: Job<S>) -> Result<Response, ApiError> {
+pub async fn serve_generation<S: Shape>(mut job: Job<S>) -> Result<Response, ApiError> {
+    // Without max_tokens, each choice may use the rest of the context: under a tokens-per-
+    // minute limit, no more than a minute's tokens (a larger budget could never be admitted).
+    let tokens_per_minute =
+        (job.state.rate_limiter.as_ref()).and_then(|l| l.limit().tokens_per_minute);
+    if job.generation.max_tokens.is_none()
+        && let Some(limit) = tokens_per_minute
+    {
+        job.planned.hold_to(limit);
+    }
     // Check the admission rules before spawning anything.
     let sequences = job.planned.requests.len();
     let admitted = job.state.admit(&job.key, sequences, job.planned.budget())?;
