@@ -19,10 +19,21 @@
 //! with the request's temperature and filters (no penalties), from a stream seeded by the
 //! request's seed, and hand over that distribution as `probs`.
 //!
-//! Invariants: a state's `known.len() == table.num_tokens()`; every block of every state is
-//! the draft manager's, and [`ModelDrafter::release`] frees them. When blocks run out, the
-//! states of requests not proposing now are dropped first; a sequence that still does not
-//! fit gets no drafts this step.
+//! Catching up (a new request's prompt, or a state dropped and recomputed) is bounded: the
+//! tokens of step 1 of one proposal are at most the catch-up budget
+//! ([`ModelDrafter::with_catch_up_budget`]). A sequence whose tokens past `keep` do not fit in
+//! what is left of it runs a chunk of them (never its last token) and gets no drafts this step.
+//!
+//! Invariants: a cache's `known.len() == table.num_tokens()`, and `known` is never longer than
+//! all but the sequence's last token after a sync; every block of every cache is the draft
+//! manager's, held by that cache alone, and [`ModelDrafter::release`] frees them. A request's
+//! drafting sampler lives apart from its cache, from its first proposal to its release: a
+//! cache that is dropped and recomputed continues the same random stream, so each draft is a
+//! fresh draw from q given the history (a restarted stream would reuse uniforms that already
+//! shaped the output, and the output would no longer be distributed as the target's). When
+//! blocks run out, the caches of requests not proposing now are dropped, least recently used
+//! first (ties: lowest id), and only if that makes room; a sequence that still does not fit,
+//! or that has reached the draft model's context, gets no drafts and lets go of its cache.
 
 use std::collections::HashMap;
 
@@ -34,13 +45,18 @@ use ch04::{
 
 use crate::drafter::{DraftError, Drafter};
 
-/// What the draft cache holds for one request.
-struct DraftState {
+/// Tokens step 1 of one proposal runs at most, unless set with
+/// [`ModelDrafter::with_catch_up_budget`].
+pub const DEFAULT_CATCH_UP_BUDGET: usize = 512;
+
+/// What the draft cache holds for one request. Dropped when blocks run out (the request's
+/// sampler is kept elsewhere).
+struct DraftCache {
     table: BlockTable,
     /// Tokens whose K/V are in `table`, positions `0..known.len()`.
     known: Vec<u32>,
-    /// The request's drafting sampler (no penalties), `None` for greedy requests.
-    sampler: Option<Sampler>,
+    /// The proposal that last used this cache (eviction order: least recent first).
+    last_used: u64,
 }
 
 /// A draft model with its own executor and paged KV cache.
@@ -49,10 +65,18 @@ pub struct ModelDrafter<'m> {
     manager: BlockManager,
     vocab: usize,
     max_len: usize,
-    states: HashMap<RequestId, DraftState>,
+    caches: HashMap<RequestId, DraftCache>,
+    /// Each sampled request's drafting sampler (no penalties), from its first proposal to its
+    /// release: never dropped with its cache, so its stream never restarts.
+    samplers: HashMap<RequestId, Sampler>,
+    /// Most tokens step 1 of one proposal runs.
+    catch_up_budget: usize,
+    /// Proposals so far (the clock of `DraftCache::last_used`).
+    proposals: u64,
     /// The draft step being run (reused).
     plan: SchedulerOutput,
-    /// Per entry of `plan.seqs`: the index of its sequence in the proposal, and its k.
+    /// Per entry of `plan.seqs`: the index of its sequence in the proposal, and its k (0 for a
+    /// catch-up chunk, which wants no logits).
     active: Vec<(usize, usize)>,
 }
 
@@ -123,10 +147,21 @@ impl<'m> ModelDrafter<'m> {
             executor,
             vocab: spec.vocab_size,
             max_len: spec.max_model_len,
-            states: HashMap::new(),
+            caches: HashMap::new(),
+            samplers: HashMap::new(),
+            catch_up_budget: DEFAULT_CATCH_UP_BUDGET,
+            proposals: 0,
             plan: SchedulerOutput::default(),
             active: Vec::new(),
         })
+    }
+
+    /// The same drafter, whose step 1 runs at most `tokens` tokens a proposal (at least 1):
+    /// a sequence that has more to catch up runs it in chunks over several steps, without
+    /// drafts until it has caught up.
+    pub fn with_catch_up_budget(mut self, tokens: usize) -> Self {
+        self.catch_up_budget = tokens.max(1);
+        self
     }
 
     /// Share of the draft cache's blocks in use (0 once every request was released).
@@ -136,25 +171,49 @@ impl<'m> ModelDrafter<'m> {
 
     /// The draft manager's invariants against its live tables.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let tables: Vec<&BlockTable> = self.states.values().map(|s| &s.table).collect();
+        let tables: Vec<&BlockTable> = self.caches.values().map(|c| &c.table).collect();
         self.manager.check_invariants(&tables)
     }
 
-    /// Reserves `n` more positions for `id`, dropping the states of requests not in `keep`
-    /// when blocks run out. False if it still does not fit.
+    /// Drops `id`'s cache and frees its blocks; its sampler stays.
+    fn evict(&mut self, id: RequestId) {
+        if let Some(cache) = self.caches.remove(&id) {
+            self.manager.free(cache.table);
+        }
+    }
+
+    /// Reserves `n` more positions for `id`, dropping the caches of requests not in `keep`,
+    /// least recently used first, when blocks run out. False, and nothing dropped, if even
+    /// all of those would not make room.
     fn reserve(&mut self, id: RequestId, n: usize, keep: &[DraftSeq]) -> bool {
+        let evictable = |v: &RequestId| !keep.iter().any(|s| s.id == *v);
+        let table = &self.caches[&id].table;
+        let needed = (table.num_tokens() + n)
+            .div_ceil(self.manager.block_size())
+            .saturating_sub(table.blocks().len());
+        // No prefix caching and no forks: every block of a dropped cache comes back.
+        let reclaimable: usize = self
+            .caches
+            .iter()
+            .filter(|(v, _)| evictable(v))
+            .map(|(_, c)| c.table.blocks().len())
+            .sum();
+        if needed > self.manager.num_free_blocks() + reclaimable {
+            return false;
+        }
         loop {
-            let state = self.states.get_mut(&id).expect("made by the caller");
-            if self.manager.reserve(&mut state.table, n).is_ok() {
+            let cache = self.caches.get_mut(&id).expect("made by the caller");
+            if self.manager.reserve(&mut cache.table, n).is_ok() {
                 return true;
             }
             let victim = self
-                .states
-                .keys()
-                .copied()
-                .find(|v| !keep.iter().any(|s| s.id == *v));
+                .caches
+                .iter()
+                .filter(|(v, _)| evictable(v))
+                .min_by_key(|(v, c)| (c.last_used, **v))
+                .map(|(v, _)| *v);
             match victim {
-                Some(v) => self.release(v),
+                Some(v) => self.evict(v),
                 None => return false,
             }
         }
@@ -235,49 +294,75 @@ impl Drafter for ModelDrafter<'_> {
     // ANCHOR: propose
     fn propose(&mut self, seqs: &[DraftSeq], drafts: &mut [Draft]) -> Result<(), DraftError> {
         let block_size = self.manager.block_size();
+        self.proposals += 1;
         self.plan.seqs.clear();
         self.active.clear();
+        let mut budget = self.catch_up_budget;
         // Sync each sequence's draft cache with its tokens; plan the first draft step.
         for (i, seq) in seqs.iter().enumerate() {
-            if let std::collections::hash_map::Entry::Vacant(entry) = self.states.entry(seq.id) {
-                entry.insert(DraftState {
-                    table: BlockTable::new(block_size),
-                    known: Vec::new(),
-                    sampler: drafting_sampler(seq.params)?,
-                });
+            if !self.samplers.contains_key(&seq.id)
+                && let Some(sampler) = drafting_sampler(seq.params)?
+            {
+                self.samplers.insert(seq.id, sampler);
             }
             // Positions T-1 .. T+k-2 run: all within the draft model's context.
             let len = seq.tokens.len();
             let k = seq.max_drafts.min(self.max_len.saturating_sub(len));
-            let state = self.states.get_mut(&seq.id).expect("inserted");
-            let keep = common_prefix(&state.known, seq.tokens).min(len - 1);
-            state.known.truncate(keep);
-            self.manager.rollback(&mut state.table, keep);
-            if k == 0 || !self.reserve(seq.id, len - keep + k - 1, seqs) {
+            if k == 0 {
+                self.evict(seq.id); // past the draft model's context: it never drafts again
                 continue;
             }
-            let state = &self.states[&seq.id];
+            let cache = self.caches.entry(seq.id).or_insert_with(|| DraftCache {
+                table: BlockTable::new(block_size),
+                known: Vec::new(),
+                last_used: 0,
+            });
+            cache.last_used = self.proposals;
+            let keep = common_prefix(&cache.known, seq.tokens).min(len - 1);
+            cache.known.truncate(keep);
+            self.manager.rollback(&mut cache.table, keep);
+            // All of its new tokens and k drafts if they fit in the budget; else a chunk
+            // short of its last token, and no drafts.
+            let (run, k) = if len - keep <= budget {
+                (len - keep, k)
+            } else {
+                ((len - 1 - keep).min(budget), 0)
+            };
+            if run == 0 {
+                continue; // the budget is spent: its cache waits for the next step
+            }
+            if !self.reserve(seq.id, run + k.saturating_sub(1), seqs) {
+                self.evict(seq.id); // no drafts, and no blocks held for nothing
+                continue;
+            }
+            budget -= run;
             self.plan.seqs.push(ScheduledSeq {
                 id: seq.id,
-                tokens: seq.tokens[keep..].to_vec(),
+                tokens: seq.tokens[keep..keep + run].to_vec(),
                 start_pos: keep,
-                block_table: state.table.blocks().to_vec(),
-                logit_rows: 1,
+                block_table: self.caches[&seq.id].table.blocks().to_vec(),
+                logit_rows: usize::from(k > 0),
             });
             self.active.push((i, k));
         }
         // k batched draft forwards.
         while !self.plan.seqs.is_empty() {
             let logits = self.executor.execute(&self.plan)?;
-            for (r, (scheduled, &(i, _))) in self.plan.seqs.iter().zip(&self.active).enumerate() {
-                let state = self.states.get_mut(&scheduled.id).expect("planned");
-                state.known.extend_from_slice(&scheduled.tokens);
-                self.manager.commit(&mut state.table, state.known.len());
+            let mut r = 0;
+            for (scheduled, &(i, k)) in self.plan.seqs.iter().zip(&self.active) {
+                let cache = self.caches.get_mut(&scheduled.id).expect("planned");
+                cache.known.extend_from_slice(&scheduled.tokens);
+                self.manager.commit(&mut cache.table, cache.known.len());
+                if k == 0 {
+                    continue; // a catch-up chunk: no logits
+                }
                 let row = logits.row(r);
+                r += 1;
                 let row = row
                     .to_slice()
                     .ok_or_else(|| ExecutorError("non-contiguous logits".into()))?;
-                let token = choose(row, state.sampler.as_mut(), self.vocab, &mut drafts[i])?;
+                let sampler = self.samplers.get_mut(&scheduled.id);
+                let token = choose(row, sampler, self.vocab, &mut drafts[i])?;
                 drafts[i].tokens.push(token);
             }
             // The next step: every sequence that wants more drafts runs its last one.
@@ -290,7 +375,7 @@ impl Drafter for ModelDrafter<'_> {
                     let next = &mut self.plan.seqs[j];
                     next.tokens.clear();
                     next.tokens.push(last);
-                    next.start_pos = self.states[&id].known.len();
+                    next.start_pos = self.caches[&id].known.len();
                     self.plan.seqs.swap(kept, j);
                     self.active.swap(kept, j);
                     kept += 1;
@@ -301,8 +386,8 @@ impl Drafter for ModelDrafter<'_> {
         }
         // The lookahead reserved but not written goes back.
         for seq in seqs {
-            if let Some(state) = self.states.get_mut(&seq.id) {
-                self.manager.rollback(&mut state.table, state.known.len());
+            if let Some(cache) = self.caches.get_mut(&seq.id) {
+                self.manager.rollback(&mut cache.table, cache.known.len());
             }
         }
         Ok(())
@@ -310,8 +395,7 @@ impl Drafter for ModelDrafter<'_> {
     // ANCHOR_END: propose
 
     fn release(&mut self, id: RequestId) {
-        if let Some(state) = self.states.remove(&id) {
-            self.manager.free(state.table);
-        }
+        self.evict(id);
+        self.samplers.remove(&id);
     }
 }

@@ -1,7 +1,8 @@
 //! Greedy speculative decoding equals the target alone, token for token, whatever drafts:
 //! n-gram lookup, the tiny model drafting for the small one, the small one's first layers, an
-//! adversary's random tokens and an oracle's right ones; for several k. Afterwards every KV
-//! block of the target's cache and of the draft model's is free.
+//! adversary's random tokens and an oracle's right ones; for several k, and with a draft model
+//! that catches up a few tokens a step. Afterwards every KV block of the target's cache and of
+//! the draft model's is free.
 
 mod common;
 
@@ -84,6 +85,13 @@ fn a_draft_model_equals_the_target_alone_and_frees_its_own_blocks() {
         assert_eq!(drafter.kv_usage(), 0.0, "draft blocks still held");
         drafter.check_invariants().unwrap();
     }
+    // Catching up a few tokens a step: the prompts take several steps before drafting.
+    let executor = draft_executor(&draft, 4, 4 << 20).unwrap();
+    let drafter = ModelDrafter::new(executor, target.config.vocab_size)
+        .unwrap()
+        .with_catch_up_budget(5);
+    let c = run(&target, drafter, 3, &expected);
+    assert!(c.spec_decode_num_accepted_tokens > 0, "nothing accepted");
 }
 
 #[test]
