@@ -163,7 +163,8 @@ fn a_failing_rank_ends_the_job_with_its_error() {
     assert!(!output.status.success());
     let err = String::from_utf8_lossy(&output.stderr);
     assert!(err.contains("needs 3 processes"), "{err}");
-    // The worker runs another model: the first step's collectives disagree on every rank.
+    // The worker runs another model: it refuses rank 0's plan, whose fingerprint is not its
+    // shard's, before any step runs (WorkerError::OtherModel), and ends the job with that.
     let gqa = fixtures_dir().join("random/gqa");
     let two = [
         "--tensor-parallel-size",
@@ -174,7 +175,11 @@ fn a_failing_rank_ends_the_job_with_its_error() {
     let output = group_with(2, &[&generate[..], &two].concat(), &["--model", path(&gqa)]);
     assert!(!output.status.success());
     let err = String::from_utf8_lossy(&output.stderr);
-    assert!(err.contains("tensor-parallel"), "{err}");
+    assert!(
+        err.contains("tensor-parallel rank 1")
+            && err.contains("this rank's model differs from rank 0's"),
+        "{err}"
+    );
 }
 
 /// `mpirun -n 2 kiln bench ch08-tp --communicator mpi --quick`: both processes time the

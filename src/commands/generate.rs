@@ -108,8 +108,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.model.device
         );
     }
-    // On a GPU the host reads no weights: the executor loads them onto the device.
-    let (host, model) = args.model.load_for_device()?;
+    // On a GPU the host reads no weights: the executor loads them onto the device. Nor with
+    // tensor parallelism, whose ranks load their own shards, unless the drafter runs the
+    // target's own layers from host memory (layer skip).
+    let (host, model) = args
+        .tensor_parallel
+        .load_host(&args.model, args.speculative.needs_target_weights()?)?;
     let seed = args.seed.unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -289,7 +293,8 @@ fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
 }
 
 /// Every prompt at once through chapter 4's engine; the completions in line order. `model`:
-/// the host weights (`None` on a GPU, whose executor loads its own).
+/// the host weights (`None` on a GPU, whose executor loads its own, and on tensor-parallel
+/// ranks, which load their shards, unless a layer-skip drafter needs them).
 fn run_many(
     args: &Args,
     prompts: &[String],
@@ -300,26 +305,28 @@ fn run_many(
     let tokenizer = &host.tokenizer;
     let cache = args.kv.cache(&host.config, &args.model.dtype)?;
     let attention = args.attention.kind_on(args.model.device)?;
-    let executor = match (args.model.device, model) {
-        (DeviceSpec::Cuda(_), _) if args.tensor_parallel.is_parallel() => {
+    let executor = match args.model.device {
+        DeviceSpec::Cuda(_) if args.tensor_parallel.is_parallel() => {
             anyhow::bail!("tensor parallelism does not run on the GPU yet")
         }
-        (DeviceSpec::Cuda(_), _) => args.model.gpu_executor(&host.config, &cache)?,
-        (DeviceSpec::Cpu, Some(model)) => {
-            args.tensor_parallel
-                .executor(&args.model, model, &cache, attention)?
-        }
-        (DeviceSpec::Cpu, None) => anyhow::bail!("the CPU executor needs the host weights"),
+        DeviceSpec::Cuda(_) => args.model.gpu_executor(&host.config, &cache)?,
+        DeviceSpec::Cpu => args
+            .tensor_parallel
+            .executor(&args.model, model, &cache, attention)?,
     };
-    // The draft model lives as long as the engine that borrows it.
-    let draft = match model {
-        Some(model) => args.speculative.load_draft(&args.model.dtype, model)?,
-        None => None,
+    // The draft model (on the CPU; a GPU's executor loads its own) lives as long as the
+    // engine that borrows it.
+    let draft = match args.model.device {
+        DeviceSpec::Cpu => args
+            .speculative
+            .load_draft(&args.model.dtype, &host.config)?,
+        DeviceSpec::Cuda(_) => None,
     };
     let mut engine = Engine::boxed(executor, args.engine.config())?;
-    let target = match model {
-        Some(model) => TargetWeights::Host(model),
-        None => TargetWeights::Gpu(&args.model, &host.config),
+    let target = match (model, args.model.device) {
+        (Some(model), _) => TargetWeights::Host(model),
+        (None, DeviceSpec::Cpu) => TargetWeights::Ranks(&host.config),
+        (None, DeviceSpec::Cuda(_)) => TargetWeights::Gpu(&args.model, &host.config),
     };
     if let Some(speculator) = args
         .speculative

@@ -51,10 +51,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     // Tensor-parallel ranks load their own shards: the host keeps no copy of the weights.
-    let (host, model) = match args.tensor_parallel.is_parallel() {
-        true => (args.model.load_host_side()?, None),
-        false => args.model.load_for_device()?,
-    };
+    let (host, model) = args.tensor_parallel.load_host(&args.model, false)?;
     let tokens = host.tokenizer.encode(&text, false)?;
     let bos = host
         .tokenizer

@@ -162,8 +162,12 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
     let addr = listen_address(&args.host, args.port)?;
     let keys = ApiKeys::load(&args.api_keys, args.api_key_file.as_deref())?;
     // On a GPU the host keeps the tokenizer and the configuration only; the engine thread's
-    // executor reads the weights from --model straight onto the device.
-    let (host, model) = pool.install(|| args.model.load_for_device())?;
+    // executor reads the weights from --model straight onto the device. So it does with
+    // tensor parallelism, whose ranks load their own shards, unless the drafter runs the
+    // target's own layers from host memory (layer skip).
+    let whole_target = args.speculative.needs_target_weights()?;
+    let (host, model) =
+        pool.install(|| args.tensor_parallel.load_host(&args.model, whole_target))?;
     let weights = match model {
         Some(model) => ServedWeights::Host(Arc::new(model)),
         None => ServedWeights::Elsewhere(host.config.clone()),
@@ -302,27 +306,35 @@ fn speculator_factory(
     if spec.method()?.is_none() {
         return Ok(None);
     }
-    let draft: Option<&'static ch01::Llama> = match weights.host() {
-        Some(target) => {
-            let draft = spec
-                .load_draft(&args.model.dtype, target)?
-                .map(|d| &*Box::leak(Box::new(d)));
-            // Build one now, so that a bad flag fails at start rather than in the engine
-            // thread. (On a GPU the engine thread's build fails the start just the same, and
-            // one build there loads the drafter's weights onto the device once.)
-            spec.speculator(TargetWeights::Host(target), draft, &cache)?;
-            draft
-        }
+    let on_cpu = args.model.device == DeviceSpec::Cpu;
+    // A GPU's executor loads the draft model itself.
+    let draft: Option<&'static ch01::Llama> = match on_cpu {
+        true => spec
+            .load_draft(&args.model.dtype, weights.config())?
+            .map(|d| &*Box::leak(Box::new(d))),
+        false => None,
+    };
+    // Build one now, so that a bad flag fails at start rather than in the engine thread. (On a
+    // GPU the engine thread's build fails the start just the same, and one build there loads
+    // the drafter's weights onto the device once.)
+    let target = match weights.host() {
+        Some(target) => Some(TargetWeights::Host(target)),
+        None if on_cpu => Some(TargetWeights::Ranks(weights.config())),
         None => None,
     };
+    if let Some(target) = target {
+        spec.speculator(target, draft, &cache)?;
+    }
     if let Some(line) = spec.describe()? {
         eprintln!("kiln serve: {line}");
     }
     let (model_args, config) = (args.model.clone(), weights.config().clone());
     Ok(Some(SpeculatorFactory(Arc::new(
         move |model: Option<&ch01::Llama>| {
+            // No host weights: the tensor-parallel ranks hold them on the CPU, a GPU elsewhere.
             let target = match model {
                 Some(model) => TargetWeights::Host(model),
+                None if on_cpu => TargetWeights::Ranks(&config),
                 None => TargetWeights::Gpu(&model_args, &config),
             };
             spec.speculator(target, draft, &cache)

@@ -23,6 +23,11 @@ pub enum TargetWeights<'m, 'a> {
     /// it): the draft model, or the target's first layers read again from its files, get an
     /// executor of their own on the same GPU.
     Gpu(&'a ModelArgs, &'a ch01::LlamaConfig),
+    /// Split across tensor-parallel ranks (chapter 8), each holding its shard only (the
+    /// target's configuration): the draft model runs beside them on chapter 4's CPU executor.
+    /// The layer-skip drafter cannot: it runs the target's first layers whole, from host
+    /// memory ([`SpeculativeArgs::needs_target_weights`]).
+    Ranks(&'a ch01::LlamaConfig),
 }
 
 impl TargetWeights<'_, '_> {
@@ -30,7 +35,7 @@ impl TargetWeights<'_, '_> {
     fn config(&self) -> &ch01::LlamaConfig {
         match self {
             TargetWeights::Host(model) => &model.config,
-            TargetWeights::Gpu(_, config) => config,
+            TargetWeights::Gpu(_, config) | TargetWeights::Ranks(config) => config,
         }
     }
 }
@@ -128,20 +133,31 @@ impl SpeculativeArgs {
         }
     }
 
-    /// The draft model, loaded as the target was (`dtype`), if the method is `draft`.
-    pub fn load_draft(&self, dtype: &str, target: &Llama) -> anyhow::Result<Option<Llama>> {
+    /// Whether the drafter needs the target's weights whole in host memory: the layer-skip
+    /// drafter runs its first layers there. (The others need at most its configuration.)
+    pub fn needs_target_weights(&self) -> anyhow::Result<bool> {
+        Ok(self.method()? == Some(SpecMethod::LayerSkip))
+    }
+
+    /// The draft model, loaded as the target was (`dtype`), if the method is `draft`; `target`:
+    /// the target's configuration, whose vocabulary the draft's must equal.
+    pub fn load_draft(
+        &self,
+        dtype: &str,
+        target: &ch01::LlamaConfig,
+    ) -> anyhow::Result<Option<Llama>> {
         let (Some(SpecMethod::Draft), Some(dir)) = (self.method()?, &self.speculative_model) else {
             return Ok(None);
         };
         let dtype: ch02::WeightDtype = dtype.parse().map_err(anyhow::Error::msg)?;
         let draft = ch02::load_fast(dir, dtype)
             .with_context(|| format!("loading the draft model from {}", dir.display()))?;
-        if draft.config.vocab_size != target.config.vocab_size {
+        if draft.config.vocab_size != target.vocab_size {
             bail!(
                 "the draft model {} has {} tokens, the target {}: they must share a tokenizer",
                 dir.display(),
                 draft.config.vocab_size,
-                target.config.vocab_size
+                target.vocab_size
             );
         }
         Ok(Some(draft))
@@ -167,7 +183,7 @@ impl SpeculativeArgs {
         let vocab = target.config().vocab_size;
         let executor = match (method, target) {
             (SpecMethod::Ngram, _) => None,
-            (SpecMethod::Draft, TargetWeights::Host(_)) => {
+            (SpecMethod::Draft, TargetWeights::Host(_) | TargetWeights::Ranks(_)) => {
                 let draft = draft.context("the draft model was not loaded")?;
                 Some(draft_executor(draft, block_size, memory)?)
             }
@@ -175,6 +191,10 @@ impl SpeculativeArgs {
                 let layers = self.layer_skip_layers(&target.config);
                 Some(layer_skip_executor(target, layers, block_size, memory)?)
             }
+            (SpecMethod::LayerSkip, TargetWeights::Ranks(_)) => bail!(
+                "the layer-skip drafter runs the target's first layers from host memory, and \
+                 the ranks hold shards only: load the whole target on the host too"
+            ),
             (SpecMethod::Draft, TargetWeights::Gpu(args, _)) => {
                 let dir = self
                     .speculative_model
@@ -282,9 +302,10 @@ mod tests {
         }
     }
 
-    /// Every method builds a speculator beside a target in host memory; with the target on a
-    /// GPU, n-gram lookup needs nothing more, and the two model drafters ask the GPU for an
-    /// executor of their own (on a machine without one, that fails saying so).
+    /// Every method builds a speculator beside a target in host memory, and all but layer skip
+    /// beside tensor-parallel ranks; with the target on a GPU, n-gram lookup needs nothing
+    /// more, and the two model drafters ask the GPU for an executor of their own (on a machine
+    /// without one, that fails saying so).
     #[test]
     fn each_drafter_runs_where_the_target_runs() {
         let target = ch01::Llama::load(&ch01::default_model_dir()).unwrap();
@@ -295,10 +316,27 @@ mod tests {
         };
         for method in [SpecMethod::Ngram, SpecMethod::Draft, SpecMethod::LayerSkip] {
             let spec = args(method);
-            let draft = spec.load_draft("f32", &target).unwrap();
+            let draft = spec.load_draft("f32", &target.config).unwrap();
             let host = spec.speculator(TargetWeights::Host(&target), draft.as_ref(), &cache);
             assert!(host.unwrap().is_some(), "{method:?}");
         }
+        // Beside tensor-parallel ranks, which hold shards only, the draft model runs on the
+        // CPU as it does beside host weights; the layer-skip drafter needs the whole target
+        // in host memory, and says so.
+        let ranks = TargetWeights::Ranks(&target.config);
+        for method in [SpecMethod::Ngram, SpecMethod::Draft] {
+            let spec = args(method);
+            let draft = spec.load_draft("f32", &target.config).unwrap();
+            let built = spec.speculator(ranks, draft.as_ref(), &cache);
+            assert!(built.unwrap().is_some(), "{method:?}");
+        }
+        assert!(args(SpecMethod::LayerSkip).needs_target_weights().unwrap());
+        assert!(!args(SpecMethod::Draft).needs_target_weights().unwrap());
+        let error = args(SpecMethod::LayerSkip)
+            .speculator(ranks, None, &cache)
+            .err()
+            .expect("layer skip beside shards");
+        assert!(format!("{error}").contains("from host memory"), "{error}");
         let mut on_gpu = ModelArgs::cpu(ch01::default_model_dir());
         on_gpu.device = DeviceSpec::Cuda(0);
         let gpu = TargetWeights::Gpu(&on_gpu, &target.config);

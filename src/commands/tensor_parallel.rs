@@ -10,7 +10,7 @@ use ch04::{CacheConfig, Executor};
 use ch07::AttentionKind;
 use ch08tp::{KvBlocks, TensorParallelExecutor};
 
-use super::ModelArgs;
+use super::{HostSide, ModelArgs};
 
 /// Where the ranks run.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,20 +63,47 @@ impl TensorParallelArgs {
         }
     }
 
-    /// The engine's executor: over `model` on one rank, or over `--tensor-parallel-size` shards
-    /// loaded from `--model`, each rank with `cache.memory` bytes of KV blocks (memory is per
-    /// device, as a GPU's is) and an equal share of this thread pool's threads.
+    /// What the host loads of `--model` for a command that may run on the ranks: with tensor
+    /// parallelism the configuration and tokenizer only (`None`: each rank loads its own shard,
+    /// and a whole copy on the host would double the memory), unless `whole_target`, when the
+    /// whole model too, beside the shards (a layer-skip drafter runs the target's first layers
+    /// from host memory; said on stderr); without it, what `--device` needs
+    /// ([`ModelArgs::load_for_device`]).
+    pub fn load_host(
+        &self,
+        args: &ModelArgs,
+        whole_target: bool,
+    ) -> anyhow::Result<(HostSide, Option<Llama>)> {
+        if !self.is_parallel() {
+            return args.load_for_device();
+        }
+        if !whole_target {
+            return Ok((args.load_host_side()?, None));
+        }
+        eprintln!(
+            "kiln: {}: the host loads the whole model as well as the ranks' shards, for the \
+             drafter that runs its first layers",
+            self.flags()
+        );
+        args.load_for_device()
+    }
+
+    /// The engine's executor: over `model` on one rank (the host's weights, which it needs), or
+    /// over `--tensor-parallel-size` shards loaded from `--model` (`model` unused), each rank
+    /// with `cache.memory` bytes of KV blocks (memory is per device, as a GPU's is) and an
+    /// equal share of this thread pool's threads.
     pub fn executor<'m>(
         &self,
         args: &ModelArgs,
-        model: &'m Llama,
+        model: Option<&'m Llama>,
         cache: &CacheConfig,
         attention: AttentionKind,
     ) -> anyhow::Result<Box<dyn Executor + Send + 'm>> {
-        if !self.is_parallel() {
-            return Ok(ch07::cpu_executor(model, cache, attention)?);
+        if self.is_parallel() {
+            return self.tensor_parallel_executor(args, cache, attention);
         }
-        self.tensor_parallel_executor(args, cache, attention)
+        let model = model.context("the CPU executor needs the host weights")?;
+        Ok(ch07::cpu_executor(model, cache, attention)?)
     }
 
     /// `--tensor-parallel-size` ranks over shards of `--model` (see [`Self::executor`]).
@@ -212,4 +239,32 @@ pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
 #[cfg(not(feature = "mpi"))]
 pub fn run_worker(_: WorkerArgs) -> anyhow::Result<()> {
     bail!("kiln tp-worker: this kiln was built without MPI (cargo build --release --features mpi)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Backend, TensorParallelArgs};
+    use crate::commands::ModelArgs;
+
+    fn ranks(n: usize) -> TensorParallelArgs {
+        TensorParallelArgs {
+            tensor_parallel_size: n,
+            tensor_parallel_backend: Backend::Threads,
+        }
+    }
+
+    /// With tensor parallelism the host decodes no weight (each rank loads its own shard, and
+    /// generate and serve load through `load_host`), unless a drafter runs the target's first
+    /// layers from host memory; on one rank the host keeps the weights its executor runs.
+    #[test]
+    fn the_ranks_host_keeps_no_weights_unless_a_drafter_runs_the_targets_layers() {
+        let args = ModelArgs::cpu(ch01::default_model_dir());
+        let (host, model) = ranks(2).load_host(&args, false).unwrap();
+        assert!(model.is_none());
+        let (whole_host, whole) = ranks(2).load_host(&args, true).unwrap();
+        let whole = whole.expect("the layer-skip drafter's copy");
+        assert_eq!(whole.config, host.config);
+        assert_eq!(whole_host.config, host.config);
+        assert!(ranks(1).load_host(&args, false).unwrap().1.is_some());
+    }
 }

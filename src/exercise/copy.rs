@@ -1,6 +1,6 @@
 //! The learner's copy of the repository: the sources, with the fixtures linked, not copied.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -100,26 +100,38 @@ pub fn sync(
     Ok(added)
 }
 
-/// What a copy's files held when they were copied: `.kiln-copied` in the copy, a line
-/// `hash path` per file (FNV-1a of its bytes). A file whose bytes still hash the same is
-/// untouched since, even when the reference has moved on.
+/// What kiln itself wrote into a copy: `.kiln-copied` in the copy, a line `hash path` per file
+/// as kiln last wrote it (FNV-1a of its bytes), and a line `todo N.k` per task whose body kiln
+/// has made a `todo!` (handed to the learner). A file whose bytes still hash the same is
+/// untouched since, even when the reference has moved on; a task handed out holds the
+/// learner's body from then on, whatever it is.
 pub struct Copied {
     path: PathBuf,
     hashes: HashMap<PathBuf, u64>,
+    handed_out: BTreeSet<String>,
 }
 
 impl Copied {
     pub fn load(dest: &Path) -> Copied {
         let path = dest.join(".kiln-copied");
         let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let hashes = text
-            .lines()
-            .filter_map(|line| {
-                let (hash, rel) = line.split_once(' ')?;
-                Some((PathBuf::from(rel), u64::from_str_radix(hash, 16).ok()?))
-            })
-            .collect();
-        Copied { path, hashes }
+        let mut hashes = HashMap::new();
+        let mut handed_out = BTreeSet::new();
+        for line in text.lines() {
+            let Some((first, rest)) = line.split_once(' ') else {
+                continue;
+            };
+            if first == TODO {
+                handed_out.insert(rest.to_string());
+            } else if let Ok(hash) = u64::from_str_radix(first, 16) {
+                hashes.insert(PathBuf::from(rest), hash);
+            }
+        }
+        Copied {
+            path,
+            hashes,
+            handed_out,
+        }
     }
 
     /// Records the files of `dest` named in `added` as they are now.
@@ -128,12 +140,30 @@ impl Copied {
             self.hashes
                 .insert(rel.clone(), hash(&std::fs::read(dest.join(rel))?));
         }
+        self.save()
+    }
+
+    /// Records that task `id`'s body was made a `todo!` by kiln: the learner's from now on.
+    pub fn hand_out(&mut self, id: &str) -> Result<()> {
+        if self.handed_out.insert(id.to_string()) {
+            self.save()?;
+        }
+        Ok(())
+    }
+
+    /// Whether task `id`'s body was ever made a `todo!` by kiln in this copy.
+    pub fn handed_out(&self, id: &str) -> bool {
+        self.handed_out.contains(id)
+    }
+
+    fn save(&self) -> Result<()> {
         let mut lines: Vec<String> = self
             .hashes
             .iter()
             .map(|(rel, h)| format!("{h:016x} {}", rel.display()))
             .collect();
         lines.sort();
+        lines.extend(self.handed_out.iter().map(|id| format!("{TODO} {id}")));
         write_if_changed(&self.path, &(lines.join("\n") + "\n"))?;
         Ok(())
     }
@@ -143,6 +173,10 @@ impl Copied {
         self.hashes.get(rel) == Some(&hash(text.as_bytes()))
     }
 }
+
+/// The first word of a `.kiln-copied` line that names a task handed out (never a hash: not
+/// hexadecimal).
+const TODO: &str = "todo";
 
 fn hash(bytes: &[u8]) -> u64 {
     ch03::block_manager::fnv1a_extend(ch03::block_manager::FNV_OFFSET, bytes)

@@ -6,6 +6,7 @@
 
 mod boxes;
 mod copy;
+mod deps;
 mod run;
 mod stub;
 mod table;
@@ -110,24 +111,8 @@ fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
     for (k, task) in (1..).zip(&chapter.tasks) {
         let rel = task.source();
         let reference = std::fs::read_to_string(root.join(&rel))?;
-        let path = learner.join(&rel);
-        let mine = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
-        let stubbed = stub::stub_bodies(&reference, task, Stub::Todo)?;
-        let ours = stub::bodies(&reference, task)?;
-        let theirs = stub::bodies(&mine, task)?;
         let forced = matches!(reset, Some(r) if r == 0 || r == k);
-        let state = if theirs == stubbed {
-            "a todo!, yours to write"
-        } else if theirs == ours || forced || copied.untouched(&rel, &mine) {
-            // The reference's body, as it is now or as it was when the file was copied (the
-            // reference has moved on since, and the learner has not touched the file).
-            copy::write_if_changed(&path, &stub::replace_bodies(&mine, task, &stubbed)?)?;
-            // Blanked by kiln, not written by the learner: still untouched.
-            copied.record(&learner, std::slice::from_ref(&rel))?;
-            "now a todo!"
-        } else {
-            "kept: your own code (--reset to start it again)"
-        };
+        let state = hand_out(&learner, &mut copied, &reference, task, forced)?;
         println!(
             "  {} {:<24} {}: {}",
             task.label(),
@@ -140,6 +125,41 @@ fn new(root: &Path, n: u32, reset: Option<u32>) -> Result<()> {
         "\nwrite the bodies in learner/, then `just check {n}` (or `just check {n} K` for task K)"
     );
     Ok(())
+}
+
+/// Makes `task`'s body in the learner copy a `todo!` unless the learner has written it, and
+/// says which. `reference`: the task's file in the reference. The body is blanked when
+/// `forced` (`--reset`), when kiln wrote the whole file as it is now (the reference's body as
+/// copied, or as kiln blanked it before the reference moved on), or when it is the reference's
+/// body in a task kiln never handed out (the learner touched the file elsewhere). Once handed
+/// out, a body other than the `todo!` is the learner's, even one equal to the reference's (the
+/// book's listing pasted in): kept.
+fn hand_out(
+    learner: &Path,
+    copied: &mut copy::Copied,
+    reference: &str,
+    task: &table::Task,
+    forced: bool,
+) -> Result<&'static str> {
+    let rel = task.source();
+    let path = learner.join(&rel);
+    let mine = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+    let stubbed = stub::stub_bodies(reference, task, Stub::Todo)?;
+    let theirs = stub::bodies(&mine, task)?;
+    let kilns = copied.untouched(&rel, &mine)
+        || (!copied.handed_out(&task.id) && theirs == stub::bodies(reference, task)?);
+    Ok(if theirs == stubbed {
+        copied.hand_out(&task.id)?;
+        "a todo!, yours to write"
+    } else if forced || kilns {
+        copy::write_if_changed(&path, &stub::replace_bodies(&mine, task, &stubbed)?)?;
+        // Blanked by kiln, not written by the learner: still untouched.
+        copied.record(learner, std::slice::from_ref(&rel))?;
+        copied.hand_out(&task.id)?;
+        "now a todo!"
+    } else {
+        "kept: your own code (--reset to start it again)"
+    })
 }
 
 /// `kiln exercise check N [K]`.
@@ -212,4 +232,93 @@ fn report(chapter: &Chapter, tasks: &[&table::Task], results: &Results) -> Resul
     }
     println!("\nchapter {}: every test checked passes", chapter.number);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(id: &str) -> table::Task {
+        table::Task {
+            id: id.into(),
+            name: "add".into(),
+            file: "src/a.rs".into(),
+            function: "f".into(),
+            does: "add one".into(),
+            tests: vec!["lib::t".into()],
+            krate: table::Crate {
+                dir: "chapters/ch01-x".into(),
+                package: "ch01-x".into(),
+            },
+        }
+    }
+
+    /// Tasks 1.1 and 1.2 in one file, as the reference holds it.
+    const REFERENCE: &str = "fn f(x: u32) -> u32 {\n    // ANCHOR: task_1_1\n    x + 1\n    // ANCHOR_END: task_1_1\n}\n\nfn g() -> u32 {\n    // ANCHOR: task_1_2\n    2\n    // ANCHOR_END: task_1_2\n}\n";
+
+    /// A learner copy of REFERENCE's file, recorded as kiln copied it.
+    fn copy() -> (tempfile::TempDir, PathBuf) {
+        let learner = tempfile::tempdir().unwrap();
+        let rel = task("1.1").source();
+        let path = learner.path().join(&rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, REFERENCE).unwrap();
+        copy::Copied::load(learner.path())
+            .record(learner.path(), &[rel])
+            .unwrap();
+        (learner, path)
+    }
+
+    /// A body the learner wrote after kiln handed it out is kept on the next `new`, even when
+    /// it is the reference's own (the book's listing pasted in); `--reset` still blanks it.
+    #[test]
+    fn a_finished_body_equal_to_the_reference_is_kept() {
+        let (learner, path) = copy();
+        let dir = learner.path();
+        let t = task("1.1");
+        let mut copied = copy::Copied::load(dir);
+        assert_eq!(
+            hand_out(dir, &mut copied, REFERENCE, &t, false).unwrap(),
+            "now a todo!"
+        );
+        assert!(
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .contains("todo!(\"Task 1.1: add one\")")
+        );
+        // The learner pastes the reference's body back in; a later `new` runs.
+        let pasted = REFERENCE;
+        std::fs::write(&path, pasted).unwrap();
+        let mut copied = copy::Copied::load(dir);
+        assert_eq!(
+            hand_out(dir, &mut copied, REFERENCE, &t, false).unwrap(),
+            "kept: your own code (--reset to start it again)"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), pasted);
+        assert_eq!(
+            hand_out(dir, &mut copied, REFERENCE, &t, true).unwrap(),
+            "now a todo!"
+        );
+    }
+
+    /// A task kiln never handed out still holds the body kiln copied, though the learner has
+    /// changed its file elsewhere (another task's body): it is blanked, the other body kept.
+    #[test]
+    fn a_task_never_handed_out_is_blanked_in_a_file_the_learner_changed() {
+        let (learner, path) = copy();
+        let dir = learner.path();
+        let mut copied = copy::Copied::load(dir);
+        hand_out(dir, &mut copied, REFERENCE, &task("1.1"), false).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mine = text.replace("    todo!(\"Task 1.1: add one\");\n", "    1 + x\n");
+        std::fs::write(&path, &mine).unwrap();
+        let mut copied = copy::Copied::load(dir);
+        assert_eq!(
+            hand_out(dir, &mut copied, REFERENCE, &task("1.2"), false).unwrap(),
+            "now a todo!"
+        );
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("    1 + x\n"), "{text}");
+        assert!(text.contains("todo!(\"Task 1.2: add one\")"), "{text}");
+    }
 }

@@ -291,13 +291,13 @@ impl Llama {
             loader.load(source, &spec)
         };
         // ANCHOR_END: load_projection
-        let embed_tokens = source.matrix("model.embed_tokens.weight", c.vocab_size, hidden)?;
-        let vocab = shard.vocab_range(c.vocab_size);
-        let embed_tokens = if vocab.len() == c.vocab_size {
-            embed_tokens
-        } else {
-            embed_tokens.slice(ndarray::s![vocab, ..]).to_owned() // [vocab / world, hidden]
-        };
+        // The rank's rows of the table only, decoded without the rest: [vocab / world, hidden].
+        let embed_tokens = source.matrix_block(
+            "model.embed_tokens.weight",
+            [c.vocab_size, hidden],
+            shard.vocab_range(c.vocab_size),
+            0..hidden,
+        )?;
         // k and v: split like q, or replicated when there are more ranks than KV heads.
         let kv_proj = |name: &str| {
             let spec = LinearSpec::whole(name, hidden, kv_dim, c.qkv_bias).with_shard(kv_spec);

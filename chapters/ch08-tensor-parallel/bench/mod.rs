@@ -6,6 +6,9 @@
 //!    tensor-parallel executor, beside the cost model's prediction from (1) and the TP = 1 time.
 //! 3. The cost model on Llama-8B and -70B shapes on an 8-GPU NVLink box: predictions, with their
 //!    assumptions in the caption.
+//! 4. The pipeline sketch's bubble against `(p − 1) / (m + p − 1)`.
+//!
+//! `--only PART` runs one of them (`--only pp-bubble`), writing its figure alone.
 
 mod cost;
 
@@ -37,6 +40,26 @@ pub struct Args {
     /// `mpirun -n 2 kiln bench ch08-tp --communicator mpi`.
     #[arg(long, value_enum, default_value = "threads")]
     pub communicator: CommKind,
+    /// Run one part only, and write its figure alone (the others' files are left as they are).
+    #[arg(long, value_enum, value_name = "PART")]
+    pub only: Option<Part>,
+}
+
+/// The benchmark's parts, each named for the figure it writes.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// tp-allreduce: the thread communicator's all-reduce by message size.
+    #[value(name = "tp-allreduce")]
+    Allreduce,
+    /// tp-speed: TP = N against TP = 1, measured and predicted.
+    #[value(name = "tp-speed")]
+    Speed,
+    /// tp-cost-model: the cost model on Llama shapes (predictions only).
+    #[value(name = "tp-cost-model")]
+    CostModel,
+    /// pp-bubble: the pipeline sketch's bubble.
+    #[value(name = "pp-bubble")]
+    Bubble,
 }
 
 /// Which communicator the all-reduce part measures.
@@ -50,13 +73,47 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let facts = RunFacts::collect();
     let reps = args.output.reps(15)?;
     let out = args.output.dir("ch08");
-    let threads = rayon::current_num_threads();
 
     // 1. All-reduce by message size.
     let sizes = message_sizes(args.output.quick);
     if args.communicator == CommKind::Mpi {
         return mpi_all_reduce(&sizes, reps, &out, &facts);
     }
+    let wants = |part: Part| args.only.is_none_or(|only| only == part);
+    let mut figures: Vec<(&str, String, String)> = Vec::new();
+    if wants(Part::Allreduce) {
+        let (md, svg) = all_reduce_figure(&sizes, reps, &facts)?;
+        figures.push(("tp-allreduce", md, svg));
+    }
+    // 2. TP = N against TP = 1, the same total threads.
+    if wants(Part::Speed) {
+        let (md, svg) = tp_speed_figure(&args, &facts, reps)?;
+        figures.push(("tp-speed", md, svg));
+    }
+    // 3. The cost model on real shapes.
+    if wants(Part::CostModel) {
+        let (md, svg) = cost::figures(&facts);
+        figures.push(("tp-cost-model", md, svg));
+    }
+    // 4. The pipeline sketch's bubble.
+    if wants(Part::Bubble) {
+        let (md, svg) = pipeline_bubble(&args, &facts, reps.min(5))?;
+        figures.push(("pp-bubble", md, svg));
+    }
+    let figures: Vec<(&str, Option<&str>, &str)> = figures
+        .iter()
+        .map(|(stem, md, svg)| (*stem, Some(md.as_str()), svg.as_str()))
+        .collect();
+    write_figures(&out, &figures)
+}
+
+/// Part 1: the thread communicator's all-reduce latency and bandwidth by message size (for
+/// 2 and 4 ranks): its table and plot.
+fn all_reduce_figure(
+    sizes: &[usize],
+    reps: usize,
+    facts: &RunFacts,
+) -> anyhow::Result<(String, String)> {
     let worlds = [2usize, 4];
     let mut latency = Vec::new(); // per world: (floats, seconds)
     for &world in &worlds {
@@ -106,8 +163,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         plot = plot.series(format!("{w} ranks"), &pts);
     }
     let allreduce_svg = plot.to_svg();
+    Ok((allreduce_md, allreduce_svg))
+}
 
-    // 2. TP = N against TP = 1, the same total threads.
+/// Part 2: TP = N against TP = 1 with the same total threads, measured and predicted: its
+/// table and plot.
+fn tp_speed_figure(args: &Args, facts: &RunFacts, reps: usize) -> anyhow::Result<(String, String)> {
+    let threads = rayon::current_num_threads();
     let name = model_name(&args.model.model);
     let loader = args.model.loader()?;
     let config = ch01::LlamaConfig::from_dir(&args.model.model)?;
@@ -225,22 +287,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         plot = plot.reference(format!("TP={} predicted", steps[j + 1].0), pts);
     }
     let tp_svg = plot.to_svg();
-
-    // 3. The cost model on real shapes.
-    let (cost_md, cost_svg) = cost::figures(&facts);
-
-    // 4. The pipeline sketch's bubble.
-    let (bubble_md, bubble_svg) = pipeline_bubble(&args, &facts, reps.min(5))?;
-
-    write_figures(
-        &out,
-        &[
-            ("tp-allreduce", Some(&allreduce_md), &allreduce_svg),
-            ("tp-speed", Some(&tp_md), &tp_svg),
-            ("tp-cost-model", Some(&cost_md), &cost_svg),
-            ("pp-bubble", Some(&bubble_md), &bubble_svg),
-        ],
-    )
+    Ok((tp_md, tp_svg))
 }
 
 /// The measured bubble of the pipeline sketch on 2 stages against `(p − 1) / (m + p − 1)`.
@@ -281,7 +328,8 @@ fn pipeline_bubble(args: &Args, facts: &RunFacts, reps: usize) -> anyhow::Result
         "{}\nThe pipeline sketch: {} split into {stages} stages (layers {:?} and {:?}; the last \
          stage also runs the final norm and the head), one thread each, micro-batches of one \
          64-token prompt each, chapter 1's forward. Bubble = 1 − Σ stage busy time / (stages × \
-         makespan), median of {reps} runs. {}, {} CPUs, {}. `{}`\n",
+         makespan), the makespan from the first stage's start to the last stage's end; median \
+         of {reps} runs. {}, {} CPUs, {}. `{}`\n",
         table.to_markdown(),
         model_name(&args.model.model),
         ch08tp::pipeline::stage_layers(0, stages, model.layers.len()),

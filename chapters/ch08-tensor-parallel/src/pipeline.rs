@@ -34,15 +34,20 @@ pub enum PipelineError {
 pub struct PipelineRun {
     /// Per micro-batch, in order: [tokens, vocab].
     pub logits: Vec<Array2<f32>>,
-    /// Per stage: the intervals (from the start) it spent on each micro-batch.
+    /// Per stage: the intervals it spent on each micro-batch, from the moment the first stage
+    /// began its first micro-batch (so the earliest interval starts at zero).
     pub busy: Vec<Vec<Range<Duration>>>,
-    /// From the first stage's start to the last stage's end.
+    /// From the first stage's start to the last stage's end: the latest end among `busy`.
+    /// Spawning the threads and joining them lie outside it, so they do not count as idle.
     pub makespan: Duration,
 }
 
 impl PipelineRun {
-    /// The share of `stages · makespan` in which a stage was idle.
+    /// The share of `stages · makespan` in which a stage was idle (0 when nothing ran).
     pub fn bubble_fraction(&self) -> f64 {
+        if self.makespan.is_zero() {
+            return 0.0;
+        }
         let busy: f64 = self
             .busy
             .iter()
@@ -79,6 +84,8 @@ pub fn run_pipeline(
     for tokens in micro_batches {
         model.check_tokens(tokens)?;
     }
+    // The stages' clock. The makespan runs from the first stage's start, not from here:
+    // spawning the threads is not pipeline time (see `from_first_start`).
     let start = Instant::now();
     // Channel s carries activations [tokens, hidden] from stage s − 1 (or the embedding) to s.
     let (mut senders, mut receivers): (Vec<_>, Vec<_>) =
@@ -125,10 +132,54 @@ pub fn run_pipeline(
     if logits.len() != micro_batches.len() {
         return Err(PipelineError::StageLost(stages - 1));
     }
+    let (busy, makespan) = from_first_start(busy);
     Ok(PipelineRun {
         logits,
         busy,
-        makespan: start.elapsed(),
+        makespan,
     })
 }
 // ANCHOR_END: pipeline
+
+/// `busy` (times since any instant before the first) moved to start at the earliest start, and
+/// the makespan: the latest end, so measured. Empty intervals give a makespan of zero.
+fn from_first_start(busy: Vec<Vec<Range<Duration>>>) -> (Vec<Vec<Range<Duration>>>, Duration) {
+    let intervals = || busy.iter().flatten();
+    let Some(first) = intervals().map(|r| r.start).min() else {
+        return (busy, Duration::ZERO);
+    };
+    let last = intervals().map(|r| r.end).max().unwrap_or(first);
+    let moved = busy
+        .iter()
+        .map(|stage| {
+            stage
+                .iter()
+                .map(|r| r.start - first..r.end - first)
+                .collect()
+        })
+        .collect();
+    (moved, last - first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two equal stages and one micro-batch, started late (thread start-up) and joined later
+    /// still: the stages' own span is the makespan, and the bubble is exactly the ideal 1/2.
+    #[test]
+    fn setup_before_the_first_stage_starts_is_not_bubble() {
+        let ms = Duration::from_millis;
+        let busy = vec![vec![ms(7)..ms(17)], vec![ms(17)..ms(27)]];
+        let (busy, makespan) = from_first_start(busy);
+        assert_eq!(busy, [vec![ms(0)..ms(10)], vec![ms(10)..ms(20)]]);
+        assert_eq!(makespan, ms(20));
+        let run = PipelineRun {
+            logits: Vec::new(),
+            busy,
+            makespan,
+        };
+        assert_eq!(run.bubble_fraction(), ideal_bubble(2, 1));
+        assert_eq!(from_first_start(vec![Vec::new(); 3]).1, Duration::ZERO);
+    }
+}

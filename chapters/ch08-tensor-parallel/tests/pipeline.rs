@@ -1,12 +1,14 @@
 //! The pipeline sketch computes what the whole model computes: for random stage counts and
 //! micro-batches of random lengths, every micro-batch's logits equal chapter 1's forward
 //! exactly (the same layers in the same order); the stages tile the layers; bad counts are
-//! errors; the measured bubble is a fraction.
+//! errors; the measured bubble is a fraction of a makespan from the first stage's start to the
+//! last stage's end.
 
 use ch01::testing::seeded_config;
 use ch01::{Llama, fixtures_dir};
 use ch08_tensor_parallel::pipeline::{PipelineError, ideal_bubble, run_pipeline, stage_layers};
 use proptest::prelude::*;
+use std::time::Duration;
 
 fn tiny() -> Llama {
     Llama::load(&fixtures_dir().join("shakespeare-tiny")).unwrap() // 4 layers
@@ -28,6 +30,10 @@ proptest! {
         }
         prop_assert_eq!(run.busy.len(), stages);
         prop_assert!(run.busy.iter().all(|b| b.len() == batches.len()));
+        // The makespan is the stages' own span (first start to last end), not the setup's.
+        let intervals = || run.busy.iter().flatten();
+        prop_assert_eq!(intervals().map(|r| r.start).min(), Some(Duration::ZERO));
+        prop_assert_eq!(intervals().map(|r| r.end).max(), Some(run.makespan));
         let bubble = run.bubble_fraction();
         prop_assert!((0.0..1.0).contains(&bubble), "bubble {}", bubble);
     }

@@ -8,7 +8,8 @@
 //! Each rank sums the slots itself, in rank order, so every rank computes the same bits. This
 //! reads `world · n` floats per rank where a ring all-reduce moves `2 (world − 1) / world · n`:
 //! the simple version, and the oracle the other communicators are tested against. Nothing is
-//! allocated once the slots have grown to the largest message.
+//! allocated once the slots have grown to the largest message (`tests/thread_comm_alloc.rs`),
+//! unless the lengths disagree (the error lists them).
 //!
 //! A rank that panics or is dropped marks the group lost: the ranks waiting at the barrier, and
 //! every later collective, return [`CommError::RankLost`] instead of waiting forever.
@@ -70,13 +71,16 @@ impl ThreadComm {
     }
 }
 
-/// Every slot's length, checked equal: the same error on every rank when they differ.
+/// Every slot's length, checked equal: the same error on every rank when they differ. Only
+/// that error allocates (the list of lengths it names): agreeing collectives allocate nothing.
 fn equal_lengths(op: &'static str, slots: &[RwLock<Vec<f32>>]) -> Result<usize, CommError> {
-    let lens: Vec<usize> = slots.iter().map(|s| read(s).len()).collect();
-    if lens.iter().any(|&l| l != lens[0]) {
+    let len = |s: &RwLock<Vec<f32>>| read(s).len();
+    let first = slots.first().map_or(0, len);
+    if slots.iter().any(|s| len(s) != first) {
+        let lens = slots.iter().map(len).collect();
         return Err(CommError::LengthMismatch { op, lens });
     }
-    Ok(lens[0])
+    Ok(first)
 }
 
 impl Communicator for ThreadComm {
