@@ -16,19 +16,47 @@
 //!
 //! Known differences: minijinja rejects `{% break %}` / `{% continue %}` unless its
 //! `loop_controls` feature is on, and maps (e.g. in `tojson`) keep their keys sorted unless
-//! its `preserve_order` feature is on; Jinja2 keeps insertion order.
+//! its `preserve_order` feature is on; Jinja2 keeps insertion order. And the bounds below:
+//! `tojson(indent=n)` takes `n` up to 32, where Python takes any.
+//!
+//! A template comes with the model file, so it is untrusted: a render must end in a prompt or
+//! an error, never a crash. Its bounds: [`TEMPLATE_FUEL`] instructions; [`TEMPLATE_OUTPUT_LIMIT`]
+//! bytes of output, checked as they are written; and in `tojson`, [`TOJSON_MAX_DEPTH`] levels
+//! of nesting (which also ends a namespace that contains itself), an `indent` of at most
+//! [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by all its calls together.
+//!
+//! What is not bounded, because minijinja (2.24) offers no limit to set and no hook to add one:
+//! - the size of a string the template builds without writing it. minijinja refuses `"x" * n`
+//!   past 100 MB, but `~` and `+` join strings of any size, so `{% set ns.s = ns.s ~ ns.s %}`
+//!   in a loop of 64 doubles a string until an allocation fails, which aborts the process;
+//!   and text captured by `{% set %}` / `{% filter %}` blocks and macro calls is held in
+//!   memory, not written, so a loop inside a macro is bounded by fuel alone. Fuel does not see
+//!   sizes: one instruction joins any two strings.
+//! - minijinja's own printing of a value that contains itself: after
+//!   `{% set ns.me = ns %}`, `{{ ns }}` (or anything else that turns `ns` into text) recurses
+//!   until the stack overflows. Only `tojson`, which is ours, has a depth limit.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use minijinja::value::{Kwargs, Value, ValueKind};
-use minijinja::{Environment, ErrorKind};
+use minijinja::value::{Kwargs, Object, Value, ValueKind};
+use minijinja::{Environment, ErrorKind, State};
 use serde_json::Value as Json;
 
 /// The name the template is registered under (it appears in minijinja's error messages).
 const TEMPLATE_NAME: &str = "chat_template";
 /// The most work (minijinja's fuel: about one unit per instruction) one render may take.
 pub const TEMPLATE_FUEL: u64 = 5_000_000;
+/// The most bytes one render may write (64 MiB), and, separately, the most that all of its
+/// `tojson` calls together may produce. Text averages about 4 bytes a token, so this is some 16
+/// million tokens, more than any model's context; a render that goes past it fails at once.
+pub const TEMPLATE_OUTPUT_LIMIT: usize = 64 << 20;
+/// The deepest nesting `tojson` writes, as serde_json reads: deeper (or a value that contains
+/// itself) is an error, not a stack overflow.
+pub const TOJSON_MAX_DEPTH: usize = 128;
+/// The largest `tojson(indent=n)`; real templates use 2 or 4.
+pub const TOJSON_MAX_INDENT: usize = 32;
 
 /// One message of a conversation.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -85,7 +113,8 @@ pub enum TemplateError {
         message: String,
     },
     /// Rendering failed: the template called `raise_exception(message)` (then `message` is
-    /// exactly its argument), or hit an error such as an undefined attribute.
+    /// exactly its argument), or hit an error such as an undefined attribute, or went past one
+    /// of the bounds in the module doc (fuel, output bytes, `tojson` depth or indent).
     #[error("{message}")]
     Render { message: String },
 }
@@ -212,11 +241,57 @@ impl ChatTemplate {
             }
         }
         let ctx: Value = ctx.into_iter().collect();
+        let mut out = LimitedWriter::new(TEMPLATE_OUTPUT_LIMIT);
         self.env
             .get_template(TEMPLATE_NAME)
-            .and_then(|t| t.render(ctx))
-            .map_err(render_error)
+            .and_then(|t| t.render_captured_to(ctx, &mut out))
+            .map_err(render_error)?;
+        String::from_utf8(out.bytes).map_err(|e| TemplateError::Render {
+            message: format!("chat template wrote invalid UTF-8: {e}"),
+        })
     }
+}
+
+/// The render's output: an `io::Write` that takes at most `limit` bytes in all and fails the
+/// write that would go past it (taking none of it), which fails the render. Invariant:
+/// `bytes.len() <= limit`.
+struct LimitedWriter {
+    bytes: Vec<u8>,
+    limit: usize,
+}
+
+impl LimitedWriter {
+    fn new(limit: usize) -> Self {
+        LimitedWriter {
+            bytes: Vec::new(),
+            limit,
+        }
+    }
+}
+
+impl std::io::Write for LimitedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.len() > self.limit - self.bytes.len() {
+            return Err(std::io::Error::other(OutputTooLarge {
+                what: "output",
+                limit: self.limit,
+            }));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A render, or its `tojson` calls together, wrote more than `limit` bytes.
+#[derive(Debug, thiserror::Error)]
+#[error("chat template {what} is larger than {limit} bytes")]
+struct OutputTooLarge {
+    what: &'static str,
+    limit: usize,
 }
 
 /// The file's text, `None` if it does not exist.
@@ -289,6 +364,17 @@ fn render_error(err: minijinja::Error) -> TemplateError {
                 message: raised.0.clone(),
             };
         }
+        // The output limit: its message alone says what happened, minijinja's adds nothing.
+        let too_large = e.downcast_ref::<OutputTooLarge>().or_else(|| {
+            e.downcast_ref::<std::io::Error>()?
+                .get_ref()?
+                .downcast_ref()
+        });
+        if let Some(too_large) = too_large {
+            return TemplateError::Render {
+                message: too_large.to_string(),
+            };
+        }
         cause = e.source();
     }
     TemplateError::Render {
@@ -302,50 +388,93 @@ fn render_error(err: minijinja::Error) -> TemplateError {
 // and a newline).
 // ---------------------------------------------------------------------------------------------
 
-fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+/// The bytes `tojson` has written so far in one render (a per-render temp of minijinja's).
+#[derive(Debug, Default)]
+struct TojsonWritten(AtomicUsize);
+
+impl Object for TojsonWritten {}
+
+fn tojson(state: &State, value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let indent = kwargs.get::<Option<usize>>("indent")?;
+    if indent.is_some_and(|n| n > TOJSON_MAX_INDENT) {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: indent is at most {TOJSON_MAX_INDENT}"),
+        ));
+    }
+    let written = state.get_or_set_temp_object("kiln_tojson_written", TojsonWritten::default);
     let json = PyJson {
-        indent: kwargs.get::<Option<usize>>("indent")?,
+        indent,
         sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
         ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+        max_len: TEMPLATE_OUTPUT_LIMIT.saturating_sub(written.0.load(Ordering::Relaxed)),
     };
     kwargs.assert_all_used()?;
     let mut out = String::new();
     json.write(&value, 0, &mut out)?;
+    json.check_len(&out)?;
+    written.0.fetch_add(out.len(), Ordering::Relaxed);
     Ok(Value::from_safe_string(out))
 }
 
+/// One `tojson` call. Invariants: the indentation is at most [`TOJSON_MAX_INDENT`], so one
+/// line's is at most `TOJSON_MAX_INDENT * (TOJSON_MAX_DEPTH + 1)` bytes; the output is checked
+/// against `max_len` before each value, item and character it writes, so it never holds more
+/// than `max_len` plus one such piece.
 struct PyJson {
     indent: Option<usize>,
     sort_keys: bool,
     ensure_ascii: bool,
+    /// What this call may still write: [`TEMPLATE_OUTPUT_LIMIT`] less the render's earlier calls.
+    max_len: usize,
 }
 
 impl PyJson {
+    /// `value` at nesting `depth` (0: the top). Containers are iterated, not collected, so a
+    /// huge lazy sequence (`[1] * 10**9`) stops at `max_len` without being built.
     fn write(&self, value: &Value, depth: usize, out: &mut String) -> Result<(), minijinja::Error> {
+        self.check_len(out)?;
+        if depth > TOJSON_MAX_DEPTH {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!(
+                    "tojson: nested deeper than {TOJSON_MAX_DEPTH} levels (or contains itself)"
+                ),
+            ));
+        }
         match value.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
             ValueKind::Number if value.is_integer() => out.push_str(&value.to_string()),
             ValueKind::Number => out.push_str(&py_float(f64::try_from(value.clone())?)),
-            ValueKind::String => self.write_str(value.as_str().unwrap_or_default(), out),
+            ValueKind::String => self.write_str(value.as_str().unwrap_or_default(), out)?,
             ValueKind::Seq | ValueKind::Iterable => {
-                let items: Vec<Value> = value.try_iter()?.collect();
-                self.write_items(('[', ']'), &items, depth, out, |item, out| {
-                    self.write(item, depth + 1, out)
+                self.write_items(('[', ']'), value.try_iter()?, depth, out, |item, out| {
+                    self.write(&item, depth + 1, out)
                 })?;
             }
             ValueKind::Map => {
-                let mut keys: Vec<Value> = value.try_iter()?.collect();
-                if self.sort_keys {
-                    keys.sort_by_key(|k| k.to_string());
-                }
-                self.write_items(('{', '}'), &keys, depth, out, |key, out| {
-                    match key.as_str() {
-                        Some(s) => self.write_str(s, out),
-                        None => self.write_str(&key.to_string(), out),
+                let keys: Box<dyn Iterator<Item = Value>> = if self.sort_keys {
+                    // An entry takes at least 5 bytes (`"": 0`): more keys than that allows
+                    // would not fit, so they are not collected either.
+                    let most = self.max_len.saturating_sub(out.len()) / 5 + 1;
+                    let mut keys = value
+                        .try_iter()?
+                        .take(most + 1)
+                        .map(|key| Ok((key_text(&key)?, key)))
+                        .collect::<Result<Vec<_>, minijinja::Error>>()?;
+                    if keys.len() > most {
+                        return Err(self.too_large());
                     }
+                    keys.sort_by(|(a, _), (b, _)| a.cmp(b));
+                    Box::new(keys.into_iter().map(|(_, key)| key))
+                } else {
+                    Box::new(value.try_iter()?)
+                };
+                self.write_items(('{', '}'), keys, depth, out, |key, out| {
+                    self.write_str(&key_text(&key)?, out)?;
                     out.push_str(": ");
-                    self.write(&value.get_item(key)?, depth + 1, out)
+                    self.write(&value.get_item(&key)?, depth + 1, out)
                 })?;
             }
             kind => {
@@ -362,34 +491,43 @@ impl PyJson {
     fn write_items(
         &self,
         (open, close): (char, char),
-        items: &[Value],
+        items: impl Iterator<Item = Value>,
         depth: usize,
         out: &mut String,
-        mut write_item: impl FnMut(&Value, &mut String) -> Result<(), minijinja::Error>,
+        mut write_item: impl FnMut(Value, &mut String) -> Result<(), minijinja::Error>,
     ) -> Result<(), minijinja::Error> {
         out.push(open);
-        for (i, item) in items.iter().enumerate() {
+        let mut empty = true;
+        for (i, item) in items.enumerate() {
+            self.check_len(out)?;
+            empty = false;
             match self.indent {
                 Some(n) => {
                     out.push_str(if i == 0 { "\n" } else { ",\n" });
-                    out.push_str(&" ".repeat(n * (depth + 1)));
+                    push_spaces(out, n * (depth + 1));
                 }
                 None if i > 0 => out.push_str(", "),
                 None => {}
             }
             write_item(item, out)?;
         }
-        if let (Some(n), false) = (self.indent, items.is_empty()) {
+        if let (Some(n), false) = (self.indent, empty) {
             out.push('\n');
-            out.push_str(&" ".repeat(n * depth));
+            push_spaces(out, n * depth);
         }
         out.push(close);
         Ok(())
     }
 
-    fn write_str(&self, s: &str, out: &mut String) {
+    fn write_str(&self, s: &str, out: &mut String) -> Result<(), minijinja::Error> {
+        self.check_len(out)?;
+        if s.len() > self.max_len.saturating_sub(out.len()) {
+            return Err(self.too_large());
+        }
         out.push('"');
         for c in s.chars() {
+            // Escapes make the text up to 6 times longer: check as it grows.
+            self.check_len(out)?;
             match c {
                 '"' => out.push_str("\\\""),
                 '\\' => out.push_str("\\\\"),
@@ -408,7 +546,46 @@ impl PyJson {
             }
         }
         out.push('"');
+        Ok(())
     }
+
+    /// An error once `out` is longer than this call may write.
+    fn check_len(&self, out: &str) -> Result<(), minijinja::Error> {
+        if out.len() > self.max_len {
+            return Err(self.too_large());
+        }
+        Ok(())
+    }
+
+    fn too_large(&self) -> minijinja::Error {
+        let too_large = OutputTooLarge {
+            what: "tojson output",
+            limit: TEMPLATE_OUTPUT_LIMIT,
+        };
+        minijinja::Error::new(ErrorKind::InvalidOperation, too_large.to_string())
+            .with_source(too_large)
+    }
+}
+
+/// A map key's text as json.dumps writes it: a string as it is; a number, boolean or None as
+/// its JSON text (`{1: 0}` → `{"1": 0}`); any other key is an error (Python's TypeError).
+fn key_text(key: &Value) -> Result<String, minijinja::Error> {
+    match key.kind() {
+        ValueKind::String => Ok(key.as_str().unwrap_or_default().to_string()),
+        ValueKind::Undefined | ValueKind::None => Ok("null".to_string()),
+        ValueKind::Bool => Ok(if key.is_true() { "true" } else { "false" }.to_string()),
+        ValueKind::Number if key.is_integer() => Ok(key.to_string()),
+        ValueKind::Number => Ok(py_float(f64::try_from(key.clone())?)),
+        kind => Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: keys must be strings, numbers, booleans or none, not a {kind}"),
+        )),
+    }
+}
+
+/// `n` spaces (at most [`TOJSON_MAX_INDENT`] times [`TOJSON_MAX_DEPTH`] + 1: see [`PyJson`]).
+fn push_spaces(out: &mut String, n: usize) {
+    out.extend(std::iter::repeat_n(' ', n));
 }
 
 /// Python's `repr(float)` (what `json.dumps` writes): shortest round-trip digits, positional
@@ -718,6 +895,111 @@ mod tests {
         );
         assert_eq!(t("{{ messages | tojson }}"), "[]");
         assert!(render("{{ 1 | tojson(bogus=1) }}", &[]).is_err());
+    }
+
+    /// A namespace that contains itself, and a value nested past [`TOJSON_MAX_DEPTH`], are
+    /// errors that name the depth; the stack would otherwise overflow, aborting the server.
+    #[test]
+    fn tojson_stops_at_its_depth_limit_and_on_a_value_that_contains_itself() {
+        let cyclic = "{% set ns = namespace() %}{% set ns.me = ns %}{{ ns | tojson }}";
+        let err = render(cyclic, &[]).unwrap_err();
+        assert!(err.to_string().contains("deeper than 128"), "{err}");
+        // Two references to itself: 2^128 paths, but the depth limit ends it at once.
+        let twice = "{% set ns = namespace() %}{% set ns.a = ns %}{% set ns.b = ns %}\
+                     {{ ns | tojson(sort_keys=true) }}";
+        let started = std::time::Instant::now();
+        assert!(render(twice, &[]).is_err());
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        let nested = |levels: usize| {
+            format!(
+                "{{% set ns = namespace(v=1) %}}{{% for i in range({levels}) %}}\
+                 {{% set ns.v = [ns.v] %}}{{% endfor %}}{{{{ ns.v | tojson }}}}"
+            )
+        };
+        let deepest = render(&nested(TOJSON_MAX_DEPTH), &[]).unwrap();
+        assert_eq!(deepest.len(), 2 * TOJSON_MAX_DEPTH + 1);
+        let err = render(&nested(TOJSON_MAX_DEPTH + 1), &[]).unwrap_err();
+        assert!(err.to_string().contains("deeper than 128"), "{err}");
+    }
+
+    /// `indent` past [`TOJSON_MAX_INDENT`] is an error, where `" ".repeat(n * depth)` would
+    /// abort on a failed allocation or overflow.
+    #[test]
+    fn tojson_refuses_an_indent_past_its_limit() {
+        let indented = |n: usize| render(&format!("{{{{ [1] | tojson(indent={n}) }}}}"), &[]);
+        assert_eq!(
+            indented(TOJSON_MAX_INDENT).unwrap(),
+            format!("[\n{}1\n]", " ".repeat(32))
+        );
+        for n in [TOJSON_MAX_INDENT + 1, 4_611_686_018_427_387_904, usize::MAX] {
+            let err = indented(n).unwrap_err();
+            assert!(
+                err.to_string().contains("indent is at most 32"),
+                "{n}: {err}"
+            );
+        }
+        let err = render(
+            "{{ messages | tojson(indent=4611686018427387904) }}",
+            &[("user", "hi")],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("indent"), "{err}");
+    }
+
+    /// `tojson` writes at most [`TEMPLATE_OUTPUT_LIMIT`] bytes in a render, all its calls
+    /// together, even when what it writes is kept rather than output; a huge lazy sequence is
+    /// not built first.
+    #[test]
+    fn tojson_output_is_bounded_per_render() {
+        let too_large = "chat template tojson output is larger than 67108864 bytes";
+        let started = std::time::Instant::now();
+        let one_call = "{% set s = 'x' * 40000000 %}{{ [s, s] | tojson }}";
+        assert_eq!(render(one_call, &[]).unwrap_err().to_string(), too_large);
+        let escaped = "{% set s = '\"' * 40000000 %}{% set j = s | tojson %}";
+        assert_eq!(render(escaped, &[]).unwrap_err().to_string(), too_large);
+        let kept = "{% set s = 'x' * 10000000 %}{% for i in range(100) %}\
+                    {% set j = s | tojson %}{% endfor %}";
+        assert_eq!(render(kept, &[]).unwrap_err().to_string(), too_large);
+        let lazy = "{% set j = ([1] * 1000000000) | tojson %}";
+        assert_eq!(render(lazy, &[]).unwrap_err().to_string(), too_large);
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+        // Under the limit, many calls are fine.
+        let many = "{% for i in range(1000) %}{{ messages | tojson }}{% endfor %}";
+        assert_eq!(render(many, &[("user", "a")]).unwrap().len(), 1000 * 34);
+    }
+
+    #[test]
+    fn tojson_map_keys_follow_python() {
+        let t = |source: &str| render(source, &[]);
+        assert_eq!(
+            t("{{ {1: 'a', 'b': 2, true: 3, none: 4} | tojson }}").unwrap(),
+            r#"{"1": "a", "b": 2, "true": 3, "null": 4}"#
+        );
+        assert_eq!(
+            t("{{ {'b': 1, 'a': {'d': 2, 'c': 3}} | tojson(sort_keys=true) }}").unwrap(),
+            r#"{"a": {"c": 3, "d": 2}, "b": 1}"#
+        );
+        assert!(t("{{ {[1]: 2} | tojson }}").is_err());
+    }
+
+    /// A render writes at most [`TEMPLATE_OUTPUT_LIMIT`] bytes: a template that would write
+    /// terabytes fails at the first write past the limit, quickly.
+    #[test]
+    fn output_past_the_limit_fails_the_render() {
+        let started = std::time::Instant::now();
+        let huge = "{% set s = 'x' * 100000000 %}{% for i in range(100000) %}{{ s }}{% endfor %}";
+        let err = render(huge, &[]).unwrap_err();
+        assert!(matches!(err, TemplateError::Render { .. }));
+        assert_eq!(
+            err.to_string(),
+            "chat template output is larger than 67108864 bytes"
+        );
+        let many = "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s }}{% endfor %}";
+        assert!(render(many, &[]).is_err());
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+        // Exactly the limit is fine.
+        let exact = format!("{{{{ 'x' * {TEMPLATE_OUTPUT_LIMIT} }}}}");
+        assert_eq!(render(&exact, &[]).unwrap().len(), TEMPLATE_OUTPUT_LIMIT);
     }
 
     #[test]
