@@ -387,12 +387,27 @@ impl ModelArgs {
 }
 
 /// A Hugging Face directory's tokenizer, and the ids that end generation: the config's and
-/// generation config's, and the tokenizer's own EOS.
+/// generation config's, and the tokenizer's own EOS. Every one of them, and the tokenizer's BOS,
+/// is below the model's `vocab_size` (`config.json` and `generation_config.json` are checked as
+/// they are read): an id the model has no row for is refused, naming the file.
 fn hf_tokenizer(
     path: &std::path::Path,
     config: &LlamaConfig,
 ) -> anyhow::Result<(Tokenizer, Vec<u32>)> {
     let tokenizer = Tokenizer::from_dir(path)?;
+    for (key, id) in [
+        ("bos_token", tokenizer.bos_token_id()),
+        ("eos_token", tokenizer.eos_token_id()),
+    ] {
+        if let Some(id) = id {
+            ch01::config::check_token_id(key, id, config.vocab_size).map_err(|message| {
+                anyhow::anyhow!(
+                    "invalid tokenizer {}: {message}",
+                    path.join("tokenizer_config.json").display()
+                )
+            })?;
+        }
+    }
     let mut eos_token_ids = ch01::eos_token_ids(path, config)?;
     if let Some(eos) = tokenizer.eos_token_id()
         && !eos_token_ids.contains(&eos)

@@ -21,7 +21,8 @@ pub struct Args {
     /// llama.cpp's rule (Q6_K, or Q8_0); norms stay f32.
     #[arg(long = "type", value_name = "TYPE", value_parser = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"], required_unless_present = "method", conflicts_with = "part2")]
     pub ty: Option<String>,
-    /// The GGUF file (`--type`) or the model directory (`--method`) to write.
+    /// The GGUF file (`--type`) or the model directory (`--method`) to write: a new file, or a
+    /// new or empty directory (an existing one is refused, never replaced).
     #[arg(long, value_name = "FILE.gguf|DIR")]
     pub out: PathBuf,
     #[command(flatten)]
@@ -40,6 +41,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.model.display()
         );
     }
+    // Refused before the conversion's minutes, not after; the writer refuses again at the end
+    // (a file created meanwhile), and never replaces one.
+    ch05::gguf::writer::refuse_existing(&args.out)
+        .map_err(|e| anyhow::anyhow!("--out {}: {e}", args.out.display()))?;
     let start = Instant::now();
     let report = ch05::gguf::quantize_hf_dir(&args.model, ty, &args.out).with_context(|| {
         format!(

@@ -8,6 +8,16 @@
 //! Unknown fields are ignored (configs carry many that inference does not need); a missing
 //! required field is an error that names it. `head_dim` is read when present and only
 //! defaults to `hidden_size / num_attention_heads` when absent.
+//!
+//! Mistral's `sliding_window` (transformers applies it whenever it is not null) is honoured by
+//! clamping the context: `max_position_embeddings` becomes `min(max_position_embeddings,
+//! sliding_window)`. That is exact, not an approximation: for sequences no longer than the
+//! window, the sliding-window mask is the causal mask. Qwen2's window only applies with
+//! `use_sliding_window`, which is refused.
+//!
+//! Numbers are checked as the forward pass uses them, in f32: `rms_norm_eps` must stay above
+//! zero, and every RoPE frequency (after `rope_theta` and the scaling) finite and above zero.
+//! Special token ids (`bos_token_id`, `eos_token_id`) must lie inside `vocab_size`.
 
 use std::path::Path;
 
@@ -15,6 +25,7 @@ use serde::Deserialize;
 
 use crate::attention::AttentionShape;
 use crate::error::{Error, Result};
+use crate::rope::Rope;
 
 /// The longest context a config may declare (2^24 positions).
 pub const MAX_CONTEXT: usize = 1 << 24;
@@ -35,7 +46,10 @@ pub enum RopeScaling {
 }
 
 /// The architecture facts the forward pass needs. Invariants (checked by [`LlamaConfig::from_json`]):
-/// `num_attention_heads % num_key_value_heads == 0`, `head_dim` is even, every size is non-zero.
+/// `num_attention_heads % num_key_value_heads == 0`, `head_dim` is even, every size is non-zero,
+/// `rms_norm_eps` and every RoPE frequency are finite and above zero in f32, and the special
+/// token ids are below `vocab_size`. `max_position_embeddings` is the usable context: a Mistral
+/// `sliding_window` below the declared context has already replaced it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
     pub model_type: String,
@@ -70,6 +84,13 @@ enum TokenIds {
 }
 
 impl TokenIds {
+    fn ids(&self) -> &[u32] {
+        match self {
+            TokenIds::One(id) => std::slice::from_ref(id),
+            TokenIds::Many(ids) => ids,
+        }
+    }
+
     fn into_vec(self) -> Vec<u32> {
         match self {
             TokenIds::One(id) => vec![id],
@@ -111,6 +132,7 @@ struct RawConfig {
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<TokenIds>,
 }
@@ -142,9 +164,10 @@ impl LlamaConfig {
         let raw: RawConfig = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
 
         let model_type = raw.model_type.unwrap_or_else(|| "llama".to_string());
-        let is_qwen2 = match model_type.as_str() {
-            "llama" | "mistral" => false,
-            "qwen2" => true,
+        let (is_qwen2, is_mistral) = match model_type.as_str() {
+            "llama" => (false, false),
+            "mistral" => (false, true),
+            "qwen2" => (true, false),
             other => {
                 return Err(bad(format!(
                     "model_type `{other}` is not supported (expected llama, mistral or qwen2)"
@@ -216,8 +239,38 @@ impl LlamaConfig {
         if head_dim % 2 != 0 {
             return Err(bad(format!("head_dim ({head_dim}) must be even for RoPE")));
         }
-        if raw.rms_norm_eps.is_nan() || raw.rms_norm_eps <= 0.0 {
-            return Err(bad("rms_norm_eps must be positive".to_string()));
+        // The norm adds eps in f32: 1e-50 would round to zero (a zero row divides by zero), and
+        // 1e300 to infinity (every row zero).
+        let eps = raw.rms_norm_eps as f32;
+        if !(eps.is_finite() && eps > 0.0) {
+            return Err(bad(format!(
+                "rms_norm_eps ({:e}) must be a positive number that f32 holds (it is {eps} in f32)",
+                raw.rms_norm_eps
+            )));
+        }
+        // ANCHOR: sliding_window
+        // transformers' Mistral masks keys `sliding_window` or more positions back whenever
+        // the field is not null. Within the window that mask is the causal one, so holding the
+        // context to the window gives exactly its results; past it kiln would silently differ.
+        let mut max_position_embeddings = raw.max_position_embeddings;
+        if is_mistral && let Some(window) = raw.sliding_window {
+            if window == 0 {
+                return Err(bad("sliding_window must be positive".to_string()));
+            }
+            max_position_embeddings = max_position_embeddings.min(window);
+        }
+        // ANCHOR_END: sliding_window
+        for (key, id) in raw
+            .bos_token_id
+            .iter()
+            .map(|&id| ("bos_token_id", id))
+            .chain(
+                raw.eos_token_id
+                    .iter()
+                    .flat_map(|ids| ids.ids().iter().map(|&id| ("eos_token_id", id))),
+            )
+        {
+            check_token_id(key, id, raw.vocab_size).map_err(bad)?;
         }
 
         // ANCHOR: rope_styles
@@ -229,6 +282,12 @@ impl LlamaConfig {
         }
         let rope_scaling = parse_rope_scaling(&rope).map_err(bad)?;
         // ANCHOR_END: rope_styles
+        // The rotation angles are computed in f32: a frequency that overflows (a theta or a
+        // factor far below 1) or underflows to zero there is refused, naming the field at fault.
+        check_frequencies(head_dim, rope_theta, &RopeScaling::Default, "rope_theta")
+            .map_err(bad)?;
+        check_frequencies(head_dim, rope_theta, &rope_scaling, "rope scaling `factor`")
+            .map_err(bad)?;
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
         Ok(LlamaConfig {
@@ -240,7 +299,7 @@ impl LlamaConfig {
             num_attention_heads: raw.num_attention_heads,
             num_key_value_heads,
             head_dim,
-            max_position_embeddings: raw.max_position_embeddings,
+            max_position_embeddings,
             rms_norm_eps: raw.rms_norm_eps,
             rope_theta,
             rope_scaling,
@@ -256,6 +315,42 @@ impl LlamaConfig {
     /// Query heads that share one key/value head (1 for MHA).
     pub fn num_queries_per_kv(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
+    }
+}
+
+/// Refuses special token `key`'s `id` when the model's embedding has no such row: the model
+/// could never emit it (a stop token that never stops, on which the server's grammar engine
+/// asserts) nor read it (a BOS: every prompt's first token out of range). Such an id means the
+/// files of a checkpoint disagree; `Err` holds the message, for the caller to name the file.
+pub fn check_token_id(key: &str, id: u32, vocab_size: usize) -> std::result::Result<(), String> {
+    if (id as usize) < vocab_size {
+        Ok(())
+    } else {
+        Err(format!(
+            "{key} {id} is outside the model's vocabulary of {vocab_size} tokens (vocab_size)"
+        ))
+    }
+}
+
+/// Refuses RoPE frequencies that are not finite and above zero once cast to f32, as the
+/// rotation uses them; `field` names the key whose value is at fault.
+fn check_frequencies(
+    head_dim: usize,
+    theta: f64,
+    scaling: &RopeScaling,
+    field: &str,
+) -> std::result::Result<(), String> {
+    let rope = Rope::new(head_dim, theta, scaling);
+    match rope.inv_freq().iter().find(|&&f| {
+        let f = f as f32;
+        !(f.is_finite() && f > 0.0)
+    }) {
+        None => Ok(()),
+        Some(f) => Err(format!(
+            "{field} gives a RoPE frequency of {f:e}, {} in f32 (rope_theta {theta:e}, \
+             {scaling:?}): every frequency must be a finite number above zero in f32",
+            *f as f32
+        )),
     }
 }
 
@@ -335,12 +430,17 @@ pub fn eos_token_ids(dir: &Path, config: &LlamaConfig) -> Result<Vec<u32>> {
         return Ok(config.eos_token_ids.clone());
     }
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let generation: GenerationConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
+    let bad = |message: String| Error::Config {
         path: path.clone(),
-        message: e.to_string(),
-    })?;
-    Ok(generation
-        .eos_token_id
-        .map(TokenIds::into_vec)
-        .unwrap_or_else(|| config.eos_token_ids.clone()))
+        message,
+    };
+    let generation: GenerationConfig =
+        serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let Some(ids) = generation.eos_token_id else {
+        return Ok(config.eos_token_ids.clone());
+    };
+    for &id in ids.ids() {
+        check_token_id("eos_token_id", id, config.vocab_size).map_err(bad)?;
+    }
+    Ok(ids.into_vec())
 }

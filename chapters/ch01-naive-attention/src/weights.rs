@@ -2,9 +2,11 @@
 //!
 //! A checkpoint is either one `model.safetensors` or several shards listed in
 //! `model.safetensors.index.json` (`weight_map`: tensor name → file). Every file is memory-mapped
-//! and its header validated once, at [`Weights::open`]; a tensor's bytes are only read when the
-//! model asks for it (borrowed from the map, never copied), and the source's provided methods
-//! check its shape against what the config implies before converting it to f32.
+//! and its header parsed and validated once, at [`Weights::open`], into each tensor's dtype,
+//! shape and byte range: asking for a tensor is a lookup and a slice of the map, whatever the
+//! size of the header. A tensor's bytes are only read when the model asks for it (borrowed
+//! from the map, never copied), and the source's provided methods check its shape against what
+//! the config implies before converting it to f32.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -16,13 +18,25 @@ use safetensors::{Dtype, SafeTensors};
 use crate::error::{Error, Result};
 use crate::source::{RawTensor, TensorDtype, WeightSource};
 
-/// The tensors of one checkpoint directory. Invariant: every name in `location` maps to a file
-/// in `files` whose header lists that name.
+/// The tensors of one checkpoint directory. Invariant: every entry of `location` names a file
+/// in `files` whose header lists that tensor with that dtype and shape, and its `bytes` lie
+/// inside that file's map and hold exactly the shape in the dtype (safetensors validated the
+/// header's offsets against the file's length).
 pub struct Weights {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
-    /// tensor name → index into `files`
-    location: HashMap<String, usize>,
+    /// tensor name → where it is
+    location: HashMap<String, Entry>,
+}
+
+/// One tensor of the header, as parsed at open.
+struct Entry {
+    /// Index into `Weights::files`.
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range in the whole file (header included).
+    bytes: std::ops::Range<usize>,
 }
 
 #[derive(serde::Deserialize)]
@@ -72,15 +86,24 @@ impl Weights {
         }
         // SAFETY: the map is read-only; kiln never writes a checkpoint while it is loaded.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        let tensors = SafeTensors::deserialize(&mmap).map_err(|e| Error::Safetensors {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
-        let index = self.files.len();
-        for name in tensors.names() {
-            self.location.insert(name.to_string(), index);
+        // What `SafeTensors::deserialize` checks, without keeping a borrow of the map.
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let data_start = 8 + header_len;
+        let file = self.files.len();
+        for (name, info) in metadata.tensors() {
+            let (start, end) = info.data_offsets;
+            let entry = Entry {
+                file,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                bytes: data_start + start..data_start + end,
+            };
+            self.location.insert(name, entry);
         }
-        drop(tensors);
         self.files.push((path, mmap));
         Ok(())
     }
@@ -101,27 +124,23 @@ impl WeightSource for Weights {
     }
 
     fn tensor(&self, name: &str) -> Result<RawTensor<'_>> {
-        let &index = self
+        let entry = self
             .location
             .get(name)
             .ok_or_else(|| Error::MissingTensor {
                 name: name.to_string(),
                 location: self.dir.clone(),
             })?;
-        let (path, mmap) = &self.files[index];
-        let invalid = |message: String| Error::Safetensors {
+        let (path, mmap) = &self.files[entry.file];
+        let dtype = tensor_dtype(entry.dtype).ok_or_else(|| Error::Safetensors {
             path: path.clone(),
-            message,
-        };
-        let tensors = SafeTensors::deserialize(mmap).map_err(|e| invalid(e.to_string()))?;
-        let view = tensors.tensor(name).map_err(|e| invalid(e.to_string()))?;
-        let dtype = tensor_dtype(view.dtype()).ok_or_else(|| {
-            invalid(format!(
+            message: format!(
                 "tensor `{name}` has dtype {:?}, whose elements are smaller than a byte",
-                view.dtype()
-            ))
+                entry.dtype
+            ),
         })?;
-        RawTensor::new(name, path, dtype, view.shape().to_vec(), view.data())
+        let bytes = &mmap[entry.bytes.clone()];
+        RawTensor::new(name, path, dtype, entry.shape.clone(), bytes)
     }
 }
 

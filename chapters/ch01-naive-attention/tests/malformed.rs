@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use ch01_naive_attention::{Error, Llama, Tokenizer, fixtures_dir};
+use ch01_naive_attention::{Error, Llama, LlamaConfig, Tokenizer, eos_token_ids, fixtures_dir};
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
 use tempfile::TempDir;
@@ -180,6 +180,132 @@ fn config_rope_factors_that_divide_by_zero_are_rejected() {
         });
         assert_mentions(&load_error(dir.path()), &[needle]);
     }
+}
+
+/// Numbers that pass `> 0` in f64 but break the f32 forward pass are refused by name: a
+/// `rope_theta` or linear `factor` of 1e-300 makes a RoPE frequency infinite in f32 (every logit
+/// NaN), an `rms_norm_eps` of 1e-50 rounds to zero in f32 and one of 1e300 to infinity.
+#[test]
+fn config_numbers_that_break_in_f32_are_rejected() {
+    type Edit = fn(&mut serde_json::Map<String, serde_json::Value>);
+    let cases: [(Edit, &str, &str); 5] = [
+        (
+            |c| c["rope_parameters"]["rope_theta"] = 1e-300.into(),
+            "rope_theta gives",
+            "inf in f32 (rope_theta 1e-300, Default)",
+        ),
+        (
+            |c| c["rope_parameters"]["rope_theta"] = 1e300.into(),
+            "rope_theta gives",
+            "0 in f32 (rope_theta 1e300, Default)",
+        ),
+        (
+            |c| {
+                c.remove("rope_parameters");
+                c.insert(
+                    "rope_scaling".into(),
+                    serde_json::json!({"rope_type": "linear", "factor": 1e-300}),
+                );
+            },
+            "rope scaling `factor` gives",
+            "inf in f32 (rope_theta 1e4, Linear { factor: 1e-300 })",
+        ),
+        (
+            |c| c["rms_norm_eps"] = 1e-50.into(),
+            "rms_norm_eps (",
+            "must be a positive number that f32 holds (it is 0 in f32)",
+        ),
+        (
+            |c| c["rms_norm_eps"] = 1e300.into(),
+            "rms_norm_eps (1e300)",
+            "must be a positive number that f32 holds (it is inf in f32)",
+        ),
+    ];
+    for (edit, field, needle) in cases {
+        let dir = copy_fixture("random/gqa");
+        edit_json(&dir.path().join("config.json"), edit);
+        assert_mentions(&load_error(dir.path()), &["config.json", field, needle]);
+    }
+}
+
+/// Mistral's `sliding_window` (applied by transformers whenever it is set) holds the context to
+/// the window, where the window's mask is the causal one; unset, larger than the context, or on
+/// a model type that ignores it (Llama; Qwen2 without `use_sliding_window`), the context is
+/// `max_position_embeddings`.
+#[test]
+fn config_mistral_sliding_window_clamps_the_context() {
+    let context = |model_type: &str, window: serde_json::Value| {
+        let dir = copy_fixture("random/gqa");
+        edit_json(&dir.path().join("config.json"), |c| {
+            c.insert("model_type".into(), model_type.into());
+            c.insert("max_position_embeddings".into(), 512.into());
+            c.insert("sliding_window".into(), window);
+        });
+        LlamaConfig::from_dir(dir.path())
+            .map(|c| c.max_position_embeddings)
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(context("mistral", 16.into()), Ok(16));
+    assert_eq!(context("mistral", 4096.into()), Ok(512));
+    assert_eq!(context("mistral", serde_json::Value::Null), Ok(512));
+    assert_eq!(context("llama", 16.into()), Ok(512));
+    assert_eq!(context("qwen2", 16.into()), Ok(512));
+    let zero = context("mistral", 0.into()).unwrap_err();
+    assert_mentions(&zero, &["config.json", "sliding_window must be positive"]);
+
+    // The clamped context is the one the forward pass enforces.
+    let dir = copy_fixture("random/gqa");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("model_type".into(), "mistral".into());
+        c.insert("sliding_window".into(), 16.into());
+    });
+    let model = Llama::load(dir.path()).unwrap();
+    assert!(model.forward(&[5; 16]).is_ok());
+    assert!(matches!(
+        model.forward(&[5; 17]),
+        Err(Error::ContextOverflow {
+            len: 17,
+            max_len: 16
+        })
+    ));
+}
+
+/// A stop or BOS id the model has no embedding row for (a generation config out of step with
+/// the checkpoint) is refused, naming the file and the id: the server's grammar engine once
+/// panicked on it.
+#[test]
+fn special_token_ids_outside_the_vocabulary_are_rejected() {
+    for (key, value) in [
+        ("eos_token_id", serde_json::json!([1, 40000])),
+        ("eos_token_id", serde_json::json!(4096)),
+        ("bos_token_id", serde_json::json!(40000)),
+    ] {
+        let dir = copy_fixture("random/gqa");
+        edit_json(&dir.path().join("config.json"), |c| {
+            c.insert(key.into(), value.clone());
+        });
+        let id = value.as_array().map_or(&value, |ids| &ids[1]).to_string();
+        assert_mentions(
+            &load_error(dir.path()),
+            &["config.json", &format!("{key} {id} is outside"), "4096"],
+        );
+    }
+
+    let dir = copy_fixture("random/gqa");
+    let config = LlamaConfig::from_dir(dir.path()).unwrap();
+    assert_eq!(eos_token_ids(dir.path(), &config).unwrap(), [1]);
+    edit_json(&dir.path().join("generation_config.json"), |c| {
+        c.insert("eos_token_id".into(), serde_json::json!([1, 40000]));
+    });
+    let error = eos_token_ids(dir.path(), &config).unwrap_err().to_string();
+    assert_mentions(
+        &error,
+        &[
+            "generation_config.json",
+            "eos_token_id 40000 is outside",
+            "4096",
+        ],
+    );
 }
 
 /// A count no model has (a corrupt file) is refused before it sizes anything.

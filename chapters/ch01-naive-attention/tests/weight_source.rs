@@ -496,3 +496,35 @@ fn malformed_raw_tensors_are_errors() {
         Err(Error::ShapeMismatch { .. })
     ));
 }
+
+/// The header is parsed once, at open: a tensor read afterwards slices the map with what open
+/// recorded, never parsing the header again (which made loading O(tensors × header)). Shown by
+/// spoiling the header's length prefix after open, a part of the file no later read touches:
+/// every tensor still reads back as it did, where a re-parse would fail.
+#[test]
+fn weights_parse_the_header_once_at_open() {
+    use std::io::{Seek, SeekFrom, Write};
+    let tmp = TempDir::new().unwrap();
+    let fixture = fixtures_dir().join("random/gqa");
+    let path = tmp.path().join("model.safetensors");
+    std::fs::copy(fixture.join("model.safetensors"), &path).unwrap();
+    let expected = Weights::open(&fixture).unwrap();
+    let weights = Weights::open(tmp.path()).unwrap();
+    let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.seek(SeekFrom::Start(0)).unwrap();
+    file.write_all(&u64::MAX.to_le_bytes()).unwrap();
+    file.sync_all().unwrap();
+    assert!(Weights::open(tmp.path()).is_err(), "the header is spoiled");
+    let bytes = std::fs::read(fixture.join("model.safetensors")).unwrap();
+    let header = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert!(!header.names().is_empty());
+    for name in header.names() {
+        let (ours, theirs) = (
+            weights.tensor(name).unwrap(),
+            expected.tensor(name).unwrap(),
+        );
+        assert_eq!(ours.dtype(), theirs.dtype(), "{name}");
+        assert_eq!(ours.shape(), theirs.shape(), "{name}");
+        assert_eq!(ours.bytes(), theirs.bytes(), "{name}");
+    }
+}

@@ -10,7 +10,8 @@ use ch01::testing::seeded_config;
 use ch05_quantization::GgmlType;
 use ch05_quantization::gguf::tokenizer::load_tokenizer;
 use ch05_quantization::gguf::{
-    GgufArray, GgufError, GgufFile, GgufSource, GgufValue, GgufValueType, GgufWriter, llama_config,
+    GgufArray, GgufError, GgufFile, GgufHostSide, GgufSource, GgufValue, GgufValueType, GgufWriter,
+    llama_config,
 };
 use proptest::prelude::*;
 
@@ -572,4 +573,69 @@ fn zero_sized_tensors_decode_to_nothing() {
     });
     assert_eq!(tensor.unwrap(), 0);
     assert!(peak < 1 << 20, "{peak} bytes");
+}
+
+/// A stop token (EOS, EOT, or a token whose text ends generation) or a BOS that the model has
+/// no embedding row for is refused at load, naming the file and the id: the tokenizer's list
+/// may be longer than the embedding (llama.cpp refuses such a file too), and the server's
+/// grammar engine once panicked on a stop id past the vocabulary.
+#[test]
+fn special_tokens_outside_the_embedding_are_refused() {
+    let file = |rows: usize, bos: Option<u32>| {
+        let mut w = GgufWriter::new();
+        w.add_metadata("general.architecture", "llama").unwrap();
+        for (k, v) in [
+            ("block_count", 1u32),
+            ("context_length", 16),
+            ("embedding_length", 32),
+            ("feed_forward_length", 32),
+            ("attention.head_count", 2),
+            ("attention.head_count_kv", 1),
+        ] {
+            w.add_metadata(format!("llama.{k}"), v).unwrap();
+        }
+        w.add_metadata("llama.attention.layer_norm_rms_epsilon", 1e-5f32)
+            .unwrap();
+        w.add_metadata("tokenizer.ggml.model", "gpt2").unwrap();
+        let tokens = GgufValue::strings(["a", "b", "ab", "<|im_end|>", "<s>"]);
+        w.add_metadata("tokenizer.ggml.tokens", tokens).unwrap();
+        let types = GgufValue::array([1i32, 1, 1, 3, 3]);
+        w.add_metadata("tokenizer.ggml.token_type", types).unwrap();
+        w.add_metadata("tokenizer.ggml.merges", GgufValue::strings(["a b"]))
+            .unwrap();
+        w.add_metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
+        if let Some(bos) = bos {
+            w.add_metadata("tokenizer.ggml.bos_token_id", bos).unwrap();
+        }
+        let embedding = vec![0u8; rows * 32 * 4];
+        w.add_tensor("token_embd.weight", GgmlType::F32, &[rows, 32], embedding)
+            .unwrap();
+        GgufFile::from_bytes("stops.gguf", w.to_bytes()).unwrap()
+    };
+    let whole = GgufHostSide::read(&file(5, Some(4))).unwrap();
+    assert_eq!(whole.eos_token_ids, [2, 3]);
+    assert_eq!(whole.config.vocab_size, 5);
+    for (rows, bos, needles) in [
+        (
+            3,
+            None,
+            ["stops.gguf", "stop token 3 is outside", "vocabulary of 3"],
+        ),
+        (
+            4,
+            Some(4),
+            ["stops.gguf", "bos_token_id 4 is outside", "vocabulary of 4"],
+        ),
+    ] {
+        let error = GgufHostSide::read(&file(rows, bos))
+            .err()
+            .unwrap()
+            .to_string();
+        for needle in needles {
+            assert!(
+                error.contains(needle),
+                "{error:?} should mention {needle:?}"
+            );
+        }
+    }
 }

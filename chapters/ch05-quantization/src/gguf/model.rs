@@ -5,7 +5,7 @@ use std::path::Path;
 use ch01::{LinearLoader, Llama, LlamaConfig, TensorParallel, Tokenizer};
 
 use super::config::llama_config;
-use super::error::GgufResult;
+use super::error::{GgufError, GgufResult};
 use super::file::GgufFile;
 use super::source::GgufSource;
 use super::tokenizer::{chat_template, eos_token_ids, load_tokenizer};
@@ -35,12 +35,27 @@ pub struct GgufHostSide {
 
 impl GgufHostSide {
     /// Reads the config, tokenizer, stop tokens and chat template from `file`'s metadata,
-    /// decoding no tensor.
+    /// decoding no tensor. The stop tokens and BOS are checked against the model's vocabulary
+    /// (the embedding's rows), not only the tokenizer's: a token list longer than the
+    /// embedding would otherwise name stop tokens the model cannot emit.
     pub fn read(file: &GgufFile) -> GgufResult<GgufHostSide> {
+        let config = llama_config(file)?;
+        let tokenizer = load_tokenizer(file)?;
+        let eos_token_ids = eos_token_ids(file)?;
+        let special = (tokenizer.bos_token_id().map(|id| ("BOS", id)).into_iter())
+            .chain(eos_token_ids.iter().map(|&id| ("stop token", id)));
+        for (what, id) in special {
+            ch01::config::check_token_id(what, id, config.vocab_size).map_err(|message| {
+                GgufError::Tokenizer {
+                    path: file.path().to_path_buf(),
+                    message,
+                }
+            })?;
+        }
         Ok(GgufHostSide {
-            config: llama_config(file)?,
-            tokenizer: load_tokenizer(file)?,
-            eos_token_ids: eos_token_ids(file)?,
+            config,
+            tokenizer,
+            eos_token_ids,
             chat_template: chat_template(file)?,
         })
     }

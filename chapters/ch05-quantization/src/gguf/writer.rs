@@ -5,8 +5,10 @@
 //! bytes hold exactly its shape in its type (rows of whole blocks); the data section and every
 //! tensor in it start at a multiple of the alignment (32, or `general.alignment` when the
 //! metadata sets it), tensors in the order they were added, zero bytes between them.
-//! [`GgufWriter::write`] writes a temporary file beside the target and renames it into place,
-//! so a reader never sees a half-written file under the target's name.
+//! [`GgufWriter::write`] writes a temporary file beside the target and links it into place,
+//! so a reader never sees a half-written file under the target's name; it never replaces a
+//! file (not even one created while it wrote): `kiln quantize --out` naming its own input, or
+//! any other file, is refused (the rule of `ch01::new_dir` for model directories).
 
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -157,12 +159,13 @@ impl<'a> GgufWriter<'a> {
         bytes
     }
 
-    /// Writes the file to `path`: first to a temporary name in the same directory, then
-    /// renamed over `path`.
+    /// Writes the new file `path`: first to a temporary name in the same directory, then
+    /// linked to `path`. An existing `path` is an error of kind `AlreadyExists`, left as it was.
     pub fn write(&self, path: &Path) -> GgufResult<()> {
         let file_name = path
             .file_name()
             .ok_or_else(|| GgufError::Write(format!("{} is not a file name", path.display())))?;
+        refuse_existing(path).map_err(|e| GgufError::io(path, e))?;
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(file_name);
         tmp_name.push(format!(".tmp{}", std::process::id()));
@@ -172,12 +175,45 @@ impl<'a> GgufWriter<'a> {
             let mut out = std::io::BufWriter::new(file);
             self.write_to(&mut out)?;
             out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-            std::fs::rename(&tmp, path)
+            link_new(&tmp, path)
         })();
         result.map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             GgufError::io(path, e)
         })
+    }
+}
+
+/// An `AlreadyExists` error when anything (a file, a directory, a dangling link) is at `path`.
+pub fn refuse_existing(path: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(_) => Err(already_exists()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn already_exists() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::AlreadyExists,
+        "already exists: a GGUF file is written as a new file, never over another",
+    )
+}
+
+/// Puts the finished `tmp` at `path` unless something is there: a hard link fails rather than
+/// replace, atomically. Where links are not supported, a check then a rename (a file created
+/// between the two would be replaced).
+fn link_new(tmp: &Path, path: &Path) -> std::io::Result<()> {
+    match std::fs::hard_link(tmp, path) {
+        Ok(()) => {
+            let _ = std::fs::remove_file(tmp); // the file is whole at `path` already
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(already_exists()),
+        Err(_) => {
+            refuse_existing(path)?;
+            std::fs::rename(tmp, path)
+        }
     }
 }
 
@@ -341,7 +377,7 @@ mod tests {
     }
 
     #[test]
-    fn write_renames_into_place() {
+    fn write_puts_a_new_file_in_place_and_never_replaces_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.gguf");
         let mut w = GgufWriter::new();
@@ -353,6 +389,12 @@ mod tests {
             .collect();
         assert_eq!(names, ["m.gguf"], "no temporary file left behind");
         assert_eq!(GgufFile::open(&path).unwrap().get_u32("k").unwrap(), 1);
+        let mut other = GgufWriter::new();
+        other.add_metadata("k", 2u8).unwrap();
+        let refused = other.write(&path).unwrap_err().to_string();
+        assert!(refused.contains("already exists"), "{refused}");
+        assert_eq!(GgufFile::open(&path).unwrap().get_u32("k").unwrap(), 1);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]
