@@ -596,6 +596,9 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
         ],
         "invalid value 'q2_k'",
     );
+    // A new --out, or the existing one would be refused before the model is read.
+    let fresh = tmp.path().join("never-written.gguf");
+    let fresh = fresh.to_str().unwrap();
     assert_fails_with(
         &[
             "quantize",
@@ -604,7 +607,7 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
             "--type",
             "q4_0",
             "--out",
-            out_path,
+            fresh,
         ],
         "/nonexistent/model/config.json",
     );
@@ -617,7 +620,7 @@ fn quantize_writes_a_gguf_file_that_kiln_runs() {
             "--type",
             "q4_0",
             "--out",
-            out_path,
+            fresh,
         ],
         "rope_scaling llama3 is not supported",
     );
@@ -967,6 +970,112 @@ fn an_fp8_checkpoint_runs_from_the_command_line() {
     );
 }
 
+/// `quantize --type` writes a new file or nothing: never over its own input's files, the input
+/// directory itself, or any other file (it once renamed its output over whatever was there).
+#[test]
+fn quantize_type_never_writes_over_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    let fixture = ch01::fixtures_dir().join("random/gqa");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, model.join(path.file_name().unwrap())).unwrap();
+    }
+    let weights = model.join("model.safetensors");
+    let before = std::fs::read(&weights).unwrap();
+    let quantize = |out: &std::path::Path| {
+        kiln(&[
+            "quantize",
+            "--model",
+            model.to_str().unwrap(),
+            "--type",
+            "q8_0",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let other = tmp.path().join("other.gguf");
+    std::fs::write(&other, "keep me").unwrap();
+    for out in [weights.as_path(), model.as_path(), other.as_path()] {
+        let refused = quantize(out);
+        assert!(
+            !refused.status.success() && stderr(&refused).contains("already exists"),
+            "{}: {}",
+            out.display(),
+            stderr(&refused)
+        );
+    }
+    assert_eq!(std::fs::read(&weights).unwrap(), before);
+    assert_eq!(std::fs::read(&other).unwrap(), b"keep me");
+    // A new file is written, and no temporary file is left beside it; then it too is kept.
+    let out = tmp.path().join("q.gguf");
+    let done = quantize(&out);
+    assert!(done.status.success(), "{}", stderr(&done));
+    let written = std::fs::read(&out).unwrap();
+    let again = quantize(&out);
+    assert!(!again.status.success() && stderr(&again).contains("already exists"));
+    assert_eq!(std::fs::read(&out).unwrap(), written);
+    let mut names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["model", "other.gguf", "q.gguf"]);
+}
+
+/// The tokenizer's EOS (merged into the stop tokens) and BOS must be rows of the model's
+/// embedding: a tokenizer whose added token lies past `vocab_size` is refused at load, naming
+/// tokenizer_config.json and the id (the server's grammar engine once panicked on such a stop
+/// id).
+#[test]
+fn a_tokenizer_special_token_past_the_vocabulary_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = ch01::fixtures_dir().join("random/gqa");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let edit = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let path = tmp.path().join(name);
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(&mut json);
+        std::fs::write(&path, json.to_string()).unwrap();
+    };
+    let vocab_size = 4096; // the fixture's config.json
+    edit("tokenizer.json", &|t| {
+        t["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+                "id": vocab_size, "content": "<|extra|>", "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true
+            }));
+    });
+    let model = tmp.path().to_str().unwrap();
+    let args = [
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "a",
+        "--max-tokens",
+        "1",
+    ];
+    let output = kiln(&args);
+    assert!(output.status.success(), "{}", stderr(&output));
+    for key in ["eos_token", "bos_token"] {
+        edit("tokenizer_config.json", &|c| c[key] = "<|extra|>".into());
+        assert_fails_with(
+            &args,
+            &format!("tokenizer_config.json: {key} {vocab_size} is outside the model's vocabulary"),
+        );
+        let original = if key == "eos_token" { "</s>" } else { "<s>" };
+        edit("tokenizer_config.json", &|c| c[key] = original.into());
+    }
+}
+
 /// `quantize --method` writes a new directory or nothing: never over its own model (which it
 /// once emptied, file by file), never beside another checkpoint's files.
 #[test]
@@ -1006,4 +1115,61 @@ fn quantize_method_never_writes_over_a_directory() {
     // Again into it, now not empty.
     let again = rtn(out.to_str().unwrap());
     assert!(!again.status.success() && stderr(&again).contains("is not empty"));
+}
+
+/// `quantize --method awq` with a group size that does not divide every projection's input
+/// size (random/gqa: hidden 64, intermediate 96) is refused before calibrating, and nothing is
+/// written. It once wrote the directory (a layer narrower than the group was packed with whole
+/// rows) under a config.json whose group size kiln's own loader then refused.
+#[test]
+fn quantize_awq_refuses_a_group_size_its_layout_cannot_read_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tmp.path().join("train.txt");
+    std::fs::write(
+        &text,
+        "To be, or not to be, that is the question. ".repeat(40),
+    )
+    .unwrap();
+    let model = ch01::fixtures_dir().join("random/gqa");
+    let out = tmp.path().join("q");
+    let run = |group: &str| {
+        kiln(&[
+            "quantize",
+            "--method",
+            "awq",
+            "--group-size",
+            group,
+            "--samples",
+            "1",
+            "--seq-len",
+            "8",
+            "--calibration",
+            text.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let refused = run("128");
+    assert!(
+        !refused.status.success() && stderr(&refused).contains("group size 128 must divide in"),
+        "{}",
+        stderr(&refused)
+    );
+    assert!(!out.exists(), "nothing is written");
+    // A group size that divides 64 and 96 writes a directory kiln loads.
+    let done = run("32");
+    assert!(done.status.success(), "{}", stderr(&done));
+    let logits = tmp.path().join("logits.safetensors");
+    let loaded = kiln(&[
+        "forward",
+        "--model",
+        out.to_str().unwrap(),
+        "--prompt",
+        "To be",
+        "--out",
+        logits.to_str().unwrap(),
+    ]);
+    assert!(loaded.status.success(), "{}", stderr(&loaded));
 }

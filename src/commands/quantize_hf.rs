@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use ch05::gptq::GptqConfig;
-use ch05::hf_quant::{HfQuantConfig, QuantMethod, write_quantized_dir};
+use ch05::hf_quant::{HfQuantConfig, QuantMethod, check_model, write_quantized_dir};
 use ch05::model_quant::{Method, quantize_model};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -202,6 +202,16 @@ pub fn quantize_dir(
             dtype: ch02::WeightDtype::F32,
         },
     )?;
+    // Before calibrating: a layout the loader could not read back (AWQ's needs the group size
+    // to divide every projection's input size) is refused now, not after the work.
+    check_model(&config, &model.config).with_context(|| {
+        format!(
+            "{} cannot be written in the {:?} layout with --group-size {}",
+            model_dir.display(),
+            config.method,
+            config.group_size.unwrap_or(0)
+        )
+    })?;
     let samples = if matches!(method, Method::Rtn { .. }) {
         Vec::new()
     } else {

@@ -66,7 +66,11 @@ pub enum Fp8Error {
     Scales { scales: usize, out: usize },
     #[error("a bias of {len} for {out} outputs")]
     Bias { len: usize, out: usize },
-    #[error("scale {0} is not a positive finite number")]
+    /// A weight scale that is not positive and finite, or an input scale that is not at least
+    /// `f32::MIN_POSITIVE` (its inverse must be finite) and finite.
+    #[error(
+        "scale {0} is not a positive finite number (an input scale must be normal: its inverse must be finite)"
+    )]
     BadScale(f32),
 }
 
@@ -101,10 +105,14 @@ impl Fp8Linear {
             ActivationScale::Static(s) => Some(s),
             ActivationScale::Dynamic | ActivationScale::None => None,
         };
+        // The input scale is inverted for every row: a subnormal one has an infinite inverse
+        // (1 / 1e-39 overflows), so it must be at least f32's smallest normal number.
         if let Some(&bad) = scale
             .iter()
-            .chain(&input)
             .find(|s| !(s.is_finite() && **s > 0.0))
+            .or(input
+                .as_ref()
+                .filter(|s| !(s.is_finite() && **s >= f32::MIN_POSITIVE)))
         {
             return Err(Fp8Error::BadScale(bad));
         }

@@ -42,6 +42,26 @@ pub enum GroupQuantError {
     Scale { index: usize, value: f32 },
     #[error("group size {0} is invalid: it must be at least 1")]
     GroupSize(usize),
+    /// A NaN or infinite input to a quantizer: a grid cannot hold it, and without this check
+    /// [`Grid::fit`] would skip a NaN (`f64::min`/`max` ignore it) and [`Grid::quantize`] make
+    /// it code 0, a finite weight.
+    #[error("{what} value {value} at {index} is not finite")]
+    NotFinite {
+        what: &'static str,
+        index: usize,
+        value: f64,
+    },
+}
+
+/// Refuses the first element of `values` that is NaN or infinite, as [`GroupQuantError::NotFinite`].
+pub fn check_finite(
+    what: &'static str,
+    values: impl IntoIterator<Item = f64>,
+) -> Result<(), GroupQuantError> {
+    match values.into_iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        Some((index, value)) => Err(GroupQuantError::NotFinite { what, index, value }),
+        None => Ok(()),
+    }
 }
 
 /// The affine 4-bit grid of one group of one row: `w ≈ scale · (q − zero)`, `q` in `0..=15`.
@@ -57,7 +77,8 @@ impl Grid {
     /// The grid over `values` (GPTQ's rule, also round-to-nearest's): the range is widened to
     /// contain 0; symmetric: `[−m, m]` with `m = max|w|` and `zero = 8`; asymmetric:
     /// `[min, max]` and `zero = round(−min / scale)`. `scale = range / 15`, rounded to f16
-    /// (never to 0). An all-zero group gets the range `[−1, 1]`.
+    /// (never to 0). An all-zero group gets the range `[−1, 1]`. `values` must be finite (a
+    /// NaN is skipped: the quantizers refuse one first, [`check_finite`]).
     pub fn fit(values: impl IntoIterator<Item = f64>, symmetric: bool) -> Grid {
         let (mut lo, mut hi) = values
             .into_iter()
@@ -269,7 +290,8 @@ pub fn sequential_g_idx(cols: usize, group_size: usize) -> Vec<u32> {
 }
 
 /// Round-to-nearest: each group's [`Grid::fit`] on the weights themselves, then
-/// [`Grid::quantize`]. `weight` `[rows, cols]` row-major.
+/// [`Grid::quantize`]. `weight` `[rows, cols]` row-major, every value finite (else
+/// [`GroupQuantError::NotFinite`]).
 // ANCHOR: rtn
 pub fn round_to_nearest(
     weight: &[f32],
@@ -288,6 +310,7 @@ pub fn round_to_nearest(
             actual: weight.len(),
         });
     }
+    check_finite("weight", weight.iter().map(|&w| f64::from(w)))?;
     let groups = cols.div_ceil(group_size);
     let mut codes = vec![0u8; rows * cols];
     let mut scales = vec![0.0f32; groups * rows];

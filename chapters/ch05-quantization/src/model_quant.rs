@@ -23,7 +23,11 @@
 //! for such models. Round-to-nearest needs no calibration.
 //!
 //! The model runs in f32 with chapter 2's dense projections; a quantized projection is
-//! replaced by its dequantized weights, the exact weights any reader of the file computes with.
+//! replaced by its dequantized weights, the exact weights any reader of the file computes with,
+//! and keeps its bias (Qwen2's q/k/v, Llama's `attention_bias` / `mlp_bias`): every later
+//! projection is calibrated on the model the file holds. AWQ's `1 / s` for `down_proj` divides
+//! `up_proj`'s bias as well as its rows (`silu(g) · (u / s + b / s)`); the divided bias is one
+//! of the dense tensors the file replaces.
 
 use std::collections::BTreeMap;
 
@@ -31,7 +35,7 @@ use ch01::attention::causal_attention;
 use ch01::model::{RmsNorm, silu};
 use ch01::{Linear, Llama, WeightSource};
 use ch02::{FastLinear, WeightDtype};
-use ndarray::Array2;
+use ndarray::{Array1, Array2};
 
 use crate::awq::{self, ChannelMagnitude};
 use crate::gptq::{GptqConfig, GptqError, Hessian, gptq};
@@ -70,7 +74,8 @@ pub enum ModelQuantError {
 }
 
 /// What [`quantize_model`] produced: the codes of every projection, by layer name
-/// (`model.layers.0.self_attn.q_proj`), and the dense tensors it changed (AWQ's norms).
+/// (`model.layers.0.self_attn.q_proj`), and the dense tensors it changed by tensor name (AWQ's
+/// norms, and `up_proj`'s bias when the model has one).
 #[derive(Debug, Default)]
 pub struct QuantizedModel {
     pub layers: BTreeMap<String, GroupQuantized>,
@@ -82,8 +87,18 @@ pub struct QuantizedModel {
 const ATTN: [&str; 3] = ["q_proj", "k_proj", "v_proj"];
 const MLP_IN: [&str; 2] = ["gate_proj", "up_proj"];
 
-fn dense(w: &Array2<f32>) -> Box<dyn Linear> {
-    Box::new(FastLinear::new(w.clone(), None, WeightDtype::F32))
+/// A dense f32 projection with weights `w` `[out, in]` and the projection's own bias `[out]`.
+fn dense(w: &Array2<f32>, bias: &Option<Array1<f32>>) -> Box<dyn Linear> {
+    Box::new(FastLinear::new(w.clone(), bias.clone(), WeightDtype::F32))
+}
+
+/// Whether the projection `short` of a model with config `c` has a bias.
+fn has_bias(c: &ch01::LlamaConfig, short: &str) -> bool {
+    match short {
+        "q_proj" | "k_proj" | "v_proj" => c.qkv_bias,
+        "o_proj" => c.o_bias,
+        _ => c.mlp_bias,
+    }
 }
 
 fn dequantized(q: &GroupQuantized) -> Array2<f32> {
@@ -147,7 +162,9 @@ pub fn quantize_model(
                 .expect("a projection")
                 .clone()
         };
+        // Weights [out, in] and biases [out] (None: the projection has none), by short name.
         let mut w: BTreeMap<&str, Array2<f32>> = BTreeMap::new();
+        let mut b: BTreeMap<&str, Option<Array1<f32>>> = BTreeMap::new();
         for short in ATTN
             .iter()
             .chain(&["o_proj"])
@@ -156,6 +173,12 @@ pub fn quantize_model(
         {
             let (name, out, cols) = shape_of(short);
             w.insert(short, weight(&name, out, cols)?);
+            let bias = if has_bias(&config, short) {
+                Some(source.vector(&format!("{name}.bias"), out)?)
+            } else {
+                None
+            };
+            b.insert(short, bias);
         }
         let rope = &model.rope;
         let layer = &mut model.layers[l];
@@ -246,7 +269,7 @@ pub fn quantize_model(
         };
         for short in ATTN {
             let deq = quantize(short, &w[short], &st, &mut result)?;
-            *attn_slot(layer, short) = dense(&deq);
+            *attn_slot(layer, short) = dense(&deq, &b[short]);
         }
         drop(st);
 
@@ -262,7 +285,7 @@ pub fn quantize_model(
         drop(a);
         let st = stats(&o_in);
         let deq = quantize("o_proj", &w["o_proj"], &st, &mut result)?;
-        layer.self_attn.o_proj = dense(&deq);
+        layer.self_attn.o_proj = dense(&deq, &b["o_proj"]);
         drop(st);
         let h: Vec<Array2<f32>> = xs
             .iter()
@@ -304,8 +327,8 @@ pub fn quantize_model(
                 .collect();
             // down's scales, searched on the input of the unquantized (scaled) gate and up,
             // fold into up's output rows.
-            layer.mlp.gate_proj = dense(&w["gate_proj"]);
-            layer.mlp.up_proj = dense(&w["up_proj"]);
+            layer.mlp.gate_proj = dense(&w["gate_proj"], &b["gate_proj"]);
+            layer.mlp.up_proj = dense(&w["up_proj"], &b["up_proj"]);
             let d_in: Vec<Array2<f32>> = m.iter().map(|m| down_input(layer, m)).collect();
             let Stats::Awq(dmag, dx) = stats(&d_in) else {
                 unreachable!()
@@ -328,10 +351,23 @@ pub fn quantize_model(
                 row.mapv_inplace(|v| (f64::from(v) / s) as f32);
             }
             w.insert("up_proj", up);
+            // up's bias is part of its output: divided too, and written in place of the
+            // checkpoint's.
+            if let Some(bias) = &b["up_proj"] {
+                let divided: Array1<f32> = bias
+                    .iter()
+                    .zip(&found.scales)
+                    .map(|(&v, &s)| (f64::from(v) / s) as f32)
+                    .collect();
+                result
+                    .dense
+                    .insert(format!("{prefix}.mlp.up_proj.bias"), divided.to_vec());
+                b.insert("up_proj", Some(divided));
+            }
         }
         for short in MLP_IN {
             let deq = quantize(short, &w[short], &st, &mut result)?;
-            *mlp_slot(layer, short) = dense(&deq);
+            *mlp_slot(layer, short) = dense(&deq, &b[short]);
         }
         drop(st);
         let d_in: Vec<Array2<f32>> = m.iter().map(|m| down_input(layer, m)).collect();
@@ -342,7 +378,7 @@ pub fn quantize_model(
             Stats::None
         };
         let deq = quantize("down_proj", &w["down_proj"], &st, &mut result)?;
-        layer.mlp.down_proj = dense(&deq);
+        layer.mlp.down_proj = dense(&deq, &b["down_proj"]);
         xs = h
             .iter()
             .zip(&d_in)

@@ -10,7 +10,7 @@ use ch01::{Llama, fixtures_dir};
 use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch05_quantization::fp8::F8E4M3;
-use ch05_quantization::fp8_linear::{ActivationScale, Fp8Linear, Fp8Loader, fp8_config};
+use ch05_quantization::fp8_linear::{ActivationScale, Fp8Error, Fp8Linear, Fp8Loader, fp8_config};
 use ch05_quantization::testing::{weights_with_tiny_and_zero_rows, write_fp8_checkpoint};
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
@@ -145,6 +145,43 @@ fn bad_layers_are_errors() {
     );
     assert!(Fp8Linear::new(codes.clone(), 2, 3, &[1.0], Some(Array1::zeros(3)), dynamic).is_err());
     assert!(Fp8Linear::new(codes, 2, 3, &[1.0, 2.0], None, dynamic).is_ok());
+}
+
+/// A static input scale is inverted for every row: a subnormal one (positive and finite, but
+/// with an inverse that is infinite, or nearly: 1e-39's overflows) is refused as a bad scale, and the smallest normal one is kept and
+/// gives finite outputs. Weight scales are only multiplied: a subnormal one stays allowed.
+#[test]
+fn a_subnormal_input_scale_is_refused() {
+    let codes = vec![F8E4M3::from_f32(1.0); 6];
+    for subnormal in [1e-39f32, f32::from_bits(1), f32::MIN_POSITIVE / 2.0] {
+        assert!(subnormal > 0.0 && subnormal < f32::MIN_POSITIVE);
+        let layer = Fp8Linear::new(
+            codes.clone(),
+            2,
+            3,
+            &[1.0],
+            None,
+            ActivationScale::Static(subnormal),
+        );
+        assert!(
+            matches!(layer, Err(Fp8Error::BadScale(s)) if s == subnormal),
+            "input scale {subnormal:e}: {:?}",
+            layer.err()
+        );
+    }
+    let normal = Fp8Linear::new(
+        codes.clone(),
+        2,
+        3,
+        &[1.0],
+        None,
+        ActivationScale::Static(f32::MIN_POSITIVE),
+    )
+    .unwrap();
+    let y = normal.forward(Array2::from_elem((1, 3), 1e-38f32).view());
+    assert!(y.iter().all(|v| v.is_finite()), "{y:?}");
+    let tiny_weights = Fp8Linear::new(codes, 2, 3, &[1e-39], None, ActivationScale::Dynamic);
+    assert!(tiny_weights.is_ok());
 }
 
 #[test]

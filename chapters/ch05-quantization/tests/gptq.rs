@@ -176,3 +176,40 @@ fn bad_arguments_are_typed_errors() {
         Err(GptqError::Factor(_))
     ));
 }
+
+/// A NaN or infinite weight (or Hessian entry) is a typed error in round-to-nearest and GPTQ.
+/// It once became a finite code: `Grid::fit` skipped it (`f64::min`/`max` ignore NaN) and
+/// `NaN.clamp(0, 15) as u8` is 0.
+#[test]
+fn non_finite_weights_are_refused_not_rounded_to_a_code() {
+    use ch05_quantization::GroupQuantError;
+    let (out, cols) = (4, 16);
+    let good: Vec<f32> = (0..out * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let h = Array2::<f64>::eye(cols);
+    let config = GptqConfig {
+        group_size: 8,
+        ..GptqConfig::default()
+    };
+    assert!(round_to_nearest(&good, out, cols, 8, true).is_ok());
+    assert!(gptq(&good, out, &h, &config).is_ok());
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut w = good.clone();
+        w[21] = bad;
+        for symmetric in [true, false] {
+            let e = round_to_nearest(&w, out, cols, 8, symmetric).unwrap_err();
+            assert!(
+                matches!(e, GroupQuantError::NotFinite { index: 21, .. }),
+                "round-to-nearest of {bad}: {e:?}"
+            );
+        }
+        let e = gptq(&w, out, &h, &config).unwrap_err();
+        assert!(
+            e.to_string().contains("weight value") && e.to_string().contains("at 21"),
+            "gptq of {bad}: {e}"
+        );
+    }
+    let mut h_nan = h.clone();
+    h_nan[[3, 5]] = f64::NAN;
+    let e = gptq(&good, out, &h_nan, &config).unwrap_err();
+    assert!(e.to_string().contains("Hessian value NaN"), "{e}");
+}

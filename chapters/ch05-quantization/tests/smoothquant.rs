@@ -311,3 +311,25 @@ fn weight_codes_are_round_to_nearest_on_each_rows_grid() {
         })
         .unwrap();
 }
+
+/// A NaN or infinite activation makes its token's outputs NaN in W8A8, as in f32; the other
+/// tokens are untouched. (int8 has no NaN code: the token's scale carries it. The NaN once
+/// became code 0 under a finite scale, and the token's outputs came out finite.)
+#[test]
+fn a_non_finite_activation_gives_nan_outputs_not_finite_ones() {
+    let (out, n) = (5, 40);
+    let w = Array2::from_shape_fn((out, n), |(o, i)| ((o * n + i) as f32 * 0.61).sin());
+    let layer = W8A8Linear::quantize(w.view(), None, Int8Activations::PerToken).unwrap();
+    let clean = Array2::from_shape_fn((3, n), |(t, i)| ((t * n + i) as f32 * 0.23).cos());
+    let before = layer.forward(clean.view());
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x = clean.clone();
+        x[[1, 7]] = bad;
+        let y = layer.forward(x.view());
+        assert!(y.row(1).iter().all(|v| v.is_nan()), "{bad}: {:?}", y.row(1));
+        assert_eq!(y.row(0), before.row(0));
+        assert_eq!(y.row(2), before.row(2));
+        let mut codes = vec![0i8; n];
+        assert!(quantize_token(x.row(1).as_slice().unwrap(), &mut codes).is_nan());
+    }
+}

@@ -9,7 +9,7 @@
 //! `Σ ‖X Wᵀ − X (Q(W·s) / s)ᵀ‖²` (`Q`: 4-bit round-to-nearest with zero points, group-wise).
 //! `α = 0` is plain round-to-nearest, so the search can only improve on it (on its tokens).
 //! The `1 / s` goes into whatever produced the input: the RMSNorm's weight before q/k/v and
-//! gate/up, `up_proj`'s output rows before `down_proj` (see [`crate::model_quant`]).
+//! gate/up, `up_proj`'s output rows (and bias) before `down_proj` (see [`crate::model_quant`]).
 
 use ndarray::{Array1, Array2, ArrayView2, Axis};
 

@@ -31,7 +31,7 @@ use ndarray::{Array2, Axis, s};
 use rayon::prelude::*;
 
 use super::cholesky::{NotPositiveDefinite, inverse_upper_cholesky};
-use crate::group_quant::{Grid, GroupQuantError, GroupQuantized};
+use crate::group_quant::{Grid, GroupQuantError, GroupQuantized, check_finite};
 
 /// GPTQ's settings (the names of the Hugging Face `quantization_config`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -77,6 +77,7 @@ pub enum GptqError {
 
 // ANCHOR: gptq
 /// Quantizes `weight` `[out, in]` (row-major) against the Hessian `h` `[in, in]` of its inputs.
+/// A NaN or infinite weight or Hessian entry is refused ([`GroupQuantError::NotFinite`]).
 pub fn gptq(
     weight: &[f32],
     out: usize,
@@ -96,6 +97,8 @@ pub fn gptq(
             actual: weight.len(),
         });
     }
+    check_finite("weight", weight.iter().map(|&w| f64::from(w)))?;
+    check_finite("Hessian", h.iter().copied())?;
     let (gs, bs) = (config.group_size.min(cols.max(1)), config.block_size.max(1));
     if gs == 0 {
         return Err(GroupQuantError::GroupSize(0).into());

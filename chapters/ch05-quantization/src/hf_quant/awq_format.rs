@@ -26,7 +26,11 @@ use crate::group_quant::{GroupQuantized, sequential_g_idx};
 pub const ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
 // ANCHOR_END: order
 
-fn check(rows: usize, cols: usize, group: usize) -> Result<(), HfQuantError> {
+/// Whether a layer `[rows = out, cols = in]` fits the layout with groups of `group` columns:
+/// `out` a multiple of 8 and `group` dividing `in`. The reader checks the group size that
+/// config.json records, so the writer checks that one too, not the layer's own (which
+/// [`GroupQuantized::new`] narrows to `in` when it is wider).
+pub fn check(rows: usize, cols: usize, group: usize) -> Result<(), HfQuantError> {
     let reason = if !rows.is_multiple_of(8) {
         "out must be a multiple of 8".to_string()
     } else if group == 0 || !cols.is_multiple_of(group) {

@@ -19,7 +19,7 @@ pub mod writer;
 pub use config::{HfQuantConfig, QuantMethod};
 pub use error::HfQuantError;
 pub use linear::{GroupLinear, HfQuantLoader};
-pub use writer::{WriteError, write_quantized_dir};
+pub use writer::{WriteError, check_model, write_quantized_dir};
 
 /// Decodes little-endian i32 words.
 pub(crate) fn i32s(bytes: &[u8]) -> Vec<i32> {

@@ -4,8 +4,13 @@
 //!
 //! Every tensor of the source that is neither a quantized projection (`{name}.weight` with
 //! `name` in `layers`: written as `{name}.qweight`, `.qzeros`, `.scales` and, for GPTQ,
-//! `.g_idx`) nor replaced (`dense`: AWQ's norms with the scales folded in, as f32) is copied
-//! with its dtype and bytes. The file is written under a temporary name, then renamed.
+//! `.g_idx`) nor replaced (`dense`: AWQ's norms with the scales folded in, and `up_proj`'s
+//! bias divided by `down_proj`'s scales, as f32) is copied with its dtype and bytes. The file is
+//! written under a temporary name, then renamed.
+//!
+//! Every layer is checked against the layout as [`HfQuantLoader`](super::HfQuantLoader) will
+//! read it, with the group size config.json records ([`check_layer`]); [`check_model`] does
+//! the same from a model's config alone, before any calibration.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -43,6 +48,36 @@ fn format_error(path: &Path, message: impl ToString) -> WriteError {
         path: path.display().to_string(),
         message: message.to_string(),
     }
+}
+
+/// Whether the loader will read back a layer `[rows = out, cols = in]` written with `config`:
+/// in and out multiples of 8 for GPTQ's layout; for AWQ's, out a multiple of 8 and the
+/// **configured** group size (the whole row when there is none) dividing `in`.
+pub fn check_layer(config: &HfQuantConfig, rows: usize, cols: usize) -> Result<(), HfQuantError> {
+    match config.method {
+        QuantMethod::Awq => awq_format::check(rows, cols, config.group_size.unwrap_or(cols)),
+        QuantMethod::Gptq if !(rows.is_multiple_of(8) && cols.is_multiple_of(8)) => {
+            Err(HfQuantError::Layout {
+                format: "GPTQ",
+                rows,
+                cols,
+                reason: "in and out must be multiples of 8".into(),
+            })
+        }
+        QuantMethod::Gptq => Ok(()),
+    }
+}
+
+/// [`check_layer`] for every projection of a model with config `model`: what `kiln quantize`
+/// asks before calibrating (`--method awq --group-size 768` on a hidden size of 576 is refused
+/// here, not after an hour of calibration, nor written as a directory no loader reads).
+pub fn check_model(config: &HfQuantConfig, model: &ch01::LlamaConfig) -> Result<(), WriteError> {
+    for l in 0..model.num_hidden_layers {
+        for (name, rows, cols) in crate::model_quant::projections(model, l) {
+            check_layer(config, rows, cols).map_err(|source| WriteError::Layer { name, source })?;
+        }
+    }
+    Ok(())
 }
 
 fn le_bytes<T: Copy>(values: &[T], f: fn(T) -> [u8; 4]) -> Vec<u8> {
@@ -99,14 +134,15 @@ fn write_into(
             if let Some(layer) = layer {
                 seen += 1;
                 let q = &layers[layer];
-                let packed = match config.method {
-                    QuantMethod::Gptq => gptq_format::pack(q),
-                    QuantMethod::Awq => awq_format::pack(q),
-                }
-                .map_err(|source| WriteError::Layer {
-                    name: layer.into(),
-                    source,
-                })?;
+                let packed = check_layer(config, q.rows(), q.cols())
+                    .and_then(|()| match config.method {
+                        QuantMethod::Gptq => gptq_format::pack(q),
+                        QuantMethod::Awq => awq_format::pack(q),
+                    })
+                    .map_err(|source| WriteError::Layer {
+                        name: layer.into(),
+                        source,
+                    })?;
                 push_packed(&mut tensors, layer, packed);
             } else if let Some(values) = dense.get(&name) {
                 let bytes = le_bytes(values, f32::to_le_bytes);

@@ -84,9 +84,11 @@ fn code(v: f32, inv_scale: f32) -> i8 {
 }
 
 // ANCHOR: quantize_token
-/// One token's activations `x` `[in]` as int8 codes in `out` `[in]`; returns their scale.
+/// One token's activations `x` `[in]` as int8 codes in `out` `[in]`; returns their scale, NaN
+/// when an activation is NaN or infinite (int8 has no NaN: the scale carries it, and the
+/// token's outputs are NaN, as in f32, never finite).
 pub fn quantize_token(x: &[f32], out: &mut [i8]) -> f32 {
-    let scale = grid_scale(x);
+    let scale = crate::kv_cache::int8_scale(x);
     let inv = 1.0 / scale;
     for (q, &v) in out.iter_mut().zip(x) {
         *q = code(v, inv);
