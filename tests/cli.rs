@@ -970,18 +970,23 @@ fn an_fp8_checkpoint_runs_from_the_command_line() {
     );
 }
 
+/// A copy of the `random/gqa` fixture's files in `dir` (made if missing), for tests that edit
+/// or overwrite a model's files.
+fn copy_gqa_fixture(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    for entry in std::fs::read_dir(ch01::fixtures_dir().join("random/gqa")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+}
+
 /// `quantize --type` writes a new file or nothing: never over its own input's files, the input
 /// directory itself, or any other file (it once renamed its output over whatever was there).
 #[test]
 fn quantize_type_never_writes_over_a_file() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    std::fs::create_dir(&model).unwrap();
-    let fixture = ch01::fixtures_dir().join("random/gqa");
-    for entry in std::fs::read_dir(&fixture).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, model.join(path.file_name().unwrap())).unwrap();
-    }
+    copy_gqa_fixture(&model);
     let weights = model.join("model.safetensors");
     let before = std::fs::read(&weights).unwrap();
     let quantize = |out: &std::path::Path| {
@@ -1031,11 +1036,7 @@ fn quantize_type_never_writes_over_a_file() {
 #[test]
 fn a_tokenizer_special_token_past_the_vocabulary_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let fixture = ch01::fixtures_dir().join("random/gqa");
-    for entry in std::fs::read_dir(&fixture).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
-    }
+    copy_gqa_fixture(tmp.path());
     let edit = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
         let path = tmp.path().join(name);
         let mut json: serde_json::Value =
@@ -1082,12 +1083,7 @@ fn a_tokenizer_special_token_past_the_vocabulary_is_refused() {
 fn quantize_method_never_writes_over_a_directory() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    std::fs::create_dir(&model).unwrap();
-    let fixture = ch01::fixtures_dir().join("random/gqa");
-    for entry in std::fs::read_dir(&fixture).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, model.join(path.file_name().unwrap())).unwrap();
-    }
+    copy_gqa_fixture(&model);
     let before = std::fs::read(model.join("tokenizer.json")).unwrap();
     let model_str = model.to_str().unwrap();
     let rtn = |out: &str| {

@@ -73,12 +73,14 @@ pub fn render(chapter: &Chapter, graph: &Graph) -> String {
     md
 }
 
-/// Tasks `n.k` for `k` in `ks` (ascending), as the boxes name them: `task 8.1`, `tasks 8.1 to
-/// 8.3` for a run, `tasks 8.1, 8.3 and 8.4` otherwise; `None` for none.
+/// Tasks `n.k` for `k` in `ks` (ascending), as the boxes name them: `task 8.1`, `tasks 8.1 and
+/// 8.2`, `tasks 8.1 to 8.3` for a longer run, `tasks 8.1, 8.3 and 8.4` otherwise; `None` for
+/// none.
 fn task_list(n: u32, ks: &[usize]) -> Option<String> {
     let (&first, &last) = (ks.first()?, ks.last()?);
     Some(match ks.len() {
         1 => format!("task {n}.{first}"),
+        2 => format!("tasks {n}.{first} and {n}.{last}"),
         len if last - first + 1 == len => format!("tasks {n}.{first} to {n}.{last}"),
         len => {
             let init: Vec<String> = ks[..len - 1].iter().map(|k| format!("{n}.{k}")).collect();
@@ -130,14 +132,8 @@ pub fn boxes(root: &Path, check: bool) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::table::tests::task;
     use super::*;
-
-    fn task(id: &str) -> String {
-        format!(
-            "[[task]]\nid = \"{id}\"\nname = \"n\"\nfile = \"src/lib.rs\"\nfunction = \"f\"\n\
-             does = \"d\"\ntests = [\"lib::t\"]\n"
-        )
-    }
 
     /// The box of task `id` in `md`.
     fn boxed<'a>(md: &'a str, id: &str) -> &'a str {
@@ -188,7 +184,7 @@ mod tests {
             if depends {
                 assert!(boxed(&md, "8.2").contains("Write task 8.1 first"), "{md}");
                 assert!(
-                    boxed(&md, "8.3").contains("Write tasks 8.1 to 8.2 first"),
+                    boxed(&md, "8.3").contains("Write tasks 8.1 and 8.2 first"),
                     "{md}"
                 );
             } else {

@@ -247,10 +247,11 @@ fn load(root: &Path, dir: &Path, table: &Path) -> Result<(u32, Crate, Vec<Task>)
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn task(id: &str) -> String {
+    /// One `[[task]]` entry of an exercise table, with placeholder fields but `id`.
+    pub(in crate::exercise) fn task(id: &str) -> String {
         format!(
             "[[task]]\nid = \"{id}\"\nname = \"n\"\nfile = \"src/lib.rs\"\nfunction = \"f\"\n\
              does = \"d\"\ntests = [\"lib::t\"]\n"

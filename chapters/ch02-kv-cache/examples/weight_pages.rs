@@ -37,16 +37,20 @@ fn compare() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     Ok(())
 }
 
-/// `(out, in)` of every projection one decode step streams: per layer q/k/v joined, o,
-/// gate/up joined and down; then the output head.
+/// `(out, in)` of every projection one decode step streams, each its own weight as in the
+/// model: per layer q, k, v, o, gate, up and down; then the output head.
 fn shapes(c: &LlamaConfig) -> Vec<(usize, usize)> {
     let q = c.num_attention_heads * c.head_dim;
     let kv = c.num_key_value_heads * c.head_dim;
+    let (hidden, inter) = (c.hidden_size, c.intermediate_size);
     let layer = [
-        (q + 2 * kv, c.hidden_size),
-        (c.hidden_size, q),
-        (2 * c.intermediate_size, c.hidden_size),
-        (c.hidden_size, c.intermediate_size),
+        (q, hidden),
+        (kv, hidden),
+        (kv, hidden),
+        (hidden, q),
+        (inter, hidden),
+        (inter, hidden),
+        (hidden, inter),
     ];
     let mut all: Vec<_> = (0..c.num_hidden_layers).flat_map(|_| layer).collect();
     all.push((c.vocab_size, c.hidden_size));

@@ -40,14 +40,43 @@ pub struct FastLinear {
 }
 
 impl FastLinear {
-    /// `weight`: [out, in]; `bias`: [out].
+    /// `weight`: [out, in]; `bias`: [out]. The packed weights go to weight memory
+    /// ([`crate::weight_memory`]): a model's projection, kept as long as the model.
     pub fn new(weight: Array2<f32>, bias: Option<Array1<f32>>, dtype: WeightDtype) -> Self {
+        Self::packed(weight, bias, dtype, true)
+    }
+
+    /// [`FastLinear::new`] with the packed weights on the heap: a short-lived projection (one
+    /// replaced while its model lives, as quantization's calibration does), whose space weight
+    /// memory would keep until the whole model goes.
+    pub fn on_heap(weight: Array2<f32>, bias: Option<Array1<f32>>, dtype: WeightDtype) -> Self {
+        Self::packed(weight, bias, dtype, false)
+    }
+
+    fn packed(
+        weight: Array2<f32>,
+        bias: Option<Array1<f32>>,
+        dtype: WeightDtype,
+        in_weight_memory: bool,
+    ) -> Self {
+        fn pack<W: WeightElement>(
+            w: &[f32],
+            out: usize,
+            inp: usize,
+            kept: bool,
+        ) -> PackedWeight<W> {
+            match kept {
+                true => PackedWeight::pack(w, out, inp),
+                false => PackedWeight::pack_on_heap(w, out, inp),
+            }
+        }
         let (out_features, in_features) = weight.dim();
         let weight = weight.as_standard_layout();
         let w = weight.as_slice().expect("standard layout is contiguous");
+        let (out, inp, kept) = (out_features, in_features, in_weight_memory);
         let weight = match dtype {
-            WeightDtype::F32 => Storage::F32(PackedWeight::pack(w, out_features, in_features)),
-            WeightDtype::Bf16 => Storage::Bf16(PackedWeight::pack(w, out_features, in_features)),
+            WeightDtype::F32 => Storage::F32(pack(w, out, inp, kept)),
+            WeightDtype::Bf16 => Storage::Bf16(pack(w, out, inp, kept)),
         };
         FastLinear {
             weight,

@@ -6,14 +6,16 @@
 //! prefetcher stops at every 4 KiB boundary. With 2 MiB pages the same weights span 130 pages.
 //! Linux backs anonymous memory with such transparent huge pages where a program asks for it
 //! (`madvise(MADV_HUGEPAGE)`, the common `madvise` mode), but only for whole, aligned 2 MiB
-//! ranges, and a projection of SmolLM2-135M is 0.2 to 3.5 MB: allocated one by one, almost none
-//! of them would get one.
+//! ranges, and a projection of SmolLM2-135M is 0.2 to 1.8 MB in bf16: allocated one by one,
+//! none of them would get one.
 //!
 //! So weights are carved from **chunks**: [`CHUNK`]-byte mappings, 2 MiB-aligned and advised
 //! before anything touches them, handed out front to back ([`WeightBuffer::zeroed`]). A weight
 //! larger than half a chunk gets a mapping of its own. Each buffer holds its chunk alive; a
 //! chunk is unmapped when its last buffer is dropped, and the space of a dropped buffer is not
-//! reused before that (weights live as long as their model, so nothing is lost in practice).
+//! reused before that. Weights live as long as their model, so nothing is lost for them; a
+//! short-lived weight belongs on the heap ([`Elements::on_heap`]), or its space stays taken
+//! until every other buffer of its chunk is gone.
 //!
 //! `KILN_WEIGHT_MEMORY=heap` in the environment puts every weight on the heap instead, to
 //! measure what the pages buy (read once, at the first weight).
@@ -175,7 +177,7 @@ impl<T> Deref for WeightBuffer<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         // SAFETY: `ptr..ptr + len` is this buffer's own initialised range, alive while
-        // `self.chunk` is.
+        // `self._chunk` is.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -194,10 +196,22 @@ pub enum Elements<T> {
     Heap(Vec<T>),
 }
 
-/// Whether `KILN_WEIGHT_MEMORY=heap` asks for weights on the heap.
+/// Whether `KILN_WEIGHT_MEMORY=heap` asks for weights on the heap. Any other value is named on
+/// stderr once and ignored, so that a misspelt switch does not pass for a measurement.
 fn weights_on_heap() -> bool {
     static ON_HEAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON_HEAP.get_or_init(|| std::env::var_os("KILN_WEIGHT_MEMORY").is_some_and(|v| v == "heap"))
+    *ON_HEAP.get_or_init(|| match std::env::var_os("KILN_WEIGHT_MEMORY") {
+        None => false,
+        Some(v) if v == "heap" => true,
+        Some(v) => {
+            eprintln!(
+                "KILN_WEIGHT_MEMORY={}: unknown value (only `heap` is known); weights go to \
+                 weight memory",
+                v.to_string_lossy()
+            );
+            false
+        }
+    })
 }
 
 impl<T: ZeroBits> Elements<T> {
@@ -288,19 +302,18 @@ mod tests {
     /// overlaps another, each starts on a cache line, and each reads back what was written.
     #[test]
     fn buffers_are_disjoint_aligned_and_zeroed() {
-        let sizes = [
-            1usize,
-            3,
-            16,
-            1000,
-            4096,
-            100_000,
-            1 << 20,
-            5 << 20,
-            CHUNK / 2 + 1,
-        ];
+        let sizes = [1usize, 3, 16, 1000, 4096, 100_000, 1 << 20, 3 << 20];
+        // u16 elements: just over half a chunk of bytes, a mapping of its own.
+        let own = std::iter::once(CHUNK / 4 + 1);
         let mut buffers: Vec<Elements<u16>> = Vec::new();
-        for (i, &len) in sizes.iter().cycle().take(40).enumerate() {
+        for (i, len) in sizes
+            .iter()
+            .copied()
+            .cycle()
+            .take(24)
+            .chain(own)
+            .enumerate()
+        {
             let mut b = Elements::<u16>::for_weights(len);
             assert_eq!(b.len(), len);
             assert!(b.iter().all(|&v| v == 0), "buffer {i} is zeroed");

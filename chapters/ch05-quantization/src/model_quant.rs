@@ -89,7 +89,13 @@ const MLP_IN: [&str; 2] = ["gate_proj", "up_proj"];
 
 /// A dense f32 projection with weights `w` `[out, in]` and the projection's own bias `[out]`.
 fn dense(w: &Array2<f32>, bias: &Option<Array1<f32>>) -> Box<dyn Linear> {
-    Box::new(FastLinear::new(w.clone(), bias.clone(), WeightDtype::F32))
+    // On the heap: calibration replaces these while the model lives, and weight memory would
+    // keep the space of every replaced one until the model goes.
+    Box::new(FastLinear::on_heap(
+        w.clone(),
+        bias.clone(),
+        WeightDtype::F32,
+    ))
 }
 
 /// Whether the projection `short` of a model with config `c` has a bias.

@@ -398,9 +398,8 @@ fn bad_tensor_infos() {
 // Random corruption of a valid file
 // ---------------------------------------------------------------------------------------------
 
-/// A small valid model file: config keys, a two-token tokenizer, nested arrays, three tensors.
-fn valid_file() -> Vec<u8> {
-    let mut w = GgufWriter::new();
+/// The config keys of a one-layer llama of width 32, and a GPT-2-style tokenizer's model key.
+fn tiny_llama(w: &mut GgufWriter) {
     w.add_metadata("general.architecture", "llama").unwrap();
     for (k, v) in [
         ("block_count", 1u32),
@@ -415,6 +414,12 @@ fn valid_file() -> Vec<u8> {
     w.add_metadata("llama.attention.layer_norm_rms_epsilon", 1e-5f32)
         .unwrap();
     w.add_metadata("tokenizer.ggml.model", "gpt2").unwrap();
+}
+
+/// A small valid model file: config keys, a two-token tokenizer, nested arrays, three tensors.
+fn valid_file() -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    tiny_llama(&mut w);
     w.add_metadata(
         "tokenizer.ggml.tokens",
         GgufValue::strings(["a", "b", "ab"]),
@@ -583,20 +588,7 @@ fn zero_sized_tensors_decode_to_nothing() {
 fn special_tokens_outside_the_embedding_are_refused() {
     let file = |rows: usize, bos: Option<u32>| {
         let mut w = GgufWriter::new();
-        w.add_metadata("general.architecture", "llama").unwrap();
-        for (k, v) in [
-            ("block_count", 1u32),
-            ("context_length", 16),
-            ("embedding_length", 32),
-            ("feed_forward_length", 32),
-            ("attention.head_count", 2),
-            ("attention.head_count_kv", 1),
-        ] {
-            w.add_metadata(format!("llama.{k}"), v).unwrap();
-        }
-        w.add_metadata("llama.attention.layer_norm_rms_epsilon", 1e-5f32)
-            .unwrap();
-        w.add_metadata("tokenizer.ggml.model", "gpt2").unwrap();
+        tiny_llama(&mut w);
         let tokens = GgufValue::strings(["a", "b", "ab", "<|im_end|>", "<s>"]);
         w.add_metadata("tokenizer.ggml.tokens", tokens).unwrap();
         let types = GgufValue::array([1i32, 1, 1, 3, 3]);

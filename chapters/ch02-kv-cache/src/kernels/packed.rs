@@ -112,6 +112,15 @@ impl<W: WeightElement> PackedWeight<W> {
         })
     }
 
+    /// Packs row-major `w` [out, in] on the heap: a short-lived weight (one replaced while its
+    /// model lives), whose space weight memory would keep until the whole model goes.
+    pub fn pack_on_heap(w: &[f32], out_features: usize, in_features: usize) -> Self {
+        assert_eq!(w.len(), out_features * in_features, "w is [out, in]");
+        Self::pack_rows(out_features, in_features, |o| {
+            &w[o * in_features..][..in_features]
+        })
+    }
+
     /// Packs `W` [out, in] whose output row `o` is `row(o)` [in], wherever each row lies (a
     /// head's keys, one per stored position, inside rows of every KV head), on the heap: a
     /// short-lived weight.
