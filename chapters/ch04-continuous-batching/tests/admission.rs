@@ -414,6 +414,41 @@ fn a_prompt_that_fills_the_pool_is_refused_when_a_full_prefix_hit_could_not_be_a
     }
 }
 
+/// Task 4.1's part of the test above, the check alone: with prefix caching a 12-token prompt
+/// in a pool of exactly 12 positions is refused when it is added (it needs 13), without it the
+/// same request is accepted.
+#[test]
+fn a_prompt_that_fills_the_pool_alone_is_refused_with_prefix_caching() {
+    let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
+    let prompt: Vec<u32> = (1..=12).collect();
+    for caching in [true, false] {
+        let executor = ShortContext {
+            inner: CpuExecutor::new(&model, KvPool::<f32>::new(&model.config, 4, 3).unwrap()),
+            max_model_len: 12,
+        };
+        let config = EngineConfig {
+            watermark: 0.0,
+            enable_prefix_caching: caching,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(executor, config).unwrap();
+        let added = engine.add_request(Request::greedy(prompt.clone(), 1));
+        match caching {
+            true => assert!(
+                matches!(
+                    added,
+                    Err(EngineError::TooLong {
+                        needed: 13,
+                        capacity: 12
+                    })
+                ),
+                "{added:?}"
+            ),
+            false => assert!(added.is_ok(), "{added:?}"),
+        }
+    }
+}
+
 /// One request that fills the pool exactly (4 blocks of 4: a 4-token prompt and 12 tokens),
 /// with prefix caching on, preempted for a request of higher priority just after its third
 /// block filled (and was cached), is readmitted once that request is done and ends as it would
