@@ -27,10 +27,10 @@
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::memory::HUGE_PAGE;
+
 /// Bytes of a chunk that holds several weights.
 pub const CHUNK: usize = 64 << 20;
-/// Bytes of a transparent huge page (x86-64 and most Linux systems).
-const HUGE_PAGE: usize = 2 << 20;
 /// Every buffer starts on a cache line.
 const ALIGN: usize = 64;
 
@@ -84,11 +84,9 @@ impl Chunk {
         let offset = (mapping as usize).next_multiple_of(HUGE_PAGE) - mapping as usize;
         // SAFETY: `offset < HUGE_PAGE`, so `start..start + len` lies inside the mapping.
         let start = unsafe { mapping.cast::<u8>().add(offset) };
-        // SAFETY: advice on memory this process just mapped and nothing has touched; an advice
-        // the system refuses leaves 4 KiB pages, which is correct too.
-        unsafe {
-            libc::madvise(start.cast(), len, libc::MADV_HUGEPAGE);
-        }
+        // SAFETY: `start..start + len` is inside the fresh mapping, readable and zero-filled,
+        // and no other reference to it exists yet; the advice reads and changes none of it.
+        crate::memory::advise_huge_pages(unsafe { std::slice::from_raw_parts(start, len) });
         Some(Chunk {
             mapping,
             mapped,

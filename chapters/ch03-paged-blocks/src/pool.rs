@@ -3,7 +3,7 @@
 use ch01::LlamaConfig;
 use ch01::attention::AttentionShape;
 use ch02::attention::{ScoreScratch, cached_attention_mapped};
-use ch02::memory::populate;
+use ch02::memory::{advise_huge_pages, populate};
 use std::borrow::Cow;
 
 use ndarray::ArrayView1;
@@ -331,31 +331,4 @@ fn zeroed<K: KvElement>(len: usize) -> Option<Vec<K>> {
     }?;
     advise_huge_pages(&buffer);
     Some(buffer)
-}
-
-/// Bytes of a transparent huge page (x86-64 and most Linux systems).
-const HUGE_PAGE: usize = 2 << 20;
-
-/// Asks Linux to back the whole 2 MiB pages inside `buffer` with huge pages (transparent huge
-/// pages, in the common `madvise` mode): the first write to a block then faults once per 2 MiB
-/// instead of once per 4 KiB, and the zeroing the kernel does per fault runs in bulk. Advice
-/// only: contents, laziness and failure behaviour are unchanged (an unsupported or refused
-/// advice is ignored); elsewhere it does nothing.
-fn advise_huge_pages<T>(buffer: &[T]) {
-    #[cfg(target_os = "linux")]
-    {
-        let start = buffer.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(buffer);
-        let first = start.next_multiple_of(HUGE_PAGE);
-        if end >= first + HUGE_PAGE {
-            let len = (end - first) / HUGE_PAGE * HUGE_PAGE;
-            // SAFETY: `first..first + len` lies inside `buffer`'s allocation, which this
-            // process owns; MADV_HUGEPAGE neither reads nor changes its contents.
-            unsafe {
-                libc::madvise(first as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (buffer, HUGE_PAGE);
 }

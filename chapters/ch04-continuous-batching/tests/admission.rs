@@ -359,6 +359,21 @@ impl<E: Executor> Executor for ShortContext<E> {
     }
 }
 
+/// An engine with a 12-token context over `blocks` blocks of 4, no watermark, prefix caching
+/// on or off.
+fn twelve_token_engine(model: &Llama, blocks: usize, caching: bool) -> Engine<'_> {
+    let executor = ShortContext {
+        inner: CpuExecutor::new(model, KvPool::<f32>::new(&model.config, 4, blocks).unwrap()),
+        max_model_len: 12,
+    };
+    let config = EngineConfig {
+        watermark: 0.0,
+        enable_prefix_caching: caching,
+        ..EngineConfig::default()
+    };
+    Engine::new(executor, config).unwrap()
+}
+
 /// A prompt found whole in the prefix cache computes its last position again into a copy of
 /// its last block, while the cached one is held: one block more than the prompt's. With a
 /// 12-token context and 3 blocks of 4, a 12-token prompt fits the pool exactly, so with prefix
@@ -369,19 +384,7 @@ fn a_prompt_that_fills_the_pool_is_refused_when_a_full_prefix_hit_could_not_be_a
     let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
     let prompt: Vec<u32> = (1..=12).collect();
     for (blocks, caching, served) in [(3, true, false), (3, false, true), (4, true, true)] {
-        let executor = ShortContext {
-            inner: CpuExecutor::new(
-                &model,
-                KvPool::<f32>::new(&model.config, 4, blocks).unwrap(),
-            ),
-            max_model_len: 12,
-        };
-        let config = EngineConfig {
-            watermark: 0.0,
-            enable_prefix_caching: caching,
-            ..EngineConfig::default()
-        };
-        let mut engine = Engine::new(executor, config).unwrap();
+        let mut engine = twelve_token_engine(&model, blocks, caching);
         let request = Request::greedy(prompt.clone(), 1);
         if !served {
             let error = engine.add_request(request).unwrap_err();
@@ -422,16 +425,7 @@ fn a_prompt_that_fills_the_pool_alone_is_refused_with_prefix_caching() {
     let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
     let prompt: Vec<u32> = (1..=12).collect();
     for caching in [true, false] {
-        let executor = ShortContext {
-            inner: CpuExecutor::new(&model, KvPool::<f32>::new(&model.config, 4, 3).unwrap()),
-            max_model_len: 12,
-        };
-        let config = EngineConfig {
-            watermark: 0.0,
-            enable_prefix_caching: caching,
-            ..EngineConfig::default()
-        };
-        let mut engine = Engine::new(executor, config).unwrap();
+        let mut engine = twelve_token_engine(&model, 3, caching);
         let added = engine.add_request(Request::greedy(prompt.clone(), 1));
         match caching {
             true => assert!(
