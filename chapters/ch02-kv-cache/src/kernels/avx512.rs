@@ -56,6 +56,41 @@ pub unsafe fn load16_bf16(p: *const u16) -> __m512 {
     }
 }
 
+/// `out` [k][NR] = the panel `b` [k][NR] widened to f32 with its outputs in order: `out[kk · NR +
+/// j]` is output `j`'s weight for input `kk`, `b[kk · NR + slot(j)]` widened exactly. The f32
+/// micro-kernels then read it as an f32 panel and compute the same bits as on `b` (the same
+/// values, multiplied in the same order). For bf16 this is one load, widening and permute per 16
+/// weights, instead of one widening per tile that reads the panel.
+///
+/// Panics unless `b.len() == out.len()`, a multiple of `NR`.
+pub fn widen_panel<W: WeightElement>(_cpu: Avx512, b: &[W], out: &mut [f32]) {
+    assert!(
+        b.len() == out.len() && b.len().is_multiple_of(NR),
+        "b and out are [k][NR]"
+    );
+    // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
+    unsafe { widen_panel_avx512(b, out) }
+}
+
+/// [`widen_panel`]'s body.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `b.len() == out.len()`, a multiple of `NR`.
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_panel_avx512<W: WeightElement>(b: &[W], out: &mut [f32]) {
+    let order: [i32; NR] = std::array::from_fn(|j| W::slot(j) as i32);
+    // SAFETY: the caller guarantees AVX-512F; `order` holds 16 i32 (one unaligned load), and for
+    // kk < len / NR both `b[kk * NR..][..NR]` and `out[kk * NR..][..NR]` are inside their slices.
+    unsafe {
+        let order = _mm512_loadu_si512(order.as_ptr() as *const __m512i);
+        for kk in 0..b.len() / NR {
+            let stored = W::load16_512(b.as_ptr().add(kk * NR)); // lane i: stored element i
+            let outputs = _mm512_permutexvar_ps(order, stored); // lane j: stored slot(j)
+            _mm512_storeu_ps(out.as_mut_ptr().add(kk * NR), outputs);
+        }
+    }
+}
+
 // ANCHOR: micro_kernel_512
 /// `c[r][j] = Σ_k x[r][k] · b[k][j]` for an M × 16 tile (M ≤ 12), one register per row.
 /// `x`: [M, in] row-major (the tokens), `b`: [in][NR] (a weight panel), `c`: [MR_512][NR], of

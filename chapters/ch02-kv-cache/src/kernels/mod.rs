@@ -270,11 +270,13 @@ pub fn matmul_part<W: WeightElement>(
         per_task = per_task.next_multiple_of(2); // whole pairs, but for the very last panel
     }
     let tasks = num_panels.div_ceil(per_task);
+    let widen = W::WIDENS_ON_LOAD
+        && tiles >= WIDEN_FROM_TILES
+        && PANEL_WIDENING.load(std::sync::atomic::Ordering::Relaxed);
     // Panel p's first k inputs: [k][NR].
     let panel = |p: usize| &w.panel(p)[..k * NR];
     let task = |task: usize| {
         let panels = task * per_task..((task + 1) * per_task).min(num_panels);
-        let mut c = [0.0f32; MAX_MR * 2 * NR]; // [mr][width · NR] one tile's outputs
         // One or two weight panels at a time, so they stay in cache while every token tile
         // uses them.
         let mut p = panels.start;
@@ -284,23 +286,30 @@ pub fn matmul_part<W: WeightElement>(
             } else {
                 1
             };
-            let cols = p * NR..((p + width) * NR).min(n); // the last panel may be partial
-            for tile in 0..tiles {
-                let rows = tile * mr..((tile + 1) * mr).min(tokens); // so may the last tile
-                let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
-                if width == 2 {
-                    tile_matmul_pair(gemm, rows.len(), x_tile, panel(p), panel(p + 1), &mut c);
-                } else {
-                    let single = (&mut c[..MAX_MR * NR]).try_into().expect("a prefix");
-                    tile_matmul(gemm, rows.len(), x_tile, panel(p), single);
-                }
-                for (r, c_row) in rows.zip(c.chunks_exact(width * NR)) {
-                    // SAFETY: elements `r * n + cols` are in row r and the columns of panels
-                    // p..p + width; the tasks' panel ranges are disjoint and each (p, r) comes up once,
-                    // so no other reference to them exists while this one lives.
-                    let y_row = unsafe { out.slice(r * n + cols.start, cols.len()) };
-                    y_row.copy_from_slice(&c_row[..cols.len()]);
-                }
+            let at = OutputColumns {
+                cols: p * NR..((p + width) * NR).min(n), // the last panel may be partial
+                row_len: n,
+            };
+            let pair = (panel(p), (width == 2).then(|| panel(p + 1)));
+            // Columns `at.cols` belong to panels p..p + width, which only this task computes
+            // (the tasks' panel ranges are disjoint), once: the safety of both calls below.
+            // Widening panels as they come from memory would stall on the loads; so the first
+            // tile reads them as stored, its multiply-adds overlapping the loads, and the other
+            // tiles read the widened copy of what it left in the cache.
+            let stored = 0..if widen { mr } else { tokens };
+            // SAFETY: see above.
+            unsafe { tile_products(gemm, x, stored.clone(), pair.0, pair.1, &out, &at) };
+            let rest = stored.end..tokens;
+            if !rest.is_empty() && widen_panels(gemm, pair) {
+                WIDE_PANELS.with_borrow(|wide| {
+                    let b0 = &wide[..k * NR];
+                    let b1 = pair.1.map(|_| &wide[k * NR..][..k * NR]);
+                    // SAFETY: see above.
+                    unsafe { tile_products(gemm, x, rest, b0, b1, &out, &at) }
+                })
+            } else if !rest.is_empty() {
+                // SAFETY: see above.
+                unsafe { tile_products(gemm, x, rest, pair.0, pair.1, &out, &at) }
             }
             p += width;
         }
@@ -312,6 +321,92 @@ pub fn matmul_part<W: WeightElement>(
     }
 }
 // ANCHOR_END: matmul
+
+/// The fewest token tiles for which [`matmul_part`] widens bf16 panels once per call instead of
+/// at every load. Measured on SmolLM2's projections (`examples/bf16_widening.rs`, AMD EPYC with
+/// AVX-512): a loss at 2 tiles, even at 3 and 4, a gain from 6 on.
+const WIDEN_FROM_TILES: usize = 4;
+
+/// Whether [`matmul_part`] widens bf16 panels once per call; see [`set_panel_widening`].
+static PANEL_WIDENING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes every prefill product widen bf16 weights at each load, as before panels were
+/// widened once per call, for the whole process; the results are the same bits either way. For
+/// measuring the difference (`examples/bf16_widening.rs`).
+pub fn set_panel_widening(on: bool) {
+    PANEL_WIDENING.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+std::thread_local! {
+    /// This thread's widened panels ([`widened`]): `[2][k][NR]` f32, regrown only by a longer
+    /// panel, so a prefill allocates on each thread once.
+    static WIDE_PANELS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Widens the panels `b0` and, if given, `b1` ([k][NR] each) to f32 into this thread's
+/// [`WIDE_PANELS`] (`b0` first, then `b1`), if `gemm` has a kernel for it; returns whether it did
+/// (if not, the micro-kernels read them as stored).
+fn widen_panels<W: WeightElement>(gemm: Gemm, (b0, b1): (&[W], Option<&[W]>)) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if let Gemm::Avx512(cpu) | Gemm::Avx512Pair(cpu) = gemm {
+        WIDE_PANELS.with_borrow_mut(|wide| {
+            let len = b0.len();
+            if wide.len() < 2 * len {
+                wide.resize(2 * len, 0.0);
+            }
+            avx512::widen_panel(cpu, b0, &mut wide[..len]);
+            if let Some(b1) = b1 {
+                avx512::widen_panel(cpu, b1, &mut wide[len..2 * len]);
+            }
+        });
+        return true;
+    }
+    let _ = (gemm, b0, b1);
+    false
+}
+
+/// Where a tile's outputs go in `y` [tokens, row_len]: columns `cols` of every row.
+struct OutputColumns {
+    cols: std::ops::Range<usize>,
+    row_len: usize,
+}
+
+/// The token rows `tokens` of `x` [_, k], a tile at a time, against the panel `b0` [k][NR], or
+/// the adjacent panels `b0`, `b1` on a kernel that pairs them, written into columns `at.cols`
+/// of the same rows of `out`.
+///
+/// # Safety
+/// No other live reference may touch columns `at.cols` of `out`'s rows while this runs.
+unsafe fn tile_products<W: WeightElement>(
+    gemm: Gemm,
+    x: &[f32],
+    tokens: std::ops::Range<usize>,
+    b0: &[W],
+    b1: Option<&[W]>,
+    out: &SharedOut,
+    at: &OutputColumns,
+) {
+    let (mr, k) = (gemm.tile_rows(), b0.len() / NR);
+    let width = if b1.is_some() { 2 } else { 1 };
+    let mut c = [0.0f32; MAX_MR * 2 * NR]; // [mr][width · NR] one tile's outputs
+    for start in tokens.clone().step_by(mr) {
+        let rows = start..(start + mr).min(tokens.end); // the last tile may be partial
+        let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
+        match b1 {
+            Some(b1) => tile_matmul_pair(gemm, rows.len(), x_tile, b0, b1, &mut c),
+            None => {
+                let single = (&mut c[..MAX_MR * NR]).try_into().expect("a prefix");
+                tile_matmul(gemm, rows.len(), x_tile, b0, single);
+            }
+        }
+        for (r, c_row) in rows.zip(c.chunks_exact(width * NR)) {
+            // SAFETY: elements `r * row_len + cols` are in row r and columns `at.cols`, which
+            // the caller guarantees nothing else touches meanwhile.
+            let y_row = unsafe { out.slice(r * at.row_len + at.cols.start, at.cols.len()) };
+            y_row.copy_from_slice(&c_row[..at.cols.len()]);
+        }
+    }
+}
 
 /// The output `y` of a [`matmul`], written by many tasks at once, each to its own elements.
 /// It borrows `y` mutably for `'a`, so `y` outlives every task and nothing else touches it.

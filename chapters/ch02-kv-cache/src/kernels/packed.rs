@@ -7,6 +7,10 @@ pub const NR: usize = 16;
 
 /// A weight element: f32, or bf16 kept as its bits and widened to f32 where it is used.
 pub trait WeightElement: ZeroBits {
+    /// Whether a load widens it to f32 (bf16), work a prefill with many token tiles saves by
+    /// widening each panel once (see [`matmul_part`](super::matmul_part)).
+    const WIDENS_ON_LOAD: bool;
+
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 
@@ -37,6 +41,7 @@ pub trait WeightElement: ZeroBits {
 use std::arch::x86_64::{__m256 as Avx2, __m512 as Avx512};
 
 impl WeightElement for f32 {
+    const WIDENS_ON_LOAD: bool = false;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -58,6 +63,7 @@ impl WeightElement for f32 {
 
 /// bf16 as its bits: the top 16 bits of an f32 (rounded to nearest even when stored).
 impl WeightElement for u16 {
+    const WIDENS_ON_LOAD: bool = true;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self as u32) << 16)

@@ -1,0 +1,102 @@
+//! What widening each bf16 weight panel once per product saves a prefill: every projection of
+//! every layer (q, k, v, o, gate, up, down) on `T` tokens, with bf16 weights widened at every
+//! load of the micro-kernel (as before) and once per panel into f32 (now), alternating within
+//! one process so that the machine's drift falls on both alike; and the same pass on the f32
+//! weights, the speed the widened panels can at most reach. Prints the median ms of a pass and
+//! its GFLOP/s.
+//!
+//! `cargo run --release -p ch02-kv-cache --example bf16_widening -- MODEL_DIR [T...]`
+
+use std::time::Instant;
+
+use ch01::Llama;
+use ch02_kv_cache::kernels::set_panel_widening;
+use ch02_kv_cache::{WeightDtype, load_fast};
+use ndarray::Array2;
+
+/// One pass: every projection of every layer on `x` [T, hidden], each into its own output.
+fn pass(model: &Llama, x: &Array2<f32>) -> f64 {
+    let c = &model.config;
+    let n = x.nrows();
+    let head_dim = c.hidden_size / c.num_attention_heads;
+    let kv_dim = c.num_key_value_heads * head_dim;
+    let mut q = Array2::zeros((n, c.num_attention_heads * head_dim));
+    let mut kv = Array2::zeros((n, kv_dim));
+    let mut wide = Array2::zeros((n, c.intermediate_size));
+    let mut narrow = Array2::zeros((n, c.hidden_size));
+    let h = Array2::from_shape_fn((n, c.intermediate_size), |(i, j)| {
+        ((i * 17 + j * 5) % 11) as f32 / 11.0 - 0.5
+    }); // down_proj's input [T, intermediate]
+    let start = Instant::now();
+    for layer in &model.layers {
+        let (a, m) = (&layer.self_attn, &layer.mlp);
+        a.q_proj.forward_into(x.view(), q.view_mut());
+        a.k_proj.forward_into(x.view(), kv.view_mut());
+        a.v_proj.forward_into(x.view(), kv.view_mut());
+        a.o_proj.forward_into(q.view(), narrow.view_mut());
+        m.gate_proj.forward_into(x.view(), wide.view_mut());
+        m.up_proj.forward_into(x.view(), wide.view_mut());
+        m.down_proj.forward_into(h.view(), narrow.view_mut());
+    }
+    start.elapsed().as_secs_f64() * 1e3
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let dir = args.next().ok_or("usage: bf16_widening MODEL_DIR [T...]")?;
+    let dir = std::path::Path::new(&dir);
+    let bf16 = load_fast(dir, WeightDtype::Bf16)?;
+    let f32 = load_fast(dir, WeightDtype::F32)?;
+    let mut lengths: Vec<usize> = args.map(|a| a.parse()).collect::<Result<_, _>>()?;
+    if lengths.is_empty() {
+        lengths = vec![48, 124, 512];
+    }
+    let c = &bf16.config;
+    let weights = bf16.layers.len()
+        * (c.hidden_size
+            * (2 * c.hidden_size
+                + 2 * (c.num_key_value_heads * c.hidden_size) / c.num_attention_heads)
+            + 3 * c.hidden_size * c.intermediate_size);
+    println!(
+        "| T | bf16, widened at every load, ms | bf16, widened once per panel, ms | gain | f32, ms | GFLOP/s: every load, once, f32 |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for t in lengths {
+        let x = Array2::from_shape_fn((t, c.hidden_size), |(i, j)| {
+            ((i * 31 + j * 7) % 13) as f32 / 13.0 - 0.5
+        }); // [T, hidden]
+        let rounds = (4000 / t).clamp(7, 41);
+        let mut ms = [Vec::new(), Vec::new(), Vec::new()];
+        for round in 0..rounds + 1 {
+            for way in 0..3 {
+                let way = (way + round) % 3; // a different one first each round
+                let took = match way {
+                    0 | 1 => {
+                        set_panel_widening(way == 1);
+                        pass(&bf16, &x)
+                    }
+                    _ => pass(&f32, &x),
+                };
+                if round > 0 {
+                    ms[way].push(took); // the first round warms the caches and the pool
+                }
+            }
+        }
+        set_panel_widening(true);
+        let [every, once, full] = ms.map(median);
+        let gflops = |ms: f64| 2.0 * (t * weights) as f64 / ms / 1e6;
+        println!(
+            "| {t} | {every:.2} | {once:.2} | {:+.1}% | {full:.2} | {:.1}, {:.1}, {:.1} |",
+            (every / once - 1.0) * 100.0,
+            gflops(every),
+            gflops(once),
+            gflops(full)
+        );
+    }
+    Ok(())
+}
