@@ -51,6 +51,8 @@ pub struct Delta {
 /// One choice being generated.
 struct Choice<'t> {
     id: RequestId,
+    /// What decodes the choice's tokens: the server's tokenizer or the request's decoder.
+    tokenizer: &'t ch01::Tokenizer,
     text: OutputText<'t>,
     /// The stop tokens whose text is left out when one ends the choice (as vLLM leaves it
     /// out): the request's stop_token_ids and EOS, none with `include_stop_str_in_output`.
@@ -155,6 +157,7 @@ pub async fn generate(
         true => Vec::new(),
         false => (requests.first()).map_or_else(Vec::new, |r| r.stop_token_ids.clone()),
     };
+    let tokenizer = (generation.decoder.as_ref()).map_or(&*state.tokenizer, |d| &*d.0);
     let (events, mut received) = mpsc::unbounded_channel();
     let ids = state
         .engine
@@ -167,7 +170,8 @@ pub async fn generate(
     let mut choices: Vec<Choice<'_>> = (ids.into_iter().zip(&contexts))
         .map(|(id, context)| Choice {
             id,
-            text: OutputText::after(&state.tokenizer, generation.stop.clone(), context),
+            tokenizer,
+            text: OutputText::after(tokenizer, generation.stop.clone(), context),
             silent_stops: &silent_stops,
             sent: 0,
             token_offset: 0,
@@ -278,7 +282,7 @@ fn advance(
         choice.last_token = Some(now);
         choice.tokens += 1;
         if let Some(lp) = logprobs.get(i) {
-            let info = token_info(state, lp)?;
+            let info = token_info(choice.tokenizer, lp)?;
             choice.token_offset += info.text.len();
             delta.logprobs.push(info);
         }
@@ -313,11 +317,11 @@ fn advance(
 }
 // ANCHOR_END: advance
 
-fn token_info(state: &AppState, lp: &TokenLogprobs) -> Result<TokenInfo, ApiError> {
+fn token_info(tokenizer: &ch01::Tokenizer, lp: &TokenLogprobs) -> Result<TokenInfo, ApiError> {
     // The token's text is what its bytes spell (U+FFFD for part of a character): decoded alone,
     // a SentencePiece token would lose its leading space.
     let one = |id: u32, logprob: f32| {
-        let bytes = (state.tokenizer.token_bytes(id))
+        let bytes = (tokenizer.token_bytes(id))
             .map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
         Ok(TokenInfo {
             text: String::from_utf8_lossy(&bytes).into_owned(),

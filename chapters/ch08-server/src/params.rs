@@ -59,6 +59,19 @@ pub struct Generation {
     pub priority: i32,
     /// Keep only the prompt's last this many tokens.
     pub truncate_prompt_tokens: Option<usize>,
+    /// The tokenizer the choices' tokens are decoded with, when not the server's: an `auto`
+    /// tool request's where the tool-call tags are special tokens ([`crate::tools::tag_decoder`]).
+    pub decoder: Option<Decoder>,
+}
+
+/// A tokenizer for [`Generation::decoder`].
+#[derive(Clone)]
+pub struct Decoder(pub Arc<ch01::Tokenizer>);
+
+impl std::fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Decoder(..)")
+    }
 }
 
 /// The most entries `logit_bias`, `stop_token_ids` or `bad_words` may have
@@ -358,6 +371,7 @@ pub fn generation_as(
         bad_words,
         priority,
         truncate_prompt_tokens,
+        decoder: None,
     })
 }
 

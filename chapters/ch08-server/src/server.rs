@@ -298,6 +298,7 @@ impl Server {
             created: unix_now(),
             shutting_down: AtomicBool::new(false),
             grammars: std::sync::OnceLock::new(),
+            tag_decoder: std::sync::OnceLock::new(),
         };
         Ok(Server {
             state: Arc::new(state),

@@ -55,6 +55,9 @@ pub struct AppState {
     pub shutting_down: AtomicBool,
     /// The grammar engine for structured outputs, built on the first request that needs it.
     pub grammars: std::sync::OnceLock<Result<crate::structured::Grammars, String>>,
+    /// The tokenizer that decodes `auto` tool calls' tags ([`crate::tools::tag_decoder`];
+    /// `None`: the server's does), built on the first request that needs it.
+    pub tag_decoder: std::sync::OnceLock<Result<Option<Arc<Tokenizer>>, String>>,
 }
 
 /// A request admitted into the server; dropping it gives its sequences' places back.

@@ -9,7 +9,16 @@
 //!
 //! `required` and a named function go through the grammar engine ([`crate::structured`]), so
 //! their output always parses: the JSON schema of the calls is the constraint.
+//!
+//! Some tokenizers make the `auto` tags special tokens, which decoded text leaves out, so the
+//! parser would never see a call: an `auto` choice is then decoded by [`tag_decoder`]'s copy of
+//! the tokenizer, which writes the tags and still leaves out every other special token, and the
+//! tags never reach the content ([`without_tags`]).
 
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use ch01::Tokenizer;
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
@@ -175,6 +184,53 @@ fn rebase_refs(schema: &mut Value, base: &str) {
     }
 }
 
+/// The tags around each `auto` call.
+pub const OPEN: &str = "<tool_call>";
+pub const CLOSE: &str = "</tool_call>";
+
+// ANCHOR: tag_decoder
+/// The tokenizer that decodes `auto` choices when `tokenizer` makes the tags special tokens:
+/// a copy in which the tags alone are ordinary added tokens, so that decoded text keeps them
+/// (for [`parse`] to find) and still leaves out every other special token (BOS, an end-of-turn
+/// token), as `skip_special_tokens` asks. `None` when the tags are not special tokens: the
+/// text has them already.
+pub fn tag_decoder(tokenizer: &Tokenizer) -> Result<Option<Tokenizer>, String> {
+    let inner = tokenizer.inner();
+    let added = inner.get_added_vocabulary();
+    if !added.is_special_token(OPEN) && !added.is_special_token(CLOSE) {
+        return Ok(None);
+    }
+    // `tokenizers` cannot unmark a special token in place: unmark the tags in its saved form
+    // and load that.
+    let saved = inner.to_string(false).map_err(|e| e.to_string())?;
+    let mut saved: Value = serde_json::from_str(&saved).map_err(|e| e.to_string())?;
+    for token in (saved.get_mut("added_tokens").and_then(Value::as_array_mut))
+        .into_iter()
+        .flatten()
+    {
+        if matches!(
+            token.get("content").and_then(Value::as_str),
+            Some(OPEN | CLOSE)
+        ) {
+            token["special"] = Value::Bool(false);
+        }
+    }
+    let copy = tokenizers::Tokenizer::from_str(&saved.to_string()).map_err(|e| e.to_string())?;
+    Ok(Some(Tokenizer::from_parts(
+        copy,
+        PathBuf::from("tokenizer.json (tool-call tags kept)"),
+        tokenizer.bos_token_id(),
+        tokenizer.eos_token_id(),
+    )))
+}
+// ANCHOR_END: tag_decoder
+
+/// `text` without the tags: what a choice decoded by [`tag_decoder`] shows as content, where
+/// the tags are special tokens that the client never sees.
+pub fn without_tags(text: &str) -> String {
+    text.replace(OPEN, "").replace(CLOSE, "")
+}
+
 /// A call as a response carries it; `id` from the response's id and the call's place.
 pub fn call(id: String, name: &str, arguments: String) -> ToolCall {
     ToolCall {
@@ -245,8 +301,6 @@ fn parse_all(mode: &ToolMode, text: &str) -> Parsed {
             }
         }
         ToolMode::Auto => {
-            const OPEN: &str = "<tool_call>";
-            const CLOSE: &str = "</tool_call>";
             let mut rest = text;
             let mut outside = String::new();
             let mut calls = Vec::new();
@@ -359,6 +413,36 @@ mod tests {
         grammars
             .compile(&Constraint::JsonSchema(schema), "tool_choice")
             .unwrap();
+    }
+
+    /// Where the tags are special tokens, the decoder writes them, at the same ids, and still
+    /// leaves out the other special tokens; where they are not, the server's tokenizer serves.
+    #[test]
+    fn the_tag_decoder_writes_the_tags_alone() {
+        let dir = ch01::fixtures_dir().join("tokenizer");
+        let plain = ch01::Tokenizer::from_dir(&dir).unwrap();
+        assert!(tag_decoder(&plain).unwrap().is_none());
+        let mut inner = plain.inner().clone();
+        let tags = [OPEN, CLOSE].map(|t| tokenizers::AddedToken::from(t, true));
+        inner.add_special_tokens(&tags);
+        let tagged = Tokenizer::from_parts(inner, dir, plain.bos_token_id(), None);
+        let mut ids = tagged
+            .encode("<s>Hi<tool_call>{}</tool_call>", false)
+            .unwrap();
+        ids.push(1); // </s>
+        assert_eq!(tagged.decode(&ids).unwrap(), "Hi{}");
+        let decoder = tag_decoder(&tagged).unwrap().expect("the tags are special");
+        assert_eq!(decoder.decode(&ids).unwrap(), "Hi<tool_call>{}</tool_call>");
+        for id in 0..tagged.vocab_size() as u32 {
+            assert_eq!(
+                decoder.inner().id_to_token(id),
+                tagged.inner().id_to_token(id)
+            );
+        }
+        let open = tagged.inner().token_to_id(OPEN).unwrap();
+        assert!(tagged.token_bytes(open).unwrap().is_empty());
+        assert_eq!(decoder.token_bytes(open).unwrap(), OPEN.as_bytes());
+        assert_eq!(without_tags("a<tool_call>{}</tool_call>b"), "a{}b");
     }
 
     #[test]

@@ -611,3 +611,102 @@ async fn required_and_named_tool_calls_always_parse_streamed_too() {
     server.wait_idle().await;
     server.stop().await;
 }
+
+/// `auto` calls whose tags are special tokens (as some models' tokenizers have them): decoded
+/// text leaves special tokens out, yet the parser must see the tags. The model is made to
+/// write a call with the tag tokens (and BOS, another special token, before it): the call is
+/// read back, whole and streamed, and neither the tags nor BOS reach the content, even where
+/// the call is cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_calls_tagged_by_special_tokens_are_read_back() {
+    let (tokenizer, [open, close]) = tool_tag_tokenizer();
+    let bos = tokenizer.bos_token_id().unwrap();
+    let server = start(Setup {
+        tokenizer: Some(tokenizer),
+        ..Setup::default()
+    })
+    .await;
+    let call = r#"{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}"#;
+    let grammar = format!(
+        "start: \"Let me look.\" <[{bos}]> <[{open}]> {} <[{close}]>",
+        serde_json::to_string(call).unwrap()
+    );
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": weather_tool(), "guided_grammar": grammar, "max_tokens": 60,
+                      "logprobs": true, "temperature": 0.0});
+    let whole = server.json("/v1/chat/completions", &body).await;
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+    assert_eq!(choice["message"]["content"], "Let me look.", "{whole}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{whole}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let arguments: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(arguments, json!({"city": "Paris", "days": 2}));
+    // The logprobs spell the text the parser read, tags included (BOS has no text).
+    let spelled: String = (choice["logprobs"]["content"].as_array().unwrap().iter())
+        .map(|t| t["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        spelled,
+        format!("Let me look.<tool_call>{call}</tool_call>")
+    );
+
+    // Streamed: the content in pieces, the call whole at the end.
+    let events = server
+        .stream("/v1/chat/completions", &streamed(&body))
+        .await;
+    let (chunks, _) = split_usage(&events);
+    let mut content = String::new();
+    let mut streamed_calls = Vec::new();
+    for chunk in chunks {
+        let delta = &chunk["choices"][0]["delta"];
+        content.push_str(delta["content"].as_str().unwrap_or_default());
+        streamed_calls.extend(
+            delta["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .cloned(),
+        );
+    }
+    assert_eq!(content, "Let me look.");
+    assert_eq!(streamed_calls.len(), 1, "{events:?}");
+    assert_eq!(streamed_calls[0]["function"], calls[0]["function"]);
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "tool_calls");
+
+    // Cut off inside the call: no call, and the content is the text without the tags.
+    for stream in [false, true] {
+        let mut cut = body.clone();
+        // The text, BOS, the open tag and two tokens of the call.
+        cut["max_tokens"] = json!(count_tokens("Let me look.") + 4);
+        let (text, reason) = if stream {
+            let events = server.stream("/v1/chat/completions", &streamed(&cut)).await;
+            let (chunks, _) = split_usage(&events);
+            assert!(
+                chunks
+                    .iter()
+                    .all(|c| c["choices"][0]["delta"]["tool_calls"].is_null()),
+                "{events:?}"
+            );
+            streamed_texts(chunks, 1).remove(0)
+        } else {
+            let whole = server.json("/v1/chat/completions", &cut).await;
+            assert!(
+                whole["choices"][0]["message"]["tool_calls"].is_null(),
+                "{whole}"
+            );
+            texts(&whole).remove(0)
+        };
+        assert_eq!(reason, "length");
+        assert!(text.starts_with("Let me look.{"), "{text:?}");
+        assert!(
+            !text.contains("<tool_call>") && !text.contains("<s>"),
+            "{text:?}"
+        );
+    }
+    server.wait_idle().await;
+    server.stop().await;
+}

@@ -102,6 +102,7 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
         generation.constraint = Some((constraint, "tool_choice"));
     }
     super::compile_rules(&state, &mut generation).await?;
+    generation.decoder = tag_decoder(&state, &mode).await?;
     let planned = generation.plan(vec![prompt], "messages", &state.limits)?;
     let id = format!("chatcmpl-{number}");
     serve_generation(Job {
@@ -114,6 +115,7 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
             include_usage: generation.include_usage,
             tools: mode,
             parallel_tool_calls: parallel,
+            hidden_tags: generation.decoder.is_some(),
         },
         state,
         started,
@@ -124,6 +126,35 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
         note,
     })
     .await
+}
+
+/// The decoder an `auto` request's choices need so that their tool-call tags reach the parser
+/// ([`tools::tag_decoder`]); `None` where the server's tokenizer writes them already. Built
+/// off the runtime on the first request that needs it (it reloads the tokenizer).
+async fn tag_decoder(
+    state: &Arc<AppState>,
+    mode: &ToolMode,
+) -> Result<Option<params::Decoder>, ApiError> {
+    if *mode != ToolMode::Auto {
+        return Ok(None);
+    }
+    let built = match state.tag_decoder.get() {
+        Some(built) => built.clone(),
+        None => {
+            let shared = Arc::clone(state);
+            (state.off_runtime(move || {
+                let built = shared
+                    .tag_decoder
+                    .get_or_init(|| tools::tag_decoder(&shared.tokenizer).map(|d| d.map(Arc::new)));
+                built.clone()
+            }))
+            .await?
+        }
+    };
+    let decoder = built.map_err(|e| {
+        ApiError::internal(format!("cannot decode the tool-call tags' tokens: {e}"))
+    })?;
+    Ok(decoder.map(params::Decoder))
 }
 
 /// The messages through the chat template, then tokenized, off the async runtime. The
@@ -229,6 +260,9 @@ struct ChatShape {
     tools: ToolMode,
     /// `parallel_tool_calls`: false keeps at most one call (the first), as OpenAI answers.
     parallel_tool_calls: bool,
+    /// The text holds the tool-call tags although they are special tokens (decoded by
+    /// [`tools::tag_decoder`]'s tokenizer, for the parser): they never reach the content.
+    hidden_tags: bool,
     /// Streamed `required` / `auto` choices: their text so far, held back until it can be
     /// told apart into content and calls (at the choice's end).
     buffered: Mutex<Vec<String>>,
@@ -283,12 +317,15 @@ impl ChatShape {
         text: String,
         finish: Option<&str>,
     ) -> (ResponseMessage, Option<String>) {
-        let parsed = tools::parse(&self.tools, &text, self.parallel_tool_calls);
+        let mut parsed = tools::parse(&self.tools, &text, self.parallel_tool_calls);
+        if self.hidden_tags {
+            parsed.content = parsed.content.as_deref().map(tools::without_tags);
+        }
         let finish = finish.map(str::to_string);
         if parsed.calls.is_empty() {
             let message = ResponseMessage {
                 role: Some("assistant".into()),
-                content: Some(text),
+                content: parsed.content,
                 tool_calls: None,
             };
             return (message, finish);

@@ -55,6 +55,46 @@ pub fn loaded() -> &'static Loaded {
     })
 }
 
+/// The model's tokenizer with its last two tokens (each made by the last merges, never merged
+/// further) turned into the special tokens `<tool_call>` and `</tool_call>`, as some models'
+/// tokenizers have them: the model can sample them, and decoded text leaves them out. Their ids.
+pub fn tool_tag_tokenizer() -> (Arc<Tokenizer>, [u32; 2]) {
+    let dir = ch01::default_model_dir();
+    let path = dir.join("tokenizer.json");
+    let mut saved: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let mut ids = [0; 2];
+    for (i, tag) in ["</tool_call>", "<tool_call>"].into_iter().enumerate() {
+        let merge = saved["model"]["merges"]
+            .as_array_mut()
+            .unwrap()
+            .pop()
+            .unwrap();
+        let pieces: Vec<&str> = match &merge {
+            Value::String(m) => m.split(' ').collect(),
+            m => m
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p.as_str().unwrap())
+                .collect(),
+        };
+        let vocab = saved["model"]["vocab"].as_object_mut().unwrap();
+        let id = vocab.remove(&pieces.concat()).unwrap();
+        vocab.insert(tag.to_string(), id.clone());
+        ids[1 - i] = id.as_u64().unwrap() as u32;
+        saved["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": id, "content": tag, "single_word": false, "lstrip": false, "rstrip": false,
+            "normalized": false, "special": true}));
+    }
+    let inner = tokenizers::Tokenizer::from_bytes(saved.to_string().as_bytes()).unwrap();
+    let eos = loaded().tokenizer.eos_token_id();
+    let bos = loaded().tokenizer.bos_token_id();
+    let tokenizer = Tokenizer::from_parts(inner, path, bos, eos);
+    assert_eq!(tokenizer.inner().token_to_id("<tool_call>"), Some(ids[0]));
+    assert_eq!(tokenizer.decode(&ids).unwrap(), "", "the tags are special");
+    (Arc::new(tokenizer), ids)
+}
+
 /// Token count of `text` without special tokens.
 pub fn count_tokens(text: &str) -> usize {
     loaded().tokenizer.encode(text, false).unwrap().len()
@@ -109,6 +149,8 @@ pub struct Setup {
     /// an executor factory builds the executor, here chapter 4's CPU executor over the loaded
     /// model, so the answers must be the host-weights server's.
     pub weights_elsewhere: bool,
+    /// The tokenizer to serve with, instead of the model's own.
+    pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl Default for Setup {
@@ -123,6 +165,7 @@ impl Default for Setup {
             kv_blocks: 128,
             prefix_caching: false,
             weights_elsewhere: false,
+            tokenizer: None,
         }
     }
 }
@@ -160,7 +203,9 @@ pub fn build(setup: Setup) -> Result<Server, ServerError> {
     };
     let served = ServedModel {
         weights,
-        tokenizer: Arc::clone(&loaded.tokenizer),
+        tokenizer: setup
+            .tokenizer
+            .unwrap_or_else(|| Arc::clone(&loaded.tokenizer)),
         chat_template: ChatTemplate::from_model_dir(&dir).unwrap(),
         eos_token_ids: loaded.eos_token_ids.clone(),
     };
