@@ -59,23 +59,54 @@ fn best_of(reps: usize, probe: impl Fn() -> f64) -> f64 {
 
 /// GB/s summing `bytes` of f32 in parallel.
 fn read_probe(bytes: usize) -> f64 {
-    let buffer = vec![1.0f32; bytes / 4];
-    let start = Instant::now();
-    let sum: f32 = buffer
-        .par_chunks(1 << 16)
-        .map(|chunk| {
-            let mut lanes = [0.0f32; 16];
-            for c in chunk.chunks_exact(16) {
-                for l in 0..16 {
-                    lanes[l] += c[l];
+    ReadProbe::new(bytes).gb_s()
+}
+
+/// Bytes of the read probe taken right before and right after each decode measurement: eight
+/// times these machines' last-level cache, a few milliseconds of reading.
+pub const AROUND_BYTES: usize = 1 << 28;
+
+/// A read probe whose buffer stays allocated (and its pages backed), so that it can be taken
+/// again and again around the measurements it rates: this machine's bandwidth drifts by more
+/// than the gaps the page reports, and a probe minutes away measures another moment.
+pub struct ReadProbe {
+    buffer: Vec<f32>,
+}
+
+impl ReadProbe {
+    pub fn new(bytes: usize) -> ReadProbe {
+        ReadProbe {
+            buffer: vec![1.0f32; bytes / 4],
+        }
+    }
+
+    /// GB/s summing the buffer with every thread, now.
+    pub fn gb_s(&self) -> f64 {
+        let start = Instant::now();
+        let sum: f32 = self
+            .buffer
+            .par_chunks(1 << 16)
+            .map(|chunk| {
+                let mut lanes = [0.0f32; 16];
+                for c in chunk.chunks_exact(16) {
+                    for l in 0..16 {
+                        lanes[l] += c[l];
+                    }
                 }
-            }
-            lanes.iter().sum::<f32>()
-        })
-        .sum();
-    let seconds = start.elapsed().as_secs_f64();
-    std::hint::black_box(sum);
-    bytes as f64 / seconds / 1e9
+                lanes.iter().sum::<f32>()
+            })
+            .sum();
+        let seconds = start.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        (self.buffer.len() * 4) as f64 / seconds / 1e9
+    }
+
+    /// `measure()`'s result and the mean of this probe taken right before and right after it.
+    pub fn around<T>(&self, measure: impl FnOnce() -> T) -> (T, f64) {
+        let before = self.gb_s();
+        let result = measure();
+        (result, (before + self.gb_s()) / 2.0)
+    }
 }
 
 /// GB/s copying `bytes` in parallel, counting the bytes read and the bytes written.

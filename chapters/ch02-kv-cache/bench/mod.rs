@@ -14,7 +14,7 @@
 //! one run.
 
 mod gemm;
-mod machine;
+pub(crate) mod machine;
 mod profile;
 pub(crate) mod references;
 mod report;
@@ -139,10 +139,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             machine
         };
         let before = probe();
+        // Taken around every decode measurement, kiln's and the references'.
+        let around = machine::ReadProbe::new(if args.output.quick {
+            machine::AROUND_BYTES / 16
+        } else {
+            machine::AROUND_BYTES
+        });
 
         eprintln!("== speed: kiln prefill {prompt} + decode {decode}");
-        let kiln_f32 = speed::measure(&fast_f32.model, &tokens, prompt, decode, reps);
-        let kiln_bf16 = speed::measure(&fast_bf16.model, &tokens, prompt, decode, reps);
+        let speed_of =
+            |model| speed::measure_around(model, &tokens, prompt, decode, reps, Some(&around));
+        let kiln_f32 = speed_of(&fast_f32.model);
+        let kiln_bf16 = speed_of(&fast_bf16.model);
         eprintln!("   f32 {kiln_f32:?}\n   bf16 {kiln_bf16:?}");
         // The machine again, after kiln's runs; each figure the best of both probes.
         let machine = before.best_with(probe());
@@ -156,6 +164,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 prompt,
                 decode,
                 reps,
+                probe: Some(&around),
             };
             for (name, result) in [
                 ("transformers", references::transformers(&setup)),

@@ -11,6 +11,7 @@ use std::process::Command;
 use anyhow::{Context, bail};
 use serde_json::Value;
 
+use super::machine::ReadProbe;
 use super::speed::Speed;
 
 /// One reference measurement: which engine, at which precision, and how fast.
@@ -29,6 +30,22 @@ pub struct Setup<'a> {
     pub prompt: usize,
     pub decode: usize,
     pub reps: usize,
+    /// Taken right before and right after each engine's decode, if given
+    /// ([`Speed::read_gb_s_at_decode`]).
+    pub probe: Option<&'a ReadProbe>,
+}
+
+impl Setup<'_> {
+    /// `measure()`'s result, and the read probe around it if this setup has one.
+    fn around<T>(&self, measure: impl FnOnce() -> T) -> (T, Option<f64>) {
+        match self.probe {
+            Some(probe) => {
+                let (result, gb_s) = probe.around(measure);
+                (result, Some(gb_s))
+            }
+            None => (measure(), None),
+        }
+    }
 }
 
 pub fn fixtures() -> PathBuf {
@@ -52,7 +69,8 @@ pub fn transformers(setup: &Setup) -> anyhow::Result<Vec<Reference>> {
                 .arg(setup.model_dir)
                 .args(["--dtype", dtype])
                 .args(common_args(setup));
-            let json = run_json(command)?;
+            let (json, read_gb_s_at_decode) = setup.around(|| run_json(command));
+            let json = json?;
             let engine = format!(
                 "transformers {} (torch {})",
                 str_field(&json, "version")?,
@@ -64,6 +82,7 @@ pub fn transformers(setup: &Setup) -> anyhow::Result<Vec<Reference>> {
                 speed: Speed {
                     prefill_tok_s: f64_field(&json, "prefill_tok_s")?,
                     decode_tok_s: f64_field(&json, "decode_tok_s")?,
+                    read_gb_s_at_decode,
                 },
             })
         })
@@ -137,13 +156,15 @@ pub fn llama_bench(setup: &Setup, gguf: &Path, dtype: &str) -> anyhow::Result<Re
         "-d",
         &setup.prompt.to_string(),
     ];
-    let (decode, _) = run(&strings(&decode_args))?;
+    let (decode, read_gb_s_at_decode) = setup.around(|| run(&strings(&decode_args)));
+    let (decode, _) = decode?;
     Ok(Reference {
         engine: format!("llama.cpp{build}"),
         dtype: dtype.to_string(),
         speed: Speed {
             prefill_tok_s: prefill,
             decode_tok_s: decode,
+            read_gb_s_at_decode,
         },
     })
 }

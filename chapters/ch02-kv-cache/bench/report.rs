@@ -79,7 +79,7 @@ impl Report<'_> {
     }
 
     fn speed_table(&self, m: &Measured) -> String {
-        let read = m.machine.read_gb_s;
+        let best_read = m.machine.read_gb_s;
         let mut table = Table::new([
             "engine",
             "weights",
@@ -87,11 +87,13 @@ impl Report<'_> {
             "decode tok/s",
             "MB read / token",
             "decode GB/s",
+            "read probe around it, GB/s",
             "of read bandwidth",
         ])
         .align(0, Align::Left)
         .align(1, Align::Left);
         let mut row = |engine: &str, dtype: &str, speed: Speed, bytes: Option<usize>| {
+            let read = speed.read_gb_s_at_decode.unwrap_or(best_read);
             let (mb, gb_s, share) = match bytes {
                 Some(b) => {
                     let gb_s = b as f64 * speed.decode_tok_s / 1e9;
@@ -110,6 +112,7 @@ impl Report<'_> {
                 format!("{:.1}", speed.decode_tok_s),
                 mb,
                 gb_s,
+                format!("{read:.1}"),
                 share,
             ]);
         };
@@ -126,7 +129,10 @@ impl Report<'_> {
         let m = &m.machine;
         let mut text = format!(
             "{}\nBatch 1; prefill of {} prompt tokens, then {} decode steps. MB read per token: \
-             the projection and output-head weights one decode step streams. Machine, same run \
+             the projection and output-head weights one decode step streams. Of read \
+             bandwidth: the decode's GB/s against a read probe (a sum over 256 MiB) taken right \
+             before and right after that decode (the mean of the two; kiln's, the median over \
+             its repetitions), the bandwidth the machine gave at the time. Machine, same run \
              (each probe's best, before and after kiln's runs): read bandwidth **{:.1} GB/s** \
              (sum over 1 GiB), copy {:.1} GB/s (read + write), \
              so f32 decode cannot exceed {:.1} tokens/s and bf16 {:.1}.\n",
@@ -187,30 +193,31 @@ impl Report<'_> {
         2.0 * (tokens * c.num_hidden_layers * layer + head) as f64
     }
 
-    /// (label, tokens, GFLOP/s, FLOP per weight byte) of every measured point, f32 unless named.
-    fn roofline_points(&self, m: &Measured) -> Vec<(String, usize, f64, f64)> {
+    /// (label, GFLOP/s, FLOP per weight byte, the read probe around it if one was taken) of
+    /// every measured point, f32 unless named.
+    fn roofline_points(&self, m: &Measured) -> Vec<(String, f64, f64, Option<f64>)> {
         let bytes = self.f32_bytes as f64;
         let mut points = vec![
             (
                 "decode, f32".to_string(),
-                1,
                 self.projection_flops(1) * m.kiln_f32.decode_tok_s / 1e9,
                 self.projection_flops(1) / bytes,
+                m.kiln_f32.read_gb_s_at_decode,
             ),
             (
                 "decode, bf16".to_string(),
-                1,
                 self.projection_flops(1) * m.kiln_bf16.decode_tok_s / 1e9,
                 self.projection_flops(1) / self.bf16_bytes as f64,
+                m.kiln_bf16.read_gb_s_at_decode,
             ),
         ];
         for &(t, seconds) in &m.prefill_seconds {
             let flops = self.projection_flops(t);
             points.push((
                 format!("prefill T={t}"),
-                t,
                 flops / seconds / 1e9,
                 flops / bytes,
+                None,
             ));
         }
         points
@@ -227,7 +234,7 @@ impl Report<'_> {
             "of read bandwidth",
         ])
         .align(0, Align::Left);
-        for (label, _, gflop_s, intensity) in self.roofline_points(measured) {
+        for (label, gflop_s, intensity, read_around) in self.roofline_points(measured) {
             let gb_s = gflop_s / intensity;
             table.row([
                 label,
@@ -235,12 +242,14 @@ impl Report<'_> {
                 format!("{gflop_s:.1}"),
                 format!("{:.0}%", 100.0 * gflop_s / m.kiln_gemm_gflop_s),
                 format!("{gb_s:.1}"),
-                format!("{:.0}%", 100.0 * gb_s / m.read_gb_s),
+                format!("{:.0}%", 100.0 * gb_s / read_around.unwrap_or(m.read_gb_s)),
             ]);
         }
         format!(
             "{}\nGEMM peak: this chapter's GEMM on x [384, 1024] · Wᵀ [1024, 1024], **{:.1} GFLOP/s** \
-             ({} threads; matrixmultiply on one thread: {:.1}). Read bandwidth **{:.1} GB/s**. \
+             ({} threads; matrixmultiply on one thread: {:.1}). Read bandwidth **{:.1} GB/s** \
+             (decode's rows: against the read probe taken around each decode, as in the speed \
+             table). \
              FLOPs count the projections and the output head (for the last position only); \
              attention's are left out. The ridge point, where a step stops being memory-bound, \
              is at {:.1} FLOP per byte.\n\n{}\n",
@@ -271,7 +280,7 @@ impl Report<'_> {
         .log_x()
         .log_y()
         .reference("roof: min(GEMM peak, bandwidth × intensity)", &roof);
-        for (label, _, gflop_s, intensity) in self.roofline_points(measured) {
+        for (label, gflop_s, intensity, _) in self.roofline_points(measured) {
             plot = plot.series(label, &[(intensity, gflop_s)]);
         }
         plot.to_svg()

@@ -6,11 +6,17 @@ use std::time::{Duration, Instant};
 use ch01::Llama;
 use ch02::{CachedSession, ContiguousKvCache};
 
+use super::machine::ReadProbe;
+
 /// Prefill and decode rates of one configuration.
 #[derive(Debug, Clone, Copy)]
 pub struct Speed {
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// GB/s of a read probe taken right before and right after the decode (the mean of the
+    /// two; for kiln, the median over the repetitions), where one was: the bandwidth the
+    /// machine gave while it decoded.
+    pub read_gb_s_at_decode: Option<f64>,
 }
 
 /// A cache of `capacity` positions whose memory is backed before any clock starts
@@ -25,8 +31,22 @@ fn backed_cache(model: &Llama, capacity: usize) -> ContiguousKvCache {
 /// Median over `reps` runs of: prefill `tokens[..prompt]` into a fresh cache, then decode the
 /// next `decode` tokens one by one (fed, not sampled: the cost is the same).
 pub fn measure(model: &Llama, tokens: &[u32], prompt: usize, decode: usize, reps: usize) -> Speed {
+    measure_around(model, tokens, prompt, decode, reps, None)
+}
+
+/// [`measure`], with `probe` (if given) taken right before and right after each repetition's
+/// decode.
+pub fn measure_around(
+    model: &Llama,
+    tokens: &[u32],
+    prompt: usize,
+    decode: usize,
+    reps: usize,
+    probe: Option<&ReadProbe>,
+) -> Speed {
     let mut prefill = Vec::new();
     let mut decode_times = Vec::new();
+    let mut read_gb_s = Vec::new();
     for _ in 0..reps.max(1) {
         let mut session = CachedSession::new(model, backed_cache(model, prompt + decode));
         let start = Instant::now();
@@ -34,17 +54,29 @@ pub fn measure(model: &Llama, tokens: &[u32], prompt: usize, decode: usize, reps
             .prefill(&tokens[..prompt])
             .expect("benchmark tokens are valid");
         prefill.push(start.elapsed());
-        let start = Instant::now();
-        for &token in &tokens[prompt..prompt + decode] {
-            session
-                .decode(token)
-                .expect("benchmark tokens fit the cache");
+        let mut decode_all = || {
+            let start = Instant::now();
+            for &token in &tokens[prompt..prompt + decode] {
+                session
+                    .decode(token)
+                    .expect("benchmark tokens fit the cache");
+            }
+            start.elapsed()
+        };
+        match probe {
+            Some(probe) => {
+                let (took, gb_s) = probe.around(decode_all);
+                decode_times.push(took);
+                read_gb_s.push(gb_s);
+            }
+            None => decode_times.push(decode_all()),
         }
-        decode_times.push(start.elapsed());
     }
+    read_gb_s.sort_by(f64::total_cmp);
     Speed {
         prefill_tok_s: prompt as f64 / median(prefill).as_secs_f64(),
         decode_tok_s: decode as f64 / median(decode_times).as_secs_f64(),
+        read_gb_s_at_decode: read_gb_s.get(read_gb_s.len() / 2).copied(),
     }
 }
 

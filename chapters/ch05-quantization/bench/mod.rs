@@ -295,6 +295,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     prompt,
                     decode,
                     reps,
+                    probe: None,
                 };
                 let reference = llama_bench(&setup, gguf, v.label)?;
                 eprintln!(

@@ -56,6 +56,7 @@ pub unsafe fn load16_bf16(p: *const u16) -> __m512 {
     }
 }
 
+// ANCHOR: widen_panel
 /// `out` [k][NR] = the panel `b` [k][NR] widened to f32 with its outputs in order: `out[kk · NR +
 /// j]` is output `j`'s weight for input `kk`, `b[kk · NR + slot(j)]` widened exactly. The f32
 /// micro-kernels then read it as an f32 panel and compute the same bits as on `b` (the same
@@ -90,6 +91,7 @@ unsafe fn widen_panel_avx512<W: WeightElement>(b: &[W], out: &mut [f32]) {
         }
     }
 }
+// ANCHOR_END: widen_panel
 
 // ANCHOR: micro_kernel_512
 /// `c[r][j] = Σ_k x[r][k] · b[k][j]` for an M × 16 tile (M ≤ 12), one register per row.
