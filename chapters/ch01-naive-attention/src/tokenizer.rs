@@ -3,18 +3,38 @@
 //! The heavy lifting (byte-level BPE, normalisers, special tokens) is Hugging Face's `tokenizers`
 //! crate, so ids match `transformers` exactly. What this module adds is what serving needs:
 //! the special ids from `tokenizer_config.json`, and [`TextStream`], which turns a stream of ids
-//! into a stream of text without ever emitting half a UTF-8 character.
+//! into a stream of text without ever emitting half a UTF-8 character. A vocabulary whose
+//! encoding that crate cannot express (chapter 5's SentencePiece-style GGUF files, whose equal
+//! merge scores llama.cpp breaks by position) brings its own [`Encoder`].
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::token_bytes::ByteForm;
 
+/// Text → ids done by other code than the `tokenizers` pipeline's own `encode`, for a
+/// vocabulary whose model that crate cannot express. It is handed the tokenizer's pipeline
+/// for the steps it keeps (added tokens, normalizer, post-processor); decoding, the
+/// vocabulary and the special ids stay the pipeline's.
+pub trait Encoder: Send + Sync {
+    /// `text`'s ids, BOS/EOS added as the pipeline's post-processor says when
+    /// `add_special_tokens` (what [`Tokenizer::encode`] returns).
+    fn encode(
+        &self,
+        pipeline: &tokenizers::Tokenizer,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> tokenizers::Result<Vec<u32>>;
+}
+
 /// A loaded tokenizer with its special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Encodes in place of `inner.encode` when set ([`Tokenizer::with_encoder`]).
+    encoder: Option<Arc<dyn Encoder>>,
     path: PathBuf,
     bos_token_id: Option<u32>,
     eos_token_id: Option<u32>,
@@ -59,13 +79,28 @@ impl Tokenizer {
         Tokenizer {
             byte_form: ByteForm::of(&inner),
             inner,
+            encoder: None,
             path,
             bos_token_id,
             eos_token_id,
         }
     }
 
-    /// The `tokenizers` tokenizer inside.
+    /// The same tokenizer with `encoder` doing every encoding ([`Tokenizer::encode`] and what
+    /// calls it); decoding is unchanged.
+    pub fn with_encoder(mut self, encoder: Arc<dyn Encoder>) -> Self {
+        self.encoder = Some(encoder);
+        self
+    }
+
+    /// The encoder set by [`Tokenizer::with_encoder`], for a copy that must encode the same
+    /// way ([`Tokenizer::from_parts`] makes one without).
+    pub fn encoder(&self) -> Option<&Arc<dyn Encoder>> {
+        self.encoder.as_ref()
+    }
+
+    /// The `tokenizers` tokenizer inside. Its own `encode` ignores an [`Encoder`]: encode
+    /// with [`Tokenizer::encode`].
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
@@ -106,13 +141,15 @@ impl Tokenizer {
     }
 
     /// Text → ids. With `add_special_tokens` the tokenizer's own post-processor runs (for Llama-style
-    /// tokenizers it prepends BOS), as `transformers`' `encode` does by default.
+    /// tokenizers it prepends BOS), as `transformers`' `encode` does by default. The
+    /// [`Encoder`], when there is one, encodes instead of the pipeline.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| self.error(e.to_string()))?;
-        Ok(encoding.get_ids().to_vec())
+        let ids = match &self.encoder {
+            Some(encoder) => encoder.encode(&self.inner, text, add_special_tokens),
+            None => (self.inner.encode(text, add_special_tokens))
+                .map(|encoding| encoding.get_ids().to_vec()),
+        };
+        ids.map_err(|e| self.error(e.to_string()))
     }
 
     /// Ids → text, leaving out special tokens such as BOS and EOS.
@@ -293,5 +330,56 @@ impl<'t> TextStream<'t> {
     /// Every token pushed so far (not the context).
     pub fn tokens(&self) -> &[u32] {
         &self.tokens[self.context..]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every text is the ids of its bytes' count, after BOS when asked; `"fail"` fails.
+    struct Lengths;
+
+    impl Encoder for Lengths {
+        fn encode(
+            &self,
+            pipeline: &tokenizers::Tokenizer,
+            text: &str,
+            add_special_tokens: bool,
+        ) -> tokenizers::Result<Vec<u32>> {
+            if text == "fail" {
+                return Err("no such text".into());
+            }
+            let bos = pipeline.token_to_id("<s>").ok_or("no <s>")?;
+            let n = text.len() as u32;
+            Ok(match add_special_tokens {
+                true => vec![bos, n],
+                false => vec![n],
+            })
+        }
+    }
+
+    #[test]
+    fn an_encoder_replaces_every_encoding_and_no_decoding() {
+        let plain = Tokenizer::from_dir(&crate::fixtures_dir().join("tokenizer")).unwrap();
+        let ids = plain.encode("Good night", false).unwrap();
+        let text = plain.decode(&ids).unwrap();
+        let bos = plain.bos_token_id();
+        let inner = plain.inner().clone();
+        let t = Tokenizer::from_parts(inner, "lengths.json".into(), bos, None)
+            .with_encoder(Arc::new(Lengths));
+        assert!(t.encoder().is_some() && plain.encoder().is_none());
+        assert_eq!(t.encode("Good night", false).unwrap(), [10]);
+        assert_eq!(t.encode("abc", true).unwrap(), [bos.unwrap(), 3]);
+        // What calls `encode` goes through the encoder too.
+        assert!(t.adds_bos());
+        assert_eq!(t.decode(&ids).unwrap(), text);
+        // Its error is the tokenizer's, naming the file.
+        let e = t.encode("fail", false).unwrap_err();
+        assert!(
+            matches!(&e, Error::Tokenizer { path, message }
+                if path.ends_with("lengths.json") && message.contains("no such text")),
+            "{e}"
+        );
     }
 }

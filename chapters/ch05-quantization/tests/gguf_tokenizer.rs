@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use ch01::testing::seeded_config;
-use ch05_quantization::gguf::tokenizer::{eos_token_ids, load_tokenizer, token_type};
+use ch05_quantization::gguf::tokenizer::{eos_token_ids, hf_tokenizer, load_tokenizer, token_type};
 use ch05_quantization::gguf::{GgufFile, GgufValue, GgufWriter};
 use proptest::prelude::*;
 
@@ -181,6 +181,11 @@ proptest! {
         let t = load_tokenizer(&file(Some(false))).unwrap();
         let ids = t.encode(&text, false).unwrap();
         prop_assert_eq!(&ids, &reference(&text));
+        // `load_tokenizer` encodes with llama.cpp's loop; with distinct scores the ranked
+        // merges of the `tokenizers` pipeline inside agree with it.
+        let bpe = hf_tokenizer(&file(Some(false))).unwrap();
+        let bpe_ids = bpe.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        prop_assert_eq!(&bpe_ids, &ids);
         prop_assert_eq!(t.decode(&ids).unwrap(), text);
     }
 }

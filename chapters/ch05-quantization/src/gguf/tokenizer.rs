@@ -18,14 +18,27 @@
 //! runs and left out of decoded text. Byte-level BPE is exactly what `tokenizer.json` files of
 //! the same model describe. The SentencePiece-style vocabulary has no merge list, only a score
 //! per token: llama.cpp repeatedly merges the adjacent pair whose concatenation is the
-//! highest-scoring token. The same result comes from BPE with one merge per way of splitting a
-//! token into two tokens, ranked by the merged token's score; unknown characters fall back to
-//! their `<0xNN>` byte tokens. Only while scores differ: llama.cpp breaks a tie between two
-//! pairs by position (the leftmost merges first), which a ranked merge list cannot express, so
-//! here equal scores rank by token id. Vocabularies converted without `tokenizer.model` carry
-//! one score for every token (−1000), and their tokens can then differ from llama.cpp's.
+//! highest-scoring token, and between pairs of equal score the leftmost (its queue orders
+//! candidates by score, then by the position of the left symbol). The same result comes from
+//! BPE with one merge per way of splitting a token into two tokens, ranked by the merged
+//! token's score; unknown characters fall back to their `<0xNN>` byte tokens. Only while no two
+//! candidates tie: the BPE of `tokenizers` ranks two different pairs apart whatever their
+//! place, so here equal scores rank by token id and can merge in another order than
+//! llama.cpp's. No ranking can do better (with `ab` and `ba` equally scored, `aba` needs `a b`
+//! first and `bab` needs `b a` first), so [`spm`] runs llama.cpp's loop itself, and
+//! [`load_tokenizer`] makes it the tokenizer's [`Encoder`](ch01::tokenizer::Encoder): a
+//! `llama` vocabulary encodes exactly as llama.cpp does, ties included, while the pipeline
+//! built here still matches added tokens, adds BOS/EOS and decodes. Ties are the rule in
+//! vocabularies converted without `tokenizer.model`, which carry one score for every token
+//! (−1000).
+//!
+//! Byte-level BPE splits the text before merging; `tokenizer.ggml.pre` names how. `default`
+//! (and a file without the key) is llama.cpp's fallback, not GPT-2's split: runs of
+//! punctuation first, then GPT-2's pattern, then runs of digits apart from what precedes them,
+//! then digits in threes ([`DEFAULT_PUNCTUATION_SPLIT`]).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use ch01::Tokenizer;
 use tokenizers::decoders::byte_fallback::ByteFallback;
@@ -47,6 +60,8 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior};
 use super::error::{GgufError, GgufResult};
 use super::file::GgufFile;
 
+pub mod spm;
+
 /// `tokenizer.ggml.token_type` values.
 pub mod token_type {
     pub const NORMAL: i32 = 1;
@@ -62,6 +77,23 @@ pub(crate) const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}
 /// Qwen2's split: Llama 3's with digits one by one.
 pub(crate) const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// GPT-2's split: contractions, letters, digits, other symbols, whitespace, each optionally
+/// after one space (what `ByteLevel` splits with when `use_regex`).
+pub const GPT2_SPLIT: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// `tokenizer.ggml.pre = default` (or no `pre` at all) is llama.cpp's fallback, four splits
+/// applied in turn, each to every piece the one before made:
+/// 1. runs of punctuation (Unicode's, and `$+<=>^~|`: every ASCII symbol but the backtick)
+///    become pieces of their own ([`DEFAULT_PUNCTUATION_SPLIT`]), so GPT-2's contractions
+///    (`'s`) never match and no space leads a punctuation piece;
+/// 2. GPT-2's split ([`GPT2_SPLIT`]);
+/// 3. runs of digits (`\p{N}+`) leave the space before them (`Digits`, whose `is_numeric` is
+///    `\p{N}`, with no regex to compile);
+/// 4. ASCII digits in threes from the left ([`DEFAULT_DIGITS_SPLIT`]).
+pub const DEFAULT_PUNCTUATION_SPLIT: &str = r"[\p{P}\$\+<=>\^~\|]+";
+/// The last of `default`'s splits (see [`DEFAULT_PUNCTUATION_SPLIT`]).
+pub const DEFAULT_DIGITS_SPLIT: &str = r"[0-9][0-9][0-9]";
+
 /// The values of `tokenizer.ggml.pre` kiln knows, for byte-level BPE.
 pub const PRE_TOKENIZERS: [&str; 7] = [
     "default",
@@ -73,15 +105,20 @@ pub const PRE_TOKENIZERS: [&str; 7] = [
     "qwen2",
 ];
 
-/// The model's tokenizer, with BOS and EOS from the metadata.
+/// The model's tokenizer, with BOS and EOS from the metadata; a `llama` vocabulary encodes
+/// with llama.cpp's merge loop ([`spm::SpmMerges`]).
 pub fn load_tokenizer(file: &GgufFile) -> GgufResult<Tokenizer> {
     let inner = hf_tokenizer(file)?;
-    Ok(Tokenizer::from_parts(
+    let tokenizer = Tokenizer::from_parts(
         inner,
         file.path().to_path_buf(),
         special_id(file, "tokenizer.ggml.bos_token_id")?,
         special_id(file, "tokenizer.ggml.eos_token_id")?,
-    ))
+    );
+    Ok(match spm::SpmMerges::from_file(file)? {
+        Some(merges) => tokenizer.with_encoder(Arc::new(merges)),
+        None => tokenizer,
+    })
 }
 
 /// Tokens that end generation by their text alone, whatever the metadata names: files made
@@ -158,7 +195,9 @@ fn tokenizer_error(path: &Path, message: impl Into<String>) -> GgufError {
     }
 }
 
-/// The `tokenizers` tokenizer the metadata describes.
+/// The `tokenizers` tokenizer the metadata describes. For a `llama` vocabulary its own
+/// `encode` breaks ties between merge scores by token id, not as llama.cpp does;
+/// [`load_tokenizer`] encodes with [`spm::SpmMerges`] instead.
 pub fn hf_tokenizer(file: &GgufFile) -> GgufResult<tokenizers::Tokenizer> {
     let path = file.path();
     let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
@@ -278,14 +317,7 @@ fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Token
                 .ok_or_else(|| tokenizer_error(path, format!("merge {m:?} is not two tokens")))
         })
         .collect::<GgufResult<_>>()?;
-    // Llama 3's vocabulary takes a piece that is a token as it is, before any merge (some of
-    // its tokens cannot be reached by merging), as its tokenizer.json and llama.cpp do.
     let pre_name = file.opt_str("tokenizer.ggml.pre")?;
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .ignore_merges(matches!(pre_name, Some("llama-bpe" | "llama3")))
-        .build()
-        .map_err(|e| tokenizer_error(path, e.to_string()))?;
 
     // With `use_regex`, ByteLevel first splits with GPT-2's pattern: contractions, letters,
     // digits, other symbols, whitespace, each optionally after one space.
@@ -300,7 +332,15 @@ fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Token
         .map_err(|e| tokenizer_error(path, e.to_string()))
     };
     let pre: PreTokenizerWrapper = match pre_name {
-        None | Some("default" | "gpt2" | "gpt-2") => byte_level(true).into(),
+        Some("gpt2" | "gpt-2") => byte_level(true).into(),
+        None | Some("default") => PreSequence::new(vec![
+            split(DEFAULT_PUNCTUATION_SPLIT)?,
+            split(GPT2_SPLIT)?,
+            Digits::new(false).into(),
+            split(DEFAULT_DIGITS_SPLIT)?,
+            byte_level(false).into(),
+        ])
+        .into(),
         // Digits one by one, then GPT-2's split.
         Some("smollm") => {
             PreSequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into()
@@ -321,6 +361,15 @@ fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Token
             ));
         }
     };
+    // The BPE after the pre-tokenizer: compiling the patterns briefly takes a few hundred
+    // kilobytes, freed before the BPE's word cache is reserved, so the two never add up.
+    // Llama 3's vocabulary takes a piece that is a token as it is, before any merge (some of
+    // its tokens cannot be reached by merging), as its tokenizer.json and llama.cpp do.
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(matches!(pre_name, Some("llama-bpe" | "llama3")))
+        .build()
+        .map_err(|e| tokenizer_error(path, e.to_string()))?;
     let mut tokenizer = tokenizers::Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(pre));
     tokenizer.with_decoder(Some(ByteLevel::default()));
