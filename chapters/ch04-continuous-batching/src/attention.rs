@@ -193,6 +193,7 @@ struct RowScratch {
     /// [num_heads, positions]: scores, then softmax weights.
     scores: Vec<f32>,
     /// The pool slot of each position (the AVX2 task's).
+    #[cfg(target_arch = "x86_64")]
     slots: Vec<usize>,
 }
 

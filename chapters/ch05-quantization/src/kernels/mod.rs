@@ -464,6 +464,7 @@ impl QuantMatrix {
     }
 
     /// Bytes of one group of 8 interleaved rows.
+    #[cfg(target_arch = "x86_64")]
     fn group_bytes(&self) -> usize {
         let blocks = self.cols / self.ty.block_elems() / self.group;
         blocks * interleave::block_bytes(self.ty, self.group)

@@ -1,5 +1,5 @@
 //! What the kernels' unit tests share: random blocks, the portable kernels' outputs, and a
-//! bit-for-bit comparison.
+//! bit-for-bit comparison (all but the blocks only for the x86-64 tile kernels' tests).
 
 /// `bytes` random bytes (a seeded xorshift) with a moderate f16 at `scale_at` of every `block`
 /// bytes (random bytes there would make infinities and NaNs).
@@ -22,6 +22,7 @@ pub fn random_rows(bytes: usize, block: usize, scale_at: &[usize], seed: u64) ->
 }
 
 /// `count` activations in −2..2 from seeded random bytes.
+#[cfg(target_arch = "x86_64")]
 pub fn random_inputs(count: usize, seed: u64) -> Vec<f32> {
     random_rows(4 * count, 4, &[], seed)
         .chunks_exact(4)
@@ -31,6 +32,7 @@ pub fn random_inputs(count: usize, seed: u64) -> Vec<f32> {
 
 /// `yt` [rows, tokens]: each row of `w` (`row_bytes` each, the file's layout) times each
 /// token's `n` activation blocks, by the portable one-row kernel `portable`.
+#[cfg(target_arch = "x86_64")]
 pub fn portable_outputs<A>(
     w: &[u8],
     row_bytes: usize,
@@ -49,6 +51,7 @@ pub fn portable_outputs<A>(
 }
 
 /// Panics at the first output of `got` whose bits differ from `expected`'s, naming `what`.
+#[cfg(target_arch = "x86_64")]
 pub fn assert_bits(what: &str, expected: &[f32], got: &[f32]) {
     assert_eq!(expected.len(), got.len(), "{what}: lengths");
     for (i, (e, g)) in expected.iter().zip(got).enumerate() {
