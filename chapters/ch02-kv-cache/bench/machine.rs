@@ -98,14 +98,22 @@ impl ReadProbe {
             .sum();
         let seconds = start.elapsed().as_secs_f64();
         std::hint::black_box(sum);
-        (self.buffer.len() * 4) as f64 / seconds / 1e9
+        self.bytes() as f64 / seconds / 1e9
     }
 
-    /// `measure()`'s result and the mean of this probe taken right before and right after it.
+    /// `measure()`'s result, and the best of this probe taken twice right before it and twice
+    /// right after: the same rule as the machine's figures (a probe's best, the better of
+    /// before and after), at the moment of the measurement.
     pub fn around<T>(&self, measure: impl FnOnce() -> T) -> (T, f64) {
-        let before = self.gb_s();
+        let before = self.gb_s().max(self.gb_s());
         let result = measure();
-        (result, (before + self.gb_s()) / 2.0)
+        let after = self.gb_s().max(self.gb_s());
+        (result, before.max(after))
+    }
+
+    /// The bytes it reads.
+    pub fn bytes(&self) -> usize {
+        self.buffer.len() * 4
     }
 }
 

@@ -197,6 +197,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             references,
             missing,
             prefill_seconds,
+            around_bytes: around.bytes(),
         });
     }
     if wants(Part::Latency) {

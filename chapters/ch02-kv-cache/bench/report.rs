@@ -40,6 +40,8 @@ pub struct Measured {
     pub missing: Vec<String>,
     /// (T, seconds) of a T-token prefill, f32.
     pub prefill_seconds: Vec<(usize, f64)>,
+    /// Bytes of the read probe taken around each decode ([`Speed::read_gb_s_at_decode`]).
+    pub around_bytes: usize,
 }
 
 impl Report<'_> {
@@ -125,20 +127,23 @@ impl Report<'_> {
             };
             row(&r.engine, &r.dtype, r.speed, bytes);
         }
-        let missing = &m.missing;
+        let (missing, around_mib) = (&m.missing, m.around_bytes >> 20);
         let m = &m.machine;
         let mut text = format!(
             "{}\nBatch 1; prefill of {} prompt tokens, then {} decode steps. MB read per token: \
              the projection and output-head weights one decode step streams. Of read \
-             bandwidth: the decode's GB/s against a read probe (a sum over 256 MiB) taken right \
-             before and right after that decode (the mean of the two; kiln's, the median over \
-             its repetitions), the bandwidth the machine gave at the time. Machine, same run \
+             bandwidth: the decode's GB/s against a read probe (a sum over {} MiB, the best of \
+             two passes right before and two right after) around kiln's decode, the median \
+             over its repetitions, and around each reference engine's decode run, whose process \
+             also loads the model (llama.cpp's `llama-bench` runs its decode apart from its \
+             prefill; transformers' script does both). Machine, same run \
              (each probe's best, before and after kiln's runs): read bandwidth **{:.1} GB/s** \
              (sum over 1 GiB), copy {:.1} GB/s (read + write), \
              so f32 decode cannot exceed {:.1} tokens/s and bf16 {:.1}.\n",
             table.to_markdown(),
             self.prompt,
             self.decode,
+            around_mib,
             m.read_gb_s,
             m.copy_gb_s,
             m.read_gb_s * 1e9 / self.f32_bytes as f64,
@@ -231,25 +236,28 @@ impl Report<'_> {
             "GFLOP/s",
             "of GEMM peak",
             "weight GB/s",
+            "read GB/s",
             "of read bandwidth",
         ])
         .align(0, Align::Left);
         for (label, gflop_s, intensity, read_around) in self.roofline_points(measured) {
             let gb_s = gflop_s / intensity;
+            let read = read_around.unwrap_or(m.read_gb_s);
             table.row([
                 label,
                 format!("{intensity:.1}"),
                 format!("{gflop_s:.1}"),
                 format!("{:.0}%", 100.0 * gflop_s / m.kiln_gemm_gflop_s),
                 format!("{gb_s:.1}"),
-                format!("{:.0}%", 100.0 * gb_s / read_around.unwrap_or(m.read_gb_s)),
+                format!("{read:.1}"),
+                format!("{:.0}%", 100.0 * gb_s / read),
             ]);
         }
         format!(
             "{}\nGEMM peak: this chapter's GEMM on x [384, 1024] · Wᵀ [1024, 1024], **{:.1} GFLOP/s** \
              ({} threads; matrixmultiply on one thread: {:.1}). Read bandwidth **{:.1} GB/s** \
-             (decode's rows: against the read probe taken around each decode, as in the speed \
-             table). \
+             (read GB/s: this, but for decode's rows, which have the read probe taken around \
+             each decode, as in the speed table). \
              FLOPs count the projections and the output head (for the last position only); \
              attention's are left out. The ridge point, where a step stops being memory-bound, \
              is at {:.1} FLOP per byte.\n\n{}\n",

@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let f32 = load_fast(dir, WeightDtype::F32)?;
     let mut lengths: Vec<usize> = args.map(|a| a.parse()).collect::<Result<_, _>>()?;
     if lengths.is_empty() {
-        lengths = vec![48, 124, 512];
+        lengths = vec![24, 48, 72, 124, 512];
     }
     let c = &bf16.config;
     let weights = bf16.layers.len()
@@ -63,7 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 + 2 * (c.num_key_value_heads * c.hidden_size) / c.num_attention_heads)
             + 3 * c.hidden_size * c.intermediate_size);
     println!(
-        "| T | bf16, widened at every load, ms | bf16, widened once per panel, ms | gain | f32, ms | GFLOP/s: every load, once, f32 |"
+        "| T | bf16, widened at every load, ms | bf16, widened once per product, ms | gain | f32, ms | GFLOP/s: every load, once, f32 |"
     );
     println!("|---:|---:|---:|---:|---:|---:|");
     for t in lengths {

@@ -130,6 +130,7 @@ impl Gemm {
 
     /// Every micro-kernel this CPU can run (what the tests compare).
     pub fn available() -> Vec<Gemm> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut kernels = vec![Gemm::Portable];
         #[cfg(target_arch = "x86_64")]
         {
@@ -324,7 +325,7 @@ pub fn matmul_part<W: WeightElement>(
 
 /// The fewest token tiles for which [`matmul_part`] widens bf16 panels once per call instead of
 /// at every load. Measured on SmolLM2's projections (`examples/bf16_widening.rs`, AMD EPYC with
-/// AVX-512): a loss at 2 tiles, even at 3 and 4, a gain from 6 on.
+/// AVX-512): a loss at 2 tiles, about even at 3 and 4, a gain from 6 on.
 const WIDEN_FROM_TILES: usize = 4;
 
 /// Whether [`matmul_part`] widens bf16 panels once per call; see [`set_panel_widening`].
@@ -338,8 +339,8 @@ pub fn set_panel_widening(on: bool) {
 }
 
 std::thread_local! {
-    /// This thread's widened panels ([`widened`]): `[2][k][NR]` f32, regrown only by a longer
-    /// panel, so a prefill allocates on each thread once.
+    /// This thread's widened panels ([`widen_panels`]): `[2][k][NR]` f32, regrown only by a
+    /// longer panel, so a thread allocates it once per panel length it meets, not per product.
     static WIDE_PANELS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -506,7 +507,10 @@ fn tile_matmul_pair<W: WeightElement>(
             }
             heights!(1 2 3 4 5 6 7 8 9 10 11 12)
         }
-        _ => unreachable!("only Gemm::Avx512Pair pairs panels"),
+        _ => {
+            let _ = (m, x_tile, b0, b1, c);
+            unreachable!("only Gemm::Avx512Pair pairs panels")
+        }
     }
 }
 

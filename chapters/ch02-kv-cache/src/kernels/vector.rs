@@ -242,13 +242,16 @@ fn normalize(x: &mut [f32], sum: f32) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// `x = softmax(scale · x)` for `scale > 0`, the same bits as scaling `x` and then [`softmax`],
-/// in one pass fewer: rounding keeps order, so the largest of the rounded products
-/// `scale · x[i]` is the rounded product of `scale` and the largest `x[i]`, and the products are
-/// formed inside the exponential's pass instead of written back first.
+/// `x = softmax(scale · x)` for `scale > 0` (panics otherwise), the same bits as scaling `x` and
+/// then [`softmax`], in one pass fewer: rounding keeps order, so the largest of the rounded
+/// products `scale · x[i]` is the rounded product of `scale` and the largest `x[i]`, and the
+/// products are formed inside the exponential's pass instead of written back first.
 #[inline(always)]
 pub fn scaled_softmax(x: &mut [f32], scale: f32) {
-    debug_assert!(scale > 0.0, "a softmax temperature scale is positive");
+    assert!(
+        scale > 0.0,
+        "the scale is positive (else the largest product is not the largest x's)"
+    );
     let sum = exp_scaled_shifted_sum(x, scale, max(x) * scale);
     normalize(x, sum);
 }
