@@ -1,4 +1,5 @@
-//! What tests of later chapters share: checkpoints written in this chapter's formats.
+//! What tests of this and later chapters share: checkpoints written in this chapter's formats,
+//! and GGUF vocabularies built by hand.
 
 use std::collections::HashMap;
 use std::io;
@@ -8,6 +9,7 @@ use ndarray::Array2;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::Fp8Linear;
+use crate::gguf::{GgufValue, GgufWriter};
 
 /// Writes `src` (a Hugging Face directory) to `dst` as an FP8 checkpoint: every `*_proj.weight`
 /// as F8_E4M3 with a per-channel `weight_scale` [out, 1], everything else as it was;
@@ -78,6 +80,28 @@ pub fn weights_with_tiny_and_zero_rows(out: usize, n: usize, seed: u64, tiny: f3
     w.row_mut(0).mapv_inplace(|v| v * tiny);
     if out > 1 {
         w.row_mut(1).fill(0.0);
+    }
+    w
+}
+
+/// A writer holding a `llama` (SentencePiece-style) vocabulary: token `i` is `tokens[i]` with
+/// score `scores[i]` and type `types[i]`; BOS is id 1 and EOS id 2.
+pub fn spm_vocabulary<S: Into<String>>(
+    tokens: impl IntoIterator<Item = S>,
+    scores: Vec<f32>,
+    types: Vec<i32>,
+) -> GgufWriter<'static> {
+    let mut w = GgufWriter::new();
+    let entries = [
+        ("tokenizer.ggml.model", GgufValue::from("llama")),
+        ("tokenizer.ggml.tokens", GgufValue::strings(tokens)),
+        ("tokenizer.ggml.scores", GgufValue::array(scores)),
+        ("tokenizer.ggml.token_type", GgufValue::array(types)),
+        ("tokenizer.ggml.bos_token_id", GgufValue::from(1u32)),
+        ("tokenizer.ggml.eos_token_id", GgufValue::from(2u32)),
+    ];
+    for (key, value) in entries {
+        w.add_metadata(key, value).expect("distinct keys");
     }
     w
 }

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use ch01::testing::seeded_config;
 use ch05_quantization::gguf::tokenizer::{eos_token_ids, hf_tokenizer, load_tokenizer, token_type};
 use ch05_quantization::gguf::{GgufFile, GgufValue, GgufWriter};
+use ch05_quantization::testing::spm_vocabulary;
 use proptest::prelude::*;
 
 const PIECES: [&str; 24] = [
@@ -49,16 +50,7 @@ fn file_of(
     types: Vec<i32>,
     add_bos: Option<bool>,
 ) -> GgufFile {
-    let mut w = GgufWriter::new();
-    w.add_metadata("tokenizer.ggml.model", "llama").unwrap();
-    w.add_metadata("tokenizer.ggml.tokens", GgufValue::strings(tokens))
-        .unwrap();
-    w.add_metadata("tokenizer.ggml.scores", GgufValue::array(scores))
-        .unwrap();
-    w.add_metadata("tokenizer.ggml.token_type", GgufValue::array(types))
-        .unwrap();
-    w.add_metadata("tokenizer.ggml.bos_token_id", 1u32).unwrap();
-    w.add_metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
+    let mut w = spm_vocabulary(tokens, scores, types);
     w.add_metadata("tokenizer.ggml.unknown_token_id", 0u32)
         .unwrap();
     if let Some(add) = add_bos {

@@ -9,6 +9,7 @@ use ch01::linear::DenseLoader;
 use ch01::testing::seeded_config;
 use ch05_quantization::gguf::tokenizer::{hf_tokenizer, load_tokenizer, token_type};
 use ch05_quantization::gguf::{GgufFile, GgufHostSide, GgufValue, GgufWriter};
+use ch05_quantization::testing::spm_vocabulary;
 use ch05_quantization::{GgmlType, load_gguf};
 use proptest::prelude::*;
 
@@ -27,16 +28,7 @@ fn spm_writer(pieces: &[(&str, f32)], add_space_prefix: bool) -> GgufWriter<'sta
         scores.push(score);
         types.push(token_type::NORMAL);
     }
-    let mut w = GgufWriter::new();
-    w.add_metadata("tokenizer.ggml.model", "llama").unwrap();
-    w.add_metadata("tokenizer.ggml.tokens", GgufValue::strings(tokens))
-        .unwrap();
-    w.add_metadata("tokenizer.ggml.scores", GgufValue::array(scores))
-        .unwrap();
-    w.add_metadata("tokenizer.ggml.token_type", GgufValue::array(types))
-        .unwrap();
-    w.add_metadata("tokenizer.ggml.bos_token_id", 1u32).unwrap();
-    w.add_metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
+    let mut w = spm_vocabulary(tokens, scores, types);
     w.add_metadata("tokenizer.ggml.add_space_prefix", add_space_prefix)
         .unwrap();
     w

@@ -195,6 +195,21 @@ fn tokenizer_error(path: &Path, message: impl Into<String>) -> GgufError {
     }
 }
 
+/// `tokenizer.ggml.scores`, checked to hold one score for each of `tokens` tokens.
+fn scores(file: &GgufFile, tokens: usize) -> GgufResult<Vec<f32>> {
+    let scores = file.get_f32_array("tokenizer.ggml.scores")?;
+    if scores.len() != tokens {
+        return Err(tokenizer_error(
+            file.path(),
+            format!(
+                "tokenizer.ggml.scores has {} entries for {tokens} tokens",
+                scores.len()
+            ),
+        ));
+    }
+    Ok(scores)
+}
+
 /// The `tokenizers` tokenizer the metadata describes. For a `llama` vocabulary its own
 /// `encode` breaks ties between merge scores by token id, not as llama.cpp does;
 /// [`load_tokenizer`] encodes with [`spm::SpmMerges`] instead.
@@ -390,17 +405,7 @@ fn sentencepiece_bpe(
     types: &[i32],
 ) -> GgufResult<tokenizers::Tokenizer> {
     let path = file.path();
-    let scores = file.get_f32_array("tokenizer.ggml.scores")?;
-    if scores.len() != tokens.len() {
-        return Err(tokenizer_error(
-            path,
-            format!(
-                "tokenizer.ggml.scores has {} entries for {} tokens",
-                scores.len(),
-                tokens.len()
-            ),
-        ));
-    }
+    let scores = scores(file, tokens.len())?;
     // A token can be a piece of a merge, or its result, when it is ordinary text.
     let mergeable = |id: u32| {
         matches!(

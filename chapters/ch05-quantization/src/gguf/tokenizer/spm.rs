@@ -210,17 +210,7 @@ impl SpmMerges {
         }
         let path = file.path();
         let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
-        let scores = file.get_f32_array("tokenizer.ggml.scores")?;
-        if scores.len() != tokens.len() {
-            return Err(tokenizer_error(
-                path,
-                format!(
-                    "tokenizer.ggml.scores has {} entries for {} tokens",
-                    scores.len(),
-                    tokens.len()
-                ),
-            ));
-        }
+        let scores = super::scores(file, tokens.len())?;
         let unk = file
             .opt_u32("tokenizer.ggml.unknown_token_id")?
             .unwrap_or(0);
