@@ -372,6 +372,7 @@ struct OutputColumns {
     row_len: usize,
 }
 
+// ANCHOR: tile_products
 /// The token rows `tokens` of `x` [_, k], a tile at a time, against the panel `b0` [k][NR], or
 /// the adjacent panels `b0`, `b1` on a kernel that pairs them, written into columns `at.cols`
 /// of the same rows of `out`.
@@ -408,6 +409,7 @@ unsafe fn tile_products<W: WeightElement>(
         }
     }
 }
+// ANCHOR_END: tile_products
 
 /// The output `y` of a [`matmul`], written by many tasks at once, each to its own elements.
 /// It borrows `y` mutably for `'a`, so `y` outlives every task and nothing else touches it.
