@@ -10,7 +10,8 @@
 //! ```
 //!
 //! **Encoding** (symmetric, the rule of Q8_0 with an f32 scale; llama.cpp instead maps the value
-//! of largest magnitude to −128): `d = max|x| / 127` (never below f32's smallest normal), `id = 1 / d` (0 when `d = 0`),
+//! of largest magnitude to −128): `d = max|x| / 127` (never below f32's smallest normal; NaN
+//! when a value is NaN, every `q` then 0), `id = 1 / d` (0 when `d = 0`),
 //! `q = round(x · id)` (halves away from zero). So `|x − d·q| ≤ d·(½ + 2⁻¹⁵)`: `x · id` is within
 //! three f32 roundings (of `d`, `id` and the product) of `x / d`, whose magnitude is at most 127,
 //! and 127 · 3 · 2⁻²⁴ < 2⁻¹⁵.
@@ -23,8 +24,8 @@ pub const BLOCK_ELEMS: usize = 256;
 /// Encodes 256 values: returns `d` and fills `q` [256] and `bsums` [16].
 #[inline]
 pub fn encode(x: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = crate::kernels::act_scale(amax);
+    // NaN for a block holding a NaN, so that the NaN reaches the outputs it touches.
+    let d = crate::kernels::act_scale(crate::kernels::act_amax(x));
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     for (q, &x) in q.iter_mut().zip(x) {
         // (The clamp changes nothing but a scale too small to invert, whose `id` is ∞.)

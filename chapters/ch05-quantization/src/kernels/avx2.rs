@@ -196,7 +196,8 @@ impl Avx2F16c {
 }
 
 /// [`Act32::quantize`] with AVX2, the same bits: the largest magnitude by `max` (which, like
-/// `f32::max`, skips a NaN, and is order-free), the scale and its inverse as the scalar code
+/// `f32::max`, skips a NaN, and is order-free) and whether any value is NaN (then the maximum is
+/// NaN, as [`super::act_amax`] makes it), the scale and its inverse as the scalar code
 /// computes them, then 8 values per step through [`super::round_half_away`]'s steps: clamp to
 /// ±127, truncate, compare the remainder with ±½, NaN to 0.
 pub fn quantize_act32(_cpu: Avx2F16c, x: &[f32]) -> Act32 {
@@ -214,14 +215,19 @@ unsafe fn quantize_act32_avx2(x: &[f32]) -> Act32 {
     let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
     // `maxps(a, b)` returns b when a is NaN: with the running maximum as b, a NaN is skipped,
     // as `f32::max` skips it.
-    let mut m = _mm256_setzero_ps();
+    let (mut m, mut any_nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for v in v {
         m = _mm256_max_ps(_mm256_and_ps(v, abs), m);
+        any_nan = _mm256_or_ps(any_nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
     }
     let mut lanes = [0.0f32; 8];
     // SAFETY: `lanes` is 8 writable f32.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
-    let amax = lanes.iter().fold(0.0f32, |m, &v| m.max(v));
+    let amax = if _mm256_movemask_ps(any_nan) != 0 {
+        f32::NAN
+    } else {
+        lanes.iter().fold(0.0f32, |m, &v| m.max(v))
+    };
     let d = super::act_scale(amax);
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     let (half, id) = (_mm256_set1_ps(0.5), _mm256_set1_ps(id));

@@ -337,23 +337,73 @@ mod tests {
             (GgmlType::Q6K, portable::dot_q6_k),
         ] {
             let (w, acts) = case(ty, rows, n, tokens);
-            let row_bytes = n * ty.block_bytes();
-            let packed = pack(ty, 1, rows, row_bytes, &w);
-            let expected = portable_outputs(&w, row_bytes, &acts, n, portable);
-            let check =
-                |name: &str, got: Vec<f32>| assert_bits(&format!("{ty} {name}"), &expected, &got);
-            let (p, a) = (&packed[..], &acts[..]);
-            if let Some(cpu) = Avx2F16c::detect(isa) {
-                check("AVX2 T=1", run::<1, _>(cpu, ty, p, a, tokens, rows));
-                check("AVX2 T=2", run::<2, _>(cpu, ty, p, a, tokens, rows));
-            } else {
-                eprintln!("skipped: {ty} tiles on AVX2 (not on this CPU)");
-            }
-            if let Some(cpu) = Avx512Vnni::detect(isa) {
-                check("VNNI T=1", run::<1, _>(cpu, ty, p, a, tokens, rows));
-                check("VNNI T=4", run::<4, _>(cpu, ty, p, a, tokens, rows));
-            } else {
-                eprintln!("skipped: {ty} tiles on AVX-512 VNNI (not on this CPU)");
+            compare(isa, ty, (rows, n, tokens), &w, &acts, portable);
+        }
+    }
+
+    /// Every tile shape on `w` (`rows` rows of `n` super-blocks, the file's layout) times
+    /// `acts` (`tokens` tokens) against the portable kernel, bit for bit.
+    fn compare(
+        isa: Isa,
+        ty: GgmlType,
+        (rows, n, tokens): (usize, usize, usize),
+        w: &[u8],
+        acts: &[Act256],
+        portable: fn(&[u8], &[Act256]) -> f32,
+    ) {
+        let row_bytes = n * ty.block_bytes();
+        let packed = pack(ty, 1, rows, row_bytes, w);
+        let expected = portable_outputs(w, row_bytes, acts, n, portable);
+        let check =
+            |name: &str, got: Vec<f32>| assert_bits(&format!("{ty} {name}"), &expected, &got);
+        let (p, a) = (&packed[..], acts);
+        if let Some(cpu) = Avx2F16c::detect(isa) {
+            check("AVX2 T=1", run::<1, _>(cpu, ty, p, a, tokens, rows));
+            check("AVX2 T=2", run::<2, _>(cpu, ty, p, a, tokens, rows));
+        } else {
+            eprintln!("skipped: {ty} tiles on AVX2 (not on this CPU)");
+        }
+        if let Some(cpu) = Avx512Vnni::detect(isa) {
+            check("VNNI T=1", run::<1, _>(cpu, ty, p, a, tokens, rows));
+            check("VNNI T=4", run::<4, _>(cpu, ty, p, a, tokens, rows));
+        } else {
+            eprintln!("skipped: {ty} tiles on AVX-512 VNNI (not on this CPU)");
+        }
+    }
+
+    /// Every byte `fill` (nibbles 0, 15, 7, 8; Q4_K's scales and mins 0 or 63; Q6_K's codes
+    /// 0, 63, ... under scales 0, 127, −128, −1) times activations that all quantize to ±127:
+    /// the largest sums `maddubs` forms from a pair of bytes, and the largest sub-block sums
+    /// the integer scales multiply. Every tile shape still equals the portable kernel.
+    #[test]
+    fn extreme_codes_equal_portable() {
+        let isa = Isa::detect();
+        let (rows, n, tokens) = (9, 2, 5);
+        for (ty, portable) in [
+            (
+                GgmlType::Q4K,
+                portable::dot_q4_k as fn(&[u8], &[Act256]) -> f32,
+            ),
+            (GgmlType::Q6K, portable::dot_q6_k),
+        ] {
+            let scale_at: &[usize] = if ty == GgmlType::Q6K { &[208] } else { &[0, 2] };
+            for fill in [0x00u8, 0x7F, 0x80, 0xFF] {
+                let mut w = vec![fill; rows * n * ty.block_bytes()];
+                for b in w.chunks_exact_mut(ty.block_bytes()) {
+                    for &at in scale_at {
+                        b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+                    }
+                }
+                let signs: [fn(usize) -> f32; 3] = [
+                    |_| 1.0,
+                    |_| -1.0,
+                    |i| if (i / 2) % 2 == 0 { 1.0 } else { -1.0 },
+                ];
+                for sign in signs {
+                    let x: Vec<f32> = (0..tokens * n * 256).map(sign).collect();
+                    let acts: Vec<Act256> = x.chunks_exact(256).map(Act256::quantize).collect();
+                    compare(isa, ty, (rows, n, tokens), &w, &acts, portable);
+                }
             }
         }
     }

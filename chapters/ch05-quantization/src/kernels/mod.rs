@@ -63,12 +63,18 @@
 //!    and (with an offset) a second product and a sum: at most 5 roundings of the block's
 //!    term `t_b`; then `n_b` sequential additions into the accumulator, each rounding the
 //!    running sum, which is at most `Σ |t_b|`. So at most `(n_b + 5)·u·Σ_b |t_b|`, with
-//!    `|t_b| ≤ Σ_{l∈b} (|w̃_l| + |offset|)·(|x_l| + d_x) · (1 + 4u)`.
+//!    `|t_b| ≤ Σ_{l∈b} (|w̃_l| + |offset|)·(|x_l| + d_x) · (1 + 4u)`. A K-quant's term is the
+//!    difference of two products of three roundings each (its i32 sums pass 2²⁴, so their
+//!    conversion rounds too), `(d·d_x)·isum` and `(dmin·d_x)·imin`, each as large as the
+//!    block's magnitude sum: `4u·(|A| + |B|) ≤ 8u·Σ (|w̃| + |offset|)·(|x| + d_x)`, three
+//!    roundings more than the 32-element formats' 5.
 //!
-//! `bound = Σ_b d_x,b·(½ + 2⁻¹⁵)·Σ_{l∈b} |w̃_l| + (n_b + 9)·u·Σ_l (|w̃_l| + |offset_l|)·(|x_l| + d_x,l)`
-//! (the first factor uses `|w̃|`, and the slack of the second term, 9 rather than 8 roundings,
-//! covers `|w| − |w̃|`). `tests/kernels.rs` computes it per output and asserts it. Term 1
-//! dominates: about `d_x/2 ≈ max|x| / 254` per unit of `Σ|w|`.
+//! `bound = Σ_b d_x,b·(½ + 2⁻¹⁵)·Σ_{l∈b} |w̃_l| + (n_b + 13)·u·Σ_l (|w̃_l| + |offset_l|)·(|x_l| + d_x,l)`
+//! (the first factor uses `|w̃|`; `n_b + 13` covers the K-quants' `n_b + 8 + 3` roundings, of
+//! the sum, their terms and the decode, with slack for `|w| − |w̃|`; the 32-element formats
+//! need `n_b + 9`). `tests/kernels.rs` computes it
+//! per output and asserts it. Term 1 dominates: about `d_x/2 ≈ max|x| / 254` per unit of
+//! `Σ|w|`.
 //!
 //! # Costs
 //! (Per call.)
@@ -112,13 +118,27 @@ pub struct Act32 {
 
 /// The scale of 8-bit activation codes for a block whose largest magnitude is `amax`:
 /// `amax / 127`, never below f32's smallest normal number (below it `1 / d` would be infinite
-/// and every code ±127), 0 for a block of zeros.
+/// and every code ±127), 0 for a block of zeros, NaN for a block holding a NaN ([`act_amax`]).
 pub fn act_scale(amax: f32) -> f32 {
     if amax > 0.0 {
         crate::kv_cache::scale_for(amax, 127.0)
+    } else if amax.is_nan() {
+        f32::NAN
     } else {
         0.0
     }
+}
+
+/// The largest magnitude of an activation block, NaN if the block holds a NaN. (`f32::max`
+/// alone skips a NaN: the block would quantize as if the element were 0, and the output would
+/// be a finite number where a dense product gives NaN. With a NaN scale every output the block
+/// reaches is NaN; an infinite element gives an infinite scale, and NaN outputs too.)
+#[inline]
+pub fn act_amax(x: &[f32]) -> f32 {
+    let (m, nan) = x.iter().fold((0.0f32, false), |(m, nan), v| {
+        (m.max(v.abs()), nan | v.is_nan())
+    });
+    if nan { f32::NAN } else { m }
 }
 
 impl Act32 {
@@ -129,10 +149,9 @@ impl Act32 {
     };
 
     /// Quantizes 32 values: `d = max|x| / 127` ([`act_scale`]), `q = round(x / d)` (halves
-    /// away from zero; a NaN to 0).
+    /// away from zero). A block holding a NaN gets `d` NaN and every `q` 0 ([`act_amax`]).
     pub fn quantize(x: &[f32]) -> Act32 {
-        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = act_scale(amax);
+        let d = act_scale(act_amax(x));
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
         let mut q = [0i8; 32];
         for (q, &x) in q.iter_mut().zip(x) {
@@ -658,7 +677,7 @@ impl<'a> Outs<'a> {
     /// Outputs of `rows` rows × `tokens` in `buf`. Panics unless `buf` holds them (a whole
     /// last group, but for one token, where it ends at `rows`).
     pub fn new(buf: &'a mut [f32], rows: usize, tokens: usize) -> Outs<'a> {
-        let last = if rows == 0 {
+        let last = if rows == 0 || tokens == 0 {
             0
         } else {
             Self::at(rows - 1, tokens - 1, tokens) + 1

@@ -521,14 +521,27 @@ mod tests {
         scale_at: &[usize],
         portable: impl Fn(&[u8], &[Act32]) -> f32,
     ) {
-        let isa = Isa::detect();
         let (rows, tokens, n) = (21, 7, 2 * F::SUB);
         let row_bytes = n / F::SUB * F::BYTES;
         let w = random_rows(rows * row_bytes, F::BYTES, scale_at, 7);
-        let packed = pack(ty, F::SUB, rows, row_bytes, &w);
         let x = random_inputs(tokens * n * 32, 11);
+        compare::<F>(ty, (rows, tokens, n), &w, &x, portable);
+    }
+
+    /// Every tile shape on `w` (`rows` rows of `n` runs of 32, the file's layout) times `x`
+    /// (`tokens` tokens) against the portable kernel, bit for bit.
+    fn compare<F: Packed>(
+        ty: GgmlType,
+        (rows, tokens, n): (usize, usize, usize),
+        w: &[u8],
+        x: &[f32],
+        portable: impl Fn(&[u8], &[Act32]) -> f32,
+    ) {
+        let isa = Isa::detect();
+        let row_bytes = n / F::SUB * F::BYTES;
+        let packed = pack(ty, F::SUB, rows, row_bytes, w);
         let acts: Vec<Act32> = x.chunks_exact(32).map(Act32::quantize).collect();
-        let expected = portable_outputs(&w, row_bytes, &acts, n, portable);
+        let expected = portable_outputs(w, row_bytes, &acts, n, portable);
         let check =
             |name: &str, got: Vec<f32>| assert_bits(&format!("{ty} tile {name}"), &expected, &got);
         let (p, a) = (&packed[..], &acts[..]);
@@ -564,6 +577,48 @@ mod tests {
             .flat_map(|r| (0..tokens).map(move |t| (r, t)))
             .map(|(r, t)| outs.get(r, t))
             .collect()
+    }
+
+    /// Every byte `fill` (Q8_0's codes 0, 127, −128, −1; nibbles 0, 15, 7, 8 and Q5's fifth
+    /// bits all 0 or all 1) times activations that all quantize to +127, −127, or ±127 in pairs
+    /// of alternate sign: the largest sums `maddubs` forms from each pair of bytes. Every tile
+    /// shape still equals the portable kernel, whose sums are plain i32 (a saturating pair, or
+    /// Q8_0's `w + 128` on `maddubs`, would not).
+    fn extremes<F: Packed>(
+        ty: GgmlType,
+        scale_at: &[usize],
+        portable: impl Fn(&[u8], &[Act32]) -> f32 + Copy,
+    ) {
+        let (rows, tokens, n) = (11, 3, 2 * F::SUB);
+        let row_bytes = n / F::SUB * F::BYTES;
+        for fill in [0x00u8, 0x7F, 0x80, 0xFF] {
+            let mut w = vec![fill; rows * row_bytes];
+            for b in w.chunks_exact_mut(F::BYTES) {
+                for &at in scale_at {
+                    b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+                }
+            }
+            let signs: [fn(usize) -> f32; 3] = [
+                |_| 1.0,
+                |_| -1.0,
+                |i| if (i / 2) % 2 == 0 { 1.0 } else { -1.0 },
+            ];
+            for sign in signs {
+                let x: Vec<f32> = (0..tokens * n * 32).map(sign).collect();
+                compare::<F>(ty, (rows, tokens, n), &w, &x, portable);
+            }
+        }
+    }
+
+    #[test]
+    fn extreme_codes_equal_portable() {
+        use GgmlType as T;
+        extremes::<Q8_0>(T::Q8_0, &[0], portable::dot_q8_0);
+        extremes::<Q4_0>(T::Q4_0, &[0], portable::dot_q4_0);
+        extremes::<Q4_1>(T::Q4_1, &[0, 2], portable::dot_q4_1);
+        extremes::<Q5_0>(T::Q5_0, &[0], portable::dot_q5_0);
+        extremes::<Q5_1>(T::Q5_1, &[0, 2], portable::dot_q5_1);
+        extremes::<Q4_0G<2>>(T::Q4_0, &[0], |r, a| portable::dot_q4_0_grouped(r, a, 2));
     }
 
     #[test]
