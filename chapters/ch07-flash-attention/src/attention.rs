@@ -188,7 +188,8 @@ impl Scratch {
             let end = group_end(rows, r);
             if end - r == 1 {
                 let len = rows[r].pos + 1;
-                let parts = params.partitions.count(len, decodes);
+                // More partitions than keys would only add empty ones (and their scratch).
+                let parts = params.partitions.count(len, decodes).min(len);
                 self.plans.push(RowPlan::Decode {
                     task: self.decode.len(),
                     parts,
@@ -252,6 +253,16 @@ pub fn flash_attention_paged<K: KvElement>(
             "position past the table"
         );
     }
+    // Tiles no larger than the step: a query tile past its rows or a K/V tile past its longest
+    // context only adds padding (the same results), and would let a parameter size the scratch.
+    let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
+    let params = &FlashParams {
+        tiles: TileSizes {
+            q: params.tiles.q().min(rows.len().max(1)),
+            kv: params.tiles.kv().min(longest),
+        },
+        ..*params
+    };
     scratch.plan(rows, shape, params);
     let dims = TileDims::new(shape, params.tiles.q(), params.tiles.kv());
     let (out_len, part_len) = (dims.out_len(), partial_len(shape.num_heads, d));

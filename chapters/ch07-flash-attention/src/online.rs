@@ -15,8 +15,9 @@
 //! to rounding, so the keys may be cut into pieces in any way and the pieces combined in any
 //! order: tiles (prefill), partitions (split-K decode).
 //!
-//! Invariants: `l > 0` exactly when at least one key has been seen, and then `m` is finite; the
-//! empty state is `(m, l, o) = (−∞, 0, 0)`. No exponent is ever taken of a positive number, so
+//! Invariants: `l > 0` exactly when at least one key with a score above −∞ has been seen, and
+//! then `m` is finite (a −∞ score, a masked key, weighs 0); the empty state is
+//! `(m, l, o) = (−∞, 0, 0)`. No exponent is ever taken of a positive number, so
 //! no step overflows, whatever the scores' size (the tests use scores of 10⁴).
 
 use ch02::kernels::vector::{exp, exp_shifted_sum, max};
@@ -68,6 +69,14 @@ fn rescale_factor(from: f32, to: f32) -> f32 {
 pub fn online_step(stats: &mut RowStats, s: &mut [f32]) -> f32 {
     // ANCHOR: task_7_1
     let m_new = stats.max.max(max(s)); // m' = max(m, max s)
+    if m_new == f32::NEG_INFINITY {
+        // No finite score yet (every one −∞, masked, or NaN): e^(s − m') would be e^(−∞ + ∞) =
+        // NaN. A −∞ score weighs 0 and leaves the state empty; a NaN stays NaN.
+        s.iter_mut()
+            .for_each(|x| *x = if x.is_nan() { *x } else { 0.0 });
+        stats.sum += s.iter().sum::<f32>();
+        return 1.0;
+    }
     let alpha = rescale_factor(stats.max, m_new); // α = e^(m − m')
     let tile_sum = exp_shifted_sum(s, m_new); // s ← e^(s − m'), Σ
     stats.sum = alpha * stats.sum + tile_sum; // l ← α·l + Σ e^(s − m')
@@ -190,5 +199,23 @@ mod tests {
         assert_eq!(empty.merge(&a), a);
         assert_eq!(empty.merge(&empty), empty);
         assert_eq!(empty.output(), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_tile_of_only_masked_scores_weighs_nothing() {
+        // −∞ is how a mask reads as a score (chapter 1's oracle): a tile of nothing else, before
+        // any finite score, once gave e^(−∞ − (−∞)) = NaN and poisoned the whole row.
+        let ninf = f32::NEG_INFINITY;
+        let mut row = Partial::of_tile(&[ninf, ninf], &[1.0, 2.0, 3.0, 4.0], 2);
+        assert_eq!(row, Partial::empty(2));
+        row.absorb(&[0.5, ninf], &[5.0, 6.0, 7.0, 8.0]);
+        assert_eq!(row.output(), vec![5.0, 6.0]);
+        let masked_first = Partial::of_tile(&[ninf], &[9.0, 9.0], 2);
+        let one = Partial::of_tile(&[0.5], &[5.0, 6.0], 2);
+        assert_eq!(masked_first.merge(&one).output(), vec![5.0, 6.0]);
+        // A NaN score is not a mask: it still reaches the output.
+        let mut nan = Partial::of_tile(&[f32::NAN, ninf], &[1.0, 2.0, 3.0, 4.0], 2);
+        nan.absorb(&[0.5], &[5.0, 6.0]);
+        assert!(nan.output().iter().all(|x| x.is_nan()));
     }
 }

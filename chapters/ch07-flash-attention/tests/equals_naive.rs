@@ -325,3 +325,95 @@ fn bad_shapes_and_parameters_are_errors() {
     ));
     assert!(TileSizes::new(0, 4).is_err() && Partitions::fixed(0).is_err());
 }
+
+/// Tile sizes and partition counts far beyond a step's rows and context change nothing (a query
+/// tile past the rows, a K/V tile past the context, partitions past the keys are padding and
+/// empty pieces), and must not size the scratch: it once grew with them, not with the step.
+#[test]
+fn oversized_tiles_and_partitions_use_only_what_the_step_needs() {
+    let shape = AttentionShape {
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+    };
+    let (q_dim, kv_dim, block_size) = (16, 8, 8);
+    let mut rng = WorkloadRng::new(9);
+    // Sequence A in block 1: a chunk at positions 4..=6 of 7; sequence B in block 0: a decode
+    // at position 4.
+    let (keys, vals) = (
+        values(&mut rng, 2 * block_size * kv_dim, 2.0),
+        values(&mut rng, 2 * block_size * kv_dim, 2.0),
+    );
+    let (table_a, table_b) = ([1u32], [0u32]);
+    let mut rows: Vec<QueryRow> = (4..7)
+        .map(|pos| QueryRow {
+            blocks: &table_a,
+            pos,
+        })
+        .collect();
+    rows.push(QueryRow {
+        blocks: &table_b,
+        pos: 4,
+    });
+    let q = values(&mut rng, rows.len() * q_dim, 2.0);
+    let layer = LayerKv {
+        keys: &keys,
+        values: &vals,
+        scales: KvScales::NONE,
+        block_size,
+        shape,
+    };
+    let slots = |block: usize, len: usize| {
+        let rows = |x: &[f32]| {
+            Array2::from_shape_vec(
+                (len, kv_dim),
+                x[block * block_size * kv_dim..][..len * kv_dim].to_vec(),
+            )
+            .unwrap()
+        };
+        (rows(&keys), rows(&vals))
+    };
+    let (k_a, v_a) = slots(1, 7);
+    let (k_b, v_b) = slots(0, 5);
+    let mut expected = Vec::new();
+    let q_a = ArrayView2::from_shape((3, q_dim), &q[..3 * q_dim]).unwrap();
+    expected.extend(causal_attention(q_a, k_a.view(), v_a.view(), shape));
+    let q_b = ArrayView2::from_shape((1, q_dim), &q[3 * q_dim..]).unwrap();
+    expected.extend(causal_attention(q_b, k_b.view(), v_b.view(), shape));
+
+    let huge = FlashParams {
+        tiles: TileSizes::new(1 << 11, 1 << 11).unwrap(),
+        partitions: Partitions::fixed(1 << 12).unwrap(),
+    };
+    // What they come to here: every row in one query tile, every key in one K/V tile, one key
+    // per partition.
+    let fitted = FlashParams {
+        tiles: TileSizes::new(rows.len(), 7).unwrap(),
+        partitions: Partitions::fixed(5).unwrap(),
+    };
+    for isa in Isa::available() {
+        let mut scratch = Scratch::new();
+        let mut out = vec![f32::NAN; rows.len() * q_dim];
+        flash_attention_paged(isa, &layer, &rows, &q, &huge, &mut scratch, &mut out);
+        assert_rel_close(&format!("{isa:?} huge"), &out, &expected, F32_REL);
+        assert!(
+            scratch.bytes() < 16 << 10,
+            "{isa:?}: {} bytes of scratch for 4 rows of 7 keys",
+            scratch.bytes()
+        );
+        let mut fitted_out = vec![f32::NAN; rows.len() * q_dim];
+        flash_attention_paged(
+            isa,
+            &layer,
+            &rows,
+            &q,
+            &fitted,
+            &mut Scratch::new(),
+            &mut fitted_out,
+        );
+        assert_eq!(
+            out, fitted_out,
+            "{isa:?}: oversized parameters changed the result"
+        );
+    }
+}

@@ -70,4 +70,34 @@ proptest! {
         let expected = softmax_output(&scores, &values, d);
         assert_rel_close("merged pieces", &merged.output(), &expected, 1e-5);
     }
+
+    /// The same with masked keys, scores of −∞ (as chapter 1's oracle masks), which weigh 0:
+    /// a piece of masked keys only, folded or merged before any finite score, changes nothing.
+    #[test]
+    fn masked_keys_weigh_nothing_in_any_piece(
+        (d, scores, values, cuts) in (1usize..=9, 1usize..=40).prop_flat_map(|(d, len)| (
+            Just(d),
+            proptest::collection::vec(
+                prop_oneof![2 => -50.0f32..50.0, 1 => Just(f32::NEG_INFINITY)],
+                len,
+            ),
+            proptest::collection::vec(-5.0f32..5.0, len * d),
+            proptest::collection::vec(0..=len, 0..5),
+        )),
+    ) {
+        prop_assume!(scores.iter().any(|s| s.is_finite()));
+        let mut cuts = cuts;
+        cuts.push(0);
+        cuts.push(scores.len());
+        cuts.sort_unstable();
+        let (mut merged, mut folded) = (Partial::empty(d), Partial::empty(d));
+        for w in cuts.windows(2) {
+            let (s, v) = (&scores[w[0]..w[1]], &values[w[0] * d..w[1] * d]);
+            merged = merged.merge(&Partial::of_tile(s, v, d));
+            folded.absorb(s, v);
+        }
+        let expected = softmax_output(&scores, &values, d);
+        assert_rel_close("merged pieces", &merged.output(), &expected, 1e-5);
+        assert_rel_close("folded pieces", &folded.output(), &expected, 1e-5);
+    }
 }
