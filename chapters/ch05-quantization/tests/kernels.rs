@@ -14,16 +14,7 @@ use half::f16;
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
 
-const FORMATS: [GgmlType; 8] = [
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+use ch05_quantization::kernels::KERNEL_FORMATS as FORMATS;
 
 /// f32's unit roundoff.
 const U: f64 = 1.0 / 16_777_216.0;

@@ -7,16 +7,7 @@ use ch05_quantization::GgmlType;
 use ch05_quantization::kernels::{Isa, Outs, QuantMatrix, Scratch, matmul, matvec};
 use half::f16;
 
-const FORMATS: [GgmlType; 8] = [
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+use ch05_quantization::kernels::KERNEL_FORMATS as FORMATS;
 
 /// Where each format keeps its f16 scales (and offsets) in a block.
 fn scale_at(ty: GgmlType) -> &'static [usize] {

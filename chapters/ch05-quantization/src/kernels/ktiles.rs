@@ -310,7 +310,10 @@ mod tests {
     use super::super::avx2::Avx2F16c;
     use super::super::interleave::pack;
     use super::super::portable;
-    use super::super::test_util::{assert_bits, portable_outputs, random_inputs, random_rows};
+    use super::super::test_util::{
+        EXTREME_FILLS, EXTREME_SIGNS, assert_bits, filled_rows, portable_outputs, random_inputs,
+        random_rows,
+    };
     use super::super::vnni::Avx512Vnni;
     use super::*;
     use ch02::kernels::Isa;
@@ -387,19 +390,10 @@ mod tests {
             (GgmlType::Q6K, portable::dot_q6_k),
         ] {
             let scale_at: &[usize] = if ty == GgmlType::Q6K { &[208] } else { &[0, 2] };
-            for fill in [0x00u8, 0x7F, 0x80, 0xFF] {
-                let mut w = vec![fill; rows * n * ty.block_bytes()];
-                for b in w.chunks_exact_mut(ty.block_bytes()) {
-                    for &at in scale_at {
-                        b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
-                    }
-                }
-                let signs: [fn(usize) -> f32; 3] = [
-                    |_| 1.0,
-                    |_| -1.0,
-                    |i| if (i / 2) % 2 == 0 { 1.0 } else { -1.0 },
-                ];
-                for sign in signs {
+            for fill in EXTREME_FILLS {
+                let bytes = rows * n * ty.block_bytes();
+                let w = filled_rows(bytes, ty.block_bytes(), scale_at, fill);
+                for sign in EXTREME_SIGNS {
                     let x: Vec<f32> = (0..tokens * n * 256).map(sign).collect();
                     let acts: Vec<Act256> = x.chunks_exact(256).map(Act256::quantize).collect();
                     compare(isa, ty, (rows, n, tokens), &w, &acts, portable);

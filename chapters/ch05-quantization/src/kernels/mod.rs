@@ -245,10 +245,22 @@ mod tests {
     }
 }
 
-/// Whether the kernels multiply weights of type `ty`.
-pub const fn has_kernel(ty: GgmlType) -> bool {
+/// The types the kernels multiply, 32-element formats first.
+pub const KERNEL_FORMATS: [GgmlType; 8] = {
     use GgmlType::*;
-    matches!(ty, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K)
+    [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4K, Q5K, Q6K]
+};
+
+/// Whether the kernels multiply weights of type `ty` (one of [`KERNEL_FORMATS`]).
+pub const fn has_kernel(ty: GgmlType) -> bool {
+    let mut i = 0;
+    while i < KERNEL_FORMATS.len() {
+        if KERNEL_FORMATS[i] as u32 == ty as u32 {
+            return true;
+        }
+        i += 1;
+    }
+    false
 }
 
 /// A weight the kernels cannot take.

@@ -62,3 +62,28 @@ pub fn assert_bits(what: &str, expected: &[f32], got: &[f32]) {
         );
     }
 }
+
+/// The bytes that take each code to an edge of its range: 0x00, 0x7F, 0x80, 0xFF.
+#[cfg(target_arch = "x86_64")]
+pub const EXTREME_FILLS: [u8; 4] = [0x00, 0x7F, 0x80, 0xFF];
+
+/// Activation patterns whose codes are all ±127: all +1, all −1, and pairs alternating in sign
+/// (what makes a pair of byte products largest in either sign).
+#[cfg(target_arch = "x86_64")]
+pub const EXTREME_SIGNS: [fn(usize) -> f32; 3] = [
+    |_| 1.0,
+    |_| -1.0,
+    |i| if (i / 2) % 2 == 0 { 1.0 } else { -1.0 },
+];
+
+/// `bytes` bytes all `fill`, but for an f16 0.5 at `scale_at` of every `block` bytes.
+#[cfg(target_arch = "x86_64")]
+pub fn filled_rows(bytes: usize, block: usize, scale_at: &[usize], fill: u8) -> Vec<u8> {
+    let mut w = vec![fill; bytes];
+    for b in w.chunks_exact_mut(block) {
+        for &at in scale_at {
+            b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+        }
+    }
+    w
+}

@@ -507,7 +507,10 @@ fn token_tiles<F: Packed, C: Tiles, const G: usize, const T: usize>(
 mod tests {
     use super::super::interleave::pack;
     use super::super::portable;
-    use super::super::test_util::{assert_bits, portable_outputs, random_inputs, random_rows};
+    use super::super::test_util::{
+        EXTREME_FILLS, EXTREME_SIGNS, assert_bits, filled_rows, portable_outputs, random_inputs,
+        random_rows,
+    };
     use super::super::vnni::Avx512Vnni;
     use super::*;
     use crate::format::GgmlType;
@@ -591,19 +594,9 @@ mod tests {
     ) {
         let (rows, tokens, n) = (11, 3, 2 * F::SUB);
         let row_bytes = n / F::SUB * F::BYTES;
-        for fill in [0x00u8, 0x7F, 0x80, 0xFF] {
-            let mut w = vec![fill; rows * row_bytes];
-            for b in w.chunks_exact_mut(F::BYTES) {
-                for &at in scale_at {
-                    b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
-                }
-            }
-            let signs: [fn(usize) -> f32; 3] = [
-                |_| 1.0,
-                |_| -1.0,
-                |i| if (i / 2) % 2 == 0 { 1.0 } else { -1.0 },
-            ];
-            for sign in signs {
+        for fill in EXTREME_FILLS {
+            let w = filled_rows(rows * row_bytes, F::BYTES, scale_at, fill);
+            for sign in EXTREME_SIGNS {
                 let x: Vec<f32> = (0..tokens * n * 32).map(sign).collect();
                 compare::<F>(ty, (rows, tokens, n), &w, &x, portable);
             }
