@@ -88,6 +88,17 @@ fn a_higher_score_beats_a_more_leftward_pair() {
     assert_eq!(bpe.encode("bab", false).unwrap().get_ids(), [4, 5]);
 }
 
+/// Scores of −0 and +0 are one score, as llama.cpp compares them: with `ab` at −0 and `ba` at
+/// +0, `aba` is still `ab a` = [5, 3] (the leftmost), not `a ba`.
+#[test]
+fn signed_zero_scores_tie() {
+    let pieces = [("a", -1000.0), ("b", -1000.0), ("ab", -0.0), ("ba", 0.0)];
+    let file = spm_file(&pieces, false);
+    let t = load_tokenizer(&file).unwrap();
+    assert_eq!(t.encode("aba", false).unwrap(), [5, 3]);
+    assert_eq!(t.encode("bab", false).unwrap(), [6, 4]);
+}
+
 /// A whole `llama` model with [`AB_BA`]'s vocabulary: one layer of zeros, 8 wide, 2 heads.
 fn tiny_model(dir: &tempfile::TempDir) -> std::path::PathBuf {
     let mut w = spm_writer(&AB_BA, false);

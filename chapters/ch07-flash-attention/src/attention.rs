@@ -75,7 +75,7 @@ pub enum Partitions {
     /// partition under [`MIN_PARTITION`] keys.
     #[default]
     Auto,
-    /// Exactly this many (≥ 1; more than the keys leaves some empty, which is allowed).
+    /// This many (≥ 1), but never more than a row's keys (more would only be empty).
     Fixed(usize),
 }
 

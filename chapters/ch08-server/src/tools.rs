@@ -216,12 +216,17 @@ pub fn tag_decoder(tokenizer: &Tokenizer) -> Result<Option<Tokenizer>, String> {
         }
     }
     let copy = tokenizers::Tokenizer::from_str(&saved.to_string()).map_err(|e| e.to_string())?;
-    Ok(Some(Tokenizer::from_parts(
+    let copy = Tokenizer::from_parts(
         copy,
         PathBuf::from("tokenizer.json (tool-call tags kept)"),
         tokenizer.bos_token_id(),
         tokenizer.eos_token_id(),
-    )))
+    );
+    // It only decodes today; were it to encode, it would encode as the original does.
+    Ok(Some(match tokenizer.encoder() {
+        Some(encoder) => copy.with_encoder(encoder.clone()),
+        None => copy,
+    }))
 }
 // ANCHOR_END: tag_decoder
 

@@ -53,11 +53,12 @@ struct Candidate {
     len: usize,
 }
 
-/// The queue's order: higher score first, then the leftmost (smaller `left`) first.
+/// The queue's order: higher score first, then the leftmost (smaller `left`) first. −0 and +0
+/// are one score, as for llama.cpp's comparison (`total_cmp` alone would rank −0 lower).
 impl Ord for Candidate {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score
-            .total_cmp(&other.score)
+        (self.score + 0.0)
+            .total_cmp(&(other.score + 0.0))
             .then_with(|| other.left.cmp(&self.left))
     }
 }
