@@ -179,6 +179,25 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
             ][..],
             "at least 1",
         ),
+        (
+            &[
+                "--speculative-method",
+                "layer-skip",
+                "--speculative-catch-up-budget",
+                "0",
+            ][..],
+            "would never draft",
+        ),
+        // More than one engine step may run: the draft model's catch-up stays within it.
+        (
+            &[
+                "--speculative-method",
+                "layer-skip",
+                "--speculative-catch-up-budget",
+                "18446744073709551615",
+            ][..],
+            "is more than --max-num-batched-tokens 512",
+        ),
     ] {
         assert_fails_with(&[&prompt[..], extra].concat(), needle);
     }

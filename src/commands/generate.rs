@@ -322,15 +322,16 @@ fn run_many(
             .load_draft(&args.model.dtype, &host.config)?,
         DeviceSpec::Cuda(_) => None,
     };
-    let mut engine = Engine::boxed(executor, args.engine.config())?;
+    let engine_config = args.engine.config();
+    let mut engine = Engine::boxed(executor, engine_config)?;
     let target = match (model, args.model.device) {
         (Some(model), _) => TargetWeights::Host(model),
         (None, DeviceSpec::Cpu) => TargetWeights::Ranks(&host.config),
         (None, DeviceSpec::Cuda(_)) => TargetWeights::Gpu(&args.model, &host.config),
     };
-    if let Some(speculator) = args
-        .speculative
-        .speculator(target, draft.as_ref(), &cache)?
+    if let Some(speculator) =
+        args.speculative
+            .speculator(target, draft.as_ref(), &cache, &engine_config)?
     {
         engine = engine.with_speculator(speculator);
     }

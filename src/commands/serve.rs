@@ -322,8 +322,9 @@ fn speculator_factory(
         None if on_cpu => Some(TargetWeights::Ranks(weights.config())),
         None => None,
     };
+    let engine = args.engine.config();
     if let Some(target) = target {
-        spec.speculator(target, draft, &cache)?;
+        spec.speculator(target, draft, &cache, &engine)?;
     }
     if let Some(line) = spec.describe()? {
         eprintln!("kiln serve: {line}");
@@ -337,7 +338,7 @@ fn speculator_factory(
                 None if on_cpu => TargetWeights::Ranks(&config),
                 None => TargetWeights::Gpu(&model_args, &config),
             };
-            spec.speculator(target, draft, &cache)
+            spec.speculator(target, draft, &cache, &engine)
                 .map_err(|e| format!("{e:#}"))?
                 .ok_or_else(|| "speculation is off".to_string())
         },

@@ -7,8 +7,8 @@ use anyhow::{Context, bail};
 use ch01::Llama;
 use ch04::Speculator;
 use ch06::{
-    Drafter, ModelDrafter, NgramDrafter, SpecConfig, SpeculativeDecoding, draft_executor,
-    layer_skip_config, layer_skip_executor,
+    DEFAULT_CATCH_UP_BUDGET, Drafter, ModelDrafter, NgramDrafter, SpecConfig, SpeculativeDecoding,
+    draft_executor, layer_skip_config, layer_skip_executor,
 };
 
 use super::ModelArgs;
@@ -79,6 +79,19 @@ fn at_least_one(text: &str) -> Result<usize, String> {
     }
 }
 
+/// `--speculative-catch-up-budget`: at least 1, since a budget of 0 would never run a new
+/// request's prompt through the draft model, which would then never draft.
+fn catch_up_budget(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err(String::from(
+            "0 would never let the draft model read a prompt, so it would never draft: give \
+             at least 1 token",
+        )),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?}: expected a whole number of at least 1")),
+    }
+}
+
 // The tuning flags need a method: given alone they would change nothing, silently.
 #[derive(clap::Args, Debug, Clone)]
 #[command(group(clap::ArgGroup::new("speculation")
@@ -109,6 +122,12 @@ pub struct SpeculativeArgs {
     /// KV memory of the draft model's own paged cache (draft and layer-skip).
     #[arg(long, default_value = "64MiB", value_parser = super::parse_bytes, requires = "speculation")]
     pub speculative_kv_cache_memory: u64,
+    /// Most tokens the draft model reads in one step to catch up with a sequence (a new
+    /// prompt, a dropped state; draft and layer-skip), at most --max-num-batched-tokens; a
+    /// sequence with more catches up over several steps, without drafts meanwhile [default:
+    /// 512, or --max-num-batched-tokens if fewer].
+    #[arg(long, value_name = "N", requires = "speculation", value_parser = catch_up_budget)]
+    pub speculative_catch_up_budget: Option<usize>,
 }
 
 impl SpeculativeArgs {
@@ -131,6 +150,34 @@ impl SpeculativeArgs {
             num_speculative_tokens: self.num_speculative_tokens,
             disable_by_batch_size: self.speculative_disable_by_batch_size,
         }
+    }
+
+    /// The draft model's catch-up budget in an engine whose steps run at most
+    /// `max_num_batched_tokens` tokens: --speculative-catch-up-budget, or
+    /// [`DEFAULT_CATCH_UP_BUDGET`] cut to that. A draft forward never reads more tokens than
+    /// the engine lets the target's step run, so a larger budget is refused, as is 0 (no
+    /// sequence would ever catch up) and the flag with n-gram lookup (no model to catch up).
+    pub fn catch_up_budget(&self, max_num_batched_tokens: usize) -> anyhow::Result<usize> {
+        let Some(budget) = self.speculative_catch_up_budget else {
+            return Ok(DEFAULT_CATCH_UP_BUDGET.min(max_num_batched_tokens));
+        };
+        if self.method()? == Some(SpecMethod::Ngram) {
+            bail!(
+                "--speculative-catch-up-budget is for the draft and layer-skip methods: n-gram \
+                 lookup runs no model that could fall behind"
+            );
+        }
+        if budget == 0 {
+            bail!("--speculative-catch-up-budget must be at least 1");
+        }
+        if budget > max_num_batched_tokens {
+            bail!(
+                "--speculative-catch-up-budget {budget} is more than --max-num-batched-tokens \
+                 {max_num_batched_tokens}: the draft model catches up within what one engine \
+                 step may run"
+            );
+        }
+        Ok(budget)
     }
 
     /// Whether the drafter needs the target's weights whole in host memory: the layer-skip
@@ -166,12 +213,15 @@ impl SpeculativeArgs {
     /// The engine's speculator for a target whose weights are where `target` says (and the
     /// draft model `load_draft` returned, for a target in host memory), or `None` when
     /// speculation is off. `cache`: the target's K/V configuration, whose block size (and,
-    /// on a GPU, element type) the draft's own cache of --speculative-kv-cache-memory takes.
+    /// on a GPU, element type) the draft's own cache of --speculative-kv-cache-memory takes;
+    /// `engine`: the engine's, whose `max_num_batched_tokens` bounds the catch-up budget
+    /// ([`Self::catch_up_budget`]).
     pub fn speculator<'m>(
         &self,
         target: TargetWeights<'m, '_>,
         draft: Option<&'m Llama>,
         cache: &ch04::CacheConfig,
+        engine: &ch04::EngineConfig,
     ) -> anyhow::Result<Option<Box<dyn Speculator + 'm>>> {
         let Some(method) = self.method()? else {
             return Ok(None);
@@ -179,6 +229,7 @@ impl SpeculativeArgs {
         if self.num_speculative_tokens == 0 {
             bail!("--num-speculative-tokens must be at least 1");
         }
+        let catch_up_budget = self.catch_up_budget(engine.max_num_batched_tokens)?;
         let (memory, block_size) = (self.speculative_kv_cache_memory, cache.block_size);
         let vocab = target.config().vocab_size;
         let executor = match (method, target) {
@@ -217,7 +268,9 @@ impl SpeculativeArgs {
                 self.prompt_lookup_min,
                 self.prompt_lookup_max,
             )?),
-            Some(executor) => Box::new(ModelDrafter::new(executor, vocab)?),
+            Some(executor) => {
+                Box::new(ModelDrafter::new(executor, vocab)?.with_catch_up_budget(catch_up_budget))
+            }
         };
         Ok(Some(Box::new(SpeculativeDecoding::new(
             drafter,
@@ -255,8 +308,11 @@ impl SpeculativeArgs {
             let pause = self
                 .speculative_disable_by_batch_size
                 .map_or(String::new(), |n| format!(", off above {n} sequences"));
+            let catch_up = self
+                .speculative_catch_up_budget
+                .map_or(String::new(), |n| format!(", catch-up budget {n} tokens"));
             format!(
-                "speculative decoding: {what}, k = {}{pause}",
+                "speculative decoding: {what}, k = {}{pause}{catch_up}",
                 self.num_speculative_tokens
             )
         }))
@@ -299,7 +355,114 @@ mod tests {
             prompt_lookup_max: 4,
             speculative_layers: None,
             speculative_kv_cache_memory: 1 << 20,
+            speculative_catch_up_budget: None,
         }
+    }
+
+    /// The speculative flags alone, as `kiln generate` and `kiln serve` parse them.
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        spec: SpeculativeArgs,
+    }
+
+    fn parse(flags: &[&str]) -> Result<SpeculativeArgs, String> {
+        use clap::Parser;
+        let words = std::iter::once("kiln").chain(flags.iter().copied());
+        Flags::try_parse_from(words)
+            .map(|f| f.spec)
+            .map_err(|e| e.to_string())
+    }
+
+    /// --speculative-catch-up-budget: at least 1 (0 says why not), only with a method, at most
+    /// the engine's --max-num-batched-tokens (a number as large as `usize` allows included),
+    /// never with n-gram lookup; left out, 512 cut to the engine's step.
+    #[test]
+    fn the_catch_up_budget_is_at_least_1_and_at_most_an_engine_step() {
+        let draft = ["--speculative-model", "draft"];
+        let with = |n: &str| parse(&[&draft[..], &["--speculative-catch-up-budget", n]].concat());
+        let zero = with("0").expect_err("0 is refused");
+        assert!(zero.contains("would never draft"), "{zero}");
+        let word = with("lots").expect_err("not a number");
+        assert!(word.contains("a whole number of at least 1"), "{word}");
+        let alone = parse(&["--speculative-catch-up-budget", "8"]).err();
+        assert!(alone.expect("needs a method").contains("--speculative-"));
+
+        assert_eq!(with("64").unwrap().catch_up_budget(512).unwrap(), 64);
+        assert_eq!(with("512").unwrap().catch_up_budget(512).unwrap(), 512);
+        for n in ["513", &usize::MAX.to_string()] {
+            let error = with(n).unwrap().catch_up_budget(512).expect_err(n);
+            assert!(
+                format!("{error}").contains("more than --max-num-batched-tokens 512"),
+                "{error}"
+            );
+        }
+        let default = parse(&draft).unwrap();
+        assert_eq!(default.speculative_catch_up_budget, None);
+        assert_eq!(default.catch_up_budget(2048).unwrap(), 512);
+        assert_eq!(default.catch_up_budget(100).unwrap(), 100);
+        let layers = [
+            "--speculative-method",
+            "layer-skip",
+            "--speculative-catch-up-budget",
+            "9",
+        ];
+        assert_eq!(parse(&layers).unwrap().catch_up_budget(512).unwrap(), 9);
+        let ngram = [
+            "--speculative-method",
+            "ngram",
+            "--speculative-catch-up-budget",
+            "9",
+        ];
+        let error = parse(&ngram).unwrap().catch_up_budget(512).err();
+        assert!(format!("{error:?}").contains("n-gram lookup"), "{error:?}");
+        // A struct built in code cannot get 0 past the engine either.
+        let mut spec = args(SpecMethod::Draft);
+        spec.speculative_catch_up_budget = Some(0);
+        assert!(spec.catch_up_budget(512).is_err());
+    }
+
+    /// Draft verifications in one greedy request of a 40-token prompt and 8 tokens out, with
+    /// `budget` as --speculative-catch-up-budget.
+    fn verifications(target: &ch01::Llama, draft: &ch01::Llama, budget: Option<usize>) -> u64 {
+        let mut spec = args(SpecMethod::Draft);
+        spec.speculative_catch_up_budget = budget;
+        let cache = ch04::CacheConfig {
+            memory: 8 << 20,
+            block_size: 16,
+            dtype: ch03::KvDtype::F32,
+        };
+        let config = ch04::EngineConfig::default();
+        let speculator = spec
+            .speculator(TargetWeights::Host(target), Some(draft), &cache, &config)
+            .unwrap()
+            .expect("speculation is on");
+        let executor = ch04::cpu_executor(target, &cache).unwrap();
+        let mut engine = ch04::Engine::boxed(executor, config)
+            .unwrap()
+            .with_speculator(speculator);
+        let vocab = target.config.vocab_size as u32;
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % vocab).collect();
+        let done = engine
+            .generate(vec![ch04::Request::greedy(prompt, 8)])
+            .unwrap();
+        assert_eq!(done[0].tokens.len(), 8);
+        engine.scheduler().counters().spec_decode_num_drafts
+    }
+
+    /// The flag reaches the draft model: with a budget of 1 token a step, a 40-token prompt
+    /// is still being caught up when its 8 tokens are out, so nothing is ever drafted; with
+    /// the default, or a budget that holds the prompt, every decode step drafts.
+    #[test]
+    fn the_catch_up_budget_reaches_the_draft_model() {
+        let target = ch01::Llama::load(&ch01::default_model_dir()).unwrap();
+        let draft = args(SpecMethod::Draft)
+            .load_draft("f32", &target.config)
+            .unwrap()
+            .expect("a draft model");
+        assert_eq!(verifications(&target, &draft, Some(1)), 0);
+        assert!(verifications(&target, &draft, None) > 0);
+        assert!(verifications(&target, &draft, Some(48)) > 0);
     }
 
     /// Every method builds a speculator beside a target in host memory, and all but layer skip
@@ -314,10 +477,16 @@ mod tests {
             block_size: 16,
             dtype: ch03::KvDtype::F32,
         };
+        let engine = ch04::EngineConfig::default();
         for method in [SpecMethod::Ngram, SpecMethod::Draft, SpecMethod::LayerSkip] {
             let spec = args(method);
             let draft = spec.load_draft("f32", &target.config).unwrap();
-            let host = spec.speculator(TargetWeights::Host(&target), draft.as_ref(), &cache);
+            let host = spec.speculator(
+                TargetWeights::Host(&target),
+                draft.as_ref(),
+                &cache,
+                &engine,
+            );
             assert!(host.unwrap().is_some(), "{method:?}");
         }
         // Beside tensor-parallel ranks, which hold shards only, the draft model runs on the
@@ -327,25 +496,25 @@ mod tests {
         for method in [SpecMethod::Ngram, SpecMethod::Draft] {
             let spec = args(method);
             let draft = spec.load_draft("f32", &target.config).unwrap();
-            let built = spec.speculator(ranks, draft.as_ref(), &cache);
+            let built = spec.speculator(ranks, draft.as_ref(), &cache, &engine);
             assert!(built.unwrap().is_some(), "{method:?}");
         }
         assert!(args(SpecMethod::LayerSkip).needs_target_weights().unwrap());
         assert!(!args(SpecMethod::Draft).needs_target_weights().unwrap());
         let error = args(SpecMethod::LayerSkip)
-            .speculator(ranks, None, &cache)
+            .speculator(ranks, None, &cache, &engine)
             .err()
             .expect("layer skip beside shards");
         assert!(format!("{error}").contains("from host memory"), "{error}");
         let mut on_gpu = ModelArgs::cpu(ch01::default_model_dir());
         on_gpu.device = DeviceSpec::Cuda(0);
         let gpu = TargetWeights::Gpu(&on_gpu, &target.config);
-        let ngram = args(SpecMethod::Ngram).speculator(gpu, None, &cache);
+        let ngram = args(SpecMethod::Ngram).speculator(gpu, None, &cache, &engine);
         assert!(ngram.unwrap().is_some());
         if !ch07::cuda::device::driver_present() {
             for method in [SpecMethod::Draft, SpecMethod::LayerSkip] {
                 let error = args(method)
-                    .speculator(gpu, None, &cache)
+                    .speculator(gpu, None, &cache, &engine)
                     .err()
                     .expect("no GPU here");
                 let error = format!("{error:#}");

@@ -46,7 +46,8 @@ use ch04::{
 use crate::drafter::{DraftError, Drafter};
 
 /// Tokens step 1 of one proposal runs at most, unless set with
-/// [`ModelDrafter::with_catch_up_budget`].
+/// [`ModelDrafter::with_catch_up_budget`] (`--speculative-catch-up-budget` on kiln's command
+/// line, which also keeps it within the engine's `max_num_batched_tokens`).
 pub const DEFAULT_CATCH_UP_BUDGET: usize = 512;
 
 /// What the draft cache holds for one request. Dropped when blocks run out (the request's

@@ -32,7 +32,9 @@ pub mod speculative;
 pub mod testing;
 pub mod verify;
 
-pub use draft_model::{ModelDrafter, draft_executor, layer_skip_config, layer_skip_executor};
+pub use draft_model::{
+    DEFAULT_CATCH_UP_BUDGET, ModelDrafter, draft_executor, layer_skip_config, layer_skip_executor,
+};
 pub use drafter::{DraftError, Drafter};
 pub use ngram::{NgramDrafter, ngram_lookup};
 pub use speculative::{SpecConfig, SpeculativeDecoding};
