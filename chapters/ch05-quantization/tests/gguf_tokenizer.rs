@@ -174,7 +174,7 @@ proptest! {
         let ids = t.encode(&text, false).unwrap();
         prop_assert_eq!(&ids, &reference(&text));
         // `load_tokenizer` encodes with llama.cpp's loop; with distinct scores the ranked
-        // merges of the `tokenizers` pipeline inside agree with it.
+        // merges of `hf_tokenizer`'s `tokenizers` pipeline agree with it.
         let bpe = hf_tokenizer(&file(Some(false))).unwrap();
         let bpe_ids = bpe.encode(text.as_str(), false).unwrap().get_ids().to_vec();
         prop_assert_eq!(&bpe_ids, &ids);
@@ -182,9 +182,11 @@ proptest! {
     }
 }
 
-/// Merges come from splitting every normal token in two, which costs about its length squared:
-/// a vocabulary of very long tokens (a hostile file) is refused as soon as the splitting would
-/// pass a bound, with an error that says so, rather than keeping the loader busy for hours.
+/// `hf_tokenizer`'s ranked merges come from splitting every normal token in two, which costs
+/// about its length squared: a vocabulary of very long tokens (a hostile file) is refused as
+/// soon as the splitting would pass a bound, with an error that says so, rather than keeping
+/// the loader busy for hours. `load_tokenizer` derives no merges (llama.cpp's loop encodes), so
+/// the same file loads, and a text costs what its own length does.
 #[test]
 fn a_vocabulary_too_costly_to_split_is_refused() {
     let (mut tokens, mut scores, mut types) = vocab();
@@ -193,11 +195,45 @@ fn a_vocabulary_too_costly_to_split_is_refused() {
         scores.push(1.0);
         types.push(token_type::NORMAL);
     }
-    let error = load_tokenizer(&file_of(tokens, scores, types, None))
-        .err()
-        .expect("refused")
-        .to_string();
+    let file = file_of(tokens, scores, types, None);
+    let error = hf_tokenizer(&file).expect_err("refused").to_string();
     assert!(error.contains("would hash more than"), "{error}");
+    let t = load_tokenizer(&file).unwrap();
+    assert_eq!(
+        t.encode("hello world", false).unwrap(),
+        reference("hello world")
+    );
+}
+
+/// The number of merges in a `tokenizers` pipeline's BPE, from its saved form.
+fn merge_count(pipeline: &tokenizers::Tokenizer) -> usize {
+    let saved: serde_json::Value =
+        serde_json::from_str(&pipeline.to_string(false).unwrap()).unwrap();
+    saved["model"]["merges"].as_array().expect("a BPE").len()
+}
+
+/// `load_tokenizer`'s pipeline only decodes (llama.cpp's loop encodes), so its BPE holds the
+/// vocabulary and no merge list; every id decodes and names the same token as in
+/// `hf_tokenizer`'s, whose BPE has the ranked merges.
+#[test]
+fn the_loaded_pipeline_keeps_no_merges_and_decodes_the_same() {
+    let (t, full) = (
+        load_tokenizer(&file(None)).unwrap(),
+        hf_tokenizer(&file(None)).unwrap(),
+    );
+    assert_eq!(merge_count(t.inner()), 0);
+    assert!(merge_count(&full) > 0, "the ranked merges");
+    assert_eq!(t.vocab_size(), full.get_vocab_size(true));
+    let ids: Vec<u32> = (0..t.vocab_size() as u32).collect();
+    assert_eq!(t.decode(&ids).unwrap(), full.decode(&ids, true).unwrap());
+    for id in ids {
+        assert_eq!(t.inner().id_to_token(id), full.id_to_token(id), "{id}");
+        assert_eq!(
+            t.decode(&[id]).unwrap(),
+            full.decode(&[id], true).unwrap(),
+            "{id}"
+        );
+    }
 }
 
 /// Which added tokens decoded text keeps, and which end generation, as llama.cpp reads them:

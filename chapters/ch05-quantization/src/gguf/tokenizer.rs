@@ -28,9 +28,12 @@
 //! first and `bab` needs `b a` first), so [`spm`] runs llama.cpp's loop itself, and
 //! [`load_tokenizer`] makes it the tokenizer's [`Encoder`](ch01::tokenizer::Encoder): a
 //! `llama` vocabulary encodes exactly as llama.cpp does, ties included, while the pipeline
-//! built here still matches added tokens, adds BOS/EOS and decodes. Ties are the rule in
-//! vocabularies converted without `tokenizer.model`, which carry one score for every token
-//! (−1000).
+//! built here still matches added tokens, adds BOS/EOS and decodes. That pipeline's BPE gets
+//! the vocabulary alone, no merges: it never encodes, and decoding reads the vocabulary only,
+//! so the ranked list (61,249 merges for LLaMA's 32,000 tokens, derived by hashing every split
+//! of every token) would be built and kept for nothing. [`hf_tokenizer`] still derives it, for a
+//! `tokenizers` tokenizer that encodes by itself. Ties are the rule in vocabularies converted
+//! without `tokenizer.model`, which carry one score for every token (−1000).
 //!
 //! Byte-level BPE splits the text before merging; `tokenizer.ggml.pre` names how. `default`
 //! (and a file without the key) is llama.cpp's fallback, not GPT-2's split: runs of
@@ -106,9 +109,10 @@ pub const PRE_TOKENIZERS: [&str; 7] = [
 ];
 
 /// The model's tokenizer, with BOS and EOS from the metadata; a `llama` vocabulary encodes
-/// with llama.cpp's merge loop ([`spm::SpmMerges`]).
+/// with llama.cpp's merge loop ([`spm::SpmMerges`]), and its `tokenizers` pipeline holds no
+/// merges (only [`hf_tokenizer`]'s derives them).
 pub fn load_tokenizer(file: &GgufFile) -> GgufResult<Tokenizer> {
-    let inner = hf_tokenizer(file)?;
+    let inner = pipeline(file, SpmMergeList::None)?;
     let tokenizer = Tokenizer::from_parts(
         inner,
         file.path().to_path_buf(),
@@ -212,8 +216,23 @@ fn scores(file: &GgufFile, tokens: usize) -> GgufResult<Vec<f32>> {
 
 /// The `tokenizers` tokenizer the metadata describes. For a `llama` vocabulary its own
 /// `encode` breaks ties between merge scores by token id, not as llama.cpp does;
-/// [`load_tokenizer`] encodes with [`spm::SpmMerges`] instead.
+/// [`load_tokenizer`] encodes with [`spm::SpmMerges`] instead (and builds no merge list).
 pub fn hf_tokenizer(file: &GgufFile) -> GgufResult<tokenizers::Tokenizer> {
+    pipeline(file, SpmMergeList::Ranked)
+}
+
+/// The merges a `llama` vocabulary's BPE gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SpmMergeList {
+    /// One per way of splitting a normal token in two, ranked by its score: the pipeline's own
+    /// `encode` works (ties apart).
+    Ranked,
+    /// None: the pipeline decodes, and [`spm::SpmMerges`] encodes.
+    None,
+}
+
+/// [`hf_tokenizer`], with `merges` for a `llama` vocabulary.
+fn pipeline(file: &GgufFile, merges: SpmMergeList) -> GgufResult<tokenizers::Tokenizer> {
     let path = file.path();
     let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
     let types = match file.opt_i32_array("tokenizer.ggml.token_type")? {
@@ -250,7 +269,10 @@ pub fn hf_tokenizer(file: &GgufFile) -> GgufResult<tokenizers::Tokenizer> {
             );
             (byte_level_bpe(file, vocab)?, llama3)
         }
-        "llama" => (sentencepiece_bpe(file, vocab, &tokens, &types)?, true),
+        "llama" => (
+            sentencepiece_bpe(file, vocab, &tokens, &types, merges)?,
+            true,
+        ),
         other => {
             return Err(tokenizer_error(
                 path,
@@ -391,64 +413,22 @@ fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> GgufResult<tokenizers::Token
     Ok(tokenizer)
 }
 
-/// Bytes hashed at most while deriving SentencePiece merges (the sum over normal tokens of their
-/// length squared): a 256k-token vocabulary of real text needs well under 1% of it.
-const MAX_SPLIT_BYTES: usize = 1 << 30;
-
 /// SentencePiece-style BPE (`tokenizer.ggml.model = llama`): spaces become `▁` (one prepended
-/// when `add_space_prefix`), merges come from the scores (see the module docs), and characters
-/// outside the vocabulary become `<0xNN>` byte tokens.
+/// when `add_space_prefix`), merges come from the scores (see the module docs) when `merges`
+/// asks for them, and characters outside the vocabulary become `<0xNN>` byte tokens.
 fn sentencepiece_bpe(
     file: &GgufFile,
     vocab: Vocab,
     tokens: &[&str],
     types: &[i32],
+    merges: SpmMergeList,
 ) -> GgufResult<tokenizers::Tokenizer> {
     let path = file.path();
-    let scores = scores(file, tokens.len())?;
-    // A token can be a piece of a merge, or its result, when it is ordinary text.
-    let mergeable = |id: u32| {
-        matches!(
-            types[id as usize],
-            token_type::NORMAL | token_type::USER_DEFINED | token_type::UNUSED
-        )
+    let merges = match merges {
+        SpmMergeList::Ranked => ranked_merges(file, &vocab, tokens, types)?,
+        // `spm::SpmMerges::from_file` reads (and checks) the scores.
+        SpmMergeList::None => Merges::new(),
     };
-    // (score of the merged token, left id, right id, left, right), best first.
-    let mut ranked: Vec<(f32, u32, u32, &str, &str)> = Vec::new();
-    // Each split of a token hashes its two halves: a token of n bytes costs about n² bytes
-    // hashed, which a hostile file's long tokens would turn into hours.
-    let mut hashed = 0usize;
-    for (id, &token) in tokens.iter().enumerate() {
-        if types[id] != token_type::NORMAL {
-            continue;
-        }
-        hashed = hashed.saturating_add(token.len().saturating_mul(token.len()));
-        if hashed > MAX_SPLIT_BYTES {
-            return Err(tokenizer_error(
-                path,
-                format!(
-                    "tokenizer.ggml.tokens: deriving merges from these tokens (up to token {id}, \
-                     {} bytes long) would hash more than {MAX_SPLIT_BYTES} bytes",
-                    token.len()
-                ),
-            ));
-        }
-        for (k, _) in token.char_indices().skip(1) {
-            let (left, right) = token.split_at(k);
-            if let (Some(&l), Some(&r)) = (vocab.get(left), vocab.get(right))
-                && mergeable(l)
-                && mergeable(r)
-            {
-                ranked.push((scores[id], l, r, left, right));
-            }
-        }
-    }
-    // Higher score first; the sort is stable, and ties keep token order then split order.
-    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
-    let merges: Merges = ranked
-        .into_iter()
-        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
-        .collect();
 
     let unk_id = file
         .opt_u32("tokenizer.ggml.unknown_token_id")?
@@ -490,4 +470,64 @@ fn sentencepiece_bpe(
     tokenizer.with_normalizer(Some(NormalizerSequence::new(normalizers)));
     tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
     Ok(tokenizer)
+}
+
+/// Bytes hashed at most while deriving SentencePiece merges (the sum over normal tokens of their
+/// length squared): a 256k-token vocabulary of real text needs well under 1% of it.
+const MAX_SPLIT_BYTES: usize = 1 << 30;
+
+/// The ranked merges of a `llama` vocabulary (see the module docs): one per way of splitting a
+/// normal token into two mergeable tokens, best score first. Refused when the splitting would
+/// hash more than [`MAX_SPLIT_BYTES`].
+fn ranked_merges(
+    file: &GgufFile,
+    vocab: &Vocab,
+    tokens: &[&str],
+    types: &[i32],
+) -> GgufResult<Merges> {
+    let path = file.path();
+    let scores = scores(file, tokens.len())?;
+    // A token can be a piece of a merge, or its result, when it is ordinary text.
+    let mergeable = |id: u32| {
+        matches!(
+            types[id as usize],
+            token_type::NORMAL | token_type::USER_DEFINED | token_type::UNUSED
+        )
+    };
+    // (score of the merged token, left id, right id, left, right), best first.
+    let mut ranked: Vec<(f32, u32, u32, &str, &str)> = Vec::new();
+    // Each split of a token hashes its two halves: a token of n bytes costs about n² bytes
+    // hashed, which a hostile file's long tokens would turn into hours.
+    let mut hashed = 0usize;
+    for (id, &token) in tokens.iter().enumerate() {
+        if types[id] != token_type::NORMAL {
+            continue;
+        }
+        hashed = hashed.saturating_add(token.len().saturating_mul(token.len()));
+        if hashed > MAX_SPLIT_BYTES {
+            return Err(tokenizer_error(
+                path,
+                format!(
+                    "tokenizer.ggml.tokens: deriving merges from these tokens (up to token {id}, \
+                     {} bytes long) would hash more than {MAX_SPLIT_BYTES} bytes",
+                    token.len()
+                ),
+            ));
+        }
+        for (k, _) in token.char_indices().skip(1) {
+            let (left, right) = token.split_at(k);
+            if let (Some(&l), Some(&r)) = (vocab.get(left), vocab.get(right))
+                && mergeable(l)
+                && mergeable(r)
+            {
+                ranked.push((scores[id], l, r, left, right));
+            }
+        }
+    }
+    // Higher score first; the sort is stable, and ties keep token order then split order.
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    Ok(ranked
+        .into_iter()
+        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
+        .collect())
 }

@@ -226,8 +226,8 @@ impl SpmMerges {
 }
 
 /// The merge loop as the encoder of a [`ch01::Tokenizer`] ([`super::load_tokenizer`] sets it
-/// for a `llama` vocabulary): the tokenizer's `tokenizers` pipeline (built by
-/// [`super::hf_tokenizer`]) finds the added tokens, adds the `▁`s and BOS/EOS, and decodes,
+/// for a `llama` vocabulary): the tokenizer's `tokenizers` pipeline ([`super::hf_tokenizer`]'s,
+/// without its merge list) finds the added tokens, adds the `▁`s and BOS/EOS, and decodes,
 /// while the loop takes the place of its BPE.
 impl Encoder for SpmMerges {
     fn encode(
