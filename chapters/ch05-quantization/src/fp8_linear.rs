@@ -72,6 +72,11 @@ pub enum Fp8Error {
         "scale {0} is not a positive finite number (an input scale must be normal: its inverse must be finite)"
     )]
     BadScale(f32),
+    /// A NaN or infinite weight given to [`Fp8Linear::quantize_per_channel`]: its row's scale
+    /// would be NaN-blind or infinite (an ∞ makes every other weight of the row 0). `index`
+    /// counts row-major from the start of the matrix.
+    #[error("weight {index} is {value}: a NaN or infinite weight cannot be quantized")]
+    NotFinite { index: usize, value: f32 },
 }
 
 impl Fp8Linear {
@@ -141,8 +146,14 @@ impl Fp8Linear {
     }
 
     /// Quantizes dense `weight` [out, in] to E4M3 with one scale per output channel
-    /// (`max |row| / 448`, saturating): how kiln writes an FP8 checkpoint.
-    pub fn quantize_per_channel(weight: ArrayView2<f32>) -> (Vec<F8E4M3>, Vec<f32>) {
+    /// (`max |row| / 448`, saturating): how kiln writes an FP8 checkpoint. A NaN or infinite
+    /// weight is refused ([`Fp8Error::NotFinite`]).
+    pub fn quantize_per_channel(
+        weight: ArrayView2<f32>,
+    ) -> Result<(Vec<F8E4M3>, Vec<f32>), Fp8Error> {
+        if let Some((index, &value)) = weight.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(Fp8Error::NotFinite { index, value });
+        }
         let mut codes = Vec::with_capacity(weight.len());
         let mut scales = Vec::with_capacity(weight.nrows());
         for row in weight.rows() {
@@ -151,7 +162,7 @@ impl Fp8Linear {
             codes.extend(row.iter().map(|&x| F8E4M3::from_f32(x / scale)));
             scales.push(scale);
         }
-        (codes, scales)
+        Ok((codes, scales))
     }
 
     /// The activation row `x` [in] as the products see it: rounded through E4M3.
@@ -408,16 +419,41 @@ pub struct Fp8Quantizer {
     pub activations: ActivationScale,
 }
 
+impl Fp8Quantizer {
+    fn build_named(
+        &self,
+        name: &str,
+        weight: ArrayView2<f32>,
+        bias: Option<Array1<f32>>,
+    ) -> ch01::Result<Box<dyn Linear>> {
+        let (out, n) = weight.dim();
+        let layer = Fp8Linear::quantize_per_channel(weight)
+            .and_then(|(codes, scales)| {
+                Fp8Linear::new(codes, out, n, &scales, bias, self.activations)
+            })
+            .map_err(|e| ch01::Error::InvalidArgument(format!("`{name}`: {e}")))?;
+        Ok(Box::new(layer))
+    }
+}
+
 impl LinearLoader for Fp8Quantizer {
     fn build(
         &self,
         weight: Array2<f32>,
         bias: Option<Array1<f32>>,
     ) -> ch01::Result<Box<dyn Linear>> {
-        let (out, n) = weight.dim();
-        let (codes, scales) = Fp8Linear::quantize_per_channel(weight.view());
-        let layer = Fp8Linear::new(codes, out, n, &scales, bias, self.activations)
-            .map_err(|e| ch01::Error::InvalidArgument(e.to_string()))?;
-        Ok(Box::new(layer))
+        self.build_named("a dense layer", weight.view(), bias)
+    }
+
+    /// As [`LinearLoader::load`]'s default, with the tensor named in an error.
+    fn load(
+        &self,
+        source: &dyn ch01::WeightSource,
+        spec: &LinearSpec<'_>,
+    ) -> ch01::Result<Box<dyn Linear>> {
+        let dense = ch01::linear::DenseLinear::load(source, spec)?;
+        let bias = dense.bias().cloned();
+        let name = format!("{}.weight", spec.name);
+        self.build_named(&name, dense.weight().view(), bias)
     }
 }

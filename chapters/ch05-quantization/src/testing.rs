@@ -33,7 +33,8 @@ pub fn write_fp8_checkpoint(src: &Path, dst: &Path, scheme: &str) -> io::Result<
                 .collect();
             let w =
                 Array2::from_shape_vec((shape[0], shape[1]), values).map_err(io::Error::other)?;
-            let (codes, scales) = Fp8Linear::quantize_per_channel(w.view());
+            let (codes, scales) = Fp8Linear::quantize_per_channel(w.view())
+                .map_err(|e| io::Error::other(format!("{name}: {e}")))?;
             let prefix = name.trim_end_matches(".weight");
             let codes = codes.iter().map(|c| c.to_bits()).collect();
             out.insert(name.clone(), (Dtype::F8_E4M3, shape.clone(), codes));

@@ -78,7 +78,7 @@ fn fp8_linear_equals_its_definition() {
         .run(&case, |(out, n, t, per_channel, scheme, has_bias, seed)| {
             let mut rng = WorkloadRng::new(seed);
             let w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 0.5)).unwrap();
-            let (codes, channel) = Fp8Linear::quantize_per_channel(w.view());
+            let (codes, channel) = Fp8Linear::quantize_per_channel(w.view()).unwrap();
             let scale = if per_channel {
                 channel
             } else {
@@ -264,7 +264,7 @@ fn per_channel_codes_keep_the_e4m3_bound() {
         .run(&(1usize..9, 1usize..70, any::<u64>()), |(out, n, seed)| {
             // Row 0 scaled by 1e-44: amax / 448 would round to 0.
             let w = weights_with_tiny_and_zero_rows(out, n, seed, 1e-44);
-            let (codes, scales) = Fp8Linear::quantize_per_channel(w.view());
+            let (codes, scales) = Fp8Linear::quantize_per_channel(w.view()).unwrap();
             for (o, row) in w.rows().into_iter().enumerate() {
                 let scale = scales[o];
                 prop_assert!(scale.is_finite() && scale > 0.0, "row {o}: scale {scale:e}");
@@ -281,4 +281,37 @@ fn per_channel_codes_keep_the_e4m3_bound() {
             Ok(())
         })
         .unwrap();
+}
+
+/// A NaN or infinite weight is refused by the per-channel quantizer, and by the on-load
+/// quantizer naming the tensor. (An ∞ once made its row's scale ∞ and every other weight of the
+/// row 0; a NaN was skipped by the row's maximum.)
+#[test]
+fn a_non_finite_weight_is_refused_not_quantized() {
+    use ch01::WeightSource;
+    use ch01::linear::{LinearLoader, LinearSpec};
+    use ch05_quantization::fp8_linear::Fp8Quantizer;
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut w = Array2::from_shape_fn((3, 5), |(o, i)| (o * 5 + i) as f32 / 7.0 - 1.0);
+        w[[1, 2]] = bad;
+        match Fp8Linear::quantize_per_channel(w.view()) {
+            Err(Fp8Error::NotFinite { index: 7, value }) => {
+                assert_eq!(value.to_bits(), bad.to_bits())
+            }
+            other => panic!("{bad}: {:?}", other.map(|(_, s)| s)),
+        }
+    }
+    let dir = fixtures_dir().join("shakespeare-tiny");
+    let weights = ch01::Weights::open(&dir).unwrap();
+    let config = ch01::LlamaConfig::from_dir(&dir).unwrap();
+    let (h, i) = (config.hidden_size, config.intermediate_size);
+    let spec = LinearSpec::whole("model.layers.0.mlp.up_proj", h, i, false);
+    let quantizer = Fp8Quantizer {
+        activations: ActivationScale::Dynamic,
+    };
+    quantizer.load(&weights, &spec).unwrap();
+    let mut w = WeightSource::matrix(&weights, "model.layers.0.mlp.up_proj.weight", i, h).unwrap();
+    w[[0, 0]] = f32::NAN;
+    let err = quantizer.build(w, None).err().unwrap().to_string();
+    assert!(err.contains("NaN"), "{err}");
 }

@@ -209,3 +209,49 @@ fn formats_without_a_kernel_are_errors_or_decoded() {
         .unwrap();
     assert_eq!(layer.out_features(), 2);
 }
+
+/// A dense checkpoint with a NaN or ∞ weight, quantized on load (`--quantization`), is an error
+/// naming the tensor and the element, not a model with that weight silently 0; so is a weight
+/// too large for a K-quant's f16 scales. Kept dense (no target), the NaN is loaded as it is.
+#[test]
+fn a_non_finite_or_overflowing_weight_quantized_on_load_is_an_error_naming_the_tensor() {
+    let (out, cols) = (3, 256);
+    let spec = LinearSpec::whole("layer", cols, out, false);
+    for (bad, ty, says) in [
+        (f32::NAN, GgmlType::Q8_0, "NaN"),
+        (f32::INFINITY, GgmlType::Q4_0, "inf"),
+        (f32::NAN, GgmlType::Q4K, "NaN"),
+        (1e8, GgmlType::Q4K, "overflow"),
+        (1e7, GgmlType::Q8_0, "overflow"),
+    ] {
+        let mut w = values(out * cols, 4);
+        w[cols + 7] = bad; // row 1, column 7
+        let mut source = Memory::default();
+        source.put(
+            "layer.weight",
+            TensorDtype::F32,
+            &[out, cols],
+            f32_bytes(&w),
+        );
+        let err = QuantLoader::to(ty)
+            .unwrap()
+            .load(&source, &spec)
+            .err()
+            .unwrap_or_else(|| panic!("{ty} {bad}: loaded"))
+            .to_string();
+        let element = if says == "overflow" {
+            format!("element {cols}") // the block's first element
+        } else {
+            format!("element {}", cols + 7)
+        };
+        assert!(
+            err.contains("layer.weight") && err.contains(says) && err.contains(&element),
+            "{ty} {bad}: {err}"
+        );
+        if bad.is_nan() {
+            let dense = QuantLoader::native().load(&source, &spec).unwrap();
+            let y = dense.forward(Array2::ones((1, cols)).view());
+            assert!(y[[0, 1]].is_nan() && y[[0, 0]].is_finite(), "{y:?}");
+        }
+    }
+}

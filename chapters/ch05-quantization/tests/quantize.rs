@@ -224,6 +224,29 @@ fn tokenizer_ids_equal_tokenizer_json_on_the_sample_corpus() {
     }
 }
 
+/// Sets element `index` (row-major) of the F32 tensor `name` of `dir/model.safetensors`.
+fn set_weight(dir: &Path, name: &str, index: usize, value: f32) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    let (_, dtype, _, data) = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+    assert_eq!(*dtype, safetensors::Dtype::F32, "{name}");
+    data[4 * index..4 * index + 4].copy_from_slice(&value.to_le_bytes());
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
 /// A copy of `name` whose JSON file `file` is changed by `edit`.
 fn edited_copy(
     name: &str,
@@ -387,6 +410,22 @@ fn bad_checkpoints_and_types_are_clear_errors() {
     std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
     let e = err(dir.path(), GgmlType::Q8_0);
     assert!(e.contains("tokenizer.json"), "{e}");
+
+    // A NaN or ∞ weight, or one too large for the type's f16 scales, is an error naming the
+    // tensor (it once became code 0, or an infinite scale, in a file that loaded fine).
+    let tensor = "model.layers.1.mlp.down_proj.weight";
+    for (bad, ty, says) in [
+        (f32::NAN, GgmlType::Q8_0, "NaN"),
+        (f32::NEG_INFINITY, GgmlType::Q4_0, "-inf"),
+        (1e7, GgmlType::Q8_0, "overflow"),
+    ] {
+        let dir = edited_copy("random/gqa", "config.json", |_| {});
+        set_weight(dir.path(), tensor, 5, bad);
+        let e = convert_hf_dir(dir.path(), ty).err().expect("should fail");
+        assert!(matches!(e, ConvertError::Encode { .. }), "{e}");
+        let e = e.to_string();
+        assert!(e.contains(tensor) && e.contains(says), "{ty} {bad}: {e}");
+    }
 
     // Nothing is left behind when writing fails.
     let out = tempfile::tempdir().unwrap();

@@ -6,11 +6,13 @@
 use ch01::linear::{DenseLoader, Linear};
 use ch01::testing::{relative_l2, seeded_runner};
 use ch01::{Llama, LlamaConfig, TensorParallel, Tokenizer, Weights, fixtures_dir};
+use ch01::{RawTensor, TensorDtype, WeightSource};
 use ch02::workload::WorkloadRng;
 use ch05_quantization::smoothquant::smooth::{column_max, factors};
-use ch05_quantization::smoothquant::w8a8::{MAX_IN_FEATURES, dot_i8, quantize_token};
+use ch05_quantization::smoothquant::w8a8::{MAX_IN_FEATURES, dot_i8, grid_scale, quantize_token};
 use ch05_quantization::smoothquant::{
-    ChannelMax, Int8Activations, SmoothConfig, W8A8Error, W8A8Linear, calibrate, smooth,
+    ChannelMax, Int8Activations, SmoothConfig, SmoothError, W8A8Error, W8A8Linear, calibrate,
+    smooth,
 };
 use ch05_quantization::testing::weights_with_tiny_and_zero_rows;
 use ndarray::{Array1, Array2};
@@ -331,5 +333,158 @@ fn a_non_finite_activation_gives_nan_outputs_not_finite_ones() {
         assert_eq!(y.row(2), before.row(2));
         let mut codes = vec![0i8; n];
         assert!(quantize_token(x.row(1).as_slice().unwrap(), &mut codes).is_nan());
+    }
+}
+
+/// A NaN in a channel's activations keeps that channel's maximum NaN (and an ∞ keeps it ∞),
+/// whatever comes after: `f32::max` alone skips a NaN, and the maximum came out finite. The
+/// weights' column maxima and the W8A8 grid do the same, and a factor from a NaN or ∞ maximum
+/// is NaN, never a finite (once 1) one.
+#[test]
+fn a_nan_or_infinity_survives_the_maxima_and_factors() {
+    let mut m = ChannelMax::new(3);
+    let x =
+        Array2::from_shape_vec((2, 3), vec![1.0, f32::NAN, -2.0, 3.0, 0.5, f32::INFINITY]).unwrap();
+    m.add(x.view());
+    m.add(Array2::from_elem((1, 3), 9.0f32).view());
+    assert_eq!(m.0[0], 9.0);
+    assert!(m.0[1].is_nan(), "{:?}", m.0);
+    assert_eq!(m.0[2], f32::INFINITY);
+    assert_eq!(m.first_non_finite().map(|(c, _)| c), Some(1));
+
+    let w = Array2::from_shape_vec((2, 2), vec![f32::NAN, 1.0, 2.0, -3.0]).unwrap();
+    let w_max = column_max(&[&w]);
+    assert!(w_max[0].is_nan() && w_max[1] == 3.0, "{w_max:?}");
+
+    let s = factors(
+        &[4.0, f32::NAN, f32::INFINITY, 4.0, 0.0],
+        &[1.0, 1.0, 1.0, f32::NAN, 1.0],
+        0.5,
+    );
+    assert_eq!(s[0], 2.0);
+    assert!(s[1..4].iter().all(|s| s.is_nan()), "{s:?}");
+    assert_eq!(s[4], 1.0, "a zero maximum leaves its channel alone");
+
+    assert!(grid_scale(&[1.0, f32::NAN, 2.0]).is_nan());
+    assert!(grid_scale(&[1.0, f32::NEG_INFINITY]).is_nan());
+    assert_eq!(grid_scale(&[1.0, -127.0]), 1.0);
+}
+
+/// `base` with the F32 matrix `name` [rows, cols] replaced by its values with element `at` set
+/// to `value`.
+struct Patched<'a> {
+    base: &'a dyn WeightSource,
+    name: String,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl<'a> Patched<'a> {
+    fn new(
+        base: &'a dyn WeightSource,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        at: usize,
+        value: f32,
+    ) -> Self {
+        let mut w = base.matrix(name, rows, cols).unwrap();
+        w.as_slice_mut().unwrap()[at] = value;
+        Patched {
+            base,
+            name: name.to_string(),
+            shape: vec![rows, cols],
+            bytes: w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+}
+
+impl WeightSource for Patched<'_> {
+    fn location(&self) -> &std::path::Path {
+        self.base.location()
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.base.contains(name)
+    }
+    fn tensor(&self, name: &str) -> ch01::Result<RawTensor<'_>> {
+        if name == self.name {
+            RawTensor::new(
+                name,
+                self.location(),
+                TensorDtype::F32,
+                self.shape.clone(),
+                &self.bytes[..],
+            )
+        } else {
+            self.base.tensor(name)
+        }
+    }
+}
+
+/// Smoothing refuses what it cannot choose a factor from, naming it: a NaN or ∞ calibration
+/// maximum (a model that produced one on the calibration tokens fails in `calibrate`), and a
+/// NaN or ∞ weight in a projection it smooths. (All three once gave a smoothed checkpoint,
+/// with the channel's factor silently 1 or chosen without the NaN.)
+#[test]
+fn nan_or_infinite_statistics_and_weights_are_errors_naming_them() {
+    let (dir, config, samples) = tiny();
+    let model = Llama::load_with(&dir, &DenseLoader).unwrap();
+    let stats = calibrate(&model, &samples[..1]).unwrap();
+    let weights = Weights::open(&dir).unwrap();
+    let cfg = SmoothConfig::default();
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut broken = stats.clone();
+        broken[1].mlp_in.0[3] = bad;
+        match smooth(&weights, &config, &broken, &cfg) {
+            Err(SmoothError::Activation {
+                layer: 1,
+                input: "mlp_in",
+                channel: 3,
+                value,
+            }) => {
+                assert_eq!(value.to_bits(), bad.to_bits());
+            }
+            Err(e) => panic!("{bad}: {e}"),
+            Ok(_) => panic!("{bad}: smoothed"),
+        }
+    }
+
+    let (inter, hidden) = (config.intermediate_size, config.hidden_size);
+    let name = "model.layers.0.mlp.gate_proj.weight";
+    for bad in [f32::NAN, f32::NEG_INFINITY] {
+        let at = 5 * hidden + 2; // row 5, column 2
+        let source = Patched::new(&weights, name, inter, hidden, at, bad);
+        match smooth(&source, &config, &stats, &cfg) {
+            Err(e @ SmoothError::Weight { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains(name) && text.contains(&format!("weight {at}")),
+                    "{text}"
+                );
+            }
+            Err(e) => panic!("{bad}: {e}"),
+            Ok(_) => panic!("{bad}: smoothed"),
+        }
+        // The model with that weight makes a NaN (or ∞) in down_proj's input channel 5 of
+        // layer 0: calibration says so.
+        let broken = Llama::from_source(
+            config.clone(),
+            &source,
+            &DenseLoader,
+            TensorParallel::whole(),
+        )
+        .unwrap();
+        match calibrate(&broken, &samples[..1]) {
+            Err(SmoothError::Activation {
+                layer: 0,
+                input: "down_in",
+                channel: 5,
+                value,
+            }) => {
+                assert!(!value.is_finite(), "{value}");
+            }
+            Err(e) => panic!("{bad}: {e}"),
+            Ok(_) => panic!("{bad}: calibrated"),
+        }
     }
 }

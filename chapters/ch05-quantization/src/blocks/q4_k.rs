@@ -32,7 +32,9 @@
 //! every value decodes within `ds_j / 2 < (r_j + d) / 2 ≤ ((hi_j − lo_j + dmin) / 15 + d) / 2`
 //! of itself, up to f32 rounding of the decode (a few units in the last place of
 //! `|x| + dm_j`). The test `k_quants_stay_within_their_bound` checks that bound from the input.
-//! Values must keep `max_j r_j / 63` within f16's range (|x| up to about 6·10⁷).
+//! `d` and `dmin` are f16: a super-block whose `max_j r_j / 63` or `max_j mn_j / 63` is beyond
+//! 65504 (a sub-block range above about 6.2·10⁷, or a value below about −4.1·10⁶) would store
+//! an infinite scale, and [`super::quantize`] refuses it ([`super::BlockError::Overflow`]).
 
 use half::f16;
 

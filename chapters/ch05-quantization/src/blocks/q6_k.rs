@@ -16,6 +16,8 @@
 //! smallest f16 `≥ max_j r_j / 127`; `sc[j] = ⌈r_j / d⌉`, so `ds_j = d · sc[j] ∈ [r_j, r_j + d)`;
 //! `q − 32 = clamp(round(x / ds_j), −32, 31)`. The grid `ds_j · {−31..31}` covers the sub-block,
 //! so a value decodes within `ds_j / 2 < (max|x|_j / 31 + d) / 2` of itself, up to f32 rounding.
+//! `d` is an f16: from `max|x|` about 2.6·10⁸ on it would be infinite, and [`super::quantize`]
+//! refuses the block ([`super::BlockError::Overflow`]).
 
 use super::{f16_at, f16_ceil, put_f16};
 

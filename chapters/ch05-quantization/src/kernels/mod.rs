@@ -264,7 +264,7 @@ pub const fn has_kernel(ty: GgmlType) -> bool {
 }
 
 /// A weight the kernels cannot take.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KernelError {
     #[error(
         "no integer kernel multiplies {0} weights (kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
@@ -423,7 +423,9 @@ impl QuantMatrix {
         out.into()
     }
 
-    /// Encodes a dense row-major `weight` `[rows, cols]` as `ty` (see [`blocks::quantize`]).
+    /// Encodes a dense row-major `weight` `[rows, cols]` as `ty` (see [`blocks::quantize`]: a
+    /// NaN or ∞ weight, or a block whose f16 scale would overflow, is an error, its element
+    /// counted row-major from the start of `weight`).
     pub fn quantize(
         ty: GgmlType,
         weight: &[f32],
@@ -447,7 +449,10 @@ impl QuantMatrix {
             bytes
                 .par_chunks_mut(row_bytes)
                 .zip(weight.par_chunks(cols))
-                .try_for_each(|(out, w)| blocks::quantize(ty, w, out))?;
+                .enumerate()
+                .try_for_each(|(r, (out, w))| {
+                    blocks::quantize(ty, w, out).map_err(|e| e.offset(r * cols))
+                })?;
         }
         QuantMatrix::new(ty, rows, cols, bytes)
     }

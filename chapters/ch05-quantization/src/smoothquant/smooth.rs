@@ -9,7 +9,10 @@
 //! ```
 //! `max|X_j|` is over calibration tokens of the unquantized model, `max|W_j|` over the rows of
 //! every projection that reads `X` (q, k and v share one `s`; gate and up share one). A zero
-//! or non-finite maximum leaves its channel alone (`s_j = 1`). `1/s` is folded exactly:
+//! maximum leaves its channel alone (`s_j = 1`). A NaN or infinite one is an error
+//! ([`SmoothError::Activation`], [`SmoothError::Weight`]): a factor chosen without it would be
+//! silently wrong, and the W8A8 model built on it finite where the f32 model is not. `1/s` is
+//! folded exactly:
 //!
 //! | input of      | produced by                          | `1/s` goes into                         |
 //! |---------------|--------------------------------------|-----------------------------------------|
@@ -50,9 +53,31 @@ pub enum SmoothError {
     Layers { got: usize, want: usize },
     #[error("layer {0}'s calibration maxima do not have the model's widths")]
     Widths(usize),
+    /// A calibration maximum that is NaN or infinite: the unquantized model produced a NaN or
+    /// ∞ on the calibration tokens (or the statistics were built so). No factor can be chosen
+    /// from it.
+    #[error(
+        "layer {layer}: the calibration maximum of {input} channel {channel} is {value}: the model's activations hold a NaN or infinity"
+    )]
+    Activation {
+        layer: usize,
+        /// Which input: `attn_in`, `o_in`, `mlp_in` or `down_in` ([`LayerStats`]).
+        input: &'static str,
+        channel: usize,
+        value: f32,
+    },
+    /// A NaN or infinite weight in a projection to be smoothed (and then quantized).
+    #[error("`{name}`: weight {index} is {value}: a NaN or infinite weight cannot be smoothed")]
+    Weight {
+        name: String,
+        /// Row-major, from the start of the tensor.
+        index: usize,
+        value: f32,
+    },
 }
 
-/// `max |x_j|` per channel over every token seen.
+/// `max |x_j|` per channel over every token seen: NaN once a NaN was seen in the channel (as
+/// [`crate::kernels::act_amax`]; `f32::max` alone would skip it), ∞ once an ∞ was.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChannelMax(pub Vec<f32>);
 
@@ -65,9 +90,23 @@ impl ChannelMax {
     pub fn add(&mut self, x: ArrayView2<f32>) {
         for row in x.rows() {
             for (m, &v) in self.0.iter_mut().zip(row) {
-                *m = m.max(v.abs());
+                // `m.max(NaN)` is `m`, and `NaN.max(v)` is `v`: a NaN must be kept by hand.
+                *m = if m.is_nan() || v.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(v.abs())
+                };
             }
         }
+    }
+
+    /// The first channel whose maximum is NaN or infinite, and that maximum.
+    pub fn first_non_finite(&self) -> Option<(usize, f32)> {
+        self.0
+            .iter()
+            .copied()
+            .enumerate()
+            .find(|(_, m)| !m.is_finite())
     }
 }
 
@@ -84,10 +123,33 @@ pub struct LayerStats {
     pub down_in: ChannelMax,
 }
 
+impl LayerStats {
+    /// [`SmoothError::Activation`] for the first maximum of the four that is NaN or infinite.
+    pub fn check_finite(&self, layer: usize) -> Result<(), SmoothError> {
+        for (input, m) in [
+            ("attn_in", &self.attn_in),
+            ("o_in", &self.o_in),
+            ("mlp_in", &self.mlp_in),
+            ("down_in", &self.down_in),
+        ] {
+            if let Some((channel, value)) = m.first_non_finite() {
+                return Err(SmoothError::Activation {
+                    layer,
+                    input,
+                    channel,
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 // ANCHOR: calibrate
 /// The activation maxima of every projection's input, from `model` (unquantized) run on the
 /// calibration `samples`. One pass, as SmoothQuant collects them: every layer sees the
-/// unquantized layers before it.
+/// unquantized layers before it. A NaN or infinite activation is an error
+/// ([`SmoothError::Activation`], naming the first layer and input where one appeared).
 pub fn calibrate(model: &Llama, samples: &[Vec<u32>]) -> Result<Vec<LayerStats>, SmoothError> {
     if samples.iter().all(|s| s.is_empty()) {
         return Err(SmoothError::NoCalibration);
@@ -120,19 +182,26 @@ pub fn calibrate(model: &Llama, samples: &[Vec<u32>]) -> Result<Vec<LayerStats>,
             x = h + layer.mlp.down_proj.forward(d.view());
         }
     }
+    for (l, st) in stats.iter().enumerate() {
+        st.check_finite(l)?;
+    }
     Ok(stats)
 }
 // ANCHOR_END: calibrate
 
 // ANCHOR: factors
-/// `s_j = x_max[j]^α / w_max[j]^(1−α)`; 1 where either maximum is zero or not finite.
+/// `s_j = x_max[j]^α / w_max[j]^(1−α)`; 1 where either maximum is zero; NaN where either is
+/// NaN or infinite, never a finite factor ([`smooth`] refuses such maxima first).
 pub fn factors(x_max: &[f32], w_max: &[f32], alpha: f64) -> Vec<f32> {
     x_max
         .iter()
         .zip(w_max)
         .map(|(&x, &w)| {
             let (x, w) = (f64::from(x), f64::from(w));
-            if !(x > 0.0 && w > 0.0 && x.is_finite() && w.is_finite()) {
+            if !(x.is_finite() && w.is_finite()) {
+                return f32::NAN;
+            }
+            if !(x > 0.0 && w > 0.0) {
                 return 1.0;
             }
             let s = (x.powf(alpha) / w.powf(1.0 - alpha)) as f32;
@@ -142,17 +211,26 @@ pub fn factors(x_max: &[f32], w_max: &[f32], alpha: f64) -> Vec<f32> {
 }
 // ANCHOR_END: factors
 
-/// `max_o |w[o, j]|` per column `j` over every matrix of `ws` (all `[_, in]`).
+/// `max_o |w[o, j]|` per column `j` over every matrix of `ws` (all `[_, in]`): NaN for a column
+/// holding a NaN, as [`ChannelMax`].
 pub fn column_max(ws: &[&Array2<f32>]) -> Vec<f32> {
-    let mut m = vec![0.0f32; ws.first().map_or(0, |w| w.ncols())];
+    let mut m = ChannelMax::new(ws.first().map_or(0, |w| w.ncols()));
     for w in ws {
-        for row in w.rows() {
-            for (m, &v) in m.iter_mut().zip(row) {
-                *m = m.max(v.abs());
-            }
-        }
+        m.add(w.view());
     }
-    m
+    m.0
+}
+
+/// [`SmoothError::Weight`] for the first NaN or infinite element of the matrix `name`.
+fn check_weight(name: &str, w: &Array2<f32>) -> Result<(), SmoothError> {
+    match w.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        Some((index, &value)) => Err(SmoothError::Weight {
+            name: name.to_string(),
+            index,
+            value,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// `w` `[_, in]` with column `j` multiplied by `s[j]`.
@@ -268,7 +346,8 @@ impl WeightSource for SmoothedSource<'_> {
 /// Smooths every layer of the checkpoint `base` (configuration `config`) with the activation
 /// maxima `stats`: the q/k/v, gate/up and down columns multiplied by their factors, the two
 /// norms' gains and up's rows divided by them; v's rows and o's columns too when
-/// `smooth.o_proj`.
+/// `smooth.o_proj`. A NaN or infinite maximum in `stats` ([`SmoothError::Activation`]) or
+/// weight in a projection ([`SmoothError::Weight`]) is an error.
 pub fn smooth<'a>(
     base: &'a dyn WeightSource,
     config: &LlamaConfig,
@@ -303,8 +382,14 @@ pub fn smooth<'a>(
         if widths != [hidden, q_dim, hidden, inter] || kv_heads == 0 || heads % kv_heads != 0 {
             return Err(SmoothError::Widths(l));
         }
+        st.check_finite(l)?;
         let p = format!("model.layers.{l}");
-        let m = |name: &str, rows, cols| base.matrix(&format!("{p}.{name}.weight"), rows, cols);
+        let m = |name: &str, rows, cols| -> Result<Array2<f32>, SmoothError> {
+            let full = format!("{p}.{name}.weight");
+            let w = base.matrix(&full, rows, cols)?;
+            check_weight(&full, &w)?;
+            Ok(w)
+        };
         let (mut q, mut k, mut v) = (
             m("self_attn.q_proj", q_dim, hidden)?,
             m("self_attn.k_proj", kv_dim, hidden)?,

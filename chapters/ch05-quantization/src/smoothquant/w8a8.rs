@@ -72,10 +72,10 @@ pub struct W8A8Linear {
 }
 
 /// The symmetric int8 grid of `values`: its scale `max |v| / 127` (1 for all zeros; never
-/// below f32's smallest normal, whose inverse is the largest finite one).
+/// below f32's smallest normal, whose inverse is the largest finite one); NaN when a value is
+/// NaN or infinite (a maximum by `f32::max` alone would skip a NaN and give a finite grid).
 pub fn grid_scale(values: &[f32]) -> f32 {
-    let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    crate::kv_cache::scale_for(amax, QMAX)
+    crate::kv_cache::int8_scale(values)
 }
 
 /// `round(v / scale)`, halves away from zero, clamped to `-127..=127`.

@@ -415,7 +415,9 @@ fn convert_tensor(
     })
 }
 
-/// `values` (rows of `cols`) encoded as `ty`, in parallel over groups of rows.
+/// `values` (rows of `cols`) encoded as `ty`, in parallel over groups of rows. A value `ty`
+/// cannot hold (NaN or ∞ in a block format, a block whose f16 scale overflows) is an error, its
+/// element counted row-major from the start of `values` ([`blocks::quantize`]).
 pub fn encode(ty: GgmlType, values: &[f32], cols: usize) -> Result<Vec<u8>, blocks::BlockError> {
     let length_error = || blocks::BlockError::Length {
         ty,
@@ -431,6 +433,9 @@ pub fn encode(ty: GgmlType, values: &[f32], cols: usize) -> Result<Vec<u8>, bloc
     const ROWS_PER_TASK: usize = 16;
     out.par_chunks_mut(row_bytes * ROWS_PER_TASK)
         .zip(values.par_chunks(cols * ROWS_PER_TASK))
-        .try_for_each(|(o, v)| blocks::quantize(ty, v, o))?;
+        .enumerate()
+        .try_for_each(|(t, (o, v))| {
+            blocks::quantize(ty, v, o).map_err(|e| e.offset(t * ROWS_PER_TASK * cols))
+        })?;
     Ok(out)
 }
