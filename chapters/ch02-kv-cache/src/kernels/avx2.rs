@@ -51,10 +51,6 @@ pub fn panel_matvec<W: WeightElement>(_cpu: Avx2Fma, panel: &[W], x: &[f32], out
     unsafe { panel_matvec_avx2(panel, x, out) }
 }
 
-/// How many input features ahead of its loads [`panel_matvec`] prefetches: 32 features are
-/// 2 KiB of f32 weights (1 KiB of bf16).
-const PREFETCH_K: usize = 32;
-
 /// [`panel_matvec`]'s body.
 ///
 /// # Safety
@@ -62,6 +58,8 @@ const PREFETCH_K: usize = 32;
 #[target_feature(enable = "avx2,fma")]
 unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR]) {
     const UNROLL: usize = 4;
+    // Input features ahead: each is NR weights.
+    let ahead = super::prefetch_distance() / size_of::<[W; NR]>();
     let p = panel.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 2 * UNROLL];
     let main = x.len() / UNROLL * UNROLL;
@@ -71,10 +69,10 @@ unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut 
     unsafe {
         for k in (0..main).step_by(UNROLL) {
             for u in 0..UNROLL {
-                // Ask for the weights PREFETCH_K features ahead now, so that the memory system
-                // has more reads in flight than the loads alone keep (`wrapping_add`: past the
+                // Ask for the weights `ahead` features on now, so that the memory system has
+                // more reads in flight than the loads alone keep (`wrapping_add`: past the
                 // panel's end the address is only a hint, never dereferenced).
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((k + u + PREFETCH_K) * NR) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((k + u + ahead) * NR) as *const i8);
                 let x_k = _mm256_set1_ps(*x.get_unchecked(k + u));
                 let (w_lo, w_hi) = W::load16(p.add((k + u) * NR));
                 acc[2 * u] = _mm256_fmadd_ps(w_lo, x_k, acc[2 * u]);

@@ -323,6 +323,30 @@ pub fn matmul_part<W: WeightElement>(
 }
 // ANCHOR_END: matmul
 
+/// How far ahead of its loads the AVX2 `panel_matvec` prefetches, in bytes of the panel (so in
+/// features, half as many for f32 as for bf16): 4 KiB. One thread alone must keep enough reads
+/// in flight to cover the memory's latency, and a distance counted in features left bf16 short:
+/// at 32 features (2 KiB of f32, 1 KiB of bf16) one thread read bf16 weights at 26 GB/s and f32
+/// at 30; at 4 KiB, at 31 and 32 (`examples/prefetch_distance.rs`, AMD EPYC).
+pub const PREFETCH_BYTES: usize = 4096;
+
+/// [`PREFETCH_BYTES`], unless [`set_prefetch_distance`] changed it.
+static PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES);
+
+/// Makes the AVX2 `panel_matvec` prefetch `bytes` ahead (rounded down to whole features), for
+/// the whole process; the results are the same bits at any distance. For measuring the distance
+/// (`examples/prefetch_distance.rs`).
+pub fn set_prefetch_distance(bytes: usize) {
+    PREFETCH_DISTANCE.store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The distance [`set_prefetch_distance`] last set, [`PREFETCH_BYTES`] if none.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_distance() -> usize {
+    PREFETCH_DISTANCE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The fewest token tiles for which [`matmul_part`] widens bf16 panels once per call instead of
 /// at every load. Measured on SmolLM2's projections (`examples/bf16_widening.rs`, AMD EPYC with
 /// AVX-512): a loss at 2 tiles, about even at 3 and 4, a gain from 6 on.

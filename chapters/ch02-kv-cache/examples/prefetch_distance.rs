@@ -1,0 +1,69 @@
+//! How far ahead the decode product (`panel_matvec`) must prefetch: one token through every
+//! projection of every layer (the weights of a decoded token but the head, streamed from memory),
+//! on one thread and on all, with bf16 and f32 weights, at prefetch distances of 1 to 8 KiB,
+//! alternating within one process so that the machine's drift falls on all alike. Prints the
+//! median GB/s of weights read; before the distance was counted in bytes it was 32 features:
+//! 1 KiB of bf16, 2 KiB of f32.
+//!
+//! `cargo run --release -p ch02-kv-cache --example prefetch_distance -- MODEL_DIR`
+
+use ch02_kv_cache::kernels::{PREFETCH_BYTES, set_prefetch_distance};
+use ch02_kv_cache::{WeightDtype, load_fast};
+use ndarray::Array2;
+
+mod projections;
+
+use projections::{pass, weights};
+
+const DISTANCES: [usize; 4] = [1024, 2048, 4096, 8192];
+const ROUNDS: usize = 15;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = std::env::args()
+        .nth(1)
+        .ok_or("usage: prefetch_distance MODEL_DIR")?;
+    let dir = std::path::Path::new(&dir);
+    let models = [
+        ("bf16", load_fast(dir, WeightDtype::Bf16)?),
+        ("f32", load_fast(dir, WeightDtype::F32)?),
+    ];
+    let c = &models[0].1.config;
+    let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let header: Vec<String> = DISTANCES.iter().map(|d| format!("{d} B")).collect();
+    println!("| weights | threads | {} |", header.join(" | "));
+    println!("|---|---:|{}", "---:|".repeat(DISTANCES.len()));
+    for threads in [1, cpus] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()?;
+        for (name, model) in &models {
+            let bytes = (weights(&model.config) * if *name == "bf16" { 2 } else { 4 }) as f64;
+            let mut ms = vec![Vec::new(); DISTANCES.len()];
+            pool.install(|| {
+                for round in 0..ROUNDS + 1 {
+                    for i in 0..DISTANCES.len() {
+                        let i = (i + round) % DISTANCES.len(); // a different one first each round
+                        set_prefetch_distance(DISTANCES[i]);
+                        let took = pass(model, &x);
+                        if round > 0 {
+                            ms[i].push(took); // the first round warms the pool
+                        }
+                    }
+                }
+            });
+            let cells: Vec<String> = ms
+                .into_iter()
+                .map(|ms| format!("{:.1}", bytes / median(ms) / 1e6))
+                .collect();
+            println!("| {name} | {threads} | {} |", cells.join(" | "));
+        }
+    }
+    set_prefetch_distance(PREFETCH_BYTES);
+    Ok(())
+}
