@@ -54,6 +54,13 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
+/// A source holding one f32 weight `layer.weight` `[out, cols]`.
+fn dense_source(w: &[f32], out: usize, cols: usize) -> Memory {
+    let mut source = Memory::default();
+    source.put("layer.weight", TensorDtype::F32, &[out, cols], f32_bytes(w));
+    source
+}
+
 /// A source with `layer.weight` [out, in] stored as `ty` blocks and `layer.bias` [out].
 fn blocks_source(ty: GgmlType, out: usize, cols: usize) -> (Memory, QuantMatrix, Vec<f32>) {
     let w = QuantMatrix::quantize(ty, &values(out * cols, 1), out, cols).unwrap();
@@ -128,13 +135,7 @@ fn a_row_split_inside_a_block_is_an_error() {
 fn dense_weights_stay_dense_or_are_quantized_on_load() {
     let (out, cols) = (5, 576); // 576: not a multiple of 256
     let w = values(out * cols, 4);
-    let mut source = Memory::default();
-    source.put(
-        "layer.weight",
-        TensorDtype::F32,
-        &[out, cols],
-        f32_bytes(&w),
-    );
+    let source = dense_source(&w, out, cols);
     let spec = LinearSpec::whole("layer", cols, out, false);
     let x = Array2::from_shape_vec((2, cols), values(2 * cols, 5)).unwrap();
     let dense = Array2::from_shape_vec((out, cols), w.clone()).unwrap();
@@ -226,13 +227,7 @@ fn a_non_finite_or_overflowing_weight_quantized_on_load_is_an_error_naming_the_t
     ] {
         let mut w = values(out * cols, 4);
         w[cols + 7] = bad; // row 1, column 7
-        let mut source = Memory::default();
-        source.put(
-            "layer.weight",
-            TensorDtype::F32,
-            &[out, cols],
-            f32_bytes(&w),
-        );
+        let source = dense_source(&w, out, cols);
         let err = QuantLoader::to(ty)
             .unwrap()
             .load(&source, &spec)
