@@ -108,16 +108,22 @@ safe_kernel!(
     dot_q5_k, dot_q5_k_avx2, 176
 );
 
-/// Asks for the `bytes` bytes at `p` to be brought into L1: a block that a kernel will read
-/// soon (the same block of the next row, or of the next tile). Rows are short, so the hardware's
-/// prefetcher, which follows a stream, falls behind a kernel that jumps from one to the next.
-/// `p` is only a hint, never dereferenced: a prefetch cannot fault, even past the matrix (which
-/// is why callers form it with `wrapping_add`).
+/// Asks for the `bytes` bytes at `p` to be brought into L2 (`l1`: into L1, see
+/// [`super::PrefetchInto`]): a block that a kernel will read soon (the same block of the next
+/// row or of the next tile, or one further on in a K-quant tile's group). Rows are short, so the
+/// hardware's prefetcher, which follows a stream, falls behind a kernel that jumps from one to
+/// the next. `p` is only a hint, never dereferenced: a prefetch cannot fault, even past the
+/// matrix (which is why callers form it with `wrapping_add`).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-pub(super) fn prefetch(p: *const u8, bytes: usize) {
+pub(super) fn prefetch(p: *const u8, bytes: usize, l1: bool) {
     for line in (0..bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line) as *const i8);
+        let at = p.wrapping_add(line) as *const i8;
+        if l1 {
+            _mm_prefetch::<_MM_HINT_T0>(at);
+        } else {
+            _mm_prefetch::<_MM_HINT_T1>(at);
+        }
     }
 }
 
@@ -126,8 +132,9 @@ pub(super) fn prefetch(p: *const u8, bytes: usize) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q5_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
     let mut acc = [0.0f32; T];
+    let l1 = super::prefetch_into_l1(T);
     for (k, b) in row.chunks_exact(176).enumerate() {
-        prefetch(b.as_ptr().wrapping_add(row.len()), 176); // the next row's block
+        prefetch(b.as_ptr().wrapping_add(row.len()), 176, l1); // the next row's block
         let (sc, m) = scale_min(&b[4..16]);
         // SAFETY: AVX2 is present (caller); `b` is 176 bytes: qh at 16..48, and the four
         // 32-byte loads of qs at 48 + 32i (i < 4) end by byte 176; each token's block `k`

@@ -215,9 +215,17 @@ pub(super) unsafe fn k_body<F: KBlock, D: ByteDot, const T: usize>(
     out: &mut [[f32; ROWS]; T],
 ) {
     let mut acc = [_mm256_setzero_ps(); T]; // [T, 8 rows]
+    // Decode: whole super-blocks on (16 KiB: `K_PREFETCH_BYTES`), into L2 (`PrefetchInto`); a
+    // prompt's tiles, which read each block for several tokens: two super-blocks on, into L1.
+    let (ahead, l1) = if T == 1 {
+        let ahead = super::k_prefetch_distance() / F::BYTES * F::BYTES;
+        (ahead, super::prefetch_into_l1(T))
+    } else {
+        (2 * F::BYTES, true)
+    };
     for b in 0..n {
         let p = packed.wrapping_add(b * F::BYTES);
-        prefetch(p.wrapping_add(2 * F::BYTES), F::BYTES); // two super-blocks on
+        prefetch(p.wrapping_add(ahead), F::BYTES, l1);
         // SAFETY: activation block `t·n + b` is readable (caller).
         let a: [&Act256; T] = std::array::from_fn(|t| unsafe { &*acts.add(t * n + b) });
         // SAFETY: block `b` is readable; the instruction sets are the caller's.

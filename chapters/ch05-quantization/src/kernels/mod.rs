@@ -38,14 +38,14 @@
 //!
 //! A tile takes `G` groups × `T` tokens (`tiles.rs`): decode 2 × 1 on AVX2 and 4 × 1 with
 //! AVX-512 VNNI (whose 32 registers hold more), prefill 1 × 2 and 2 × 4. Each group of a tile
-//! asks for the block the next tile will read (a prefetch): a group is a short stream of
-//! `8 · row_bytes`, too short for the hardware's prefetcher to reach speed on its own. The tiles
-//! change which outputs are computed together, never the operations of one output, so
-//! [`matmul`] equals [`matvec`] bit for bit. Q4_K and Q6_K are interleaved too (`ktiles.rs`):
-//! per super-block of 8 rows, each sub-block's exact integer sums, multiplied by the 8 rows'
-//! sub-block scales in integers, then the f32 steps once; tiles of one group × 1 token (decode)
-//! or × 4 (2 on AVX2) tokens. Q5_K keeps the file's rows, one row at a time and, in [`matmul`],
-//! four tokens per unpacked super-block.
+//! asks for the block the next tile will read (a prefetch, into L2: [`PrefetchInto`]): a group
+//! is a short stream of `8 · row_bytes`, too short for the hardware's prefetcher to reach speed
+//! on its own. The tiles change which outputs are computed together, never the operations of
+//! one output, so [`matmul`] equals [`matvec`] bit for bit. Q4_K and Q6_K are interleaved too
+//! (`ktiles.rs`): per super-block of 8 rows, each sub-block's exact integer sums, multiplied by
+//! the 8 rows' sub-block scales in integers, then the f32 steps once; tiles of one group × 1
+//! token (decode) or × 4 (2 on AVX2) tokens, prefetching [`K_PREFETCH_BYTES`] ahead. Q5_K keeps
+//! the file's rows, one row at a time and, in [`matmul`], four tokens per unpacked super-block.
 //!
 //! # The error bound against dequantize-then-dense
 //!
@@ -590,6 +590,59 @@ fn quantize_acts<'s>(
     } else {
         Acts::B256(fill(act256, Act256::ZERO, x, tokens, 256, Act256::quantize))
     }
+}
+
+/// Which cache the decode tiles' prefetches fill ([`set_prefetch`]); a prompt's tiles fill L1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchInto {
+    /// L1 (`prefetcht0`), as the tiles first did. The next tile is 10 to 51 KiB of SmolLM2's
+    /// weights (4 groups with VNNI), as much as an L1 of 32 KiB holds or more: likely why
+    /// asking for it there did not pay.
+    L1,
+    /// L2 (`prefetcht1`), the default: one token through SmolLM2's projections on one thread
+    /// read Q8_0 weights at 23 GB/s instead of 17, Q4_0 at 34 instead of 17
+    /// (`examples/quant_prefetch_distance.rs`), and whole decodes on one thread ran 35% and
+    /// 104% faster (AMD EPYC, 2026-12-05).
+    L2,
+}
+
+/// How far ahead the K-quant decode tiles (Q4_K, Q6_K) prefetch, in bytes of the matrix (rounded down
+/// to whole super-blocks): 16 KiB, 13 of Q4_K, 9 of Q6_K. A tile reads one group of 8 rows, a
+/// single stream, and one thread keeps enough of it in flight only far ahead: counted as two
+/// super-blocks (2.3 KiB of Q4_K, 3.3 KiB of Q6_K), SmolLM2 quantized to Q4_K on load (only its
+/// down_proj is Q4_K) read at 26.5 GB/s on one thread, at 16 KiB at 32.5; llama.cpp's Q4_K_M
+/// file at 23.9 and 26.1 (`examples/quant_prefetch_distance.rs`, AMD EPYC, both into L2).
+pub const K_PREFETCH_BYTES: usize = 16384;
+
+/// `true` while [`set_prefetch`] asks for L1.
+static PREFETCH_L1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// [`K_PREFETCH_BYTES`], unless [`set_prefetch`] changed it.
+static K_PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(K_PREFETCH_BYTES);
+
+/// Makes the tiles prefetch `into` that cache and the K-quant tiles `k_bytes` ahead, for the
+/// whole process; the results are the same bits either way. For measuring them
+/// (`examples/quant_prefetch_distance.rs`); the defaults are [`PrefetchInto::L2`] and
+/// [`K_PREFETCH_BYTES`].
+pub fn set_prefetch(into: PrefetchInto, k_bytes: usize) {
+    use std::sync::atomic::Ordering::Relaxed;
+    PREFETCH_L1.store(into == PrefetchInto::L1, Relaxed);
+    K_PREFETCH_DISTANCE.store(k_bytes, Relaxed);
+}
+
+/// Whether a tile of `tokens` tokens prefetches into L1: a prompt's tiles always do (they
+/// read each block for several tokens; into L2 measured slower), a decode tile as
+/// [`set_prefetch`] says. Read once per call.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_into_l1(tokens: usize) -> bool {
+    tokens > 1 || PREFETCH_L1.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The decode K-quant tiles' distance, [`K_PREFETCH_BYTES`] unless [`set_prefetch`] changed it.
+#[cfg(target_arch = "x86_64")]
+fn k_prefetch_distance() -> usize {
+    K_PREFETCH_DISTANCE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Which kernels a call runs: the portable ones, the AVX2 ones with their proof (AVX2, FMA and

@@ -1,0 +1,118 @@
+//! Where and how far ahead the integer decode tiles must prefetch: one token through every
+//! projection of every layer (the weights of a decoded token but the head, streamed from
+//! memory), on one thread and on all, with SmolLM2 quantized on load to Q8_0, Q4_0 and Q4_K
+//! (whose 576-wide layers fall back to Q5_0: only down_proj is Q4_K) and, given its path,
+//! llama.cpp's Q4_K_M file (down_proj Q4_K or Q6_K, the others Q5_0 or Q8_0). The variants
+//! alternate within one process, so that the machine's drift falls on all alike: the tiles'
+//! first setting (into L1, the K-quant tiles two super-blocks ahead), then into L2 with the
+//! K-quant tiles 2 super-blocks to 32 KiB ahead (the 32-element tiles always ask for the next
+//! tile's block: Q8_0's and Q4_0's last five columns run the same code). Prints the median GB/s
+//! of weights read.
+//!
+//! `cargo run --release -p ch05-quantization --example quant_prefetch_distance -- MODEL_DIR [GGUF]`
+
+use ch01::{Llama, LlamaConfig};
+use ch05_quantization::kernels::{K_PREFETCH_BYTES, PrefetchInto, set_prefetch};
+use ch05_quantization::{GgmlType, QuantLoader, load_gguf};
+use ndarray::Array2;
+
+// Chapter 2's pass over every projection of every layer, shared with its examples.
+#[path = "../../ch02-kv-cache/examples/projections/mod.rs"]
+#[allow(dead_code)] // its `weights` counts elements; here the bytes are the layers' own
+mod projections;
+
+use projections::pass;
+
+/// Two Q6_K super-blocks, rounded down to two of Q4_K too: the K-quant tiles' first distance.
+const TWO_BLOCKS: usize = 3360;
+const VARIANTS: [(PrefetchInto, usize); 6] = [
+    (PrefetchInto::L1, TWO_BLOCKS),
+    (PrefetchInto::L2, TWO_BLOCKS),
+    (PrefetchInto::L2, 4096),
+    (PrefetchInto::L2, 8192),
+    (PrefetchInto::L2, 16384),
+    (PrefetchInto::L2, 32768),
+];
+const ROUNDS: usize = 25;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Bytes of weights one [`pass`] reads.
+fn weight_bytes(model: &Llama) -> usize {
+    let layer = |l: &ch01::model::DecoderLayer| {
+        let (a, m) = (&l.self_attn, &l.mlp);
+        [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ]
+        .iter()
+        .map(|p| p.weight_bytes())
+        .sum::<usize>()
+    };
+    model.layers.iter().map(layer).sum()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let dir = args
+        .next()
+        .ok_or("usage: quant_prefetch_distance MODEL_DIR [GGUF]")?;
+    let mut models = Vec::new();
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K] {
+        let model = Llama::load_with(dir.as_ref(), &QuantLoader::to(ty)?)?;
+        models.push((ty.to_string(), model));
+    }
+    if let Some(gguf) = args.next() {
+        let model = load_gguf(gguf.as_ref(), &QuantLoader::native())?.model;
+        models.push(("Q4_K_M file".into(), model));
+    }
+    let c: &LlamaConfig = &models[0].1.config;
+    let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let header: Vec<String> = VARIANTS
+        .iter()
+        .map(|&(into, d)| match d {
+            TWO_BLOCKS => format!("{into:?}, 2 blocks"),
+            d => format!("{into:?}, {} KiB", d / 1024),
+        })
+        .collect();
+    println!("| weights | threads | {} |", header.join(" | "));
+    println!("|---|---:|{}", "---:|".repeat(VARIANTS.len()));
+    for threads in [1, cpus] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()?;
+        for (name, model) in &models {
+            let bytes = weight_bytes(model) as f64;
+            let mut ms = vec![Vec::new(); VARIANTS.len()];
+            pool.install(|| {
+                for round in 0..ROUNDS + 1 {
+                    for i in 0..VARIANTS.len() {
+                        let i = (i + round) % VARIANTS.len(); // a different one first each round
+                        let (into, k_bytes) = VARIANTS[i];
+                        set_prefetch(into, k_bytes);
+                        let took = pass(model, &x); // ms
+                        if round > 0 {
+                            ms[i].push(took); // the first round warms the pool
+                        }
+                    }
+                }
+            });
+            let cells: Vec<String> = ms
+                .into_iter()
+                .map(|ms| format!("{:.1}", bytes / median(ms) / 1e6))
+                .collect();
+            println!("| {name} | {threads} | {} |", cells.join(" | "));
+        }
+    }
+    set_prefetch(PrefetchInto::L2, K_PREFETCH_BYTES);
+    Ok(())
+}
