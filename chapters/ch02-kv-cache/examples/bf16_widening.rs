@@ -13,12 +13,7 @@ use ndarray::Array2;
 
 mod projections;
 
-use projections::{pass, weights};
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use projections::{alternate, bytes, pass};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -31,7 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         lengths = vec![24, 48, 72, 124, 512];
     }
     let c = &bf16.config;
-    let weights = weights(c);
+    let weights = bytes(&f32) / 4; // f32 weights: 4 bytes each
     println!(
         "| T | bf16, widened at every load, ms | bf16, widened once per product, ms | gain | f32, ms | GFLOP/s: every load, once, f32 |"
     );
@@ -41,24 +36,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ((i * 31 + j * 7) % 13) as f32 / 13.0 - 0.5
         }); // [T, hidden]
         let rounds = (4000 / t).clamp(7, 41);
-        let mut ms = [Vec::new(), Vec::new(), Vec::new()];
-        for round in 0..rounds + 1 {
-            for way in 0..3 {
-                let way = (way + round) % 3; // a different one first each round
-                let took = match way {
-                    0 | 1 => {
-                        set_panel_widening(way == 1);
-                        pass(&bf16, &x)
-                    }
-                    _ => pass(&f32, &x),
-                };
-                if round > 0 {
-                    ms[way].push(took); // the first round warms the caches and the pool
-                }
+        let ms = alternate(3, rounds, |way| match way {
+            0 | 1 => {
+                set_panel_widening(way == 1);
+                pass(&bf16, &x)
             }
-        }
+            _ => pass(&f32, &x),
+        });
         set_panel_widening(true);
-        let [every, once, full] = ms.map(median);
+        let [every, once, full] = ms[..] else {
+            unreachable!("three ways")
+        };
         let gflops = |ms: f64| 2.0 * (t * weights) as f64 / ms / 1e6;
         println!(
             "| {t} | {every:.2} | {once:.2} | {:+.1}% | {full:.2} | {:.1}, {:.1}, {:.1} |",

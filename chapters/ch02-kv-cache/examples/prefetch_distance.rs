@@ -13,15 +13,10 @@ use ndarray::Array2;
 
 mod projections;
 
-use projections::{pass, weights};
+use projections::{alternate, bytes, pass};
 
 const DISTANCES: [usize; 4] = [1024, 2048, 4096, 8192];
 const ROUNDS: usize = 15;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::args()
@@ -43,23 +38,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .num_threads(threads)
             .build()?;
         for (name, model) in &models {
-            let bytes = (weights(&model.config) * if *name == "bf16" { 2 } else { 4 }) as f64;
-            let mut ms = vec![Vec::new(); DISTANCES.len()];
-            pool.install(|| {
-                for round in 0..ROUNDS + 1 {
-                    for i in 0..DISTANCES.len() {
-                        let i = (i + round) % DISTANCES.len(); // a different one first each round
-                        set_prefetch_distance(DISTANCES[i]);
-                        let took = pass(model, &x);
-                        if round > 0 {
-                            ms[i].push(took); // the first round warms the pool
-                        }
-                    }
-                }
+            let bytes = bytes(model) as f64;
+            let ms = pool.install(|| {
+                alternate(DISTANCES.len(), ROUNDS, |i| {
+                    set_prefetch_distance(DISTANCES[i]);
+                    pass(model, &x)
+                })
             });
             let cells: Vec<String> = ms
                 .into_iter()
-                .map(|ms| format!("{:.1}", bytes / median(ms) / 1e6))
+                .map(|ms| format!("{:.1}", bytes / ms / 1e6))
                 .collect();
             println!("| {name} | {threads} | {} |", cells.join(" | "));
         }

@@ -18,10 +18,9 @@ use ndarray::Array2;
 
 // Chapter 2's pass over every projection of every layer, shared with its examples.
 #[path = "../../ch02-kv-cache/examples/projections/mod.rs"]
-#[allow(dead_code)] // its `weights` counts elements; here the bytes are the layers' own
 mod projections;
 
-use projections::pass;
+use projections::{alternate, bytes, pass};
 
 /// Two Q6_K super-blocks, rounded down to two of Q4_K too: the K-quant tiles' first distance.
 const TWO_BLOCKS: usize = 3360;
@@ -34,31 +33,6 @@ const VARIANTS: [(PrefetchInto, usize); 6] = [
     (PrefetchInto::L2, 32768),
 ];
 const ROUNDS: usize = 25;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Bytes of weights one [`pass`] reads.
-fn weight_bytes(model: &Llama) -> usize {
-    let layer = |l: &ch01::model::DecoderLayer| {
-        let (a, m) = (&l.self_attn, &l.mlp);
-        [
-            &a.q_proj,
-            &a.k_proj,
-            &a.v_proj,
-            &a.o_proj,
-            &m.gate_proj,
-            &m.up_proj,
-            &m.down_proj,
-        ]
-        .iter()
-        .map(|p| p.weight_bytes())
-        .sum::<usize>()
-    };
-    model.layers.iter().map(layer).sum()
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -91,24 +65,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .num_threads(threads)
             .build()?;
         for (name, model) in &models {
-            let bytes = weight_bytes(model) as f64;
-            let mut ms = vec![Vec::new(); VARIANTS.len()];
-            pool.install(|| {
-                for round in 0..ROUNDS + 1 {
-                    for i in 0..VARIANTS.len() {
-                        let i = (i + round) % VARIANTS.len(); // a different one first each round
-                        let (into, k_bytes) = VARIANTS[i];
-                        set_prefetch(into, k_bytes);
-                        let took = pass(model, &x); // ms
-                        if round > 0 {
-                            ms[i].push(took); // the first round warms the pool
-                        }
-                    }
-                }
+            let bytes = bytes(model) as f64;
+            let ms = pool.install(|| {
+                alternate(VARIANTS.len(), ROUNDS, |i| {
+                    let (into, k_bytes) = VARIANTS[i];
+                    set_prefetch(into, k_bytes);
+                    pass(model, &x)
+                })
             });
             let cells: Vec<String> = ms
                 .into_iter()
-                .map(|ms| format!("{:.1}", bytes / median(ms) / 1e6))
+                .map(|ms| format!("{:.1}", bytes / ms / 1e6))
                 .collect();
             println!("| {name} | {threads} | {} |", cells.join(" | "));
         }

@@ -1,9 +1,10 @@
 //! What the projection examples share: one pass over every projection of every layer of a
-//! model (q, k, v, o, gate, up, down), each into its own output, and its weights' count.
+//! model (q, k, v, o, gate, up, down), each into its own output, the bytes of its weights,
+//! and ways of a measurement alternated round by round within one process.
 
 use std::time::Instant;
 
-use ch01::{Llama, LlamaConfig};
+use ch01::Llama;
 use ndarray::Array2;
 
 /// One pass: every projection of every layer on `x` [T, hidden], each into its own output.
@@ -33,11 +34,30 @@ pub fn pass(model: &Llama, x: &Array2<f32>) -> f64 {
     start.elapsed().as_secs_f64() * 1e3
 }
 
-/// Weights of one pass ([`pass`]): every projection of every layer.
-pub fn weights(c: &LlamaConfig) -> usize {
-    c.num_hidden_layers
-        * (c.hidden_size
-            * (2 * c.hidden_size
-                + 2 * (c.num_key_value_heads * c.hidden_size) / c.num_attention_heads)
-            + 3 * c.hidden_size * c.intermediate_size)
+/// Bytes of weights one [`pass`] reads: the model's projections without its output head.
+pub fn bytes(model: &Llama) -> usize {
+    model.projection_bytes() - model.lm_head.weight_bytes()
+}
+
+/// The median ms of each of `ways` ways of a measurement: `run(way)` sets the way up and
+/// returns its ms. Every round runs each way once, a different one first each round, so that
+/// this machine's drift falls on all alike; a first round, which warms the caches and the
+/// thread pool, is not counted.
+pub fn alternate(ways: usize, rounds: usize, mut run: impl FnMut(usize) -> f64) -> Vec<f64> {
+    let mut ms = vec![Vec::new(); ways];
+    for round in 0..rounds + 1 {
+        for way in 0..ways {
+            let way = (way + round) % ways;
+            let took = run(way);
+            if round > 0 {
+                ms[way].push(took);
+            }
+        }
+    }
+    ms.into_iter()
+        .map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        })
+        .collect()
 }
