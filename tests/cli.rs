@@ -186,7 +186,7 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
                 "--speculative-catch-up-budget",
                 "0",
             ][..],
-            "would never draft",
+            "0 is no budget",
         ),
         // More than one engine step may run: the draft model's catch-up stays within it.
         (

@@ -79,16 +79,18 @@ fn at_least_one(text: &str) -> Result<usize, String> {
     }
 }
 
-/// `--speculative-catch-up-budget`: at least 1, since a budget of 0 would never run a new
-/// request's prompt through the draft model, which would then never draft.
+/// `--speculative-catch-up-budget`: a whole number of tokens, at least 1 (a budget of 0 would
+/// let no token of a prompt through to the draft model; the drafter itself raises it to 1).
 fn catch_up_budget(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
         Ok(0) => Err(String::from(
-            "0 would never let the draft model read a prompt, so it would never draft: give \
-             at least 1 token",
+            "0 is no budget: the draft model reads at least 1 token a step to catch up",
         )),
         Ok(n) => Ok(n),
-        Err(_) => Err(format!("{text:?}: expected a whole number of at least 1")),
+        Err(_) => Err(format!(
+            "{text:?}: expected a whole number of tokens, at least 1 (and at most \
+             --max-num-batched-tokens)"
+        )),
     }
 }
 
@@ -382,11 +384,18 @@ mod tests {
         let draft = ["--speculative-model", "draft"];
         let with = |n: &str| parse(&[&draft[..], &["--speculative-catch-up-budget", n]].concat());
         let zero = with("0").expect_err("0 is refused");
-        assert!(zero.contains("would never draft"), "{zero}");
+        assert!(zero.contains("0 is no budget"), "{zero}");
         let word = with("lots").expect_err("not a number");
-        assert!(word.contains("a whole number of at least 1"), "{word}");
+        assert!(
+            word.contains("a whole number of tokens, at least 1"),
+            "{word}"
+        );
         let alone = parse(&["--speculative-catch-up-budget", "8"]).err();
-        assert!(alone.expect("needs a method").contains("--speculative-"));
+        let alone = alone.expect("needs a method");
+        assert!(
+            alone.contains("required arguments were not provided"),
+            "{alone}"
+        );
 
         assert_eq!(with("64").unwrap().catch_up_budget(512).unwrap(), 64);
         assert_eq!(with("512").unwrap().catch_up_budget(512).unwrap(), 512);

@@ -420,9 +420,11 @@ pub struct Fp8Quantizer {
 }
 
 impl Fp8Quantizer {
+    /// `what` names the weight in an error: a quoted tensor name (`shard_label` for a part
+    /// of one) or "a dense layer".
     fn build_named(
         &self,
-        name: &str,
+        what: &str,
         weight: ArrayView2<f32>,
         bias: Option<Array1<f32>>,
     ) -> ch01::Result<Box<dyn Linear>> {
@@ -431,7 +433,7 @@ impl Fp8Quantizer {
             .and_then(|(codes, scales)| {
                 Fp8Linear::new(codes, out, n, &scales, bias, self.activations)
             })
-            .map_err(|e| ch01::Error::InvalidArgument(format!("`{name}`: {e}")))?;
+            .map_err(|e| ch01::Error::InvalidArgument(format!("{what}: {e}")))?;
         Ok(Box::new(layer))
     }
 }
@@ -454,6 +456,10 @@ impl LinearLoader for Fp8Quantizer {
         let dense = ch01::linear::DenseLinear::load(source, spec)?;
         let bias = dense.bias().cloned();
         let name = format!("{}.weight", spec.name);
-        self.build_named(&name, dense.weight().view(), bias)
+        let (rows, cols) = spec
+            .shard
+            .ranges(spec.name, spec.in_features, spec.out_features)?;
+        let label = crate::quant_linear::shard_label(&name, spec, (&rows, &cols));
+        self.build_named(&label, dense.weight().view(), bias)
     }
 }

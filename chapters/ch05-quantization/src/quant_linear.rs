@@ -213,22 +213,43 @@ impl QuantLoader {
         }
     }
 
+    /// `what` names the weight in an error: a quoted tensor name ([`shard_label`] for a part
+    /// of one) or "a dense layer".
     fn build_named(
         &self,
-        name: &str,
+        what: &str,
         weight: Array2<f32>,
         bias: Option<Array1<f32>>,
     ) -> ch01::Result<Box<dyn Linear>> {
         let ty = self
             .choose(weight.ncols())
-            .map_err(|e| ch01::Error::InvalidArgument(format!("`{name}`: {e}")))?;
+            .map_err(|e| ch01::Error::InvalidArgument(format!("{what}: {e}")))?;
         Ok(match ty {
             Some(ty) => Box::new(
                 QuantLinear::quantize(ty, &weight, bias)
-                    .map_err(|e| ch01::Error::InvalidArgument(format!("`{name}`: {e}")))?,
+                    .map_err(|e| ch01::Error::InvalidArgument(format!("{what}: {e}")))?,
             ),
             None => Box::new(FastLinear::new(weight, bias, self.dense)),
         })
+    }
+}
+
+/// How an error names the weight `name` of `spec` when this rank holds `rows` × `cols` of it:
+/// the name (quoted) alone for the whole tensor, else with the part, so that an element index counted
+/// within the part (a quantizer's error) is not read as one of the whole tensor.
+pub(crate) fn shard_label(
+    name: &str,
+    spec: &LinearSpec<'_>,
+    (rows, cols): (&std::ops::Range<usize>, &std::ops::Range<usize>),
+) -> String {
+    if rows.len() == spec.out_features && cols.len() == spec.in_features {
+        format!("`{name}`")
+    } else {
+        format!(
+            "`{name}`, rows {}..{} and columns {}..{} of it (this rank's part, in which elements \
+             are counted)",
+            rows.start, rows.end, cols.start, cols.end
+        )
     }
 }
 
@@ -258,8 +279,9 @@ impl LinearLoader for QuantLoader {
         if !matches!(raw.dtype(), TensorDtype::Blocks { .. }) {
             // Dense: decode this rank's block, then quantize it or keep it dense.
             drop(raw);
+            let label = shard_label(&name, spec, (&rows, &cols));
             let weight = source.matrix_block(&name, shape, rows, cols)?; // [rows, cols]
-            return self.build_named(&name, weight, bias);
+            return self.build_named(&label, weight, bias);
         }
         let tensor_error = |message: String| ch01::Error::Tensor {
             name: name.clone(),
@@ -310,7 +332,7 @@ impl LinearLoader for QuantLoader {
         blocks::dequantize(ty, &bytes, &mut values).map_err(|e| tensor_error(e.to_string()))?;
         let weight = Array2::from_shape_vec((rows.len(), cols.len()), values)
             .map_err(|e| tensor_error(e.to_string()))?;
-        self.build_named(&name, weight, bias)
+        self.build_named(&format!("`{name}`"), weight, bias)
     }
 }
 

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::io;
 use std::path::Path;
 
+use ch01::{RawTensor, TensorDtype, WeightSource};
 use ndarray::Array2;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
@@ -105,4 +106,55 @@ pub fn spm_vocabulary<S: Into<String>>(
         w.add_metadata(key, value).expect("distinct keys");
     }
     w
+}
+
+/// `base` with the F32 matrix `name` [rows, cols] replaced by its values with element `at`
+/// (row-major) set to `value`: a broken weight in an otherwise good checkpoint.
+pub struct PatchedSource<'a> {
+    base: &'a dyn WeightSource,
+    name: String,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl<'a> PatchedSource<'a> {
+    /// Panics unless `base` holds `name` as a [rows, cols] matrix and `at < rows · cols`.
+    pub fn new(
+        base: &'a dyn WeightSource,
+        name: &str,
+        (rows, cols): (usize, usize),
+        at: usize,
+        value: f32,
+    ) -> Self {
+        let mut w = base.matrix(name, rows, cols).expect("the matrix to patch");
+        w.as_slice_mut().expect("a fresh matrix is contiguous")[at] = value;
+        PatchedSource {
+            base,
+            name: name.to_string(),
+            shape: vec![rows, cols],
+            bytes: w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+}
+
+impl WeightSource for PatchedSource<'_> {
+    fn location(&self) -> &Path {
+        self.base.location()
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.base.contains(name)
+    }
+    fn tensor(&self, name: &str) -> ch01::Result<RawTensor<'_>> {
+        if name == self.name {
+            RawTensor::new(
+                name,
+                self.location(),
+                TensorDtype::F32,
+                self.shape.clone(),
+                &self.bytes[..],
+            )
+        } else {
+            self.base.tensor(name)
+        }
+    }
 }

@@ -11,7 +11,9 @@ use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch05_quantization::fp8::F8E4M3;
 use ch05_quantization::fp8_linear::{ActivationScale, Fp8Error, Fp8Linear, Fp8Loader, fp8_config};
-use ch05_quantization::testing::{weights_with_tiny_and_zero_rows, write_fp8_checkpoint};
+use ch05_quantization::testing::{
+    PatchedSource, weights_with_tiny_and_zero_rows, write_fp8_checkpoint,
+};
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
 
@@ -310,7 +312,11 @@ fn a_non_finite_weight_is_refused_not_quantized() {
         activations: ActivationScale::Dynamic,
     };
     quantizer.load(&weights, &spec).unwrap();
-    let mut w = WeightSource::matrix(&weights, "model.layers.0.mlp.up_proj.weight", i, h).unwrap();
+    let name = "model.layers.0.mlp.up_proj.weight";
+    let broken = PatchedSource::new(&weights, name, (i, h), h + 3, f32::NAN); // row 1, column 3
+    let err = quantizer.load(&broken, &spec).err().unwrap().to_string();
+    assert!(err.contains(name) && err.contains("NaN"), "{err}");
+    let mut w = WeightSource::matrix(&weights, name, i, h).unwrap();
     w[[0, 0]] = f32::NAN;
     let err = quantizer.build(w, None).err().unwrap().to_string();
     assert!(err.contains("NaN"), "{err}");

@@ -249,4 +249,20 @@ fn a_non_finite_or_overflowing_weight_quantized_on_load_is_an_error_naming_the_t
             assert!(y[[0, 1]].is_nan() && y[[0, 0]].is_finite(), "{y:?}");
         }
     }
+    // On a rank holding part of the weight the element is counted within its part, and the
+    // error says which part: rows 1..2 hold the NaN at column 7, element 7 of the part.
+    let mut w = values(out * cols, 4);
+    w[cols + 7] = f32::NAN;
+    let source = dense_source(&w, out, cols);
+    let part = spec.with_shard(ShardSpec::column(1, 3)); // rows 1..2
+    let err = QuantLoader::to(GgmlType::Q8_0)
+        .unwrap()
+        .load(&source, &part)
+        .err()
+        .expect("a NaN in this rank's part")
+        .to_string();
+    assert!(
+        err.contains("rows 1..2 and columns 0..256") && err.contains("element 7 is NaN"),
+        "{err}"
+    );
 }

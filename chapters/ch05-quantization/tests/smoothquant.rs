@@ -6,7 +6,6 @@
 use ch01::linear::{DenseLoader, Linear};
 use ch01::testing::{relative_l2, seeded_runner};
 use ch01::{Llama, LlamaConfig, TensorParallel, Tokenizer, Weights, fixtures_dir};
-use ch01::{RawTensor, TensorDtype, WeightSource};
 use ch02::workload::WorkloadRng;
 use ch05_quantization::smoothquant::smooth::{column_max, factors};
 use ch05_quantization::smoothquant::w8a8::{MAX_IN_FEATURES, dot_i8, grid_scale, quantize_token};
@@ -14,7 +13,7 @@ use ch05_quantization::smoothquant::{
     ChannelMax, Int8Activations, SmoothConfig, SmoothError, W8A8Error, W8A8Linear, calibrate,
     smooth,
 };
-use ch05_quantization::testing::weights_with_tiny_and_zero_rows;
+use ch05_quantization::testing::{PatchedSource, weights_with_tiny_and_zero_rows};
 use ndarray::{Array1, Array2};
 use proptest::prelude::*;
 
@@ -370,57 +369,6 @@ fn a_nan_or_infinity_survives_the_maxima_and_factors() {
     assert_eq!(grid_scale(&[1.0, -127.0]), 1.0);
 }
 
-/// `base` with the F32 matrix `name` [rows, cols] replaced by its values with element `at` set
-/// to `value`.
-struct Patched<'a> {
-    base: &'a dyn WeightSource,
-    name: String,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl<'a> Patched<'a> {
-    fn new(
-        base: &'a dyn WeightSource,
-        name: &str,
-        rows: usize,
-        cols: usize,
-        at: usize,
-        value: f32,
-    ) -> Self {
-        let mut w = base.matrix(name, rows, cols).unwrap();
-        w.as_slice_mut().unwrap()[at] = value;
-        Patched {
-            base,
-            name: name.to_string(),
-            shape: vec![rows, cols],
-            bytes: w.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        }
-    }
-}
-
-impl WeightSource for Patched<'_> {
-    fn location(&self) -> &std::path::Path {
-        self.base.location()
-    }
-    fn contains(&self, name: &str) -> bool {
-        self.base.contains(name)
-    }
-    fn tensor(&self, name: &str) -> ch01::Result<RawTensor<'_>> {
-        if name == self.name {
-            RawTensor::new(
-                name,
-                self.location(),
-                TensorDtype::F32,
-                self.shape.clone(),
-                &self.bytes[..],
-            )
-        } else {
-            self.base.tensor(name)
-        }
-    }
-}
-
 /// Smoothing refuses what it cannot choose a factor from, naming it: a NaN or ∞ calibration
 /// maximum (a model that produced one on the calibration tokens fails in `calibrate`), and a
 /// NaN or ∞ weight in a projection it smooths. (All three once gave a smoothed checkpoint,
@@ -453,7 +401,7 @@ fn nan_or_infinite_statistics_and_weights_are_errors_naming_them() {
     let name = "model.layers.0.mlp.gate_proj.weight";
     for bad in [f32::NAN, f32::NEG_INFINITY] {
         let at = 5 * hidden + 2; // row 5, column 2
-        let source = Patched::new(&weights, name, inter, hidden, at, bad);
+        let source = PatchedSource::new(&weights, name, (inter, hidden), at, bad);
         match smooth(&source, &config, &stats, &cfg) {
             Err(e @ SmoothError::Weight { .. }) => {
                 let text = e.to_string();

@@ -334,11 +334,11 @@ pub const PREFETCH_BYTES: usize = 4096;
 static PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES);
 
-/// Makes the AVX2 `panel_matvec` prefetch `bytes` ahead (rounded down to whole features), for
-/// the whole process; the results are the same bits at any distance. For measuring the distance
-/// (`examples/prefetch_distance.rs`).
+/// Makes the AVX2 `panel_matvec` prefetch `bytes` ahead (rounded down to whole features; at most
+/// 1 MiB), for the whole process; the results are the same bits at any distance. For measuring
+/// the distance (`examples/prefetch_distance.rs`).
 pub fn set_prefetch_distance(bytes: usize) {
-    PREFETCH_DISTANCE.store(bytes, std::sync::atomic::Ordering::Relaxed);
+    PREFETCH_DISTANCE.store(bytes.min(1 << 20), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The distance [`set_prefetch_distance`] last set, [`PREFETCH_BYTES`] if none.

@@ -132,9 +132,9 @@ pub(super) fn prefetch(p: *const u8, bytes: usize, l1: bool) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q5_k_avx2<const T: usize>(row: &[u8], acts: [&[Act256]; T]) -> [f32; T] {
     let mut acc = [0.0f32; T];
-    let l1 = super::prefetch_into_l1(T);
     for (k, b) in row.chunks_exact(176).enumerate() {
-        prefetch(b.as_ptr().wrapping_add(row.len()), 176, l1); // the next row's block
+        // The next row's block, into L1: Q5_K's rows were measured only that way.
+        prefetch(b.as_ptr().wrapping_add(row.len()), 176, true);
         let (sc, m) = scale_min(&b[4..16]);
         // SAFETY: AVX2 is present (caller); `b` is 176 bytes: qh at 16..48, and the four
         // 32-byte loads of qs at 48 + 32i (i < 4) end by byte 176; each token's block `k`

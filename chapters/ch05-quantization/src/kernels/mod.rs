@@ -38,7 +38,8 @@
 //!
 //! A tile takes `G` groups × `T` tokens (`tiles.rs`): decode 2 × 1 on AVX2 and 4 × 1 with
 //! AVX-512 VNNI (whose 32 registers hold more), prefill 1 × 2 and 2 × 4. Each group of a tile
-//! asks for the block the next tile will read (a prefetch, into L2: [`PrefetchInto`]): a group
+//! asks for the block the next tile will read (a prefetch, into L2 for one token:
+//! [`PrefetchInto`]): a group
 //! is a short stream of `8 · row_bytes`, too short for the hardware's prefetcher to reach speed
 //! on its own. The tiles change which outputs are computed together, never the operations of
 //! one output, so [`matmul`] equals [`matvec`] bit for bit. Q4_K and Q6_K are interleaved too
@@ -621,19 +622,19 @@ static PREFETCH_L1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 static K_PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(K_PREFETCH_BYTES);
 
-/// Makes the tiles prefetch `into` that cache and the K-quant tiles `k_bytes` ahead, for the
-/// whole process; the results are the same bits either way. For measuring them
+/// Makes the tiles prefetch `into` that cache and the K-quant tiles `k_bytes` ahead (at most
+/// 1 MiB), for the whole process; the results are the same bits either way. For measuring them
 /// (`examples/quant_prefetch_distance.rs`); the defaults are [`PrefetchInto::L2`] and
 /// [`K_PREFETCH_BYTES`].
 pub fn set_prefetch(into: PrefetchInto, k_bytes: usize) {
     use std::sync::atomic::Ordering::Relaxed;
     PREFETCH_L1.store(into == PrefetchInto::L1, Relaxed);
-    K_PREFETCH_DISTANCE.store(k_bytes, Relaxed);
+    K_PREFETCH_DISTANCE.store(k_bytes.min(1 << 20), Relaxed);
 }
 
-/// Whether a tile of `tokens` tokens prefetches into L1: a prompt's tiles always do (they
-/// read each block for several tokens; into L2 measured slower), a decode tile as
-/// [`set_prefetch`] says. Read once per call.
+/// Whether a tile of `tokens` tokens prefetches into L1: a tile of several tokens always does
+/// (it reads each block for each of them; into L2 measured slower), a tile of one token (a
+/// decode's, or a prompt's last tokens) as [`set_prefetch`] says. Read once per call.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_into_l1(tokens: usize) -> bool {
     tokens > 1 || PREFETCH_L1.load(std::sync::atomic::Ordering::Relaxed)
@@ -647,7 +648,7 @@ fn k_prefetch_distance() -> usize {
 
 /// Which kernels a call runs: the portable ones, the AVX2 ones with their proof (AVX2, FMA and
 /// F16C; a CPU with AVX2 but without F16C runs the portable kernels), or, on a CPU that also has
-/// AVX-512 VNNI, the 32-element tiles on `vpdpbusd` (the K-quants stay on AVX2).
+/// AVX-512 VNNI, the tiles on `vpdpbusd` (Q5_K's rows stay on AVX2).
 #[derive(Clone, Copy)]
 enum Path {
     Portable,

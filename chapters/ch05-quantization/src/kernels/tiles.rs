@@ -334,8 +334,9 @@ pub(super) unsafe fn tile_body<F: Packed, D: ByteDot, const G: usize, const T: u
             let p = packed.wrapping_add(g * group_bytes + b * block_bytes);
             // The same block of the group the next tile reads, `G` groups on: a group is a
             // short stream (8 rows of a few hundred bytes), too short for the hardware's
-            // prefetcher to reach full speed on its own. Into L2: the next tile is 10 to 51 KiB
-            // of SmolLM2's weights, more than L1 holds beside this one.
+            // prefetcher to reach full speed on its own. A decode tile's into L2 (the next tile
+            // is 10 to 51 KiB of SmolLM2's weights, more than L1 holds beside this one), a
+            // tile of several tokens' into L1 (`prefetch_into_l1`).
             prefetch(p.wrapping_add(G * group_bytes), block_bytes, l1);
             // SAFETY: block `b` of group `g` is readable (caller): the scales at 0..16, the
             // offsets at 16..32.
