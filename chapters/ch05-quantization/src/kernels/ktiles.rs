@@ -150,11 +150,18 @@ impl KBlock for Q6K {
                 _mm256_or_si256(low, _mm256_slli_epi16::<4>(high)) // 0..64
             };
             for h in 0..2 {
-                // s[t][q][half of the quarter], each starting at −32 · Σx of its sub-block.
-                let mut s: [[[__m256i; 2]; 4]; T] = std::array::from_fn(|t| {
-                    let start = |j: usize| _mm256_set1_epi32(-32 * i32::from(acts[t].bsums[j]));
-                    std::array::from_fn(|q| [start(8 * h + 2 * q), start(8 * h + 2 * q + 1)])
-                });
+                // s[t][q][half of the quarter], each starting at −32 · Σx of its sub-block
+                // (sub-block 8h + 2q + half). Plain loops: `array::from_fn`'s closures were not
+                // inlined here, and their intrinsics were calls.
+                let mut s = [[[_mm256_setzero_si256(); 2]; 4]; T];
+                for (s, a) in s.iter_mut().zip(acts) {
+                    for (q, s) in s.iter_mut().enumerate() {
+                        for (half, s) in s.iter_mut().enumerate() {
+                            let sum = i32::from(a.bsums[8 * h + 2 * q + half]);
+                            *s = _mm256_set1_epi32(-32 * sum);
+                        }
+                    }
+                }
                 let word =
                     |v: usize, c: usize| load32(p.add(Q6K_WORDS + 96 * (8 * h + v) + 32 * c));
                 if T == 1 {
@@ -226,8 +233,12 @@ pub(super) unsafe fn k_body<F: KBlock, D: ByteDot, const T: usize>(
     for b in 0..n {
         let p = packed.wrapping_add(b * F::BYTES);
         prefetch(p.wrapping_add(ahead), F::BYTES, l1);
-        // SAFETY: activation block `t·n + b` is readable (caller).
-        let a: [&Act256; T] = std::array::from_fn(|t| unsafe { &*acts.add(t * n + b) });
+        // SAFETY: activation block `t·n + b` is readable for t < T (caller).
+        let mut a: [&Act256; T] = [unsafe { &*acts.add(b) }; T];
+        for (t, a) in a.iter_mut().enumerate().skip(1) {
+            // SAFETY: as above.
+            *a = unsafe { &*acts.add(t * n + b) };
+        }
         // SAFETY: block `b` is readable; the instruction sets are the caller's.
         unsafe { F::block::<D, T>(p, a, &mut acc) };
     }
