@@ -11,6 +11,7 @@ use ch02_kv_cache::kernels::set_panel_widening;
 use ch02_kv_cache::{WeightDtype, load_fast};
 use ndarray::Array2;
 
+#[allow(dead_code)] // the read-rate table, which the prefetch examples print
 mod projections;
 
 use projections::{alternate, bytes, pass};

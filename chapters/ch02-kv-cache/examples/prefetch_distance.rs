@@ -13,7 +13,7 @@ use ndarray::Array2;
 
 mod projections;
 
-use projections::{alternate, bytes, pass};
+use projections::print_read_rates;
 
 const DISTANCES: [usize; 4] = [1024, 2048, 4096, 8192];
 const ROUNDS: usize = 15;
@@ -24,34 +24,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok_or("usage: prefetch_distance MODEL_DIR")?;
     let dir = std::path::Path::new(&dir);
     let models = [
-        ("bf16", load_fast(dir, WeightDtype::Bf16)?),
-        ("f32", load_fast(dir, WeightDtype::F32)?),
+        ("bf16".to_string(), load_fast(dir, WeightDtype::Bf16)?),
+        ("f32".to_string(), load_fast(dir, WeightDtype::F32)?),
     ];
     let c = &models[0].1.config;
     let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let header: Vec<String> = DISTANCES.iter().map(|d| format!("{d} B")).collect();
-    println!("| weights | threads | {} |", header.join(" | "));
-    println!("|---|---:|{}", "---:|".repeat(DISTANCES.len()));
-    for threads in [1, cpus] {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()?;
-        for (name, model) in &models {
-            let bytes = bytes(model) as f64;
-            let ms = pool.install(|| {
-                alternate(DISTANCES.len(), ROUNDS, |i| {
-                    set_prefetch_distance(DISTANCES[i]);
-                    pass(model, &x)
-                })
-            });
-            let cells: Vec<String> = ms
-                .into_iter()
-                .map(|ms| format!("{:.1}", bytes / ms / 1e6))
-                .collect();
-            println!("| {name} | {threads} | {} |", cells.join(" | "));
-        }
-    }
+    let ways: Vec<String> = DISTANCES.iter().map(|d| format!("{d} B")).collect();
+    print_read_rates(&models, &x, &ways, ROUNDS, |i| {
+        set_prefetch_distance(DISTANCES[i])
+    })?;
     set_prefetch_distance(PREFETCH_BYTES);
     Ok(())
 }

@@ -20,7 +20,7 @@ use ndarray::Array2;
 #[path = "../../ch02-kv-cache/examples/projections/mod.rs"]
 mod projections;
 
-use projections::{alternate, bytes, pass};
+use projections::print_read_rates;
 
 /// Two Q6_K super-blocks, rounded down to two of Q4_K too: the K-quant tiles' first distance.
 const TWO_BLOCKS: usize = 3360;
@@ -50,36 +50,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let c: &LlamaConfig = &models[0].1.config;
     let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let header: Vec<String> = VARIANTS
+    let ways: Vec<String> = VARIANTS
         .iter()
         .map(|&(into, d)| match d {
             TWO_BLOCKS => format!("{into:?}, 2 blocks"),
             d => format!("{into:?}, {} KiB", d / 1024),
         })
         .collect();
-    println!("| weights | threads | {} |", header.join(" | "));
-    println!("|---|---:|{}", "---:|".repeat(VARIANTS.len()));
-    for threads in [1, cpus] {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()?;
-        for (name, model) in &models {
-            let bytes = bytes(model) as f64;
-            let ms = pool.install(|| {
-                alternate(VARIANTS.len(), ROUNDS, |i| {
-                    let (into, k_bytes) = VARIANTS[i];
-                    set_prefetch(into, k_bytes);
-                    pass(model, &x)
-                })
-            });
-            let cells: Vec<String> = ms
-                .into_iter()
-                .map(|ms| format!("{:.1}", bytes / ms / 1e6))
-                .collect();
-            println!("| {name} | {threads} | {} |", cells.join(" | "));
-        }
-    }
+    print_read_rates(&models, &x, &ways, ROUNDS, |i| {
+        let (into, k_bytes) = VARIANTS[i];
+        set_prefetch(into, k_bytes);
+    })?;
     set_prefetch(PrefetchInto::L2, K_PREFETCH_BYTES);
     Ok(())
 }

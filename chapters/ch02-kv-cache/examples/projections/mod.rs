@@ -1,6 +1,7 @@
 //! What the projection examples share: one pass over every projection of every layer of a
 //! model (q, k, v, o, gate, up, down), each into its own output, the bytes of its weights,
-//! and ways of a measurement alternated round by round within one process.
+//! ways of a measurement alternated round by round within one process, and a table of the
+//! rates at which one token's pass reads each model's weights, way by way.
 
 use std::time::Instant;
 
@@ -60,4 +61,40 @@ pub fn alternate(ways: usize, rounds: usize, mut run: impl FnMut(usize) -> f64) 
             v[v.len() / 2]
         })
         .collect()
+}
+
+/// Prints a markdown table of GB/s of weights read by one token's [`pass`] (`x` [1, hidden]),
+/// a row per model (named) and thread count (one, then every CPU), a column per way (`ways`,
+/// their headers): `set(way)` sets a way up before each pass, and the ways alternate
+/// ([`alternate`], `rounds` rounds, medians).
+pub fn print_read_rates(
+    models: &[(String, Llama)],
+    x: &Array2<f32>,
+    ways: &[String],
+    rounds: usize,
+    set: impl Fn(usize) + Sync,
+) -> Result<(), rayon::ThreadPoolBuildError> {
+    println!("| weights | threads | {} |", ways.join(" | "));
+    println!("|---|---:|{}", "---:|".repeat(ways.len()));
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for threads in [1, cpus] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()?;
+        for (name, model) in models {
+            let bytes = bytes(model) as f64;
+            let ms = pool.install(|| {
+                alternate(ways.len(), rounds, |way| {
+                    set(way);
+                    pass(model, x)
+                })
+            });
+            let cells: Vec<String> = ms
+                .into_iter()
+                .map(|ms| format!("{:.1}", bytes / ms / 1e6))
+                .collect();
+            println!("| {name} | {threads} | {} |", cells.join(" | "));
+        }
+    }
+    Ok(())
 }
