@@ -633,8 +633,8 @@ pub fn set_prefetch(into: PrefetchInto, k_bytes: usize) {
 }
 
 /// Whether a tile of `tokens` tokens prefetches into L1: a tile of several tokens always does
-/// (it reads each block for each of them; into L2 measured slower), a tile of one token (a
-/// decode's, or a prompt's last tokens) as [`set_prefetch`] says. Read once per call.
+/// (it reads each block for each of them; L2 was not measured to pay there), a tile of one
+/// token (a decode's, or a prompt's last tokens) as [`set_prefetch`] says. Read once per call.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_into_l1(tokens: usize) -> bool {
     tokens > 1 || PREFETCH_L1.load(std::sync::atomic::Ordering::Relaxed)
