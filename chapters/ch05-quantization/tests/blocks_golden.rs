@@ -6,7 +6,7 @@
 
 use ch01::fixtures_dir;
 use ch05_quantization::GgmlType;
-use ch05_quantization::blocks::{BlockError, dequantize, quantize};
+use ch05_quantization::blocks::{BlockError, dequantize, f16_fields, quantize};
 use proptest::prelude::*;
 
 #[derive(serde::Deserialize)]
@@ -95,13 +95,7 @@ fn round_to_nearest_equals_gguf_py_bit_for_bit() {
         {
             let mut a = vec![0u8; bb];
             let result = quantize(ty, x, &mut a);
-            // d at 0, and the Q4_1 / Q5_1 minimum at 2.
-            let fields: &[usize] = if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
-                &[0, 2]
-            } else {
-                &[0]
-            };
-            let infinite = fields
+            let infinite = f16_fields(ty)
                 .iter()
                 .any(|&at| u16::from_le_bytes([e[at], e[at + 1]]) & 0x7FFF == 0x7C00);
             if infinite {

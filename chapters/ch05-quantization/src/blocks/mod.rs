@@ -197,8 +197,9 @@ fn encode(ty: GgmlType, values: &[f32], out: &mut [u8]) -> Result<(), BlockError
     Ok(())
 }
 
-/// Where each block of `ty` stores an f16 scale or minimum (byte offsets in the block).
-fn f16_fields(ty: GgmlType) -> &'static [usize] {
+/// Where each block of `ty` stores an f16 scale or minimum (byte offsets in the block; none for
+/// the plain types and Q8_K, whose scale is an f32).
+pub fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
