@@ -129,7 +129,7 @@ fn attend_chunk<'a, R: Fn(usize) -> usize>(
         }
     };
     // Asks for the rows of the eight positions from `j` on (none past the chunk), to be read
-    // `PREFETCH_POSITIONS` later.
+    // later: K rows `PREFETCH_POSITIONS` positions later, V rows in the V pass.
     let prefetch_rows = |stored: &[f32], j: usize| {
         for p in j..(j + KEYS).min(len) {
             prefetch_l2(&stored[(kv.row_of)(positions.start + p) * kv_dim..][..kv_dim]);
@@ -138,12 +138,14 @@ fn attend_chunk<'a, R: Fn(usize) -> usize>(
     let mut rows: [&[f32]; KEYS] = [&[]; KEYS];
     let mut heads_of = [&[][..]; KEYS]; // one head's part of each row, [d]
 
-    // s[h][j] = q_h · k_j / √d
+    // s[h][j] = q_h · k_j / √d. Each group also asks for its own V rows: they arrive while the
+    // score pass and the softmax compute, instead of after them.
     for j in (0..PREFETCH_POSITIONS).step_by(KEYS) {
         prefetch_rows(kv.k, j);
     }
     for j in (0..len).step_by(KEYS) {
         prefetch_rows(kv.k, j + PREFETCH_POSITIONS);
+        prefetch_rows(kv.v, j);
         rows_at(kv.k, j, &mut rows);
         for (h, q_h) in q.chunks_exact(d).enumerate() {
             let at = (h / group) * d;
@@ -170,6 +172,9 @@ fn attend_chunk<'a, R: Fn(usize) -> usize>(
     // o[h] = Σ_j e^(s[h][j] − m[h]) · v_j
     o.fill(0.0);
     for j in (0..len).step_by(KEYS) {
+        // Asked again, ahead: a prefetch is a hint that is not always served, and a long chunk's
+        // first V rows may have left L2 while its K rows streamed (without these requests and
+        // the ones before the softmax, measured slower).
         prefetch_rows(kv.v, j + PREFETCH_POSITIONS);
         rows_at(kv.v, j, &mut rows);
         for (h, o_h) in o.chunks_exact_mut(d).enumerate() {
