@@ -184,13 +184,43 @@ fn panels_per_task(panels: usize) -> usize {
         .clamp(1, 8)
 }
 
+/// Matrices of at most this many panels (2048 output rows) are split evenly, one task per
+/// thread, in [`matvec`]: every projection of a SmolLM2 layer (12 to 96 panels).
+pub const EVEN_SPLIT_PANELS: usize = 128;
+
+/// Whether [`matvec`] splits small matrices evenly; see [`set_even_split`].
+static EVEN_SPLIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes [`matvec`] split every matrix into [`panels_per_task`]'s tasks, as before small
+/// ones were split evenly, for the whole process; the results are the same bits either way. For
+/// measuring the difference (`examples/matvec_split.rs`).
+pub fn set_even_split(on: bool) {
+    EVEN_SPLIT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Panels one task of [`matvec`] handles. A decode product is a stream of its weights from
+/// memory, and on two threads a short one reads slower than its bytes say: in a fast moment
+/// of this machine's memory, one call cost about 4 µs more than its bytes at the rate of a
+/// large matrix, on one thread nothing (`examples/projection_sizes.rs`). Cut into four tasks per
+/// thread, a layer's projection is several short runs per thread; one task per thread makes it
+/// one contiguous run each, and decoded bf16 tokens 3-8% faster in fast moments, the same in
+/// slow ones (`examples/matvec_split.rs`, AMD EPYC, 2 threads). A large matrix (a model's head)
+/// keeps the many tasks, which let a thread that falls behind be helped.
+fn matvec_panels_per_task(panels: usize) -> usize {
+    if panels <= EVEN_SPLIT_PANELS && EVEN_SPLIT.load(std::sync::atomic::Ordering::Relaxed) {
+        panels.div_ceil(rayon::current_num_threads())
+    } else {
+        panels_per_task(panels)
+    }
+}
+
 /// One token: `y[o] = Σ_k W[o, k] · x[k]` for every output row, panels split across threads.
 /// `x`: [in], `y`: [out].
 // ANCHOR: matvec
 pub fn matvec<W: WeightElement>(isa: Isa, w: &PackedWeight<W>, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.in_features(), "x is [in]");
     assert_eq!(y.len(), w.out_features(), "y is [out]");
-    let per_task = panels_per_task(w.num_panels());
+    let per_task = matvec_panels_per_task(w.num_panels());
     y.par_chunks_mut(per_task * NR)
         .enumerate()
         .for_each(|(task, y_chunk)| {
