@@ -198,6 +198,12 @@ pub fn set_even_split(on: bool) {
     EVEN_SPLIT.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether small one-token products are split evenly ([`set_even_split`]); chapter 5's integer
+/// products follow the same switch.
+pub fn even_split() -> bool {
+    EVEN_SPLIT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Panels one task of [`matvec`] handles. A decode product is a stream of its weights from
 /// memory, and on two threads a short one reads slower than its bytes say: in a fast moment
 /// of this machine's memory, one call cost about 4 µs more than its bytes at the rate of a
@@ -207,7 +213,7 @@ pub fn set_even_split(on: bool) {
 /// slow ones (`examples/matvec_split.rs`, AMD EPYC, 2 threads). A large matrix (a model's head)
 /// keeps the many tasks, which let a thread that falls behind be helped.
 fn matvec_panels_per_task(panels: usize) -> usize {
-    if panels <= EVEN_SPLIT_PANELS && EVEN_SPLIT.load(std::sync::atomic::Ordering::Relaxed) {
+    if panels <= EVEN_SPLIT_PANELS && even_split() {
         panels.div_ceil(rayon::current_num_threads())
     } else {
         panels_per_task(panels)

@@ -105,6 +105,7 @@ pub use ch02::kernels::Isa;
 
 use crate::blocks::{self, BlockError, q8_k};
 use crate::format::GgmlType;
+use ch02::kernels::{EVEN_SPLIT_PANELS, NR, even_split};
 use ch02::weight_memory::Elements;
 
 /// 32 activations quantized as Q8_0 is (`x ≈ d·q`, `|q| ≤ 127`) but with an f32 scale, and the sum
@@ -923,6 +924,20 @@ fn rows_per_task(rows: usize) -> usize {
         .next_multiple_of(32)
 }
 
+/// Output rows one task of [`matvec`] computes. A matrix of at most chapter 2's
+/// `EVEN_SPLIT_PANELS` panels of rows (2048: every projection of a SmolLM2 layer) is split
+/// evenly, one contiguous run per thread, as chapter 2's decode product splits it (a short
+/// stream cut into several tasks per thread reads slower in the machine's fast moments);
+/// larger ones, and any with `ch02::kernels::set_even_split(false)`, as [`rows_per_task`] says.
+fn matvec_rows_per_task(rows: usize) -> usize {
+    if rows <= EVEN_SPLIT_PANELS * NR && even_split() {
+        rows.div_ceil(rayon::current_num_threads())
+            .next_multiple_of(32)
+    } else {
+        rows_per_task(rows)
+    }
+}
+
 // ANCHOR: matvec
 /// One token: `y[o] = Σ_k W[o, k] · x[k]`, output rows split across threads.
 /// `x`: [in], `y`: [out]. Panics on other lengths (a caller's mistake: shapes were checked
@@ -932,7 +947,7 @@ pub fn matvec(isa: Isa, w: &QuantMatrix, x: &[f32], y: &mut [f32], scratch: &mut
     assert_eq!(y.len(), w.rows, "y is [out]");
     let (path, per_token) = (Path::of(isa), w.cols / w.ty.block_elems());
     let acts = quantize_acts(path, w.ty, x, 1, &mut scratch.act32, &mut scratch.act256); // [in / block]
-    let per_task = rows_per_task(w.rows);
+    let per_task = matvec_rows_per_task(w.rows);
     y.par_chunks_mut(per_task)
         .enumerate()
         .for_each(|(task, y)| {
