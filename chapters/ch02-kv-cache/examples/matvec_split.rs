@@ -12,7 +12,6 @@ use std::time::Instant;
 use ch01::Llama;
 use ch02_kv_cache::kernels::set_even_split;
 use ch02_kv_cache::{CachedSession, ContiguousKvCache, WeightDtype, load_fast};
-use ndarray::Array2;
 
 mod projections;
 
@@ -33,11 +32,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("bf16".to_string(), load_fast(dir, WeightDtype::Bf16)?),
         ("f32".to_string(), load_fast(dir, WeightDtype::F32)?),
     ];
-    let c = &models[0].1.config;
-    let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
     let ways = ["even split", "4 tasks per thread"];
     let headers: Vec<String> = ways.iter().map(|w| w.to_string()).collect();
-    print_read_rates(&models, &x, &headers, ROUNDS, |i| set_even_split(i == 0))?;
+    print_read_rates(&models, &headers, ROUNDS, |i| set_even_split(i == 0))?;
 
     println!("\n| weights | {} (tokens/s) |", ways.join(" (tokens/s) | "));
     println!("|---|{}", "---:|".repeat(ways.len()));

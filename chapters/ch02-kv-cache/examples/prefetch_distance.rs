@@ -9,7 +9,6 @@
 
 use ch02_kv_cache::kernels::{PREFETCH_BYTES, set_prefetch_distance};
 use ch02_kv_cache::{WeightDtype, load_fast};
-use ndarray::Array2;
 
 mod projections;
 
@@ -27,10 +26,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("bf16".to_string(), load_fast(dir, WeightDtype::Bf16)?),
         ("f32".to_string(), load_fast(dir, WeightDtype::F32)?),
     ];
-    let c = &models[0].1.config;
-    let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
     let ways: Vec<String> = DISTANCES.iter().map(|d| format!("{d} B")).collect();
-    print_read_rates(&models, &x, &ways, ROUNDS, |i| {
+    print_read_rates(&models, &ways, ROUNDS, |i| {
         set_prefetch_distance(DISTANCES[i])
     })?;
     set_prefetch_distance(PREFETCH_BYTES);

@@ -8,14 +8,12 @@
 //!
 //! `cargo run --release -p ch05-quantization --example quant_matvec_split -- MODEL_DIR [GGUF]`
 
-use ch01::{Llama, LlamaConfig};
 use ch02::kernels::set_even_split;
-use ch05_quantization::{GgmlType, QuantLoader, load_gguf};
-use ndarray::Array2;
 
 // Chapter 2's pass over every projection of every layer, shared with its examples.
 #[path = "../../ch02-kv-cache/examples/projections/mod.rs"]
 mod projections;
+mod quant_models;
 
 use projections::print_read_rates;
 
@@ -26,22 +24,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = args
         .next()
         .ok_or("usage: quant_matvec_split MODEL_DIR [GGUF]")?;
-    let mut models = Vec::new();
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K] {
-        let model = Llama::load_with(dir.as_ref(), &QuantLoader::to(ty)?)?;
-        models.push((ty.to_string(), model));
-    }
-    if let Some(gguf) = args.next() {
-        let model = load_gguf(gguf.as_ref(), &QuantLoader::native())?.model;
-        let name = std::path::Path::new(&gguf)
-            .file_name()
-            .map_or(gguf.clone(), |n| n.to_string_lossy().into_owned());
-        models.push((name, model));
-    }
-    let c: &LlamaConfig = &models[0].1.config;
-    let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
+    let models = quant_models::load(&dir, args.next().as_deref())?;
     let ways = ["even split".to_string(), "4 tasks per thread".to_string()];
-    print_read_rates(&models, &x, &ways, ROUNDS, |i| set_even_split(i == 0))?;
+    print_read_rates(&models, &ways, ROUNDS, |i| set_even_split(i == 0))?;
     set_even_split(true);
     Ok(())
 }

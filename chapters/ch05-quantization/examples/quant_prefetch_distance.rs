@@ -11,14 +11,12 @@
 //!
 //! `cargo run --release -p ch05-quantization --example quant_prefetch_distance -- MODEL_DIR [GGUF]`
 
-use ch01::{Llama, LlamaConfig};
 use ch05_quantization::kernels::{K_PREFETCH_BYTES, PrefetchInto, set_prefetch};
-use ch05_quantization::{GgmlType, QuantLoader, load_gguf};
-use ndarray::Array2;
 
 // Chapter 2's pass over every projection of every layer, shared with its examples.
 #[path = "../../ch02-kv-cache/examples/projections/mod.rs"]
 mod projections;
+mod quant_models;
 
 use projections::print_read_rates;
 
@@ -39,17 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = args
         .next()
         .ok_or("usage: quant_prefetch_distance MODEL_DIR [GGUF]")?;
-    let mut models = Vec::new();
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K] {
-        let model = Llama::load_with(dir.as_ref(), &QuantLoader::to(ty)?)?;
-        models.push((ty.to_string(), model));
-    }
-    if let Some(gguf) = args.next() {
-        let model = load_gguf(gguf.as_ref(), &QuantLoader::native())?.model;
-        models.push(("Q4_K_M file".into(), model));
-    }
-    let c: &LlamaConfig = &models[0].1.config;
-    let x = Array2::from_shape_fn((1, c.hidden_size), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
+    let models = quant_models::load(&dir, args.next().as_deref())?;
     let ways: Vec<String> = VARIANTS
         .iter()
         .map(|&(into, d)| match d {
@@ -57,7 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             d => format!("{into:?}, {} KiB", d / 1024),
         })
         .collect();
-    print_read_rates(&models, &x, &ways, ROUNDS, |i| {
+    print_read_rates(&models, &ways, ROUNDS, |i| {
         let (into, k_bytes) = VARIANTS[i];
         set_prefetch(into, k_bytes);
     })?;

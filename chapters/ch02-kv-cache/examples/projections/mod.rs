@@ -63,17 +63,18 @@ pub fn alternate(ways: usize, rounds: usize, mut run: impl FnMut(usize) -> f64) 
         .collect()
 }
 
-/// Prints a markdown table of GB/s of weights read by one token's [`pass`] (`x` [1, hidden]),
-/// a row per model (named) and thread count (one, then every CPU), a column per way (`ways`,
-/// their headers): `set(way)` sets a way up before each pass, and the ways alternate
-/// ([`alternate`], `rounds` rounds, medians).
+/// Prints a markdown table of GB/s of weights read by one token's [`pass`] (the same fixed
+/// input [1, hidden] for every model), a row per model (named) and thread count (one, then
+/// every CPU), a column per way (`ways`, their headers): `set(way)` sets a way up before each
+/// pass, and the ways alternate ([`alternate`], `rounds` rounds, medians).
 pub fn print_read_rates(
     models: &[(String, Llama)],
-    x: &Array2<f32>,
     ways: &[String],
     rounds: usize,
     set: impl Fn(usize) + Sync,
 ) -> Result<(), rayon::ThreadPoolBuildError> {
+    let hidden = models.first().map_or(0, |(_, m)| m.config.hidden_size);
+    let x = &Array2::from_shape_fn((1, hidden), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
     println!("| weights | threads | {} |", ways.join(" | "));
     println!("|---|---:|{}", "---:|".repeat(ways.len()));
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
