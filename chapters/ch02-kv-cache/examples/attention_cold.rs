@@ -5,8 +5,8 @@
 //! buffer, as each layer of a model reads its own weights: between a layer's attention at one
 //! token and at the next, 240 MiB pass, far more than the last-level cache holds, so its K/V come
 //! from memory. (Re-reading one 8 MiB buffer, as this example first did, leaves every layer's
-//! K/V and that buffer together inside a 32 MiB L3, and measured attention from L3.) Prints the median and the fastest of
-//! `ROUNDS` tokens: µs per token and the K/V GB/s.
+//! K/V and that buffer together inside a 32 MiB L3, and measured attention from L3.) Prints
+//! the median and the fastest of `ROUNDS` tokens: µs per token and the K/V GB/s.
 //!
 //! `cargo run --release -p ch02-kv-cache --example attention_cold [T...]`
 

@@ -1,6 +1,6 @@
 //! What one call of the decode product costs besides its bytes: one token through sets of
 //! bf16 matrices of 576 inputs (SmolLM2's hidden size) and 192 to 49,152 outputs (its k/v, q/o,
-//! gate/up and head shapes, and larger), each set about 226 MB so that every matrix comes from
+//! gate/up and head shapes, and larger), each set about 453 MB so that every matrix comes from
 //! memory, on every thread and on one. The sets alternate within each round, and each round
 //! starts with a read probe (1 GiB summed on every thread) that names the moment: this
 //! machine's bandwidth drifts by a factor of two within minutes. Prints per round the probe and,
@@ -19,7 +19,7 @@ use rayon::prelude::*;
 const HIDDEN: usize = 576;
 /// Outputs of each set's matrices.
 const OUTPUTS: [usize; 6] = [192, 576, 1536, 3072, 12288, 49152];
-/// Rows per set (each set holds `ROWS / outputs` matrices): 226 MB of bf16.
+/// Rows per set (each set holds `ROWS / outputs` matrices): 453 MB of bf16.
 const ROWS: usize = 8 * 49152;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -65,7 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             m.forward_into(x.view(), y.view_mut());
                         }
                         let s = start.elapsed().as_secs_f64();
-                        let bytes = (ROWS * HIDDEN * 2) as f64;
+                        let bytes = (matrices.len() * out * HIDDEN * 2) as f64;
                         format!(
                             "{:.1} ({:.1})",
                             bytes / s / 1e9,

@@ -121,53 +121,75 @@ fn threaded_products_equal_the_naive_product() {
 }
 
 /// One token's product splits a matrix of up to `EVEN_SPLIT_PANELS` panels evenly across the
-/// threads, a larger one into many tasks: both ways give the same bits on every size around the
-/// boundary, equal to the naive product.
+/// threads, a larger one into many tasks: both ways give the same bits on sizes around the
+/// boundary (and the boundary itself, fewer panels than threads, none), equal to the naive
+/// product; every output is written (they start as NaN). Three threads, so that splits are
+/// uneven.
 #[test]
 fn one_token_products_split_evenly_or_not_give_the_same_bits() {
     use ch02_kv_cache::kernels::{EVEN_SPLIT_PANELS, NR, set_even_split};
     let edge = EVEN_SPLIT_PANELS * NR;
-    let shapes = (1usize..2 * edge + 40, 1usize..90, any::<bool>());
-    runner(12)
-        .run(&shapes, |(out_f, in_f, bf16)| {
-            let w = Array2::from_shape_fn((out_f, in_f), |(o, i)| {
-                ((o * 29 + i * 13) % 17) as f32 / 8.5 - 1.0
-            });
-            let x = Array2::from_shape_fn((1, in_f), |(_, i)| ((i * 7) % 11) as f32 / 5.5 - 1.0);
-            let dtype = if bf16 {
-                WeightDtype::Bf16
-            } else {
-                WeightDtype::F32
-            };
-            let expected = naive(&w, &None, &x, dtype);
-            for isa in Isa::available() {
-                let layer = FastLinear::new(w.clone(), None, dtype).with_isa(isa);
-                let split = |even: bool| {
-                    set_even_split(even);
-                    layer.forward(x.view())
-                };
-                let (even, many) = (split(true), split(false));
-                set_even_split(true);
-                let bits = |y: &Array2<f32>| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                prop_assert_eq!(
-                    bits(&even),
-                    bits(&many),
-                    "{:?} {:?} W {:?}",
-                    isa,
-                    dtype,
-                    w.dim()
-                );
-                assert_close_shaped(
-                    &format!("{isa:?} {dtype:?}: W {:?}", w.dim()),
-                    even.as_slice().unwrap(),
-                    &expected,
-                    &[1, out_f],
-                    Tolerance::F32,
-                );
-            }
-            Ok(())
-        })
+    let rows = prop_oneof![
+        Just(0usize),
+        Just(1),
+        Just(2 * NR - 1),
+        Just(edge - NR),
+        Just(edge - 1),
+        Just(edge),
+        Just(edge + 1),
+        Just(edge + NR),
+        1usize..2 * edge + 40,
+    ];
+    let shapes = (rows, 1usize..90, any::<bool>());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
         .unwrap();
+    pool.install(|| {
+        runner(24)
+            .run(&shapes, |(out_f, in_f, bf16)| {
+                let w = Array2::from_shape_fn((out_f, in_f), |(o, i)| {
+                    ((o * 29 + i * 13) % 17) as f32 / 8.5 - 1.0
+                });
+                let x =
+                    Array2::from_shape_fn((1, in_f), |(_, i)| ((i * 7) % 11) as f32 / 5.5 - 1.0);
+                let dtype = if bf16 {
+                    WeightDtype::Bf16
+                } else {
+                    WeightDtype::F32
+                };
+                let expected = naive(&w, &None, &x, dtype);
+                for isa in Isa::available() {
+                    let layer = FastLinear::new(w.clone(), None, dtype).with_isa(isa);
+                    let split = |even: bool| {
+                        set_even_split(even);
+                        let mut y = Array2::from_elem((1, out_f), f32::NAN);
+                        layer.forward_into(x.view(), y.view_mut());
+                        set_even_split(true);
+                        y
+                    };
+                    let (even, many) = (split(true), split(false));
+                    let bits = |y: &Array2<f32>| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    prop_assert_eq!(
+                        bits(&even),
+                        bits(&many),
+                        "{:?} {:?} W {:?}",
+                        isa,
+                        dtype,
+                        w.dim()
+                    );
+                    assert_close_shaped(
+                        &format!("{isa:?} {dtype:?}: W {:?}", w.dim()),
+                        even.as_slice().unwrap(),
+                        &expected,
+                        &[1, out_f],
+                        Tolerance::F32,
+                    );
+                }
+                Ok(())
+            })
+            .unwrap()
+    });
 }
 
 #[test]

@@ -169,48 +169,66 @@ fn kernels_equal_dequantize_then_dense_within_the_derived_bound() {
 
 /// One token's product splits a matrix of up to 2048 rows (chapter 2's `EVEN_SPLIT_PANELS`
 /// panels) evenly across the threads, a larger one into many tasks: both ways equal the
-/// portable product bit for bit, on row counts around the boundary.
+/// portable product bit for bit, on row counts around the boundary (and the boundary itself,
+/// and fewer rows than a task's 32); every output is written (they start as NaN). Three
+/// threads, so that splits are uneven.
 #[test]
 fn one_token_products_split_evenly_or_not_give_the_same_bits() {
     use ch02::kernels::{EVEN_SPLIT_PANELS, NR, set_even_split};
     let edge = EVEN_SPLIT_PANELS * NR;
-    let shapes = (0..FORMATS.len(), 1usize..2 * edge + 40, 1usize..3);
-    seeded_runner(16, 57)
-        .run(&shapes, |(f, out, blocks)| {
-            let ty = FORMATS[f];
-            let cols = blocks * ty.block_elems();
-            let w: Vec<f32> = (0..out * cols)
-                .map(|i| ((i * 29) % 17) as f32 / 8.5 - 1.0)
-                .collect();
-            let x: Vec<f32> = (0..cols)
-                .map(|i| ((i * 7) % 11) as f32 / 5.5 - 1.0)
-                .collect();
-            let w = QuantMatrix::quantize(ty, &w, out, cols).unwrap();
-            let mut scratch = Scratch::default();
-            let mut expected = vec![0.0f32; out];
-            matmul(Isa::Portable, &w, &x, &mut expected, 1, &mut scratch);
-            let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            for isa in Isa::available() {
-                for even in [true, false] {
-                    set_even_split(even);
-                    let mut y = vec![0.0f32; out];
-                    matvec(isa, &w, &x, &mut y, &mut scratch);
-                    set_even_split(true);
-                    prop_assert_eq!(
-                        bits(&y),
-                        bits(&expected),
-                        "{:?} {} [{}, {}], even split {}",
-                        isa,
-                        ty,
-                        out,
-                        cols,
-                        even
-                    );
-                }
-            }
-            Ok(())
-        })
+    let rows = prop_oneof![
+        Just(1usize),
+        Just(31),
+        Just(edge - 32),
+        Just(edge - 1),
+        Just(edge),
+        Just(edge + 1),
+        Just(edge + 32),
+        1usize..2 * edge + 40,
+    ];
+    let shapes = (0..FORMATS.len(), rows, 1usize..3);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
         .unwrap();
+    pool.install(|| {
+        seeded_runner(24, 57)
+            .run(&shapes, |(f, out, blocks)| {
+                let ty = FORMATS[f];
+                let cols = blocks * ty.block_elems();
+                let w: Vec<f32> = (0..out * cols)
+                    .map(|i| ((i * 29) % 17) as f32 / 8.5 - 1.0)
+                    .collect();
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| ((i * 7) % 11) as f32 / 5.5 - 1.0)
+                    .collect();
+                let w = QuantMatrix::quantize(ty, &w, out, cols).unwrap();
+                let mut scratch = Scratch::default();
+                let mut expected = vec![0.0f32; out];
+                matmul(Isa::Portable, &w, &x, &mut expected, 1, &mut scratch);
+                let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                for isa in Isa::available() {
+                    for even in [true, false] {
+                        set_even_split(even);
+                        let mut y = vec![f32::NAN; out];
+                        matvec(isa, &w, &x, &mut y, &mut scratch);
+                        set_even_split(true);
+                        prop_assert_eq!(
+                            bits(&y),
+                            bits(&expected),
+                            "{:?} {} [{}, {}], even split {}",
+                            isa,
+                            ty,
+                            out,
+                            cols,
+                            even
+                        );
+                    }
+                }
+                Ok(())
+            })
+            .unwrap()
+    });
 }
 
 /// Stored bytes that no encoder writes (random nibbles and scales, Q8_0's −128, Q6_K's

@@ -191,9 +191,9 @@ pub const EVEN_SPLIT_PANELS: usize = 128;
 /// Whether [`matvec`] splits small matrices evenly; see [`set_even_split`].
 static EVEN_SPLIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// `false` makes [`matvec`] split every matrix into [`panels_per_task`]'s tasks, as before small
-/// ones were split evenly, for the whole process; the results are the same bits either way. For
-/// measuring the difference (`examples/matvec_split.rs`).
+/// `false` makes [`matvec`] split every matrix into tasks of at most 8 panels, about four per
+/// thread, as before small ones were split evenly, for the whole process; the results are the
+/// same bits either way. For measuring the difference (`examples/matvec_split.rs`).
 pub fn set_even_split(on: bool) {
     EVEN_SPLIT.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -204,17 +204,18 @@ pub fn even_split() -> bool {
     EVEN_SPLIT.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Panels one task of [`matvec`] handles. A decode product is a stream of its weights from
-/// memory, and on two threads a short one reads slower than its bytes say: in a fast moment
-/// of this machine's memory, one call cost about 4 µs more than its bytes at the rate of a
-/// large matrix, on one thread nothing (`examples/projection_sizes.rs`). Cut into four tasks per
-/// thread, a layer's projection is several short runs per thread; one task per thread makes it
-/// one contiguous run each, and decoded bf16 tokens 3-8% faster in fast moments, the same in
-/// slow ones (`examples/matvec_split.rs`, AMD EPYC, 2 threads). A large matrix (a model's head)
-/// keeps the many tasks, which let a thread that falls behind be helped.
+/// Panels one task of [`matvec`] handles (at least 1). A decode product is a stream of its
+/// weights from memory, and on two threads a short one reads slower than its bytes say: in a
+/// fast moment of this machine's memory, one call cost about 4 µs more than its bytes at the
+/// rate of a large matrix, on one thread nothing (`examples/projection_sizes.rs`). Cut into
+/// about four tasks per thread, a layer's projection is several short runs per thread; one task
+/// per thread makes it one contiguous run each: whole bf16 decodes 4% faster on two threads
+/// (`examples/matvec_split.rs`), 3% to 8% in fast moments and 1% in a slow one (a temporary
+/// switch in `examples/decode_profile.rs`; AMD EPYC, 2026-12-05). A large matrix (a model's
+/// head) keeps the many tasks, which let a thread that falls behind be helped.
 fn matvec_panels_per_task(panels: usize) -> usize {
     if panels <= EVEN_SPLIT_PANELS && even_split() {
-        panels.div_ceil(rayon::current_num_threads())
+        panels.div_ceil(rayon::current_num_threads()).max(1)
     } else {
         panels_per_task(panels)
     }

@@ -924,7 +924,7 @@ fn rows_per_task(rows: usize) -> usize {
         .next_multiple_of(32)
 }
 
-/// Output rows one task of [`matvec`] computes. A matrix of at most chapter 2's
+/// Output rows one task of [`matvec`] computes (at least 32). A matrix of at most chapter 2's
 /// `EVEN_SPLIT_PANELS` panels of rows (2048: every projection of a SmolLM2 layer) is split
 /// evenly, one contiguous run per thread, as chapter 2's decode product splits it (a short
 /// stream cut into several tasks per thread reads slower in the machine's fast moments);
@@ -933,6 +933,7 @@ fn matvec_rows_per_task(rows: usize) -> usize {
     if rows <= EVEN_SPLIT_PANELS * NR && even_split() {
         rows.div_ceil(rayon::current_num_threads())
             .next_multiple_of(32)
+            .max(32)
     } else {
         rows_per_task(rows)
     }
