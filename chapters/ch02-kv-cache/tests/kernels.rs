@@ -120,6 +120,36 @@ fn threaded_products_equal_the_naive_product() {
         .unwrap();
 }
 
+/// A weight [out, in] and input [tokens, in] of fixed patterns (large shapes without the cost
+/// of random values), and the storage `bf16` asks for.
+fn patterned(
+    out_f: usize,
+    in_f: usize,
+    tokens: usize,
+    bf16: bool,
+) -> (Array2<f32>, Array2<f32>, WeightDtype) {
+    let w = Array2::from_shape_fn((out_f, in_f), |(o, i)| {
+        ((o * 29 + i * 13) % 17) as f32 / 8.5 - 1.0
+    });
+    let x = Array2::from_shape_fn((tokens, in_f), |(t, i)| {
+        ((t * 5 + i * 7) % 11) as f32 / 5.5 - 1.0
+    });
+    let dtype = if bf16 {
+        WeightDtype::Bf16
+    } else {
+        WeightDtype::F32
+    };
+    (w, x, dtype)
+}
+
+/// `layer` on `x` [T, in] into an output that starts as NaN: an output the product does not
+/// write stays NaN and fails any comparison.
+fn forward_from_nan(layer: &FastLinear, x: ndarray::ArrayView2<f32>) -> Array2<f32> {
+    let mut y = Array2::from_elem((x.nrows(), layer.out_features()), f32::NAN);
+    layer.forward_into(x, y.view_mut());
+    y
+}
+
 /// One token's product splits a matrix of up to `EVEN_SPLIT_PANELS` panels evenly across the
 /// threads, a larger one into many tasks: both ways give the same bits on sizes around the
 /// boundary (and the boundary itself, fewer panels than threads, none), equal to the naive
@@ -148,23 +178,13 @@ fn one_token_products_split_evenly_or_not_give_the_same_bits() {
     pool.install(|| {
         runner(24)
             .run(&shapes, |(out_f, in_f, bf16)| {
-                let w = Array2::from_shape_fn((out_f, in_f), |(o, i)| {
-                    ((o * 29 + i * 13) % 17) as f32 / 8.5 - 1.0
-                });
-                let x =
-                    Array2::from_shape_fn((1, in_f), |(_, i)| ((i * 7) % 11) as f32 / 5.5 - 1.0);
-                let dtype = if bf16 {
-                    WeightDtype::Bf16
-                } else {
-                    WeightDtype::F32
-                };
+                let (w, x, dtype) = patterned(out_f, in_f, 1, bf16);
                 let expected = naive(&w, &None, &x, dtype);
                 for isa in Isa::available() {
                     let layer = FastLinear::new(w.clone(), None, dtype).with_isa(isa);
                     let split = |even: bool| {
                         set_even_split(even);
-                        let mut y = Array2::from_elem((1, out_f), f32::NAN);
-                        layer.forward_into(x.view(), y.view_mut());
+                        let y = forward_from_nan(&layer, x.view());
                         set_even_split(true);
                         y
                     };
@@ -190,6 +210,61 @@ fn one_token_products_split_evenly_or_not_give_the_same_bits() {
             })
             .unwrap()
     });
+}
+
+/// Products of 2 to `MATVEC_TOKENS` tokens run the several-token matvec on AVX2: every row
+/// equals that token's one-token product bit for bit, and the naive product; with the switch
+/// off (the GEMM micro-kernel) they equal the naive product too. Outputs start as NaN, so an
+/// unwritten one fails.
+#[test]
+fn few_token_products_equal_one_token_products_bit_for_bit() {
+    use ch02_kv_cache::kernels::{MATVEC_TOKENS, set_tokens_matvec};
+    let shapes = (0usize..300, 1usize..90, 2..=MATVEC_TOKENS, any::<bool>());
+    runner(24)
+        .run(&shapes, |(out_f, in_f, tokens, bf16)| {
+            let (w, x, dtype) = patterned(out_f, in_f, tokens, bf16);
+            let expected = naive(&w, &None, &x, dtype);
+            for isa in Isa::available() {
+                let layer = FastLinear::new(w.clone(), None, dtype).with_isa(isa);
+                let run = |x: ndarray::ArrayView2<f32>| forward_from_nan(&layer, x);
+                for matvec in [true, false] {
+                    set_tokens_matvec(matvec);
+                    let y = run(x.view());
+                    set_tokens_matvec(true);
+                    assert_close_shaped(
+                        &format!(
+                            "{isa:?} {dtype:?} matvec {matvec}: W {:?}, x {:?}",
+                            w.dim(),
+                            x.dim()
+                        ),
+                        y.as_slice().unwrap(),
+                        &expected,
+                        &[tokens, out_f],
+                        Tolerance::F32,
+                    );
+                    if matvec && isa != Isa::Portable {
+                        for t in 0..tokens {
+                            let one = run(x.slice(ndarray::s![t..t + 1, ..]));
+                            let bits = |v: ndarray::ArrayView1<f32>| {
+                                v.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                            };
+                            prop_assert_eq!(
+                                bits(y.row(t)),
+                                bits(one.row(0)),
+                                "{:?} {:?} W {:?}, token {} of {}",
+                                isa,
+                                dtype,
+                                w.dim(),
+                                t,
+                                tokens
+                            );
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 #[test]

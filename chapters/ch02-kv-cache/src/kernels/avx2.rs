@@ -92,6 +92,75 @@ unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut 
     }
 }
 
+/// [`panel_matvec`] for `T` tokens at once: `out[t][j] = Σ_k x[t][k] · panel[k][j]`, each weight
+/// load serving every token, and each token's sums in [`panel_matvec`]'s order (the same four
+/// `k` at a time into eight accumulators, added up the same way), so that every row equals
+/// that token's [`panel_matvec`] bit for bit. `panel`: [in][NR], `x`: [T, in] row-major.
+///
+/// Panics unless `x.len() == T * in` where `panel.len() == in * NR`.
+pub fn panel_matvec_tokens<W: WeightElement, const T: usize>(
+    _cpu: Avx2Fma,
+    panel: &[W],
+    x: &[f32],
+    out: &mut [[f32; NR]; T],
+) {
+    assert_eq!(
+        x.len() * NR,
+        T * panel.len(),
+        "panel is [in][NR], x is [T, in]"
+    );
+    // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
+    unsafe { panel_matvec_tokens_avx2::<W, T>(panel, x, out) }
+}
+
+/// [`panel_matvec_tokens`]'s body.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `x.len() * NR == T * panel.len()`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
+    panel: &[W],
+    x: &[f32],
+    out: &mut [[f32; NR]; T],
+) {
+    const UNROLL: usize = 4;
+    let k_len = panel.len() / NR;
+    let ahead = super::prefetch_distance() / size_of::<[W; NR]>();
+    let (p, x) = (panel.as_ptr(), x.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 2 * UNROLL]; T];
+    let main = k_len / UNROLL * UNROLL;
+    // SAFETY: the caller guarantees AVX2 and FMA. Every `k` read is below `k_len`, so
+    // `panel[k * NR..][..NR]` is inside `panel` and `x[t * k_len + k]` inside `x` (`T * k_len`
+    // elements) for t < T; each `out[t]` holds NR = 16 f32, the two 8-wide stores.
+    unsafe {
+        for k in (0..main).step_by(UNROLL) {
+            for u in 0..UNROLL {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((k + u + ahead) * NR) as *const i8);
+                let (w_lo, w_hi) = W::load16(p.add((k + u) * NR));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let x_k = _mm256_set1_ps(*x.add(t * k_len + k + u));
+                    acc[2 * u] = _mm256_fmadd_ps(w_lo, x_k, acc[2 * u]);
+                    acc[2 * u + 1] = _mm256_fmadd_ps(w_hi, x_k, acc[2 * u + 1]);
+                }
+            }
+        }
+        for k in main..k_len {
+            let (w_lo, w_hi) = W::load16(p.add(k * NR));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let x_k = _mm256_set1_ps(*x.add(t * k_len + k));
+                acc[0] = _mm256_fmadd_ps(w_lo, x_k, acc[0]);
+                acc[1] = _mm256_fmadd_ps(w_hi, x_k, acc[1]);
+            }
+        }
+        for (acc, out) in acc.iter().zip(out.iter_mut()) {
+            let lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[4], acc[6]));
+            let hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[3]), _mm256_add_ps(acc[5], acc[7]));
+            _mm256_storeu_ps(out.as_mut_ptr(), lo);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), hi);
+        }
+    }
+}
+
 // ANCHOR: micro_kernel
 /// `c[r][j] = Σ_k x[r][k] · b[k][j]`: an M × 16 output tile (M ≤ 6) held in 2·M registers; per
 /// `k`, two weight loads, M broadcasts (one from each token row) and 2·M fused multiply-adds.

@@ -588,7 +588,71 @@ pub fn linear<W: WeightElement>(
 ) {
     if tokens == 1 {
         matvec(isa, w, x, y);
+    } else if (2..=MATVEC_TOKENS).contains(&tokens)
+        && TOKENS_MATVEC.load(std::sync::atomic::Ordering::Relaxed)
+    {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx2Fma(cpu) = isa {
+            match tokens {
+                2 => matvec_tokens::<W, 2>(cpu, w, x, y),
+                _ => matvec_tokens::<W, 3>(cpu, w, x, y),
+            }
+            return;
+        }
+        matmul(isa, w, x, y, tokens);
     } else {
         matmul(isa, w, x, y, tokens);
     }
+}
+
+/// Products of up to this many tokens (and more than one) run `avx2::panel_matvec_tokens`
+/// on AVX2 instead of the GEMM micro-kernel: a step of 2 or 3 tokens (speculative decoding's
+/// checks, a batch at low concurrency) streams its weights as a decode does. Measured on one
+/// pass of 2 and 3 tokens through SmolLM2's projections (`examples/small_steps.rs`, AMD EPYC,
+/// 2 threads, 2026-12-05): bf16 weights read at 32.0 and 28.7 GB/s instead of 25.2 and 23.2,
+/// f32 at 32.9 and 35.3 instead of 29.8 and 31.7; at 4 tokens no faster (its accumulators no
+/// longer fit the registers).
+pub const MATVEC_TOKENS: usize = 3;
+
+/// Whether [`linear`] runs products of 2 to [`MATVEC_TOKENS`] tokens through
+/// `avx2::panel_matvec_tokens`; see [`set_tokens_matvec`].
+static TOKENS_MATVEC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes [`linear`] run every product of several tokens on the GEMM micro-kernel, as
+/// before, for the whole process. The rows differ in rounding between the two (the GEMM sums
+/// each output's terms in one chain, the matvec in four). For measuring the difference
+/// (`examples/small_steps.rs`).
+pub fn set_tokens_matvec(on: bool) {
+    TOKENS_MATVEC.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `y[t, o] = Σ_k x[t, k] · W[o, k]` for `T` tokens, each panel read once for all of them, the
+/// panels split across threads as [`matvec`] splits them. Every row equals that token's
+/// [`matvec`], bit for bit. `x`: [T, in], `y`: [T, out].
+#[cfg(target_arch = "x86_64")]
+fn matvec_tokens<W: WeightElement, const T: usize>(
+    cpu: Avx2Fma,
+    w: &PackedWeight<W>,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    let (n, panels) = (w.out_features(), w.num_panels());
+    assert_eq!(x.len(), T * w.in_features(), "x is [T, in]");
+    assert_eq!(y.len(), T * n, "y is [T, out]");
+    let per_task = matvec_panels_per_task(panels);
+    let out = SharedOut::new(y);
+    (0..panels.div_ceil(per_task))
+        .into_par_iter()
+        .for_each(|task| {
+            for p in task * per_task..((task + 1) * per_task).min(panels) {
+                let mut tile = [[0.0f32; NR]; T];
+                avx2::panel_matvec_tokens::<W, T>(cpu, w.panel(p), x, &mut tile);
+                let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
+                for (t, row) in tile.iter().enumerate() {
+                    // SAFETY: panel `p`'s columns of row `t` belong to this task alone.
+                    let y_t = unsafe { out.slice(t * n + cols.start, cols.len()) };
+                    y_t.copy_from_slice(&row[..cols.len()]);
+                }
+            }
+        });
 }
