@@ -607,11 +607,11 @@ pub fn linear<W: WeightElement>(
 
 /// Products of up to this many tokens (and more than one) run `avx2::panel_matvec_tokens`
 /// on AVX2 instead of the GEMM micro-kernel: a step of 2 or 3 tokens (speculative decoding's
-/// checks, a batch at low concurrency) streams its weights as a decode does. Measured on one
-/// pass of 2 and 3 tokens through SmolLM2's projections (`examples/small_steps.rs`, AMD EPYC,
-/// 2 threads, 2026-12-05): bf16 weights read at 32.0 and 28.7 GB/s instead of 25.2 and 23.2,
-/// f32 at 32.9 and 35.3 instead of 29.8 and 31.7; at 4 tokens no faster (its accumulators no
-/// longer fit the registers).
+/// checks, a batch at low concurrency) streams its weights as a decode does. Measured on passes
+/// of 2 and 3 tokens through SmolLM2's projections (`examples/small_steps.rs`, AMD EPYC, 2
+/// threads, 2026-12-05, two runs): 15% to 32% faster in seven of eight (bf16 and f32, 2 and 3
+/// tokens), 8% slower once (f32, 3 tokens); at 4 tokens no faster (its accumulators no longer
+/// fit the registers).
 pub const MATVEC_TOKENS: usize = 3;
 
 /// Whether [`linear`] runs products of 2 to [`MATVEC_TOKENS`] tokens through
