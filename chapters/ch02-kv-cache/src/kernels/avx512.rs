@@ -14,19 +14,27 @@ use super::{NR, WeightElement};
 /// Token rows of the AVX-512 micro-kernel's output tile.
 pub const MR_512: usize = 12;
 
-/// Proof that the CPU running this process has AVX-512F (and AVX2 and FMA, which the other
-/// kernels of a step use). Its field is private: only [`Avx512::detect`] makes one, after
-/// run-time detection said so.
+/// Proof that the CPU running this process has AVX-512F and AVX-512VL (every AVX-512 CPU
+/// since the first Xeon Scalable has both; VL gives 8-lane instructions the 32 registers), and
+/// AVX2 and FMA, which the other kernels of a step use. Its field is private: only
+/// [`Avx512::detect`] makes one, after run-time detection said so.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Avx512(());
 
 impl Avx512 {
-    /// A proof if this CPU has AVX-512F, AVX2 and FMA (checked now), else `None`.
+    /// A proof if this CPU has AVX-512F, AVX-512VL, AVX2 and FMA (checked now), else `None`.
     pub fn detect() -> Option<Avx512> {
         (is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma"))
         .then_some(Avx512(()))
+    }
+
+    /// [`Avx512::detect`], checked once per process.
+    pub fn cached() -> Option<Avx512> {
+        static AVX512: std::sync::OnceLock<Option<Avx512>> = std::sync::OnceLock::new();
+        *AVX512.get_or_init(Avx512::detect)
     }
 }
 

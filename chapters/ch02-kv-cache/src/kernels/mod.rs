@@ -18,10 +18,11 @@
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
 //! and [`Isa::Portable`], plain Rust that any target compiles. Tests compare both with a naive
-//! product. On a CPU with AVX-512F the prefill micro-kernel has two more forms ([`Gemm`]): a
+//! product. On a CPU with AVX-512 (F and VL) the prefill micro-kernel has two more forms ([`Gemm`]): a
 //! register holds 16 lanes, so a tile is 12 tokens tall and each weight loaded serves twice as
 //! many tokens; and, the one `matmul` runs, two adjacent panels at once, so each token value
-//! broadcast serves two multiply-adds. Both compute the same bits as the AVX2 one.
+//! broadcast serves two multiply-adds. Both compute the same bits as the AVX2 one. Steps of two
+//! or three tokens run the AVX2 matvec compiled with AVX-512VL there, for its 32 registers.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -118,13 +119,10 @@ impl Gemm {
         match isa {
             Isa::Portable => Gemm::Portable,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma(cpu) => {
-                static AVX512: std::sync::OnceLock<Option<Avx512>> = std::sync::OnceLock::new();
-                match *AVX512.get_or_init(Avx512::detect) {
-                    Some(wide) => Gemm::Avx512Pair(wide),
-                    None => Gemm::Avx2Fma(cpu),
-                }
-            }
+            Isa::Avx2Fma(cpu) => match Avx512::cached() {
+                Some(wide) => Gemm::Avx512Pair(wide),
+                None => Gemm::Avx2Fma(cpu),
+            },
         }
     }
 
@@ -611,7 +609,9 @@ pub fn linear<W: WeightElement>(
 /// of 2 and 3 tokens through SmolLM2's projections (`examples/small_steps.rs`, AMD EPYC, 2
 /// threads, 2026-12-05, two runs): 15% to 32% faster in seven of eight (bf16 and f32, 2 and 3
 /// tokens), 8% slower once (f32, 3 tokens); at 4 tokens no faster (its accumulators no longer
-/// fit the registers).
+/// fit the registers). With AVX-512VL's 32 registers (`avx2::panel_matvec_tokens_wide`, where
+/// the CPU has them) no accumulator spills: from cache 1.3 to 1.7 times as fast on one thread
+/// and 1.3 to 7 on two, from memory 5% to 25% (Intel Xeon, 2 threads, 2026-12-05, two runs).
 pub const MATVEC_TOKENS: usize = 3;
 
 /// Whether [`linear`] runs products of 2 to [`MATVEC_TOKENS`] tokens through
@@ -624,6 +624,17 @@ static TOKENS_MATVEC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 /// (`examples/small_steps.rs`).
 pub fn set_tokens_matvec(on: bool) {
     TOKENS_MATVEC.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`linear`]'s products of 2 to [`MATVEC_TOKENS`] tokens use AVX-512VL's 32 vector
+/// registers where the CPU has them; see [`set_wide_registers`].
+static WIDE_REGISTERS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes the several-token matvec keep to AVX2's 16 vector registers, as before, for the
+/// whole process; the results are the same bits either way. For measuring the difference
+/// (`examples/small_steps.rs`).
+pub fn set_wide_registers(on: bool) {
+    WIDE_REGISTERS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `y[t, o] = Σ_k x[t, k] · W[o, k]` for `T` tokens, each panel read once for all of them, the
@@ -640,13 +651,20 @@ fn matvec_tokens<W: WeightElement, const T: usize>(
     assert_eq!(x.len(), T * w.in_features(), "x is [T, in]");
     assert_eq!(y.len(), T * n, "y is [T, out]");
     let per_task = matvec_panels_per_task(panels);
+    let wide =
+        Avx512::cached().filter(|_| WIDE_REGISTERS.load(std::sync::atomic::Ordering::Relaxed));
     let out = SharedOut::new(y);
     (0..panels.div_ceil(per_task))
         .into_par_iter()
         .for_each(|task| {
             for p in task * per_task..((task + 1) * per_task).min(panels) {
                 let mut tile = [[0.0f32; NR]; T];
-                avx2::panel_matvec_tokens::<W, T>(cpu, w.panel(p), x, &mut tile);
+                match wide {
+                    Some(wide) => {
+                        avx2::panel_matvec_tokens_wide::<W, T>(wide, w.panel(p), x, &mut tile)
+                    }
+                    None => avx2::panel_matvec_tokens::<W, T>(cpu, w.panel(p), x, &mut tile),
+                }
                 let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
                 for (t, row) in tile.iter().enumerate() {
                     // SAFETY: panel `p`'s columns of row `t` belong to this task alone.

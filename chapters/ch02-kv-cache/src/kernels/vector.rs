@@ -261,7 +261,7 @@ pub fn scaled_softmax(x: &mut [f32], scale: f32) {
 /// the order the code names.
 pub fn scaled_softmax_fastest(x: &mut [f32], scale: f32) {
     #[cfg(target_arch = "x86_64")]
-    if super::Avx512::detect().is_some() {
+    if super::Avx512::cached().is_some() {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn avx512(x: &mut [f32], scale: f32) {
             scaled_softmax(x, scale)
