@@ -1,8 +1,9 @@
-//! Steps of a few tokens (speculative decoding's checks, a batch at low concurrency), 1 to 4
-//! tokens, bf16 and f32 weights, three ways: the GEMM micro-kernel, and the several-token
-//! matvec (`kernels::set_tokens_matvec`, which runs 2 and 3 tokens) with AVX2's 16 vector
-//! registers and with AVX-512VL's 32 (`kernels::set_wide_registers`, where the CPU has them).
-//! The ways alternate within one process, so that the machine's drift falls on all alike.
+//! Steps of a few tokens (speculative decoding's checks, a batch at low concurrency), 1 to 7
+//! tokens, bf16 and f32 weights, three ways: the GEMM micro-kernel; the AVX2 several-token
+//! matvec (`kernels::set_tokens_matvec`, which runs 2 and 3 tokens); and the AVX-512 one
+//! (`kernels::set_tokens_matvec_512`, 2 to 6 tokens, where the CPU has AVX-512F). A way that
+//! does not take a step's token count runs it on the GEMM micro-kernel. The ways alternate
+//! within one process, so that the machine's drift falls on all alike.
 //!
 //! Two tables, in GB/s of weights read (medians):
 //! - **from memory**: one pass through every projection of every layer of the model, on every
@@ -15,7 +16,7 @@
 use std::time::Instant;
 
 use ch01::linear::Linear;
-use ch02_kv_cache::kernels::{set_tokens_matvec, set_wide_registers};
+use ch02_kv_cache::kernels::{set_tokens_matvec, set_tokens_matvec_512};
 use ch02_kv_cache::{FastLinear, WeightDtype, load_fast};
 use ndarray::Array2;
 
@@ -29,8 +30,8 @@ const ROUNDS: usize = 15;
 const REPEATS: usize = 200;
 const WAYS: [&str; 3] = [
     "GEMM micro-kernel",
-    "several-token matvec, 16 registers",
-    "several-token matvec, 32 registers",
+    "AVX2 several-token matvec",
+    "AVX-512 several-token matvec",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -45,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for dtype in [WeightDtype::Bf16, WeightDtype::F32] {
         let model = load_fast(dir.as_ref(), dtype)?;
         let gb = bytes(&model) as f64 / 1e6;
-        for tokens in 1..=4 {
+        for tokens in 1..=7 {
             let x = input(tokens, model.config.hidden_size);
             let ms =
                 pool.install(|| alternate(WAYS.len(), ROUNDS, |way| set(way, || pass(&model, &x))));
@@ -63,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for dtype in [WeightDtype::Bf16, WeightDtype::F32] {
             let layer = FastLinear::new(w.clone(), None, dtype);
             let gb = layer.weight_bytes() as f64 / 1e6;
-            for tokens in 1..=4 {
+            for tokens in 1..=7 {
                 let x = input(tokens, w.ncols());
                 let mut y = Array2::zeros((tokens, w.nrows()));
                 let ms = pool.install(|| {
@@ -82,14 +83,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     set_tokens_matvec(true);
-    set_wide_registers(true);
+    set_tokens_matvec_512(true);
     Ok(())
 }
 
 /// Runs `f` the way `way` of [`WAYS`] names.
 fn set(way: usize, f: impl FnOnce() -> f64) -> f64 {
     set_tokens_matvec(way >= 1);
-    set_wide_registers(way == 2);
+    set_tokens_matvec_512(way == 2);
     f()
 }
 

@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Avx2Fma, Avx512, MR, NR, WeightElement};
+use super::{Avx2Fma, MR, NR, WeightElement};
 
 /// 16 f32 weights as two 8-lane vectors.
 ///
@@ -104,50 +104,12 @@ pub fn panel_matvec_tokens<W: WeightElement, const T: usize>(
     x: &[f32],
     out: &mut [[f32; NR]; T],
 ) {
-    check_tokens_shapes(panel, x, T);
-    // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
-    unsafe { panel_matvec_tokens_avx2::<W, T>(panel, x, out) }
-}
-
-/// [`panel_matvec_tokens`] with AVX-512VL's 32 vector registers: the same 8-lane
-/// instructions, so the same bits, but AVX2's 16 registers cannot hold the accumulators of two
-/// or three tokens (16 or 24) beside the weights and the broadcast inputs, and the compiler
-/// keeps some of them on the stack, loaded and stored at every step. Measured on SmolLM2's
-/// projections (`examples/small_steps.rs`): see [`MATVEC_TOKENS`](super::MATVEC_TOKENS).
-///
-/// Panics unless `x.len() == T * in` where `panel.len() == in * NR`.
-pub fn panel_matvec_tokens_wide<W: WeightElement, const T: usize>(
-    _cpu: Avx512,
-    panel: &[W],
-    x: &[f32],
-    out: &mut [[f32; NR]; T],
-) {
-    check_tokens_shapes(panel, x, T);
-    // SAFETY: `_cpu` proves the CPU has AVX-512F, AVX-512VL, AVX2 and FMA, and the lengths
-    // were checked above.
-    unsafe { panel_matvec_tokens_avx512vl::<W, T>(panel, x, out) }
-}
-
-fn check_tokens_shapes<W>(panel: &[W], x: &[f32], tokens: usize) {
     assert_eq!(
         x.len() * NR,
-        tokens * panel.len(),
+        T * panel.len(),
         "panel is [in][NR], x is [T, in]"
     );
-}
-
-/// [`panel_matvec_tokens_avx2`] inlined into a function compiled with AVX-512VL, whose
-/// registers 16 to 31 the compiler may then use.
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX-512VL, AVX2 and FMA; `x.len() * NR == T * panel.len()`.
-#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
-unsafe fn panel_matvec_tokens_avx512vl<W: WeightElement, const T: usize>(
-    panel: &[W],
-    x: &[f32],
-    out: &mut [[f32; NR]; T],
-) {
-    // SAFETY: this function's features include the body's; the caller keeps its contract.
+    // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
     unsafe { panel_matvec_tokens_avx2::<W, T>(panel, x, out) }
 }
 
@@ -155,7 +117,6 @@ unsafe fn panel_matvec_tokens_avx512vl<W: WeightElement, const T: usize>(
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `x.len() * NR == T * panel.len()`.
-#[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
     panel: &[W],

@@ -6,26 +6,27 @@
 //! zero-extension and one shift) and does one fused multiply-add per token of the tile: each
 //! output is the same chain `acc = fma(x[t][k], w[k][o], acc)` over `k` in order as in the
 //! AVX2 kernel, so the two compute **the same bits** (tested with `==`).
+//!
+//! [`panel_matvec_tokens`], for steps of two to six tokens, is AVX2's several-token matvec with
+//! one 16-lane register where that one needs two: the same bits as AVX2's, without its spills.
 
 use std::arch::x86_64::*;
 
-use super::{NR, WeightElement};
+use super::{MATVEC_TOKENS_512, NR, WeightElement};
 
 /// Token rows of the AVX-512 micro-kernel's output tile.
 pub const MR_512: usize = 12;
 
-/// Proof that the CPU running this process has AVX-512F and AVX-512VL (every AVX-512 CPU
-/// since the first Xeon Scalable has both; VL gives 8-lane instructions the 32 registers), and
-/// AVX2 and FMA, which the other kernels of a step use. Its field is private: only
-/// [`Avx512::detect`] makes one, after run-time detection said so.
+/// Proof that the CPU running this process has AVX-512F (and AVX2 and FMA, which the other
+/// kernels of a step use). Its field is private: only [`Avx512::detect`] makes one, after
+/// run-time detection said so.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Avx512(());
 
 impl Avx512 {
-    /// A proof if this CPU has AVX-512F, AVX-512VL, AVX2 and FMA (checked now), else `None`.
+    /// A proof if this CPU has AVX-512F, AVX2 and FMA (checked now), else `None`.
     pub fn detect() -> Option<Avx512> {
         (is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma"))
         .then_some(Avx512(()))
@@ -157,6 +158,86 @@ unsafe fn tile_matmul_avx512<W: WeightElement, const M: usize>(
     }
 }
 // ANCHOR_END: micro_kernel_512
+
+// ANCHOR: matvec_tokens_512
+/// `out[t][j] = Σ_k x[t][k] · panel[k][j]` for `T` tokens (a step of a few tokens), one
+/// 16-lane register per token and unrolled step where AVX2 needs two: `T` ≤ [`MATVEC_TOKENS_512`]
+/// tokens' 4·`T` accumulators, the four weight vectors and a broadcast fit the 32 registers.
+/// Each token's sums run in `avx2::panel_matvec`'s order (four `k` at a time into four chains,
+/// added up as `(c0 + c1) + (c2 + c3)`), lane by lane the same multiply-adds, so every row equals
+/// that token's one-token product bit for bit. `panel`: [in][NR], `x`: [T, in] row-major.
+///
+/// Panics unless `x.len() == T * in` where `panel.len() == in * NR`; `T <= MATVEC_TOKENS_512`
+/// is checked at compile time.
+pub fn panel_matvec_tokens<W: WeightElement, const T: usize>(
+    _cpu: Avx512,
+    panel: &[W],
+    x: &[f32],
+    out: &mut [[f32; NR]; T],
+) {
+    const { assert!(T <= MATVEC_TOKENS_512, "at most MATVEC_TOKENS_512 tokens") };
+    assert_eq!(
+        x.len() * NR,
+        T * panel.len(),
+        "panel is [in][NR], x is [T, in]"
+    );
+    // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
+    unsafe { panel_matvec_tokens_avx512::<W, T>(panel, x, out) }
+}
+
+/// [`panel_matvec_tokens`]'s body.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `x.len() * NR == T * panel.len()`.
+#[target_feature(enable = "avx512f")]
+unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
+    panel: &[W],
+    x: &[f32],
+    out: &mut [[f32; NR]; T],
+) {
+    const UNROLL: usize = 4;
+    let k_len = panel.len() / NR;
+    let ahead = super::prefetch_distance() / size_of::<[W; NR]>();
+    let (p, x) = (panel.as_ptr(), x.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); UNROLL]; T];
+    let main = k_len / UNROLL * UNROLL;
+    // SAFETY: the caller guarantees AVX-512F. Every `k` read is below `k_len`, so
+    // `panel[k * NR..][..NR]` is inside `panel` and `x[t * k_len + k]` inside `x` (`T * k_len`
+    // elements) for t < T.
+    unsafe {
+        for k in (0..main).step_by(UNROLL) {
+            for u in 0..UNROLL {
+                // A hint only (`wrapping_add`: past the panel's end it is never dereferenced).
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((k + u + ahead) * NR) as *const i8);
+                let w = W::load16_512(p.add((k + u) * NR)); // lane i: stored element i
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let x_k = _mm512_set1_ps(*x.add(t * k_len + k + u));
+                    acc[u] = _mm512_fmadd_ps(w, x_k, acc[u]);
+                }
+            }
+        }
+        for k in main..k_len {
+            let w = W::load16_512(p.add(k * NR));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let x_k = _mm512_set1_ps(*x.add(t * k_len + k));
+                acc[0] = _mm512_fmadd_ps(w, x_k, acc[0]);
+            }
+        }
+    }
+    for (acc, out) in acc.iter().zip(out.iter_mut()) {
+        let mut lanes = [0.0f32; NR];
+        // SAFETY: the caller guarantees AVX-512F; `lanes` holds 16 f32, one unaligned store.
+        unsafe {
+            let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            _mm512_storeu_ps(lanes.as_mut_ptr(), sum);
+        }
+        // Lane i holds stored element i, output j where `slot(j) = i` (as in `tile_matmul`).
+        for (j, out) in out.iter_mut().enumerate() {
+            *out = lanes[W::slot(j)];
+        }
+    }
+}
+// ANCHOR_END: matvec_tokens_512
 
 // ANCHOR: micro_kernel_512_pair
 /// Two adjacent weight panels at once: an M × 32 tile (M ≤ 12), two registers per token row, 24

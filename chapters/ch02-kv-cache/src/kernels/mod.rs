@@ -18,11 +18,11 @@
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
 //! and [`Isa::Portable`], plain Rust that any target compiles. Tests compare both with a naive
-//! product. On a CPU with AVX-512 (F and VL) the prefill micro-kernel has two more forms ([`Gemm`]): a
+//! product. On a CPU with AVX-512F the prefill micro-kernel has two more forms ([`Gemm`]): a
 //! register holds 16 lanes, so a tile is 12 tokens tall and each weight loaded serves twice as
 //! many tokens; and, the one `matmul` runs, two adjacent panels at once, so each token value
 //! broadcast serves two multiply-adds. Both compute the same bits as the AVX2 one. Steps of two
-//! or three tokens run the AVX2 matvec compiled with AVX-512VL there, for its 32 registers.
+//! to six tokens run a 16-lane several-token matvec there, two or three tokens AVX2's.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -586,21 +586,42 @@ pub fn linear<W: WeightElement>(
 ) {
     if tokens == 1 {
         matvec(isa, w, x, y);
-    } else if (2..=MATVEC_TOKENS).contains(&tokens)
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Isa::Avx2Fma(cpu) = isa
         && TOKENS_MATVEC.load(std::sync::atomic::Ordering::Relaxed)
     {
-        #[cfg(target_arch = "x86_64")]
-        if let Isa::Avx2Fma(cpu) = isa {
-            match tokens {
-                2 => matvec_tokens::<W, 2>(cpu, w, x, y),
-                _ => matvec_tokens::<W, 3>(cpu, w, x, y),
-            }
-            return;
+        let avx512 = Avx512::cached()
+            .filter(|_| TOKENS_MATVEC_512.load(std::sync::atomic::Ordering::Relaxed));
+        match (tokens, avx512) {
+            (2, None) => return matvec_tokens::<W, 2>(w, x, y, avx2_tokens(cpu)),
+            (3, None) => return matvec_tokens::<W, 3>(w, x, y, avx2_tokens(cpu)),
+            (2, Some(wide)) => return matvec_tokens::<W, 2>(w, x, y, avx512_tokens(wide)),
+            (3, Some(wide)) => return matvec_tokens::<W, 3>(w, x, y, avx512_tokens(wide)),
+            (4, Some(wide)) => return matvec_tokens::<W, 4>(w, x, y, avx512_tokens(wide)),
+            (5, Some(wide)) => return matvec_tokens::<W, 5>(w, x, y, avx512_tokens(wide)),
+            (6, Some(wide)) => return matvec_tokens::<W, 6>(w, x, y, avx512_tokens(wide)),
+            _ => {}
         }
-        matmul(isa, w, x, y, tokens);
-    } else {
-        matmul(isa, w, x, y, tokens);
     }
+    matmul(isa, w, x, y, tokens);
+}
+
+/// A panel of `T` tokens on AVX2 (`avx2::panel_matvec_tokens`).
+#[cfg(target_arch = "x86_64")]
+fn avx2_tokens<W: WeightElement, const T: usize>(
+    cpu: Avx2Fma,
+) -> impl Fn(&[W], &[f32], &mut [[f32; NR]; T]) + Sync {
+    move |panel, x, out| avx2::panel_matvec_tokens::<W, T>(cpu, panel, x, out)
+}
+
+/// A panel of `T` tokens on AVX-512 (`avx512::panel_matvec_tokens`).
+#[cfg(target_arch = "x86_64")]
+fn avx512_tokens<W: WeightElement, const T: usize>(
+    wide: Avx512,
+) -> impl Fn(&[W], &[f32], &mut [[f32; NR]; T]) + Sync {
+    move |panel, x, out| avx512::panel_matvec_tokens::<W, T>(wide, panel, x, out)
 }
 
 /// Products of up to this many tokens (and more than one) run `avx2::panel_matvec_tokens`
@@ -609,10 +630,16 @@ pub fn linear<W: WeightElement>(
 /// of 2 and 3 tokens through SmolLM2's projections (`examples/small_steps.rs`, AMD EPYC, 2
 /// threads, 2026-12-05, two runs): 15% to 32% faster in seven of eight (bf16 and f32, 2 and 3
 /// tokens), 8% slower once (f32, 3 tokens); at 4 tokens no faster (its accumulators no longer
-/// fit the registers). With AVX-512VL's 32 registers (`avx2::panel_matvec_tokens_wide`, where
-/// the CPU has them) no accumulator spills: from cache 1.3 to 1.7 times as fast on one thread
-/// and 1.3 to 7 on two, from memory 5% to 25% (Intel Xeon, 2 threads, 2026-12-05, two runs).
+/// fit the registers). On a CPU with AVX-512F, steps of up to [`MATVEC_TOKENS_512`] tokens
+/// take `avx512::panel_matvec_tokens` instead.
 pub const MATVEC_TOKENS: usize = 3;
+
+/// The most tokens `avx512::panel_matvec_tokens` takes (24 accumulators), and [`linear`] runs
+/// on it where the CPU has AVX-512F. Measured on passes through SmolLM2's projections from memory
+/// (`examples/small_steps.rs`, Intel Xeon, 2 threads, 2026-12-05, two runs): the fastest way at
+/// 2 to 4 tokens in bf16 and f32 and at 5 and 6 in bf16, by 1% to 34%; level with the GEMM
+/// micro-kernel at 5 and 6 in f32 (within 3%).
+pub const MATVEC_TOKENS_512: usize = 6;
 
 /// Whether [`linear`] runs products of 2 to [`MATVEC_TOKENS`] tokens through
 /// `avx2::panel_matvec_tokens`; see [`set_tokens_matvec`].
@@ -626,45 +653,39 @@ pub fn set_tokens_matvec(on: bool) {
     TOKENS_MATVEC.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether [`linear`]'s products of 2 to [`MATVEC_TOKENS`] tokens use AVX-512VL's 32 vector
-/// registers where the CPU has them; see [`set_wide_registers`].
-static WIDE_REGISTERS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// Whether [`linear`] runs products of 2 to [`MATVEC_TOKENS_512`] tokens through
+/// `avx512::panel_matvec_tokens` where the CPU has AVX-512F; see [`set_tokens_matvec_512`].
+static TOKENS_MATVEC_512: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// `false` makes the several-token matvec keep to AVX2's 16 vector registers, as before, for the
-/// whole process; the results are the same bits either way. For measuring the difference
-/// (`examples/small_steps.rs`).
-pub fn set_wide_registers(on: bool) {
-    WIDE_REGISTERS.store(on, std::sync::atomic::Ordering::Relaxed);
+/// `false` makes [`linear`] keep to AVX2 for products of several tokens, as before, for the
+/// whole process: 2 and 3 tokens on `avx2::panel_matvec_tokens` (the same bits as AVX-512's),
+/// 4 to 6 on the GEMM micro-kernel. For measuring the difference (`examples/small_steps.rs`).
+pub fn set_tokens_matvec_512(on: bool) {
+    TOKENS_MATVEC_512.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// `y[t, o] = Σ_k x[t, k] · W[o, k]` for `T` tokens, each panel read once for all of them, the
-/// panels split across threads as [`matvec`] splits them. Every row equals that token's
+/// `y[t, o] = Σ_k x[t, k] · W[o, k]` for `T` tokens, each panel read once for all of them by
+/// `panel_kernel` (a panel [in][NR], `x`, the panel's outputs of every token), the panels split
+/// across threads as [`matvec`] splits them. With either kernel every row equals that token's
 /// [`matvec`], bit for bit. `x`: [T, in], `y`: [T, out].
 #[cfg(target_arch = "x86_64")]
 fn matvec_tokens<W: WeightElement, const T: usize>(
-    cpu: Avx2Fma,
     w: &PackedWeight<W>,
     x: &[f32],
     y: &mut [f32],
+    panel_kernel: impl Fn(&[W], &[f32], &mut [[f32; NR]; T]) + Sync,
 ) {
     let (n, panels) = (w.out_features(), w.num_panels());
     assert_eq!(x.len(), T * w.in_features(), "x is [T, in]");
     assert_eq!(y.len(), T * n, "y is [T, out]");
     let per_task = matvec_panels_per_task(panels);
-    let wide =
-        Avx512::cached().filter(|_| WIDE_REGISTERS.load(std::sync::atomic::Ordering::Relaxed));
     let out = SharedOut::new(y);
     (0..panels.div_ceil(per_task))
         .into_par_iter()
         .for_each(|task| {
             for p in task * per_task..((task + 1) * per_task).min(panels) {
                 let mut tile = [[0.0f32; NR]; T];
-                match wide {
-                    Some(wide) => {
-                        avx2::panel_matvec_tokens_wide::<W, T>(wide, w.panel(p), x, &mut tile)
-                    }
-                    None => avx2::panel_matvec_tokens::<W, T>(cpu, w.panel(p), x, &mut tile),
-                }
+                panel_kernel(w.panel(p), x, &mut tile);
                 let cols = p * NR..((p + 1) * NR).min(n); // the last panel may be partial
                 for (t, row) in tile.iter().enumerate() {
                     // SAFETY: panel `p`'s columns of row `t` belong to this task alone.
