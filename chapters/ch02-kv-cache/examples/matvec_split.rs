@@ -7,21 +7,18 @@
 //!
 //! `cargo run --release -p ch02-kv-cache --example matvec_split -- MODEL_DIR`
 
-use std::time::Instant;
-
-use ch01::Llama;
 use ch02_kv_cache::kernels::set_even_split;
-use ch02_kv_cache::{CachedSession, ContiguousKvCache, WeightDtype, load_fast};
+use ch02_kv_cache::{WeightDtype, load_fast};
 
+mod decode;
 mod projections;
 
+use decode::decode_ms;
 use projections::{alternate, print_read_rates};
 
 const ROUNDS: usize = 15;
 /// Whole decodes per way.
 const DECODE_ROUNDS: usize = 7;
-const PROMPT: usize = 128;
-const STEPS: usize = 64;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::args()
@@ -52,31 +49,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     set_even_split(true);
     Ok(())
-}
-
-/// ms per token of a greedy decode of `STEPS` tokens after a `PROMPT`-token prompt (the prompt
-/// not timed).
-fn decode_ms(model: &Llama) -> f64 {
-    let vocab = model.config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..PROMPT as u32)
-        .map(|i| (i * 7919 + 13) % vocab)
-        .collect();
-    let mut cache = ContiguousKvCache::new(&model.config, PROMPT + STEPS + 1);
-    cache.populate();
-    let mut session = CachedSession::new(model, cache);
-    session
-        .prefill(&prompt)
-        .expect("the cache holds the prompt");
-    let start = Instant::now();
-    let mut token = 1;
-    for _ in 0..STEPS {
-        let logits = session.decode(token).expect("the cache holds every step");
-        // The first of the largest logits, as `decode_profile` picks it.
-        token = (logits
-            .iter()
-            .enumerate()
-            .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }))
-        .0 as u32;
-    }
-    start.elapsed().as_secs_f64() * 1e3 / STEPS as f64
 }

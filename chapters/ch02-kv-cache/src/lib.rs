@@ -25,6 +25,7 @@
 //! Chapter 3 plugs paged storage into the same [`KvStore`] seam without touching this chapter.
 
 pub mod attention;
+pub mod awake;
 pub mod cached;
 pub mod contiguous;
 pub mod decode_attention;

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 
 use ch01::Llama;
+use ch02::awake::awake;
 use ch02::cached::{Workspace, decoder_layer};
 use ch02::elementwise::rms_norm_picked_rows;
 use ch02::profile::{Op, timed};
@@ -89,6 +90,76 @@ impl<'m, K: KvElement> CpuExecutor<'m, K> {
     pub fn pool(&self) -> &KvPool<K> {
         &self.pool
     }
+
+    // ANCHOR: execute
+    /// The logits of the rows `step` asks for: [rows, vocab].
+    fn run_step(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
+        self.swapped.apply_step(&mut self.pool, step);
+        let model = self.model;
+        // Flatten: each row's token, and its sequence's table and position.
+        self.tokens.clear();
+        for seq in &step.seqs {
+            self.tokens.extend_from_slice(&seq.tokens);
+        }
+        let n = self.tokens.len();
+        self.workspace.embed(model, &self.tokens);
+        let rows = step.query_rows(); // [n]
+        let layers = model.layers.iter().take(self.pool.num_layers());
+        for (i, layer) in layers.enumerate() {
+            let shape = layer.self_attn.shape();
+            let (pool, backend) = (&mut self.pool, &mut self.backend);
+            // Every new token's K/V goes to its slot, then the whole batch attends at once.
+            let mut attend = |q: ArrayView2<f32>,
+                              k: ArrayView2<f32>,
+                              v: ArrayView2<f32>,
+                              out: ArrayViewMut2<f32>|
+             -> Result<(), Infallible> {
+                backend.write_kv(pool, i, &rows, k, v);
+                backend.attend(
+                    pool,
+                    i,
+                    &rows,
+                    q.as_slice().expect("contiguous rows"),
+                    shape,
+                    out.into_slice().expect("contiguous rows"),
+                );
+                Ok(())
+            };
+            let Ok(()) = decoder_layer(
+                layer,
+                &model.rope,
+                &|r| rows[r].pos,
+                n,
+                &mut self.workspace,
+                &mut attend,
+            );
+        }
+        // The rows that want logits (the last `logit_rows` of each sequence), normed, through
+        // the head at once.
+        let picked_rows = step.logit_row_indices();
+        let hidden = model.config.hidden_size;
+        self.normed.resize(picked_rows.len() * hidden, 0.0);
+        let residual = self.workspace.residual(); // [rows, hidden]
+        let residual = residual.as_slice().expect("a fresh array is contiguous");
+        let normed = &mut self.normed[..];
+        timed(Op::FinalNorm, || {
+            rms_norm_picked_rows(&model.norm, residual, &picked_rows, normed, hidden) // [S, hidden]
+        });
+        let normed = ArrayView2::from_shape((picked_rows.len(), hidden), &self.normed[..])
+            .expect("[S, hidden]");
+        let vocab = model.config.vocab_size;
+        // The logits buffer is kept: a fresh [S, vocab] every step is megabytes of new pages.
+        let used = picked_rows.len() * vocab;
+        if self.logits.len() < used {
+            self.logits.resize(used, 0.0);
+        }
+        let shape = (picked_rows.len(), vocab);
+        let logits =
+            ArrayViewMut2::from_shape(shape, &mut self.logits[..used]).expect("[S, vocab]");
+        timed(Op::LmHead, || model.lm_head.forward_into(normed, logits));
+        Ok(ArrayView2::from_shape(shape, &self.logits[..used]).expect("[S, vocab]"))
+    }
+    // ANCHOR_END: execute
 }
 
 /// The CPU memory that swapped-out K/V wait in, and the step's block operations on a pool
@@ -178,72 +249,9 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
         }
     }
 
-    // ANCHOR: execute
+    /// One step: [`CpuExecutor::run_step`] with the pool's other threads spinning for its
+    /// parallel regions instead of sleeping between them (chapter 2's [`awake`]).
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
-        self.swapped.apply_step(&mut self.pool, step);
-        let model = self.model;
-        // Flatten: each row's token, and its sequence's table and position.
-        self.tokens.clear();
-        for seq in &step.seqs {
-            self.tokens.extend_from_slice(&seq.tokens);
-        }
-        let n = self.tokens.len();
-        self.workspace.embed(model, &self.tokens);
-        let rows = step.query_rows(); // [n]
-        let layers = model.layers.iter().take(self.pool.num_layers());
-        for (i, layer) in layers.enumerate() {
-            let shape = layer.self_attn.shape();
-            let (pool, backend) = (&mut self.pool, &mut self.backend);
-            // Every new token's K/V goes to its slot, then the whole batch attends at once.
-            let mut attend = |q: ArrayView2<f32>,
-                              k: ArrayView2<f32>,
-                              v: ArrayView2<f32>,
-                              out: ArrayViewMut2<f32>|
-             -> Result<(), Infallible> {
-                backend.write_kv(pool, i, &rows, k, v);
-                backend.attend(
-                    pool,
-                    i,
-                    &rows,
-                    q.as_slice().expect("contiguous rows"),
-                    shape,
-                    out.into_slice().expect("contiguous rows"),
-                );
-                Ok(())
-            };
-            let Ok(()) = decoder_layer(
-                layer,
-                &model.rope,
-                &|r| rows[r].pos,
-                n,
-                &mut self.workspace,
-                &mut attend,
-            );
-        }
-        // The rows that want logits (the last `logit_rows` of each sequence), normed, through
-        // the head at once.
-        let picked_rows = step.logit_row_indices();
-        let hidden = model.config.hidden_size;
-        self.normed.resize(picked_rows.len() * hidden, 0.0);
-        let residual = self.workspace.residual(); // [rows, hidden]
-        let residual = residual.as_slice().expect("a fresh array is contiguous");
-        let normed = &mut self.normed[..];
-        timed(Op::FinalNorm, || {
-            rms_norm_picked_rows(&model.norm, residual, &picked_rows, normed, hidden) // [S, hidden]
-        });
-        let normed = ArrayView2::from_shape((picked_rows.len(), hidden), &self.normed[..])
-            .expect("[S, hidden]");
-        let vocab = model.config.vocab_size;
-        // The logits buffer is kept: a fresh [S, vocab] every step is megabytes of new pages.
-        let used = picked_rows.len() * vocab;
-        if self.logits.len() < used {
-            self.logits.resize(used, 0.0);
-        }
-        let shape = (picked_rows.len(), vocab);
-        let logits =
-            ArrayViewMut2::from_shape(shape, &mut self.logits[..used]).expect("[S, vocab]");
-        timed(Op::LmHead, || model.lm_head.forward_into(normed, logits));
-        Ok(ArrayView2::from_shape(shape, &self.logits[..used]).expect("[S, vocab]"))
+        awake(move || self.run_step(step))
     }
-    // ANCHOR_END: execute
 }
