@@ -4,7 +4,7 @@
 //! product split across the threads, then a join. Between two regions a thread of rayon's pool
 //! that finds no work spins briefly, then sleeps, and a sleeping thread must be woken for the
 //! next region. Where waking takes about ten microseconds (measured on one of this book's
-//! machines, `examples/matvec_split.rs` and the chapter's page), each region starts late on one
+//! machines: the chapter's page, "Keeping the threads awake"), each region starts late on one
 //! thread and may end late on the other: the cost of a whole product.
 //!
 //! [`awake`] runs a closure while every other thread of the current pool runs a **spinner**: a
@@ -29,7 +29,7 @@ pub fn spinners() -> usize {
 }
 
 /// `false` makes [`awake`] run its closure alone, for the whole process, so that a measurement
-/// can compare the two (`examples/matvec_split.rs`).
+/// can compare the two (`examples/keep_awake.rs`).
 pub fn set_keep_awake(on: bool) {
     KEEP_AWAKE.store(on, Ordering::Relaxed);
 }

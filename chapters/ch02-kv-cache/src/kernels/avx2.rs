@@ -104,11 +104,7 @@ pub fn panel_matvec_tokens<W: WeightElement, const T: usize>(
     x: &[f32],
     out: &mut [[f32; NR]; T],
 ) {
-    assert_eq!(
-        x.len() * NR,
-        T * panel.len(),
-        "panel is [in][NR], x is [T, in]"
-    );
+    super::check_tokens_shapes(panel.len(), x.len(), T);
     // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
     unsafe { panel_matvec_tokens_avx2::<W, T>(panel, x, out) }
 }

@@ -176,11 +176,7 @@ pub fn panel_matvec_tokens<W: WeightElement, const T: usize>(
     out: &mut [[f32; NR]; T],
 ) {
     const { assert!(T <= MATVEC_TOKENS_512, "at most MATVEC_TOKENS_512 tokens") };
-    assert_eq!(
-        x.len() * NR,
-        T * panel.len(),
-        "panel is [in][NR], x is [T, in]"
-    );
+    super::check_tokens_shapes(panel.len(), x.len(), T);
     // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
     unsafe { panel_matvec_tokens_avx512::<W, T>(panel, x, out) }
 }

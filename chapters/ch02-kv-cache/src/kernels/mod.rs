@@ -608,6 +608,14 @@ pub fn linear<W: WeightElement>(
     matmul(isa, w, x, y, tokens);
 }
 
+/// Panics unless a panel of `panel` elements ([in][NR]) and an input of `x` elements fit
+/// `tokens` tokens: `x` is [tokens, in]. What the several-token kernels' pointer arithmetic
+/// relies on.
+#[cfg(target_arch = "x86_64")]
+fn check_tokens_shapes(panel: usize, x: usize, tokens: usize) {
+    assert_eq!(x * NR, tokens * panel, "panel is [in][NR], x is [T, in]");
+}
+
 /// A panel of `T` tokens on AVX2 (`avx2::panel_matvec_tokens`).
 #[cfg(target_arch = "x86_64")]
 fn avx2_tokens<W: WeightElement, const T: usize>(
