@@ -9,10 +9,12 @@
 //!
 //! [`awake`] runs a closure while every other thread of the current pool runs a **spinner**: a
 //! job that looks for work in a loop ([`rayon::yield_now`], which runs any job it finds,
-//! stolen or its own) until the closure returns. The threads then take each region's tasks as
-//! soon as they are pushed, at the cost of spinning (one core busy) between them. Nothing the
-//! closure computes changes: the same tasks run, only sooner.
+//! stolen or its own) until the closure returns (and no other call of the same thread has
+//! begun). The threads then take each region's tasks as soon as they are pushed, at the cost
+//! of spinning (one core busy) between them. Nothing the closure computes changes: the same
+//! tasks run, only sooner.
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -22,8 +24,9 @@ static KEEP_AWAKE: AtomicBool = AtomicBool::new(true);
 /// Spinners running now, in every pool of the process; see [`spinners`].
 static SPINNERS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many spinners are running now: each stops once its [`awake`] call has returned (and it
-/// next looks), so a spinner left running after every call has returned is a bug.
+/// How many spinners are running now: each stops once its caller's [`awake`] calls have all
+/// returned (and it next looks), so a spinner left running after every call has returned is a
+/// bug.
 pub fn spinners() -> usize {
     SPINNERS.load(Ordering::Relaxed)
 }
@@ -34,38 +37,73 @@ pub fn set_keep_awake(on: bool) {
     KEEP_AWAKE.store(on, Ordering::Relaxed);
 }
 
+thread_local! {
+    /// Whether this thread is inside an [`awake`] closure or a spinner. A spinner started on
+    /// such a thread returns at once: run nested there, it would spin until its caller's calls
+    /// had all returned while the closure or spinner under it waited, and two threads each
+    /// inside an [`awake`] closure could each end up spinning for the other's. A nested
+    /// [`awake`] starts none.
+    static BUSY: Cell<bool> = const { Cell::new(false) };
+
+    /// How many [`awake`] calls are in progress on this thread, shared with the spinners they
+    /// started: a spinner spins while its caller has one. A spinner still spinning when the
+    /// same thread's next call begins (an engine's steps follow each other closely) serves that
+    /// call too, and the next call's own spinner, finding its thread busy, returns at once.
+    static CALLS: Arc<AtomicUsize> = Arc::new(AtomicUsize::new(0));
+}
+
+/// This thread marked [`BUSY`] until dropped, then put back as it was.
+struct Busy(bool);
+
+impl Busy {
+    fn enter() -> Busy {
+        Busy(BUSY.replace(true))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        BUSY.set(self.0);
+    }
+}
+
 /// Runs `f`, the other threads of the current rayon pool spinning for work until it returns
-/// (see the module doc). Outside a pool's thread it runs `f` alone.
+/// (see the module doc). Outside a pool's thread, or inside another [`awake`], it runs `f`
+/// alone.
 // ANCHOR: awake
 pub fn awake<R>(f: impl FnOnce() -> R) -> R {
     let Some(me) = rayon::current_thread_index() else {
         return f();
     };
-    if !KEEP_AWAKE.load(Ordering::Relaxed) || rayon::current_num_threads() == 1 {
+    if !KEEP_AWAKE.load(Ordering::Relaxed) || rayon::current_num_threads() == 1 || BUSY.get() {
         return f();
     }
-    let running = Arc::new(AtomicBool::new(true));
-    let spinning = Arc::clone(&running);
+    let calls = CALLS.with(Arc::clone);
+    calls.fetch_add(1, Ordering::AcqRel);
+    let callers_calls = Arc::clone(&calls);
     rayon::spawn_broadcast(move |thread| {
-        if thread.index() == me {
-            return; // the caller's own copy: it has `f` to run
+        if thread.index() == me || BUSY.get() {
+            return; // the caller's own copy, or a thread busy with another (see `BUSY`)
         }
+        let _busy = Busy::enter();
         SPINNERS.fetch_add(1, Ordering::Relaxed);
-        while spinning.load(Ordering::Acquire) {
+        while callers_calls.load(Ordering::Acquire) > 0 {
             if rayon::yield_now() != Some(rayon::Yield::Executed) {
                 std::hint::spin_loop();
             }
         }
         SPINNERS.fetch_sub(1, Ordering::Relaxed);
     });
-    // Stops the spinners however `f` ends (a panic included).
-    struct Stop(Arc<AtomicBool>);
-    impl Drop for Stop {
+    // Ends this call however `f` ends (a panic included): its spinners stop once their caller
+    // has no other call in progress.
+    struct Done(Arc<AtomicUsize>);
+    impl Drop for Done {
         fn drop(&mut self) {
-            self.0.store(false, Ordering::Release);
+            self.0.fetch_sub(1, Ordering::AcqRel);
         }
     }
-    let _stop = Stop(running);
+    let _done = Done(calls);
+    let _busy = Busy::enter();
     f()
 }
 // ANCHOR_END: awake

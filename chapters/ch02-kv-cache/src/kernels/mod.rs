@@ -645,18 +645,19 @@ pub const MATVEC_TOKENS: usize = 3;
 /// The most tokens `avx512::panel_matvec_tokens` takes (24 accumulators), and [`linear`] runs
 /// on it where the CPU has AVX-512F. Measured on passes through SmolLM2's projections from memory
 /// (`examples/small_steps.rs`, Intel Xeon, 2 threads, 2026-12-05, two runs): the fastest way at
-/// 2 to 4 tokens in bf16 and f32 and at 5 and 6 in bf16, by 1% to 34%; level with the GEMM
+/// 2 to 4 tokens in bf16 and f32 and at 5 and 6 in bf16, by 1% to 37%; level with the GEMM
 /// micro-kernel at 5 and 6 in f32 (within 3%).
 pub const MATVEC_TOKENS_512: usize = 6;
 
-/// Whether [`linear`] runs products of 2 to [`MATVEC_TOKENS`] tokens through
-/// `avx2::panel_matvec_tokens`; see [`set_tokens_matvec`].
+/// Whether [`linear`] runs products of a few tokens through a several-token matvec (2 to
+/// [`MATVEC_TOKENS`] tokens on AVX2, 2 to [`MATVEC_TOKENS_512`] on AVX-512); see
+/// [`set_tokens_matvec`].
 static TOKENS_MATVEC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// `false` makes [`linear`] run every product of several tokens on the GEMM micro-kernel, as
-/// before, for the whole process. The rows differ in rounding between the two (the GEMM sums
-/// each output's terms in one chain, the matvec in four). For measuring the difference
-/// (`examples/small_steps.rs`).
+/// before, for the whole process (neither several-token matvec). The rows differ in rounding
+/// between the two (the GEMM sums each output's terms in one chain, the matvecs in four). For
+/// measuring the difference (`examples/small_steps.rs`).
 pub fn set_tokens_matvec(on: bool) {
     TOKENS_MATVEC.store(on, std::sync::atomic::Ordering::Relaxed);
 }
