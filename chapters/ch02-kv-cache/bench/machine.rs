@@ -1,9 +1,16 @@
 //! What this machine can do, measured in the same run as the model: memory bandwidth (a large
 //! read and a large copy) and matrix-multiply throughput (our GEMM and matrixmultiply's).
+//!
+//! The bandwidth probes read and write weight memory ([`Elements::for_weights`]: 2 MiB pages
+//! where the system gives them), the memory decode streams its weights from: a bound measured on
+//! other memory bounds nothing. On the Intel Xeon of 2026-12-06 a sum over 4 KiB heap pages
+//! read 20.5 GB/s and the same sum over weight memory 32-34 GB/s, so a probe on the heap rated
+//! f32 decode at 130% of the machine (`examples/weight_pages.rs` compares the two).
 
 use std::time::Instant;
 
 use ch01::linear::Linear;
+use ch02::weight_memory::Elements;
 use ch02::{FastLinear, WeightDtype};
 use ndarray::Array2;
 use rayon::prelude::*;
@@ -14,9 +21,11 @@ const PROBE_BYTES: usize = 1 << 30;
 const GEMM: (usize, usize, usize) = (384, 1024, 1024);
 
 pub struct Machine {
-    /// GB/s (10⁹ bytes) reading a 1 GiB buffer with every thread: what decode needs.
+    /// GB/s (10⁹ bytes) reading a 1 GiB buffer of weight memory with every thread: what decode
+    /// needs.
     pub read_gb_s: f64,
-    /// GB/s copying 512 MiB to another 512 MiB buffer, read and write bytes both counted.
+    /// GB/s copying 512 MiB to another 512 MiB buffer (both weight memory), read and write
+    /// bytes both counted.
     pub copy_gb_s: f64,
     /// GFLOP/s of this chapter's GEMM (f32 weights) on [`GEMM`].
     pub kiln_gemm_gflop_s: f64,
@@ -57,7 +66,7 @@ fn best_of(reps: usize, probe: impl Fn() -> f64) -> f64 {
     (0..reps.max(1)).map(|_| probe()).fold(0.0, f64::max)
 }
 
-/// GB/s summing `bytes` of f32 in parallel.
+/// GB/s summing `bytes` of f32 of weight memory in parallel.
 fn read_probe(bytes: usize) -> f64 {
     ReadProbe::new(bytes).gb_s()
 }
@@ -70,13 +79,14 @@ pub const AROUND_BYTES: usize = 1 << 28;
 /// again and again around the measurements it rates: this machine's bandwidth drifts by more
 /// than the gaps the page reports, and a probe minutes away measures another moment.
 pub struct ReadProbe {
-    buffer: Vec<f32>,
+    buffer: Elements<f32>,
 }
 
 impl ReadProbe {
+    /// A probe over `bytes` of weight memory, every page written (backed) now.
     pub fn new(bytes: usize) -> ReadProbe {
         ReadProbe {
-            buffer: vec![1.0f32; bytes / 4],
+            buffer: filled(bytes / 4, 1.0),
         }
     }
 
@@ -119,8 +129,8 @@ impl ReadProbe {
 
 /// GB/s copying `bytes` in parallel, counting the bytes read and the bytes written.
 fn copy_probe(bytes: usize) -> f64 {
-    let src = vec![1.0f32; bytes / 4];
-    let mut dst = vec![2.0f32; bytes / 4]; // written now, so no page is first touched while timed
+    let src = filled(bytes / 4, 1.0);
+    let mut dst = filled(bytes / 4, 2.0); // written now, so no page is first touched while timed
     let start = Instant::now();
     dst.par_chunks_mut(1 << 16)
         .zip(src.par_chunks(1 << 16))
@@ -128,6 +138,14 @@ fn copy_probe(bytes: usize) -> f64 {
     let seconds = start.elapsed().as_secs_f64();
     std::hint::black_box(&dst);
     2.0 * bytes as f64 / seconds / 1e9
+}
+
+/// `len` elements of weight memory, each `value` (so every page is backed before a probe times
+/// it).
+fn filled(len: usize, value: f32) -> Elements<f32> {
+    let mut buffer = Elements::for_weights(len);
+    buffer.par_chunks_mut(1 << 16).for_each(|c| c.fill(value));
+    buffer
 }
 
 /// GFLOP/s of one [`GEMM`]-shaped product, ours (`kiln`) or matrixmultiply's.

@@ -3,11 +3,15 @@
 //! against `q` then `join(k, v)`, and gate/up joined against one after the other, each a pass
 //! over every layer, for several token counts. The orders alternate within one process, so the
 //! machine's drift falls on all alike; prints the mean and the fastest of the rounds in ms.
+//! Each pass runs inside [`awake`], as the engine's steps do (the pool's other threads spinning
+//! between the products), unless `--asleep` is given; `--bf16` stores the weights in bf16.
 //!
-//! `cargo run --release -p ch02-kv-cache --example product_order -- MODEL_DIR [TOKENS...]`
+//! `cargo run --release -p ch02-kv-cache --example product_order -- MODEL_DIR [--bf16]
+//! [--asleep] [TOKENS...]`
 
 use std::time::Instant;
 
+use ch02_kv_cache::awake::awake;
 use ch02_kv_cache::{WeightDtype, load_fast};
 use ndarray::Array2;
 
@@ -35,9 +39,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let dir = args
         .next()
-        .ok_or("usage: product_order MODEL_DIR [TOKENS...]")?;
-    let model = load_fast(std::path::Path::new(&dir), WeightDtype::F32)?;
-    let mut tokens: Vec<usize> = args.map(|a| a.parse()).collect::<Result<_, _>>()?;
+        .ok_or("usage: product_order MODEL_DIR [--bf16] [--asleep] [TOKENS...]")?;
+    let (flags, numbers): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("--"));
+    let dtype = match flags.iter().any(|f| f == "--bf16") {
+        true => WeightDtype::Bf16,
+        false => WeightDtype::F32,
+    };
+    let asleep = flags.iter().any(|f| f == "--asleep");
+    let model = load_fast(std::path::Path::new(&dir), dtype)?;
+    let mut tokens: Vec<usize> = numbers
+        .iter()
+        .map(|a| a.parse())
+        .collect::<Result<_, _>>()?;
     if tokens.is_empty() {
         tokens = vec![1, 8, 16, 32, 124];
     }
@@ -72,7 +85,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 // caches hold, so no order finds another's weights there), starting with a
                 // different one each round.
                 let order = (order + round) % 4;
-                ms[order] = timed(|| {
+                let mut pass = || {
                     for layer in &model.layers {
                         let (a, m) = (&layer.self_attn, &layer.mlp);
                         let kv = |k: &mut Array2<f32>, v: &mut Array2<f32>| {
@@ -104,7 +117,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             }
                         }
                     }
-                });
+                };
+                ms[order] = timed(|| if asleep { pass() } else { awake(pass) });
             }
             if round >= 2 {
                 // the first two rounds warm the caches and the thread pool

@@ -2,15 +2,20 @@
 //! bf16 matrices of 576 inputs (SmolLM2's hidden size) and 192 to 49,152 outputs (its k/v, q/o,
 //! gate/up and head shapes, and larger), each set about 453 MB so that every matrix comes from
 //! memory, on every thread and on one. The sets alternate within each round, and each round
-//! starts with a read probe (1 GiB summed on every thread) that names the moment: this
+//! starts with a read probe (1 GiB of weight memory summed on every thread) that names the moment: this
 //! machine's bandwidth drifts by a factor of two within minutes. Prints per round the probe and,
 //! per size, the GB/s of weights read and µs per call.
 //!
-//! `cargo run --release -p ch02-kv-cache --example projection_sizes [ROUNDS]`
+//! With `--awake`, each set's calls run inside [`awake`](ch02_kv_cache::awake::awake), the
+//! pool's other threads spinning between them as in a decode step.
+//!
+//! `cargo run --release -p ch02-kv-cache --example projection_sizes [ROUNDS] [--awake]`
 
 use std::time::Instant;
 
 use ch01::linear::Linear;
+use ch02_kv_cache::awake::awake;
+use ch02_kv_cache::weight_memory::Elements;
 use ch02_kv_cache::{FastLinear, WeightDtype};
 use ndarray::Array2;
 use rayon::prelude::*;
@@ -23,7 +28,9 @@ const OUTPUTS: [usize; 6] = [192, 576, 1536, 3072, 12288, 49152];
 const ROWS: usize = 8 * 49152;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let rounds: usize = match std::env::args().nth(1) {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let keep_awake = args.iter().any(|a| a == "--awake");
+    let rounds: usize = match args.iter().find(|a| *a != "--awake") {
         Some(n) => n.parse()?,
         None => 3,
     };
@@ -42,7 +49,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     let x = Array2::from_shape_fn((1, HIDDEN), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
-    let probe = vec![1.0f32; 1 << 28];
+    // In weight memory, as the matrices are (`FastLinear` packs them there) and as the
+    // benchmark's probe is.
+    let mut probe = Elements::<f32>::for_weights(1 << 28);
+    probe.fill(1.0);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     for threads in [cpus, 1] {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -61,8 +71,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .map(|(out, matrices)| {
                         let mut y = Array2::zeros((1, *out));
                         let start = Instant::now();
-                        for m in matrices {
-                            m.forward_into(x.view(), y.view_mut());
+                        let mut calls = || {
+                            for m in matrices {
+                                m.forward_into(x.view(), y.view_mut());
+                            }
+                        };
+                        if keep_awake {
+                            awake(calls)
+                        } else {
+                            calls()
                         }
                         let s = start.elapsed().as_secs_f64();
                         let bytes = (matrices.len() * out * HIDDEN * 2) as f64;
