@@ -7,6 +7,7 @@
 
 use std::arch::x86_64::*;
 
+use super::ahead::Requests;
 use super::{Avx2Fma, MR, NR, WeightElement};
 
 /// 16 f32 weights as two 8-lane vectors.
@@ -165,17 +166,18 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
 ///
 /// Panics unless `b.len()` is a multiple of `NR` and `x.len() == M * b.len() / NR`; `M <= MR`
 /// is checked at compile time.
-pub fn tile_matmul<W: WeightElement, const M: usize>(
+pub fn tile_matmul<W: WeightElement, V, const M: usize>(
     _cpu: Avx2Fma,
     x: &[f32],
     b: &[W],
+    requests: Requests<V>,
     c: &mut [f32; MR * NR],
 ) {
     const { assert!(M <= MR, "a tile holds at most MR tokens") };
     assert!(b.len().is_multiple_of(NR), "b is [in][NR]");
     assert_eq!(x.len(), M * (b.len() / NR), "x is [M, in]");
     // SAFETY: `_cpu` proves the CPU has AVX2 and FMA, and the lengths were checked above.
-    unsafe { tile_matmul_avx2::<W, M>(x, b, c) }
+    unsafe { tile_matmul_avx2::<W, V, M>(x, b, requests, c) }
 }
 
 /// [`tile_matmul`]'s body.
@@ -183,9 +185,10 @@ pub fn tile_matmul<W: WeightElement, const M: usize>(
 /// # Safety
 /// The CPU must support AVX2 and FMA; `x.len() == M * b.len() / NR`, `M <= MR`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_matmul_avx2<W: WeightElement, const M: usize>(
+unsafe fn tile_matmul_avx2<W: WeightElement, V, const M: usize>(
     x: &[f32],
     b: &[W],
+    mut requests: Requests<V>,
     c: &mut [f32; MR * NR],
 ) {
     let k = b.len() / NR;
@@ -196,6 +199,7 @@ unsafe fn tile_matmul_avx2<W: WeightElement, const M: usize>(
     // r < M <= MR of `c` ([MR][NR]) take the two 8-wide stores.
     unsafe {
         for kk in 0..k {
+            requests.step(); // the next panel's rows due at this step (see `ahead`)
             let (b_lo, b_hi) = W::load16(b.add(kk * NR));
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let x_rk = _mm256_broadcast_ss(&*x.add(r * k + kk));

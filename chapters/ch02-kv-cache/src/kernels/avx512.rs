@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::ahead::Requests;
 use super::{MATVEC_TOKENS_512, NR, WeightElement};
 
 /// Token rows of the AVX-512 micro-kernel's output tile.
@@ -109,17 +110,18 @@ unsafe fn widen_panel_avx512<W: WeightElement>(b: &[W], out: &mut [f32]) {
 ///
 /// Panics unless `b.len()` is a multiple of `NR` and `x.len() == M * b.len() / NR`; `M <= MR_512`
 /// is checked at compile time.
-pub fn tile_matmul<W: WeightElement, const M: usize>(
+pub fn tile_matmul<W: WeightElement, V, const M: usize>(
     _cpu: Avx512,
     x: &[f32],
     b: &[W],
+    requests: Requests<V>,
     c: &mut [f32; MR_512 * NR],
 ) {
     const { assert!(M <= MR_512, "a tile holds at most MR_512 tokens") };
     assert!(b.len().is_multiple_of(NR), "b is [in][NR]");
     assert_eq!(x.len(), M * (b.len() / NR), "x is [M, in]");
     // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
-    unsafe { tile_matmul_avx512::<W, M>(x, b, c) }
+    unsafe { tile_matmul_avx512::<W, V, M>(x, b, requests, c) }
 }
 
 /// [`tile_matmul`]'s body.
@@ -127,9 +129,10 @@ pub fn tile_matmul<W: WeightElement, const M: usize>(
 /// # Safety
 /// The CPU must support AVX-512F; `x.len() == M * b.len() / NR`, `M <= MR_512`.
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_matmul_avx512<W: WeightElement, const M: usize>(
+unsafe fn tile_matmul_avx512<W: WeightElement, V, const M: usize>(
     x: &[f32],
     b: &[W],
+    mut requests: Requests<V>,
     c: &mut [f32; MR_512 * NR],
 ) {
     let k = b.len() / NR;
@@ -139,6 +142,7 @@ unsafe fn tile_matmul_avx512<W: WeightElement, const M: usize>(
     // `x[r * k + kk]` is inside `x` (`M * k` elements).
     unsafe {
         for kk in 0..k {
+            requests.step(); // the next panel's rows due at this step (see `ahead`)
             let w = W::load16_512(b.add(kk * NR));
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let x_rk = _mm512_set1_ps(*x.add(r * k + kk));
@@ -246,11 +250,12 @@ unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
 ///
 /// Panics unless both panels have the same length, a multiple of `NR`, and `x.len() == M *
 /// b0.len() / NR`.
-pub fn tile_matmul_pair<W: WeightElement, const M: usize>(
+pub fn tile_matmul_pair<W: WeightElement, V, const M: usize>(
     _cpu: Avx512,
     x: &[f32],
     b0: &[W],
     b1: &[W],
+    requests: Requests<V>,
     c: &mut [f32; MR_512 * 2 * NR],
 ) {
     const { assert!(M <= MR_512, "a tile holds at most MR_512 tokens") };
@@ -260,7 +265,7 @@ pub fn tile_matmul_pair<W: WeightElement, const M: usize>(
     );
     assert_eq!(x.len(), M * (b0.len() / NR), "x is [M, in]");
     // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
-    unsafe { tile_matmul_pair_avx512::<W, M>(x, b0, b1, c) }
+    unsafe { tile_matmul_pair_avx512::<W, V, M>(x, b0, b1, requests, c) }
 }
 
 /// [`tile_matmul_pair`]'s body.
@@ -269,10 +274,11 @@ pub fn tile_matmul_pair<W: WeightElement, const M: usize>(
 /// The CPU must support AVX-512F; `b0.len() == b1.len()`, `x.len() == M * b0.len() / NR`,
 /// `M <= MR_512`.
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_matmul_pair_avx512<W: WeightElement, const M: usize>(
+unsafe fn tile_matmul_pair_avx512<W: WeightElement, V, const M: usize>(
     x: &[f32],
     b0: &[W],
     b1: &[W],
+    mut requests: Requests<V>,
     c: &mut [f32; MR_512 * 2 * NR],
 ) {
     let k = b0.len() / NR;
@@ -284,6 +290,7 @@ unsafe fn tile_matmul_pair_avx512<W: WeightElement, const M: usize>(
     // inside `x` (`M * k` elements).
     unsafe {
         for kk in 0..k {
+            requests.step(); // the next panels' rows due at this step (see `ahead`)
             let w0 = W::load16_512(b0.add(kk * NR));
             let w1 = W::load16_512(b1.add(kk * NR));
             for r in 0..M {

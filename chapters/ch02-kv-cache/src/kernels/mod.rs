@@ -24,6 +24,7 @@
 //! broadcast serves two multiply-adds. Both compute the same bits as the AVX2 one. Steps of two
 //! to six tokens run a 16-lane several-token matvec there, two or three tokens AVX2's.
 
+mod ahead;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -309,6 +310,7 @@ pub fn matmul_part<W: WeightElement>(
     let widen = W::WIDENS_ON_LOAD
         && tiles >= WIDEN_FROM_TILES
         && PANEL_WIDENING.load(std::sync::atomic::Ordering::Relaxed);
+    let asks_ahead = PANELS_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
     // Panel p's first k inputs: [k][NR].
     let panel = |p: usize| &w.panel(p)[..k * NR];
     let task = |task: usize| {
@@ -333,19 +335,26 @@ pub fn matmul_part<W: WeightElement>(
             // tile reads them as stored, its multiply-adds overlapping the loads, and the other
             // tiles read the widened copy of what it left in the cache.
             let stored = 0..if widen { mr } else { tokens };
+            // The task's next `width` panels, asked for while these are multiplied ([`ahead`]).
+            let ahead_to = (p + 2 * width).min(panels.end);
+            let next = [p + width, p + width + 1].map(|q| match q < ahead_to && asks_ahead {
+                true => panel(q),
+                false => &[][..],
+            });
+            let ahead = ahead::Ahead { next, tiles };
             // SAFETY: see above.
-            unsafe { tile_products(gemm, x, stored.clone(), pair.0, pair.1, &out, &at) };
+            unsafe { tile_products(gemm, x, stored.clone(), pair, &ahead, &out, &at) };
             let rest = stored.end..tokens;
             if !rest.is_empty() && widen_panels(gemm, pair) {
                 WIDE_PANELS.with_borrow(|wide| {
                     let b0 = &wide[..k * NR];
                     let b1 = pair.1.map(|_| &wide[k * NR..][..k * NR]);
                     // SAFETY: see above.
-                    unsafe { tile_products(gemm, x, rest, b0, b1, &out, &at) }
+                    unsafe { tile_products(gemm, x, rest, (b0, b1), &ahead, &out, &at) }
                 })
             } else if !rest.is_empty() {
                 // SAFETY: see above.
-                unsafe { tile_products(gemm, x, rest, pair.0, pair.1, &out, &at) }
+                unsafe { tile_products(gemm, x, rest, pair, &ahead, &out, &at) }
             }
             p += width;
         }
@@ -397,6 +406,17 @@ pub fn set_panel_widening(on: bool) {
     PANEL_WIDENING.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether [`matmul_part`]'s tiles ask for the next panels ([`ahead`]); see
+/// [`set_panels_ahead`].
+static PANELS_AHEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes the prefill products ask for nothing ahead, as before they did, for the whole
+/// process; the results are the same bits either way. For measuring the difference
+/// (`examples/panels_ahead.rs`).
+pub fn set_panels_ahead(on: bool) {
+    PANELS_AHEAD.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 std::thread_local! {
     /// This thread's widened panels ([`widen_panels`]): `[2][k][NR]` f32, regrown only by a
     /// longer panel, so a thread allocates it once per panel length it meets, not per product.
@@ -434,16 +454,16 @@ struct OutputColumns {
 // ANCHOR: tile_products
 /// The token rows `tokens` of `x` [_, k], a tile at a time, against the panel `b0` [k][NR], or
 /// the adjacent panels `b0`, `b1` on a kernel that pairs them, written into columns `at.cols`
-/// of the same rows of `out`.
+/// of the same rows of `out`; each tile asks for its share of `ahead`'s panels.
 ///
 /// # Safety
 /// No other live reference may touch columns `at.cols` of `out`'s rows while this runs.
-unsafe fn tile_products<W: WeightElement>(
+unsafe fn tile_products<W: WeightElement, V>(
     gemm: Gemm,
     x: &[f32],
     tokens: std::ops::Range<usize>,
-    b0: &[W],
-    b1: Option<&[W]>,
+    (b0, b1): (&[W], Option<&[W]>),
+    ahead: &ahead::Ahead<V>,
     out: &SharedOut,
     at: &OutputColumns,
 ) {
@@ -453,11 +473,12 @@ unsafe fn tile_products<W: WeightElement>(
     for start in tokens.clone().step_by(mr) {
         let rows = start..(start + mr).min(tokens.end); // the last tile may be partial
         let x_tile = &x[rows.start * k..rows.end * k]; // [rows, k]
+        let requests = ahead.share(start / mr, k); // tiles start at multiples of `mr`
         match b1 {
-            Some(b1) => tile_matmul_pair(gemm, rows.len(), x_tile, b0, b1, &mut c),
+            Some(b1) => tile_matmul_pair(gemm, rows.len(), x_tile, b0, b1, requests, &mut c),
             None => {
                 let single = (&mut c[..MAX_MR * NR]).try_into().expect("a prefix");
-                tile_matmul(gemm, rows.len(), x_tile, b0, single);
+                tile_matmul(gemm, rows.len(), x_tile, b0, requests, single);
             }
         }
         for (r, c_row) in rows.zip(c.chunks_exact(width * NR)) {
@@ -512,23 +533,24 @@ impl<'a> SharedOut<'a> {
 /// The micro-kernel for an `m`-token tile (`1 <= m <= gemm.tile_rows()`): `x_tile` [m, k],
 /// `b` [k][NR] → rows `0..m` of `c` [MAX_MR][NR]. One compiled kernel per tile height, so that
 /// the accumulators stay in registers and a partial last tile does no work for missing tokens.
-fn tile_matmul<W: WeightElement>(
+fn tile_matmul<W: WeightElement, V>(
     gemm: Gemm,
     m: usize,
     x_tile: &[f32],
     b: &[W],
+    requests: ahead::Requests<V>,
     c: &mut [f32; MAX_MR * NR],
 ) {
     macro_rules! with_height {
         ($c:expr, $module:ident: $($h:literal)+) => {
             match m {
-                $($h => $module::tile_matmul::<W, $h>(x_tile, b, $c),)+
+                $($h => $module::tile_matmul::<W, V, $h>(x_tile, b, requests, $c),)+
                 _ => unreachable!("a tile height the kernel has no variant for"),
             }
         };
         ($c:expr, $module:ident($cpu:ident): $($h:literal)+) => {
             match m {
-                $($h => $module::tile_matmul::<W, $h>($cpu, x_tile, b, $c),)+
+                $($h => $module::tile_matmul::<W, V, $h>($cpu, x_tile, b, requests, $c),)+
                 _ => unreachable!("a tile height the kernel has no variant for"),
             }
         };
@@ -547,12 +569,13 @@ fn tile_matmul<W: WeightElement>(
 
 /// [`tile_matmul`] over two adjacent panels `b0`, `b1` ([k][NR] each) into `c` [MAX_MR][2 · NR],
 /// for a kernel that [pairs panels](Gemm::pairs_panels).
-fn tile_matmul_pair<W: WeightElement>(
+fn tile_matmul_pair<W: WeightElement, V>(
     gemm: Gemm,
     m: usize,
     x_tile: &[f32],
     b0: &[W],
     b1: &[W],
+    requests: ahead::Requests<V>,
     c: &mut [f32; MAX_MR * 2 * NR],
 ) {
     match gemm {
@@ -561,7 +584,7 @@ fn tile_matmul_pair<W: WeightElement>(
             macro_rules! heights {
                 ($($h:literal)+) => {
                     match m {
-                        $($h => avx512::tile_matmul_pair::<W, $h>(cpu, x_tile, b0, b1, c),)+
+                        $($h => avx512::tile_matmul_pair::<W, V, $h>(cpu, x_tile, b0, b1, requests, c),)+
                         _ => unreachable!("a tile height the kernel has no variant for"),
                     }
                 };
@@ -569,7 +592,7 @@ fn tile_matmul_pair<W: WeightElement>(
             heights!(1 2 3 4 5 6 7 8 9 10 11 12)
         }
         _ => {
-            let _ = (m, x_tile, b0, b1, c);
+            let _ = (m, x_tile, b0, b1, requests, c);
             unreachable!("only Gemm::Avx512Pair pairs panels")
         }
     }

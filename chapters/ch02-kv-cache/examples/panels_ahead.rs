@@ -1,0 +1,58 @@
+//! What asking for the next weight panels ahead (`kernels::ahead`) saves a step of several
+//! tokens: every projection of every layer (q, k, v, o, gate, up, down) on `T` tokens, the
+//! weights from memory, with the tiles asking for the next panels and without, alternating
+//! within one process so that the machine's drift falls on both alike, in f32 and in bf16.
+//! Prints the median ms of a pass and its GFLOP/s.
+//!
+//! `cargo run --release -p ch02-kv-cache --example panels_ahead -- MODEL_DIR [T...]`
+
+use ch02_kv_cache::awake::awake;
+use ch02_kv_cache::kernels::set_panels_ahead;
+use ch02_kv_cache::{WeightDtype, load_fast};
+use ndarray::Array2;
+
+#[allow(dead_code)] // the read-rate table, which the prefetch examples print
+mod projections;
+
+use projections::{alternate, bytes, pass};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let dir = args.next().ok_or("usage: panels_ahead MODEL_DIR [T...]")?;
+    let dir = std::path::Path::new(&dir);
+    let bf16 = load_fast(dir, WeightDtype::Bf16)?;
+    let f32 = load_fast(dir, WeightDtype::F32)?;
+    let mut lengths: Vec<usize> = args.map(|a| a.parse()).collect::<Result<_, _>>()?;
+    if lengths.is_empty() {
+        lengths = vec![8, 12, 24, 32, 64, 128];
+    }
+    let weights = bytes(&f32) / 4; // f32 weights: 4 bytes each
+    println!(
+        "| T | f32, without, ms | f32, ahead, ms | gain | bf16, without, ms | bf16, ahead, ms | gain | GFLOP/s, ahead: f32, bf16 |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for t in lengths {
+        let x = Array2::from_shape_fn((t, f32.config.hidden_size), |(i, j)| {
+            ((i * 31 + j * 7) % 13) as f32 / 13.0 - 0.5
+        }); // [T, hidden]
+        let rounds = (4000 / t).clamp(7, 41);
+        let ms = alternate(4, rounds, |way| {
+            set_panels_ahead(way % 2 == 1);
+            awake(|| pass(if way < 2 { &f32 } else { &bf16 }, &x)) // as the engine runs a step
+        });
+        set_panels_ahead(true);
+        let [f_off, f_on, b_off, b_on] = ms[..] else {
+            unreachable!("four ways")
+        };
+        let gflops = |ms: f64| 2.0 * (t * weights) as f64 / ms / 1e6;
+        let gain = |off: f64, on: f64| (off / on - 1.0) * 100.0;
+        println!(
+            "| {t} | {f_off:.2} | {f_on:.2} | {:+.1}% | {b_off:.2} | {b_on:.2} | {:+.1}% | {:.1}, {:.1} |",
+            gain(f_off, f_on),
+            gain(b_off, b_on),
+            gflops(f_on),
+            gflops(b_on)
+        );
+    }
+    Ok(())
+}
