@@ -13,7 +13,8 @@
 //!   weights once and uses each for 6 tokens, broadcast from the token rows of `x` where they lie
 //!   (six sequential streams, nothing packed). A last tile of fewer tokens runs a kernel compiled
 //!   for its height. Threads split the panels, so every weight is read from memory once per call,
-//!   and each tile is written straight into its place in `y`.
+//!   and each tile is written straight into its place in `y`; while it multiplies, each tile asks
+//!   for its share of the task's next panels (`ahead.rs`), so they come from L2 in their turn.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
@@ -310,7 +311,8 @@ pub fn matmul_part<W: WeightElement>(
     let widen = W::WIDENS_ON_LOAD
         && tiles >= WIDEN_FROM_TILES
         && PANEL_WIDENING.load(std::sync::atomic::Ordering::Relaxed);
-    let asks_ahead = PANELS_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
+    let asks_ahead =
+        tiles <= AHEAD_UP_TO_TILES && PANELS_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
     // Panel p's first k inputs: [k][NR].
     let panel = |p: usize| &w.panel(p)[..k * NR];
     let task = |task: usize| {
@@ -405,6 +407,13 @@ static PANEL_WIDENING: std::sync::atomic::AtomicBool = std::sync::atomic::Atomic
 pub fn set_panel_widening(on: bool) {
     PANEL_WIDENING.store(on, std::sync::atomic::Ordering::Relaxed);
 }
+
+/// Products of at most this many token tiles ask for their next panels ahead (`ahead.rs`): 192
+/// tokens on AVX-512's tiles of 12. With more tiles a pair's first tile is a small part of its
+/// time, and the requests only compete with the token rows for L2: on SmolLM2's projections
+/// (`examples/panels_ahead.rs`, Intel Xeon) they gained 1.6% to 10% at 96 to 192 tokens (8 to
+/// 16 tiles) and lost up to 2.7% at 256 and 512.
+const AHEAD_UP_TO_TILES: usize = 16;
 
 /// Whether [`matmul_part`]'s tiles ask for the next panels ([`ahead`]); see
 /// [`set_panels_ahead`].
