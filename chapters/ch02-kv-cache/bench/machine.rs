@@ -4,7 +4,7 @@
 //! The bandwidth probes read and write weight memory ([`Elements::for_weights`]: 2 MiB pages
 //! where the system gives them), the memory decode streams its weights from: a bound measured on
 //! other memory bounds nothing. On the Intel Xeon of 2026-12-06 a sum over 4 KiB heap pages
-//! read 20.5 GB/s and the same sum over weight memory 32-34 GB/s, so a probe on the heap rated
+//! read 20.5 GB/s and the same sum over weight memory 32-33 GB/s, so a probe on the heap rated
 //! f32 decode at 130% of the machine (`examples/weight_pages.rs` compares the two).
 
 use std::time::Instant;

@@ -132,7 +132,7 @@ impl Report<'_> {
         let mut text = format!(
             "{}\nBatch 1; prefill of {} prompt tokens, then {} decode steps. MB read per token: \
              the projection and output-head weights one decode step streams. Of read \
-             bandwidth: the decode's GB/s against a read probe (a sum over {} MiB of the memory the weights are in, on 2 MiB pages, the best of \
+             bandwidth: the decode's GB/s against a read probe (a sum over {} MiB of the memory the weights are in, on 2 MiB pages where the system gives them, the best of \
              two passes right before and two right after) around kiln's decode, the median \
              over its repetitions, and around each reference engine's decode run, whose process \
              also loads the model (llama.cpp's `llama-bench` runs its decode apart from its \

@@ -41,6 +41,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .next()
         .ok_or("usage: product_order MODEL_DIR [--bf16] [--asleep] [TOKENS...]")?;
     let (flags, numbers): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("--"));
+    if let Some(unknown) = flags
+        .iter()
+        .find(|f| !["--bf16", "--asleep"].contains(&f.as_str()))
+    {
+        return Err(format!("unknown flag {unknown}: --bf16 and --asleep are known").into());
+    }
     let dtype = match flags.iter().any(|f| f == "--bf16") {
         true => WeightDtype::Bf16,
         false => WeightDtype::F32,

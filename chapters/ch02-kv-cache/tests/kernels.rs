@@ -572,3 +572,78 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
         })
         .unwrap();
 }
+
+/// The requests for the next panels (`kernels/ahead.rs`) change nothing and read nothing out of
+/// place: on one thread (so that a task holds several pairs of panels and asks for the next),
+/// every micro-kernel on 9 to 18 panels (odd and partial last ones), 2 to 200 tokens (1 to 17
+/// AVX-512 tiles, across the 16-tile limit and bf16's widening from 4 tiles), f32 and bf16,
+/// with the requests equals the naive product and the same product without them bit for bit;
+/// and so does a top-left corner of the weight (`matmul_part`, as causal attention uses it),
+/// whose next panels are cut to the corner's inputs.
+#[test]
+fn asking_for_the_next_panels_changes_no_product() {
+    use ch02_kv_cache::kernels::{Gemm, PackedWeight, matmul_part, set_panels_ahead};
+    let shapes = (
+        129usize..290,
+        2usize..40,
+        2usize..201,
+        0usize..17,
+        0usize..2,
+    );
+    let inputs = shapes.prop_flat_map(|(out_f, in_f, tokens, cut_out, cut_in)| {
+        (
+            proptest::collection::vec(-1.0f32..1.0, out_f * in_f)
+                .prop_map(move |w| Array2::from_shape_vec((out_f, in_f), w).unwrap()),
+            proptest::collection::vec(-2.0f32..2.0, tokens * in_f)
+                .prop_map(move |x| Array2::from_shape_vec((tokens, in_f), x).unwrap()),
+            Just((cut_out, cut_in)),
+        )
+    });
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        runner(24)
+            .run(&inputs, |(w, x, (cut_out, cut_in))| {
+                let (tokens, (out_f, in_f)) = (x.nrows(), w.dim());
+                // The whole weight, then a corner of it.
+                for (outputs, inputs) in [(out_f, in_f), (out_f - cut_out, in_f - cut_in)] {
+                    let corner = w.slice(ndarray::s![..outputs, ..inputs]).to_owned();
+                    let x_in = x.slice(ndarray::s![.., ..inputs]).to_owned();
+                    let x_in = x_in.as_slice().unwrap();
+                    for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
+                        let expected = naive(&corner, &None, &x.slice(ndarray::s![.., ..inputs]).to_owned(), dtype);
+                        for gemm in Gemm::available() {
+                            let run = |ahead: bool| {
+                                set_panels_ahead(ahead);
+                                let mut y = vec![0.0f32; tokens * outputs];
+                                let flat = w.as_slice().unwrap();
+                                match dtype {
+                                    WeightDtype::F32 => {
+                                        let packed = PackedWeight::<f32>::pack(flat, out_f, in_f);
+                                        matmul_part(gemm, &packed, outputs, inputs, x_in, &mut y, tokens);
+                                    }
+                                    WeightDtype::Bf16 => {
+                                        let packed = PackedWeight::<u16>::pack(flat, out_f, in_f);
+                                        matmul_part(gemm, &packed, outputs, inputs, x_in, &mut y, tokens);
+                                    }
+                                }
+                                set_panels_ahead(true);
+                                y
+                            };
+                            let (with, without) = (run(true), run(false));
+                            let what = format!("{gemm:?} {dtype:?}: W {:?} corner {outputs}×{inputs}, {tokens} tokens", w.dim());
+                            assert_close_shaped(&what, &with, &expected, &[tokens, outputs], Tolerance::F32);
+                            prop_assert!(
+                                with.iter().zip(&without).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{what}: the requests changed the product"
+                            );
+                        }
+                    }
+                }
+                Ok(())
+            })
+            .unwrap();
+    });
+}

@@ -3,14 +3,20 @@
 //! A step of a few dozen tokens (a batch-32 decode step, a short prompt) multiplies each pair of
 //! panels by a few token tiles, then moves on to the next pair. The first tile reads the pair
 //! from memory and waits on it; the others find it in the cache and are bound by arithmetic,
-//! while the memory system idles. So each tile also *prefetches* its share of the pair that
-//! comes next: tile `i` of `tiles` asks for rows `i · k / tiles ..` of the next panels, spread
-//! evenly over its `k` steps, a request or two per step, so that the requests overlap the
-//! multiply-adds instead of stalling them in a burst. When the next pair's turn comes its
-//! weights are in L2, and the stream from memory runs one pair ahead of the arithmetic.
-//! Requests are hints: they change no result.
+//! while the memory system idles. So each tile also *prefetches* its share of the pair its task
+//! computes next: tile `i` of `tiles` asks for rows `i · k / tiles ..` of the next panels,
+//! spread evenly over its `k` steps (at most one row of each panel per step), so that the
+//! requests overlap the multiply-adds rather than queue up in one burst. The aim is that the next
+//! pair's weights are in L2 when its turn comes, the stream from memory one pair ahead of the
+//! arithmetic; what was measured is the time it saves (`examples/panels_ahead.rs`). Requests are
+//! hints: they change no result.
+//!
+//! Only the panels of the same task are asked for (another thread may take the next task), so a
+//! task of one pair asks for nothing: with many threads SmolLM2's small projections are cut into
+//! such tasks. And only a product of at most `AHEAD_UP_TO_TILES` tiles asks (see there).
 
 use super::NR;
+use super::vector::prefetch_l2;
 
 /// The weight panels a task computes next ([k][NR] each, or empty) and the number of token
 /// tiles that share the requests for them.
@@ -52,14 +58,19 @@ pub struct Requests<'a, V> {
 
 // ANCHOR: requests
 impl<V> Requests<'_, V> {
-    /// One step of the tile's loop: asks for the rows that fall due at it.
+    /// One step of the tile's loop: asks for the row that falls due at it, if one does (a share
+    /// has at most `k` rows, so at most one falls due per step). Rows are asked for a cache line
+    /// at a time: a bf16 row is half a line, and the line's second row is not asked again.
     #[inline(always)]
     pub fn step(&mut self) {
         self.due += self.rows;
-        while self.due >= self.k {
-            for panel in self.next {
-                if let Some(row) = panel.get(self.asked * NR) {
-                    prefetch(row);
+        if self.due >= self.k {
+            let per_line = (64 / (NR * size_of::<V>())).max(1); // rows in a cache line
+            if self.asked.is_multiple_of(per_line) {
+                for panel in self.next {
+                    if let Some(rows) = panel.get(self.asked * NR..) {
+                        prefetch_l2(&rows[..rows.len().min(per_line * NR)]);
+                    }
                 }
             }
             self.asked += 1;
@@ -69,48 +80,36 @@ impl<V> Requests<'_, V> {
 }
 // ANCHOR_END: requests
 
-/// Asks for the cache line holding `value` to be brought into L2 (and L3). A hint: it reads
-/// nothing the program can see.
-#[inline(always)]
-fn prefetch<V>(value: &V) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE is part of x86-64; a prefetch of a valid reference's address reads nothing.
-    unsafe {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T1>(value as *const V as *const i8);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = value;
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// The tiles' shares cut each next panel into consecutive pieces that cover it once, and
-    /// each tile's loop of `k` steps asks for every row of its share, once each, the last by its
-    /// last step.
+    /// each tile's loop of `k` steps asks for the rows of its share evenly: after step `s`,
+    /// `⌊(s + 1) · rows / k⌋` of them, so every row by the last step and never two at once.
     #[test]
-    fn the_tiles_ask_for_every_row_of_the_next_panels_once() {
+    fn the_tiles_ask_for_every_row_of_the_next_panels_once_and_evenly() {
         for k in [1, 2, 7, 64, 576, 1536] {
             for tiles in 1..=13 {
                 let panel: Vec<f32> = (0..k * NR).map(|i| i as f32).collect();
                 let ahead = Ahead {
-                    next: [&panel[..], &panel[..]],
+                    next: [&panel[..], &[][..]],
                     tiles,
                 };
                 let mut covered = Vec::new();
                 for tile in 0..tiles {
                     let mut requests = ahead.share(tile, k);
-                    assert_eq!(requests.next[0], requests.next[1]);
                     covered.extend_from_slice(requests.next[0]);
-                    for _ in 0..k {
+                    assert!(requests.rows <= k);
+                    for step in 0..k {
                         requests.step();
+                        assert_eq!(
+                            requests.asked,
+                            (step + 1) * requests.rows / k,
+                            "k {k}, tile {tile} of {tiles}, step {step}"
+                        );
                     }
-                    assert_eq!(
-                        requests.asked, requests.rows,
-                        "k {k}, tile {tile} of {tiles}"
-                    );
+                    assert_eq!(requests.next[1], &[] as &[f32]);
                 }
                 assert_eq!(covered, panel, "k {k}, {tiles} tiles");
             }

@@ -166,6 +166,9 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
 ///
 /// Panics unless `b.len()` is a multiple of `NR` and `x.len() == M * b.len() / NR`; `M <= MR`
 /// is checked at compile time.
+///
+/// Each step of `k` also takes its turn of `requests`, the next panels' rows asked for ahead
+/// (`ahead.rs`).
 pub fn tile_matmul<W: WeightElement, V, const M: usize>(
     _cpu: Avx2Fma,
     x: &[f32],

@@ -110,6 +110,9 @@ unsafe fn widen_panel_avx512<W: WeightElement>(b: &[W], out: &mut [f32]) {
 ///
 /// Panics unless `b.len()` is a multiple of `NR` and `x.len() == M * b.len() / NR`; `M <= MR_512`
 /// is checked at compile time.
+///
+/// Each step of `k` also takes its turn of `requests`, the next panels' rows asked for ahead
+/// (`ahead.rs`).
 pub fn tile_matmul<W: WeightElement, V, const M: usize>(
     _cpu: Avx512,
     x: &[f32],
@@ -250,6 +253,9 @@ unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
 ///
 /// Panics unless both panels have the same length, a multiple of `NR`, and `x.len() == M *
 /// b0.len() / NR`.
+///
+/// Each step of `k` also takes its turn of `requests`, the next pair's rows asked for ahead
+/// (`ahead.rs`).
 pub fn tile_matmul_pair<W: WeightElement, V, const M: usize>(
     _cpu: Avx512,
     x: &[f32],

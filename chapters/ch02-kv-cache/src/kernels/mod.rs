@@ -13,8 +13,9 @@
 //!   weights once and uses each for 6 tokens, broadcast from the token rows of `x` where they lie
 //!   (six sequential streams, nothing packed). A last tile of fewer tokens runs a kernel compiled
 //!   for its height. Threads split the panels, so every weight is read from memory once per call,
-//!   and each tile is written straight into its place in `y`; while it multiplies, each tile asks
-//!   for its share of the task's next panels (`ahead.rs`), so they come from L2 in their turn.
+//!   and each tile is written straight into its place in `y`. In a product of at most
+//!   `AHEAD_UP_TO_TILES` tiles, each tile also asks for its share of the task's next panels while
+//!   it multiplies (`ahead.rs`), so that they come from L2 in their turn.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
@@ -409,7 +410,7 @@ pub fn set_panel_widening(on: bool) {
 }
 
 /// Products of at most this many token tiles ask for their next panels ahead (`ahead.rs`): 192
-/// tokens on AVX-512's tiles of 12. With more tiles a pair's first tile is a small part of its
+/// tokens on AVX-512's tiles of 12, 96 on AVX2's tiles of 6 (measured on AVX-512 only). With more tiles a pair's first tile is a small part of its
 /// time, and the requests only compete with the token rows for L2: on SmolLM2's projections
 /// (`examples/panels_ahead.rs`, Intel Xeon) they gained 1.6% to 10% at 96 to 192 tokens (8 to
 /// 16 tiles) and lost up to 2.7% at 256 and 512.
