@@ -573,13 +573,14 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
         .unwrap();
 }
 
-/// The requests for the next panels (`kernels/ahead.rs`) change nothing and read nothing out of
-/// place: on one thread (so that a task holds several pairs of panels and asks for the next),
-/// every micro-kernel on 9 to 18 panels (odd and partial last ones), 2 to 200 tokens (1 to 17
-/// AVX-512 tiles, across the 16-tile limit and bf16's widening from 4 tiles), f32 and bf16,
-/// with the requests equals the naive product and the same product without them bit for bit;
-/// and so does a top-left corner of the weight (`matmul_part`, as causal attention uses it),
-/// whose next panels are cut to the corner's inputs.
+/// The requests for the next panels (`kernels/ahead.rs`) change no product, and their shares
+/// stay inside the panels (one that overran would panic here): on one thread (so that a task
+/// holds several pairs of panels and asks for the next), every micro-kernel on 9 to 19 panels
+/// (odd and partial last ones), 2 to 200 tokens (1 to 17 AVX-512 tiles, across the 16-tile
+/// limit and bf16's widening from 4 tiles), f32 and bf16, with the requests equals the naive
+/// product and the same product without them bit for bit; and so does a top-left corner of the
+/// weight (8 to 19 panels; `matmul_part`, as causal attention uses it), whose next panels are
+/// cut to the corner's inputs.
 #[test]
 fn asking_for_the_next_panels_changes_no_product() {
     use ch02_kv_cache::kernels::{Gemm, PackedWeight, matmul_part, set_panels_ahead};
@@ -629,9 +630,16 @@ fn asking_for_the_next_panels_changes_no_product() {
                                         matmul_part(gemm, &packed, outputs, inputs, x_in, &mut y, tokens);
                                     }
                                 }
-                                set_panels_ahead(true);
                                 y
                             };
+                            // Back on even if a product panics, for the other tests of this binary.
+                            struct Restore;
+                            impl Drop for Restore {
+                                fn drop(&mut self) {
+                                    set_panels_ahead(true);
+                                }
+                            }
+                            let _restore = Restore;
                             let (with, without) = (run(true), run(false));
                             let what = format!("{gemm:?} {dtype:?}: W {:?} corner {outputs}×{inputs}, {tokens} tokens", w.dim());
                             assert_close_shaped(&what, &with, &expected, &[tokens, outputs], Tolerance::F32);

@@ -40,6 +40,7 @@ impl<'a, V> Ahead<'a, V> {
             asked: 0,
             due: 0,
             k: k.max(1),
+            lines: [NewLines::default(), NewLines::default()],
         }
     }
 }
@@ -54,23 +55,25 @@ pub struct Requests<'a, V> {
     /// a line on a grid: no division per step).
     due: usize,
     k: usize,
+    /// Each panel's last line asked for.
+    lines: [NewLines; 2],
 }
 
 // ANCHOR: requests
 impl<V> Requests<'_, V> {
     /// One step of the tile's loop: asks for the row that falls due at it, if one does (a share
-    /// has at most `k` rows, so at most one falls due per step). Rows are asked for a cache line
-    /// at a time: a bf16 row is half a line, and the line's second row is not asked again.
+    /// has at most `k` rows, so at most one falls due per step), unless the cache line it begins
+    /// in was the last one asked for (a bf16 row is half a line).
     #[inline(always)]
     pub fn step(&mut self) {
         self.due += self.rows;
         if self.due >= self.k {
-            let per_line = (64 / (NR * size_of::<V>())).max(1); // rows in a cache line
-            if self.asked.is_multiple_of(per_line) {
-                for panel in self.next {
-                    if let Some(rows) = panel.get(self.asked * NR..) {
-                        prefetch_l2(&rows[..rows.len().min(per_line * NR)]);
-                    }
+            let row = self.asked * NR;
+            for (panel, lines) in self.next.iter().zip(&mut self.lines) {
+                if let Some(row) = panel.get(row..row + NR)
+                    && lines.is_new(row.as_ptr() as usize)
+                {
+                    prefetch_l2(row);
                 }
             }
             self.asked += 1;
@@ -79,6 +82,27 @@ impl<V> Requests<'_, V> {
     }
 }
 // ANCHOR_END: requests
+
+/// Bytes of a cache line.
+const LINE: usize = 64;
+
+/// The cache line last asked for in one panel: rows asked in order fall in lines in order, so a
+/// row whose line is the last one's needs no request of its own.
+#[derive(Default)]
+struct NewLines {
+    last: Option<usize>,
+}
+
+impl NewLines {
+    /// Whether the line holding `address` differs from the last one seen (and it is now the last).
+    #[inline(always)]
+    fn is_new(&mut self, address: usize) -> bool {
+        let line = address / LINE;
+        let new = self.last != Some(line);
+        self.last = Some(line);
+        new
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -114,6 +138,41 @@ mod tests {
                 assert_eq!(covered, panel, "k {k}, {tiles} tiles");
             }
         }
+    }
+
+    /// Rows of bf16 (half a line) asked in order, from any first row and any alignment: every
+    /// line in which a row begins is new exactly once (with weight memory's 64-byte alignment,
+    /// that is every line of the rows; on an unaligned heap buffer the line holding only the
+    /// last row's end is left to the hardware).
+    #[test]
+    fn each_line_where_a_row_begins_is_asked_for_once() {
+        #[repr(align(64))]
+        struct OnALine([u16; 41 * NR]);
+        let panel = OnALine([0; 41 * NR]);
+        let panel = &panel.0;
+        let mut aligned_runs = 0;
+        for skew in 0..2 {
+            for first in 0..6 {
+                for last in first + 1..40 {
+                    let rows = &panel[skew + first * NR..skew + last * NR];
+                    let mut lines = NewLines::default();
+                    let starts = rows.chunks_exact(NR).map(|r| r.as_ptr() as usize / LINE);
+                    let asked: Vec<usize> = starts
+                        .clone()
+                        .filter(|&line| lines.is_new(line * LINE))
+                        .collect();
+                    let mut expected: Vec<usize> = starts.collect();
+                    expected.dedup();
+                    assert_eq!(asked, expected, "rows {first}..{last}, skew {skew}");
+                    if (rows.as_ptr() as usize).is_multiple_of(LINE) {
+                        let end = (rows.as_ptr() as usize + size_of_val(rows) - 1) / LINE;
+                        assert_eq!(asked.last(), Some(&end), "aligned: the last line too");
+                        aligned_runs += 1;
+                    }
+                }
+            }
+        }
+        assert!(aligned_runs > 0);
     }
 
     /// A panel shorter than `k` rows (none next, or a corner that does not fit) asks for nothing.

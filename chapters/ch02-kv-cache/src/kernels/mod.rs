@@ -410,8 +410,9 @@ pub fn set_panel_widening(on: bool) {
 }
 
 /// Products of at most this many token tiles ask for their next panels ahead (`ahead.rs`): 192
-/// tokens on AVX-512's tiles of 12, 96 on AVX2's tiles of 6 (measured on AVX-512 only). With more tiles a pair's first tile is a small part of its
-/// time, and the requests only compete with the token rows for L2: on SmolLM2's projections
+/// tokens on AVX-512's tiles of 12, 96 on AVX2's tiles of 6 (measured on AVX-512 only). With
+/// more tiles a pair's first tile is a small part of its time, and the requests only compete
+/// with the token rows for L2: on SmolLM2's projections
 /// (`examples/panels_ahead.rs`, Intel Xeon) they gained 1.6% to 10% at 96 to 192 tokens (8 to
 /// 16 tiles) and lost up to 2.7% at 256 and 512.
 const AHEAD_UP_TO_TILES: usize = 16;

@@ -32,8 +32,10 @@ impl ToF32 for half::bf16 {
 /// rows ([`prefetch_l2`]): four groups of [`KEYS`].
 pub const PREFETCH_POSITIONS: usize = 4 * KEYS;
 
-/// Asks the memory system to bring every cache line of `data` into this core's L2 cache: a hint
-/// that changes no result (and does nothing off x86-64).
+/// Asks the memory system to bring the cache lines of `data` into this core's L2 cache, one
+/// request per 64 bytes from its start (so all of them where `data` starts on a line; a last
+/// line holding only its end is not asked for otherwise): a hint that changes no result (and
+/// does nothing off x86-64).
 ///
 /// Decode attention finds its K/V in memory, not in cache (the weights streamed since evict
 /// them), and a group of eight K rows is lines at a stride of a whole row, a pattern the
