@@ -16,7 +16,7 @@
 //! such tasks. And only a product of at most `AHEAD_UP_TO_TILES` tiles asks (see there).
 
 use super::NR;
-use super::vector::prefetch_l2;
+use super::vector::{CACHE_LINE as LINE, prefetch_l2};
 
 /// The weight panels a task computes next ([k][NR] each, or empty) and the number of token
 /// tiles that share the requests for them.
@@ -82,9 +82,6 @@ impl<V> Requests<'_, V> {
     }
 }
 // ANCHOR_END: requests
-
-/// Bytes of a cache line.
-const LINE: usize = 64;
 
 /// The cache line last asked for in one panel: rows asked in order fall in lines in order, so a
 /// row whose line is the last one's needs no request of its own.

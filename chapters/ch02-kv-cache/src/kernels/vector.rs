@@ -32,10 +32,13 @@ impl ToF32 for half::bf16 {
 /// rows ([`prefetch_l2`]): four groups of [`KEYS`].
 pub const PREFETCH_POSITIONS: usize = 4 * KEYS;
 
+/// Bytes of a cache line (x86-64 and most CPUs).
+pub const CACHE_LINE: usize = 64;
+
 /// Asks the memory system to bring the cache lines of `data` into this core's L2 cache, one
-/// request per 64 bytes from its start (so all of them where `data` starts on a line; a last
-/// line holding only its end is not asked for otherwise): a hint that changes no result (and
-/// does nothing off x86-64).
+/// request per [`CACHE_LINE`] bytes from its start (so all of them where `data` starts on a
+/// line; a last line holding only its end is not asked for otherwise): a hint that changes no
+/// result (and does nothing off x86-64).
 ///
 /// Decode attention finds its K/V in memory, not in cache (the weights streamed since evict
 /// them), and a group of eight K rows is lines at a stride of a whole row, a pattern the
@@ -47,9 +50,8 @@ pub fn prefetch_l2<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        const LINE: usize = 64;
         let start = data.as_ptr() as *const i8;
-        for at in (0..size_of_val(data)).step_by(LINE) {
+        for at in (0..size_of_val(data)).step_by(CACHE_LINE) {
             // SAFETY: `start + at` is inside `data`; a prefetch neither faults nor writes.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(start.add(at)) };
         }
