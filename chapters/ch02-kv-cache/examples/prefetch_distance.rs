@@ -1,20 +1,28 @@
-//! How far ahead the decode product (`panel_matvec`) must prefetch: one token through every
-//! projection of every layer (the weights of a decoded token but the head, streamed from memory),
-//! on one thread and on all, with bf16 and f32 weights, at prefetch distances of 1 to 8 KiB,
-//! alternating within one process so that the machine's drift falls on all alike. Prints the
-//! median GB/s of weights read; before the distance was counted in bytes it was 32 features:
-//! 1 KiB of bf16, 2 KiB of f32.
+//! How far ahead, and into which cache, the decode product (`panel_matvec`) must prefetch: one
+//! token through every projection of every layer (the weights of a decoded token but the head,
+//! streamed from memory), on one thread and on all, with bf16 and f32 weights, at prefetch
+//! distances of 1 to 8 KiB into L2 once per cache line (the kernels' way), and at 4 KiB into L1
+//! once per input feature (their first way), alternating within one process so that the
+//! machine's drift falls on all alike. Prints the median GB/s of weights read; before the
+//! distance was counted in bytes it was 32 features: 1 KiB of bf16, 2 KiB of f32.
 //!
 //! `cargo run --release -p ch02-kv-cache --example prefetch_distance -- MODEL_DIR`
 
-use ch02_kv_cache::kernels::{PREFETCH_BYTES, set_prefetch_distance};
+use ch02_kv_cache::kernels::{PREFETCH_BYTES, set_prefetch_distance, set_prefetch_l1};
 use ch02_kv_cache::{WeightDtype, load_fast};
 
 mod projections;
 
 use projections::print_read_rates;
 
-const DISTANCES: [usize; 4] = [1024, 2048, 4096, 8192];
+/// (distance in bytes, into L1 at every feature?)
+const WAYS: [(usize, bool); 5] = [
+    (1024, false),
+    (2048, false),
+    (4096, false),
+    (8192, false),
+    (4096, true),
+];
 const ROUNDS: usize = 15;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -26,10 +34,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("bf16".to_string(), load_fast(dir, WeightDtype::Bf16)?),
         ("f32".to_string(), load_fast(dir, WeightDtype::F32)?),
     ];
-    let ways: Vec<String> = DISTANCES.iter().map(|d| format!("{d} B")).collect();
+    let ways: Vec<String> = WAYS
+        .iter()
+        .map(|&(d, l1)| format!("{d} B{}", if l1 { ", L1" } else { "" }))
+        .collect();
     print_read_rates(&models, &ways, ROUNDS, |i| {
-        set_prefetch_distance(DISTANCES[i])
+        let (distance, l1) = WAYS[i];
+        set_prefetch_distance(distance);
+        set_prefetch_l1(l1);
     })?;
     set_prefetch_distance(PREFETCH_BYTES);
+    set_prefetch_l1(false);
     Ok(())
 }

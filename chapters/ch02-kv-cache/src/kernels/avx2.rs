@@ -60,7 +60,10 @@ pub fn panel_matvec<W: WeightElement>(_cpu: Avx2Fma, panel: &[W], x: &[f32], out
 unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR]) {
     const UNROLL: usize = 4;
     // Input features ahead: each is NR weights.
-    let ahead = super::prefetch_distance() / size_of::<[W; NR]>();
+    let (ahead, l1) = (
+        super::prefetch_distance() / size_of::<[W; NR]>(),
+        super::prefetch_l1(),
+    );
     let p = panel.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 2 * UNROLL];
     let main = x.len() / UNROLL * UNROLL;
@@ -71,9 +74,8 @@ unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut 
         for k in (0..main).step_by(UNROLL) {
             for u in 0..UNROLL {
                 // Ask for the weights `ahead` features on now, so that the memory system has
-                // more reads in flight than the loads alone keep (`wrapping_add`: past the
-                // panel's end the address is only a hint, never dereferenced).
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((k + u + ahead) * NR) as *const i8);
+                // more reads in flight than the loads alone keep.
+                super::ask_ahead(p, k, u, ahead, l1);
                 let x_k = _mm256_set1_ps(*x.get_unchecked(k + u));
                 let (w_lo, w_hi) = W::load16(p.add((k + u) * NR));
                 acc[2 * u] = _mm256_fmadd_ps(w_lo, x_k, acc[2 * u]);
@@ -122,7 +124,10 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
 ) {
     const UNROLL: usize = 4;
     let k_len = panel.len() / NR;
-    let ahead = super::prefetch_distance() / size_of::<[W; NR]>();
+    let (ahead, l1) = (
+        super::prefetch_distance() / size_of::<[W; NR]>(),
+        super::prefetch_l1(),
+    );
     let (p, x) = (panel.as_ptr(), x.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 2 * UNROLL]; T];
     let main = k_len / UNROLL * UNROLL;
@@ -132,7 +137,7 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
     unsafe {
         for k in (0..main).step_by(UNROLL) {
             for u in 0..UNROLL {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((k + u + ahead) * NR) as *const i8);
+                super::ask_ahead(p, k, u, ahead, l1);
                 let (w_lo, w_hi) = W::load16(p.add((k + u) * NR));
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let x_k = _mm256_set1_ps(*x.add(t * k_len + k + u));

@@ -375,6 +375,11 @@ pub fn matmul_part<W: WeightElement>(
 /// in flight to cover the memory's latency, and a distance counted in features left bf16 short:
 /// at 32 features (2 KiB of f32, 1 KiB of bf16) one thread read bf16 weights at 26 GB/s and f32
 /// at 30; at 4 KiB, at 31 and 32 (`examples/prefetch_distance.rs`, AMD EPYC).
+///
+/// Into which cache ([`ask_ahead`]): on an Intel Xeon (2 threads, 2026-12-06, three runs of the
+/// same example) bf16 weights read at 29.1 to 33.9 GB/s asked for into L2 once per cache line,
+/// at 19.1 to 22.5 asked for into L1 at every feature; f32 2% to 3% more slowly into L2 (three
+/// runs of a scratch build), so f32 keeps L1.
 pub const PREFETCH_BYTES: usize = 4096;
 
 /// [`PREFETCH_BYTES`], unless [`set_prefetch_distance`] changed it.
@@ -392,6 +397,58 @@ pub fn set_prefetch_distance(bytes: usize) {
 #[cfg(target_arch = "x86_64")]
 fn prefetch_distance() -> usize {
     PREFETCH_DISTANCE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether the decode kernels prefetch into L1 at every input feature, as they first did;
+/// see [`set_prefetch_l1`].
+static PREFETCH_L1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `true` makes the decode kernels (`panel_matvec` and the several-token matvecs) prefetch bf16
+/// weights into L1 once per input feature, as they first did, instead of into L2 once per cache
+/// line, for the whole process (f32 weights go to L1 either way); the results are the same bits
+/// either way. For measuring the difference
+/// (`examples/prefetch_distance.rs`).
+pub fn set_prefetch_l1(on: bool) {
+    PREFETCH_L1.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`set_prefetch_l1`]'s setting; the decode kernels read it once per panel.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_l1() -> bool {
+    PREFETCH_L1.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Input features of a panel that fill one cache line: 1 of f32 (16 × 4 bytes), 2 of bf16.
+#[cfg(target_arch = "x86_64")]
+const fn features_per_line<W>() -> usize {
+    let features = vector::CACHE_LINE / size_of::<[W; NR]>();
+    if features == 0 { 1 } else { features }
+}
+
+/// The decode kernels' request for feature `k + u` of a panel (`p` its start, `ahead` the
+/// distance in features). f32 (a line per feature): into L1. bf16 (two features a line): into
+/// L2, where `u` starts a line (`k` is a multiple of [`features_per_line`], so each line ahead
+/// is asked for once); or, when `l1` ([`set_prefetch_l1`]), into L1 at every feature as
+/// f32.
+///
+/// Why the two differ is measured, not derived ([`PREFETCH_BYTES`]): on two threads bf16 read
+/// 50% to 62% faster asked for into L2 once a line than into L1 at every feature, f32 2% to 3%
+/// slower into L2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn ask_ahead<W>(p: *const W, k: usize, u: usize, ahead: usize, l1: bool) {
+    use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+    // A hint only (`wrapping_add`: past the panel's end the address is never dereferenced).
+    let at = p.wrapping_add((k + u + ahead) * NR) as *const i8;
+    let per_line = features_per_line::<W>();
+    // SAFETY: a prefetch neither faults nor writes, whatever the address.
+    unsafe {
+        if l1 || per_line == 1 {
+            _mm_prefetch::<_MM_HINT_T0>(at);
+        } else if u.is_multiple_of(per_line) {
+            _mm_prefetch::<_MM_HINT_T1>(at);
+        }
+    }
 }
 
 /// The fewest token tiles for which [`matmul_part`] widens bf16 panels once per call instead of
