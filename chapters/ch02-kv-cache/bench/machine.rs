@@ -10,7 +10,8 @@
 use std::time::Instant;
 
 use ch01::linear::Linear;
-use ch02::weight_memory::Elements;
+pub use ch02::read_probe::ReadProbe;
+use ch02::read_probe::filled;
 use ch02::{FastLinear, WeightDtype};
 use ndarray::Array2;
 use rayon::prelude::*;
@@ -75,58 +76,6 @@ fn read_probe(bytes: usize) -> f64 {
 /// times these machines' last-level cache, a few milliseconds of reading.
 pub const AROUND_BYTES: usize = 1 << 28;
 
-/// A read probe whose buffer stays allocated (and its pages backed), so that it can be taken
-/// again and again around the measurements it rates: this machine's bandwidth drifts by more
-/// than the gaps the page reports, and a probe minutes away measures another moment.
-pub struct ReadProbe {
-    buffer: Elements<f32>,
-}
-
-impl ReadProbe {
-    /// A probe over `bytes` of weight memory, every page written (backed) now.
-    pub fn new(bytes: usize) -> ReadProbe {
-        ReadProbe {
-            buffer: filled(bytes / 4, 1.0),
-        }
-    }
-
-    /// GB/s summing the buffer with every thread, now.
-    pub fn gb_s(&self) -> f64 {
-        let start = Instant::now();
-        let sum: f32 = self
-            .buffer
-            .par_chunks(1 << 16)
-            .map(|chunk| {
-                let mut lanes = [0.0f32; 16];
-                for c in chunk.chunks_exact(16) {
-                    for l in 0..16 {
-                        lanes[l] += c[l];
-                    }
-                }
-                lanes.iter().sum::<f32>()
-            })
-            .sum();
-        let seconds = start.elapsed().as_secs_f64();
-        std::hint::black_box(sum);
-        self.bytes() as f64 / seconds / 1e9
-    }
-
-    /// `measure()`'s result, and the best of this probe taken twice right before it and twice
-    /// right after: the same rule as the machine's figures (a probe's best, the better of
-    /// before and after), at the moment of the measurement.
-    pub fn around<T>(&self, measure: impl FnOnce() -> T) -> (T, f64) {
-        let before = self.gb_s().max(self.gb_s());
-        let result = measure();
-        let after = self.gb_s().max(self.gb_s());
-        (result, before.max(after))
-    }
-
-    /// The bytes it reads.
-    pub fn bytes(&self) -> usize {
-        self.buffer.len() * 4
-    }
-}
-
 /// GB/s copying `bytes` in parallel, counting the bytes read and the bytes written.
 fn copy_probe(bytes: usize) -> f64 {
     let src = filled(bytes / 4, 1.0);
@@ -138,14 +87,6 @@ fn copy_probe(bytes: usize) -> f64 {
     let seconds = start.elapsed().as_secs_f64();
     std::hint::black_box(&dst);
     2.0 * bytes as f64 / seconds / 1e9
-}
-
-/// `len` elements of weight memory, each `value` (so every page is backed before a probe times
-/// it).
-fn filled(len: usize, value: f32) -> Elements<f32> {
-    let mut buffer = Elements::for_weights(len);
-    buffer.par_chunks_mut(1 << 16).for_each(|c| c.fill(value));
-    buffer
 }
 
 /// GFLOP/s of one [`GEMM`]-shaped product, ours (`kiln`) or matrixmultiply's.

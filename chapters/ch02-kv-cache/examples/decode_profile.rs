@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use ch01::sampler::argmax;
 use ch02_kv_cache::awake::awake;
 use ch02_kv_cache::profile;
 use ch02_kv_cache::{CachedSession, ContiguousKvCache, WeightDtype, load_fast};
@@ -45,11 +46,7 @@ fn profile_decode() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let mut token = 1;
             for _ in 0..STEPS {
                 let logits = session.decode(token)?;
-                token = (logits
-                    .iter()
-                    .enumerate()
-                    .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }))
-                .0 as u32;
+                token = argmax(logits.as_slice().expect("one contiguous row")).unwrap_or(0); // greedy
             }
             Ok(())
         })?;

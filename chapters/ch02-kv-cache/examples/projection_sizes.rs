@@ -15,10 +15,9 @@ use std::time::Instant;
 
 use ch01::linear::Linear;
 use ch02_kv_cache::awake::awake;
-use ch02_kv_cache::weight_memory::Elements;
+use ch02_kv_cache::read_probe::ReadProbe;
 use ch02_kv_cache::{FastLinear, WeightDtype};
 use ndarray::Array2;
-use rayon::prelude::*;
 
 /// SmolLM2-135M's hidden size: every matrix's inputs.
 const HIDDEN: usize = 576;
@@ -49,10 +48,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     let x = Array2::from_shape_fn((1, HIDDEN), |(_, j)| (j % 13) as f32 / 13.0 - 0.5);
-    // In weight memory, as the matrices are (`FastLinear` packs them there) and as the
-    // benchmark's probe is.
-    let mut probe = Elements::<f32>::for_weights(1 << 28);
-    probe.fill(1.0);
+    // The benchmark's probe: 1 GiB of weight memory, where `FastLinear` packs the matrices.
+    let probe = ReadProbe::new(1 << 30);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     for threads in [cpus, 1] {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -65,7 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // On a worker of the pool, as `kiln` runs every command.
         pool.install(|| {
             for round in 0..=rounds {
-                let probe_gb_s = read_gb_s(&probe);
+                let probe_gb_s = probe.gb_s();
                 let cells: Vec<String> = sets
                     .iter()
                     .map(|(out, matrices)| {
@@ -98,21 +95,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         });
     }
     Ok(())
-}
-
-/// GB/s summing `buffer` on the current pool's threads, as the benchmark's read probe does.
-fn read_gb_s(buffer: &[f32]) -> f64 {
-    let start = Instant::now();
-    let sum: f32 = buffer
-        .par_chunks(1 << 16)
-        .map(|chunk| {
-            let mut lanes = [0.0f32; 16];
-            for c in chunk.chunks_exact(16) {
-                lanes.iter_mut().zip(c).for_each(|(l, v)| *l += v);
-            }
-            lanes.iter().sum::<f32>()
-        })
-        .sum();
-    std::hint::black_box(sum);
-    std::mem::size_of_val(buffer) as f64 / start.elapsed().as_secs_f64() / 1e9
 }

@@ -18,6 +18,7 @@
 //! | [`kernels`]    | our matrix-vector and matrix-matrix products: threaded, vectorised, f32/bf16 |
 //! | [`elementwise`]| the row-wise ops between the products (norms, RoPE, residuals, SiLU), threaded when big enough |
 //! | [`profile`]    | an off-by-default, per-op timer of forward steps                           |
+//! | [`read_probe`] | the machine's read bandwidth now, summing weight memory on every thread     |
 //! | [`workload`]   | a seeded log-normal request workload; how much of a contiguous reservation it uses |
 //! | [`fast_linear`]| [`FastLinear`]: chapter 1's `Linear` seam on those kernels                 |
 //! | [`weight_memory`] | memory for a model's weights, on 2 MiB pages where Linux allows it      |
@@ -36,6 +37,7 @@ pub mod kv_store;
 pub mod memory;
 pub mod prefill_attention;
 pub mod profile;
+pub mod read_probe;
 pub mod weight_memory;
 pub mod workload;
 

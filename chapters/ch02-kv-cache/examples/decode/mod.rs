@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use ch01::Llama;
+use ch01::sampler::argmax;
 use ch02_kv_cache::awake::awake;
 use ch02_kv_cache::{CachedSession, ContiguousKvCache};
 
@@ -30,12 +31,8 @@ pub fn decode_ms(model: &Llama) -> f64 {
         let mut token = 1;
         for _ in 0..STEPS {
             let logits = session.decode(token).expect("the cache holds every step");
-            // The first of the largest logits, as `decode_profile` picks it.
-            token = (logits
-                .iter()
-                .enumerate()
-                .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }))
-            .0 as u32;
+            // Greedy, as `decode_profile` picks it (the first id if every logit is masked).
+            token = argmax(logits.as_slice().expect("one contiguous row")).unwrap_or(0);
         }
     });
     start.elapsed().as_secs_f64() * 1e3 / STEPS as f64
