@@ -77,12 +77,12 @@ impl PartialEq for Candidate {
 
 impl Eq for Candidate {}
 
-/// The vocabulary as the merge loop reads it: every token's text, id and score. Like
+/// The vocabulary as the merge loop reads it: every token's id by its text, and its score. Like
 /// llama.cpp, any token can be a merge's result; control, unknown and user-defined tokens
 /// never are in practice, because the tokenizer matches their text before the loop runs.
 #[derive(Debug)]
 pub struct SpmMerges {
-    tokens: Vec<String>,
+    /// Each text's (first) id: the vocabulary's only copy here.
     ids: HashMap<String, u32>,
     scores: Vec<f32>,
     /// `<0xNN>` token of each byte, where the vocabulary has one.
@@ -109,7 +109,6 @@ impl SpmMerges {
         }
         let byte_ids = std::array::from_fn(|b| ids.get(&format!("<0x{b:02X}>")).copied());
         SpmMerges {
-            tokens: tokens.iter().map(|t| t.to_string()).collect(),
             ids,
             scores: scores.to_vec(),
             byte_ids,
@@ -242,9 +241,10 @@ impl Encoder for SpmMerges {
         if let Some(pre) = pipeline.get_pre_tokenizer() {
             tokenizers::PreTokenizer::pre_tokenize(pre, &mut pieces)?;
         }
+        // A token's text is left empty: of the encoding, only its ids are returned.
         pieces.tokenize(|normalized| {
             Ok((self.tokenize(normalized.get()).into_iter())
-                .map(|(id, r)| Token::new(id, self.tokens[id as usize].clone(), (r.start, r.end)))
+                .map(|(id, r)| Token::new(id, String::new(), (r.start, r.end)))
                 .collect())
         })?;
         let encoding = pieces.into_encoding(None, 0, OffsetType::Byte)?;
