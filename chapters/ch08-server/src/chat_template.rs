@@ -14,10 +14,10 @@
 //! | Python string / dict methods             | `minijinja_contrib::pycompat` (`.strip()`, `.items()`, ...) |
 //! | variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token` | the same; a token the model does not define is undefined, not `None` |
 //!
-//! Known differences: minijinja rejects `{% break %}` / `{% continue %}` unless its
-//! `loop_controls` feature is on, and maps (e.g. in `tojson`) keep their keys sorted unless
-//! its `preserve_order` feature is on; Jinja2 keeps insertion order. And the bounds below:
-//! `tojson(indent=n)` takes `n` up to 32, where Python takes any.
+//! minijinja's `loop_controls` feature is on (Jinja2's `{% break %}` / `{% continue %}`), and
+//! its `preserve_order` (maps keep their keys in insertion order, as Python's dicts do, where
+//! minijinja otherwise sorts them). Known differences: the bounds below, and `tojson(indent=n)`
+//! takes `n` up to 32, where Python takes any.
 //!
 //! A template comes with the model file, so it is untrusted: a render must end in a prompt or
 //! an error, never a crash. Its bounds: [`TEMPLATE_FUEL`] instructions; [`TEMPLATE_OUTPUT_LIMIT`]
@@ -25,28 +25,30 @@
 //! of nesting (which also ends a namespace that contains itself), an `indent` of at most
 //! [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by all its calls together.
 //!
-//! What is not bounded, because minijinja (2.24) offers no limit to set and no hook to add one:
-//! - the size of a string the template builds without writing it. minijinja refuses `"x" * n`
-//!   past 100 MB, but `~` and `+` join strings of any size, so `{% set ns.s = ns.s ~ ns.s %}`
-//!   in a loop of 64 doubles a string until an allocation fails, which aborts the process;
-//!   and text captured by `{% set %}` / `{% filter %}` blocks and macro calls is held in
-//!   memory, not written, so a loop inside a macro is bounded by fuel alone. Fuel does not see
-//!   sizes: one instruction joins any two strings.
-//! - minijinja's own printing of a value that contains itself: after
-//!   `{% set ns.me = ns %}`, `{{ ns }}` (or anything else that turns `ns` into text) recurses
-//!   until the stack overflows. Only `tojson`, which is ours, has a depth limit.
+//! Fuel also bounds the memory a render builds without writing it: minijinja (3.x) charges a
+//! string or list it makes by its size (one unit of fuel per instruction, one per 64 bytes),
+//! and refuses one larger than the fuel left, so a string doubled in a loop
+//! (`{% set ns.s = ns.s ~ ns.s %}`), or many large strings kept in a list, stop at a few hundred
+//! megabytes with an out-of-fuel error ([`TEMPLATE_FUEL`] is 320 MB of bytes), where minijinja 2
+//! joined strings of any size until an allocation failed and aborted the process.
+//!
+//! What is not bounded, because minijinja offers no limit to set and no hook to add one:
+//! minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
+//! `{{ ns }}` (or anything else that turns `ns` into text) recurses until the stack overflows.
+//! Only `tojson`, which is ours, has a depth limit.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use minijinja::value::{Kwargs, Object, Value, ValueKind};
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::{Kwargs, Serde, Value, ValueKind};
 use minijinja::{Environment, ErrorKind, State};
 use serde_json::Value as Json;
 
 /// The name the template is registered under (it appears in minijinja's error messages).
 const TEMPLATE_NAME: &str = "chat_template";
-/// The most work (minijinja's fuel: about one unit per instruction) one render may take.
+/// The most work one render may take, in minijinja's fuel: one unit per instruction, and one
+/// per 64 bytes of the strings and lists it makes (so five million instructions, or 320 MB).
 pub const TEMPLATE_FUEL: u64 = 5_000_000;
 /// The most bytes one render may write (64 MiB), and, separately, the most that all of its
 /// `tojson` calls together may produce. Text averages about 4 bytes a token, so this is some 16
@@ -187,9 +189,13 @@ impl ChatTemplate {
         // nested loops in one cannot spin every chat request for minutes. Real templates take
         // a few hundred units a message.
         env.set_fuel(Some(TEMPLATE_FUEL));
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_keep_trailing_newline(false);
+        let syntax = SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .keep_trailing_newline(false)
+            .build()
+            .expect("the default delimiters are valid");
+        env.set_syntax(syntax);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
@@ -228,9 +234,9 @@ impl ChatTemplate {
     ) -> Result<String, TemplateError> {
         let mut ctx: Vec<(&str, Value)> = extra
             .iter()
-            .map(|(name, value)| (name.as_str(), Value::from_serialize(value)))
+            .map(|(name, value)| (name.as_str(), Value::from(Serde(value))))
             .collect();
-        ctx.push(("messages", Value::from_serialize(messages)));
+        ctx.push(("messages", Value::from(Serde(messages))));
         ctx.push(("add_generation_prompt", Value::from(add_generation_prompt)));
         for (name, token) in [
             ("bos_token", &self.bos_token),
@@ -240,7 +246,7 @@ impl ChatTemplate {
                 ctx.push((name, Value::from(token.as_str())));
             }
         }
-        let ctx: Value = ctx.into_iter().collect();
+        let ctx = Value::from_pairs(ctx);
         let mut out = LimitedWriter::new(TEMPLATE_OUTPUT_LIMIT);
         self.env
             .get_template(TEMPLATE_NAME)
@@ -388,13 +394,12 @@ fn render_error(err: minijinja::Error) -> TemplateError {
 // and a newline).
 // ---------------------------------------------------------------------------------------------
 
-/// The bytes `tojson` has written so far in one render (a per-render temp of minijinja's).
+/// The bytes `tojson` has written so far in one render (a render-local extension of
+/// minijinja's state).
 #[derive(Debug, Default)]
-struct TojsonWritten(AtomicUsize);
+struct TojsonWritten(usize);
 
-impl Object for TojsonWritten {}
-
-fn tojson(state: &State, value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+fn tojson(state: &mut State, value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     let indent = kwargs.get::<Option<usize>>("indent")?;
     if indent.is_some_and(|n| n > TOJSON_MAX_INDENT) {
         return Err(minijinja::Error::new(
@@ -402,18 +407,18 @@ fn tojson(state: &State, value: Value, kwargs: Kwargs) -> Result<Value, minijinj
             format!("tojson: indent is at most {TOJSON_MAX_INDENT}"),
         ));
     }
-    let written = state.get_or_set_temp_object("kiln_tojson_written", TojsonWritten::default);
+    let written = state.get_or_insert_extension_with(TojsonWritten::default);
     let json = PyJson {
         indent,
         sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
         ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
-        max_len: TEMPLATE_OUTPUT_LIMIT.saturating_sub(written.0.load(Ordering::Relaxed)),
+        max_len: TEMPLATE_OUTPUT_LIMIT.saturating_sub(written.0),
     };
     kwargs.assert_all_used()?;
     let mut out = String::new();
     json.write(&value, 0, &mut out)?;
     json.check_len(&out)?;
-    written.0.fetch_add(out.len(), Ordering::Relaxed);
+    written.0 += out.len();
     Ok(Value::from_safe_string(out))
 }
 
@@ -750,6 +755,30 @@ mod tests {
         );
     }
 
+    /// A template that builds a huge string without writing it, by doubling one or by keeping
+    /// many large ones, stops at its fuel with an error, long before memory runs out (with
+    /// minijinja 2 the first aborted the process).
+    #[test]
+    fn building_huge_strings_runs_out_of_fuel() {
+        let out_of_fuel = "engine ran out of fuel (in chat_template:1)";
+        let doubled = "{% set ns = namespace(s='x') %}{% for i in range(64) %}\
+                       {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
+        assert_eq!(render(doubled, &[]).unwrap_err().to_string(), out_of_fuel);
+        let added = "{% set ns = namespace(s='x') %}{% for i in range(64) %}\
+                     {% set ns.s = ns.s + ns.s %}{% endfor %}";
+        assert_eq!(render(added, &[]).unwrap_err().to_string(), out_of_fuel);
+        let kept = "{% set ns = namespace(s='x', l=[]) %}{% for i in range(27) %}\
+                    {% set ns.s = ns.s ~ ns.s %}{% endfor %}{% for i in range(100) %}\
+                    {% set ns.l = ns.l + [ns.s ~ i] %}{% endfor %}{{ ns.l | length }}";
+        assert_eq!(render(kept, &[]).unwrap_err().to_string(), out_of_fuel);
+        // A message as large as the server's default body limit (8 MiB) still renders.
+        let large = "x".repeat(8 << 20);
+        assert_eq!(
+            render(SMOLLM2, &[("user", &large)]).unwrap().len(),
+            large.len() + 148
+        );
+    }
+
     /// A template whose loops would run 10^10 times stops at its fuel with an error, quickly;
     /// a conversation of 2,000 messages through SmolLM2's template stays well within it.
     #[test]
@@ -960,8 +989,10 @@ mod tests {
         let kept = "{% set s = 'x' * 10000000 %}{% for i in range(100) %}\
                     {% set j = s | tojson %}{% endfor %}";
         assert_eq!(render(kept, &[]).unwrap_err().to_string(), too_large);
+        // minijinja itself refuses to repeat a sequence that far (it once built it lazily).
         let lazy = "{% set j = ([1] * 1000000000) | tojson %}";
-        assert_eq!(render(lazy, &[]).unwrap_err().to_string(), too_large);
+        let refused = "invalid operation: repeated sequence is too large (in chat_template:1)";
+        assert_eq!(render(lazy, &[]).unwrap_err().to_string(), refused);
         assert!(started.elapsed() < std::time::Duration::from_secs(20));
         // Under the limit, many calls are fine.
         let many = "{% for i in range(1000) %}{{ messages | tojson }}{% endfor %}";
@@ -971,9 +1002,15 @@ mod tests {
     #[test]
     fn tojson_map_keys_follow_python() {
         let t = |source: &str| render(source, &[]);
+        // `true` and `1` are one key, as in Python (`True == 1`): the later value wins, in
+        // the first key's place.
         assert_eq!(
             t("{{ {1: 'a', 'b': 2, true: 3, none: 4} | tojson }}").unwrap(),
-            r#"{"1": "a", "b": 2, "true": 3, "null": 4}"#
+            r#"{"1": 3, "b": 2, "null": 4}"#
+        );
+        assert_eq!(
+            t("{{ {1.5: 'a', 'b': 2, false: 3, none: 4} | tojson }}").unwrap(),
+            r#"{"1.5": "a", "b": 2, "false": 3, "null": 4}"#
         );
         assert_eq!(
             t("{{ {'b': 1, 'a': {'d': 2, 'c': 3}} | tojson(sort_keys=true) }}").unwrap(),
