@@ -1,7 +1,8 @@
 //! What this machine can do, measured in the same run as the model: memory bandwidth (a large
 //! read and a large copy) and matrix-multiply throughput (our GEMM and matrixmultiply's).
 //!
-//! The bandwidth probes read and write weight memory ([`Elements::for_weights`]: 2 MiB pages
+//! The bandwidth probes read and write weight memory
+//! ([`ch02::weight_memory::Elements::for_weights`]: 2 MiB pages
 //! where the system gives them), the memory decode streams its weights from: a bound measured on
 //! other memory bounds nothing. On the Intel Xeon of 2026-12-06 a sum over 4 KiB heap pages
 //! read 20.5 GB/s and the same sum over weight memory 32-33 GB/s, so a probe on the heap rated

@@ -1,9 +1,10 @@
 //! How far ahead, and into which cache, the decode product (`panel_matvec`) must prefetch: one
 //! token through every projection of every layer (the weights of a decoded token but the head,
 //! streamed from memory), on one thread and on all, with bf16 and f32 weights, at prefetch
-//! distances of 1 to 8 KiB into L2 once per cache line (the kernels' way), and at 4 KiB into L1
-//! once per input feature (their first way), alternating within one process so that the
-//! machine's drift falls on all alike. Prints the median GB/s of weights read; before the
+//! distances of 1 to 8 KiB the kernels' way (bf16 into L2 once per cache line, f32 into L1 at
+//! every input feature), and at 4 KiB with bf16 too into L1 at every feature (the first way; for
+//! f32 the same code as the 4 KiB column), alternating within one process so that the machine's
+//! drift falls on all alike. Prints the median GB/s of weights read; before the
 //! distance was counted in bytes it was 32 features: 1 KiB of bf16, 2 KiB of f32.
 //!
 //! `cargo run --release -p ch02-kv-cache --example prefetch_distance -- MODEL_DIR`

@@ -1,7 +1,7 @@
-//! The machine's read bandwidth at this moment: every thread summing a buffer of weight memory
-//! (2 MiB pages where the system gives them, like the weights a decode streams), the bound that
-//! chapter 2's benchmark rates each decode against, and that its examples take to name the
-//! moment they measure in.
+//! The machine's read bandwidth at this moment: the current pool's threads summing a buffer of
+//! weight memory (2 MiB pages where the system gives them, like the weights a decode streams),
+//! the bound that chapter 2's benchmark rates each decode against, and that its examples take to
+//! name the moment they measure in.
 
 use std::time::Instant;
 
@@ -24,7 +24,8 @@ impl ReadProbe {
         }
     }
 
-    /// GB/s summing the buffer with every thread, now.
+    /// GB/s summing the buffer on the current rayon pool's threads (every CPU's, on the global
+    /// pool), now.
     pub fn gb_s(&self) -> f64 {
         let start = Instant::now();
         let sum: f32 = self

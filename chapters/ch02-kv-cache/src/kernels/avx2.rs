@@ -64,6 +64,12 @@ unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut 
         super::prefetch_distance() / size_of::<[W; NR]>(),
         super::prefetch_l1(),
     );
+    const {
+        assert!(
+            UNROLL.is_multiple_of(super::features_per_line::<W>()),
+            "whole lines"
+        )
+    };
     let p = panel.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 2 * UNROLL];
     let main = x.len() / UNROLL * UNROLL;
@@ -128,6 +134,12 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
         super::prefetch_distance() / size_of::<[W; NR]>(),
         super::prefetch_l1(),
     );
+    const {
+        assert!(
+            UNROLL.is_multiple_of(super::features_per_line::<W>()),
+            "whole lines"
+        )
+    };
     let (p, x) = (panel.as_ptr(), x.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 2 * UNROLL]; T];
     let main = k_len / UNROLL * UNROLL;

@@ -204,6 +204,12 @@ unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
         super::prefetch_distance() / size_of::<[W; NR]>(),
         super::prefetch_l1(),
     );
+    const {
+        assert!(
+            UNROLL.is_multiple_of(super::features_per_line::<W>()),
+            "whole lines"
+        )
+    };
     let (p, x) = (panel.as_ptr(), x.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); UNROLL]; T];
     let main = k_len / UNROLL * UNROLL;

@@ -399,15 +399,14 @@ fn prefetch_distance() -> usize {
     PREFETCH_DISTANCE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Whether the decode kernels prefetch into L1 at every input feature, as they first did;
-/// see [`set_prefetch_l1`].
+/// Whether the decode kernels prefetch bf16 weights into L1 at every input feature, as they
+/// first did; see [`set_prefetch_l1`].
 static PREFETCH_L1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// `true` makes the decode kernels (`panel_matvec` and the several-token matvecs) prefetch bf16
 /// weights into L1 once per input feature, as they first did, instead of into L2 once per cache
 /// line, for the whole process (f32 weights go to L1 either way); the results are the same bits
-/// either way. For measuring the difference
-/// (`examples/prefetch_distance.rs`).
+/// either way. For measuring the difference (`examples/prefetch_distance.rs`).
 pub fn set_prefetch_l1(on: bool) {
     PREFETCH_L1.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -425,11 +424,13 @@ const fn features_per_line<W>() -> usize {
     if features == 0 { 1 } else { features }
 }
 
-/// The decode kernels' request for feature `k + u` of a panel (`p` its start, `ahead` the
-/// distance in features). f32 (a line per feature): into L1. bf16 (two features a line): into
-/// L2, where `u` starts a line (`k` is a multiple of [`features_per_line`], so each line ahead
-/// is asked for once); or, when `l1` ([`set_prefetch_l1`]), into L1 at every feature as
-/// f32.
+/// The decode kernels' request for feature `k + u + ahead` of a panel (`p` its start, `ahead`
+/// the distance in features), made at every feature `k + u` of the loop. f32 (a line per
+/// feature): into L1. bf16 (two features a line): into L2 where `u` is a multiple of
+/// [`features_per_line`], so requests fall a line (64 bytes) apart and each line ahead is asked
+/// for once, however the panel is aligned; or, when `l1` ([`set_prefetch_l1`]), into L1 at every
+/// feature as f32. Requires `k` to be a multiple of [`features_per_line`]: the callers step `k`
+/// by an unroll that is (checked where each is defined).
 ///
 /// Why the two differ is measured, not derived ([`PREFETCH_BYTES`]): on two threads bf16 read
 /// 50% to 62% faster asked for into L2 once a line than into L1 at every feature, f32 2% to 3%
@@ -438,6 +439,10 @@ const fn features_per_line<W>() -> usize {
 #[inline(always)]
 fn ask_ahead<W>(p: *const W, k: usize, u: usize, ahead: usize, l1: bool) {
     use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+    debug_assert!(
+        k.is_multiple_of(features_per_line::<W>()),
+        "k starts a line's features"
+    );
     // A hint only (`wrapping_add`: past the panel's end the address is never dereferenced).
     let at = p.wrapping_add((k + u + ahead) * NR) as *const i8;
     let per_line = features_per_line::<W>();
