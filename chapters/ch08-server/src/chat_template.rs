@@ -16,21 +16,28 @@
 //!
 //! minijinja's `loop_controls` feature is on (Jinja2's `{% break %}` / `{% continue %}`), and
 //! its `preserve_order` (maps keep their keys in insertion order, as Python's dicts do, where
-//! minijinja otherwise sorts them). Known differences: the bounds below, and `tojson(indent=n)`
-//! takes `n` up to 32, where Python takes any.
+//! minijinja otherwise sorts them). Printed lists, dicts and tuples read as Python's `repr`
+//! writes them (`{'a': None}`), as in Jinja2, and `//`, `%` and `round` round as Python does
+//! (minijinja 2, which this module used until 2026-12-06, printed JSON and rounded otherwise).
+//! Known differences: the bounds below, and `tojson(indent=n)` takes `n` up to 32, where Python
+//! takes any.
 //!
 //! A template comes with the model file, so it is untrusted: a render must end in a prompt or
-//! an error, never a crash. Its bounds: [`TEMPLATE_FUEL`] instructions; [`TEMPLATE_OUTPUT_LIMIT`]
-//! bytes of output, checked as they are written; and in `tojson`, [`TOJSON_MAX_DEPTH`] levels
+//! an error, never a crash. Its bounds: [`TEMPLATE_FUEL`] of minijinja's fuel;
+//! [`TEMPLATE_OUTPUT_LIMIT`] bytes of output, checked as they are written; in `tojson`,
+//! [`TOJSON_MAX_DEPTH`] levels
 //! of nesting (which also ends a namespace that contains itself), an `indent` of at most
-//! [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by all its calls together.
+//! [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by all its calls together;
+//! and in `str.format`, fields at most [`FORMAT_MAX_WIDTH`] wide.
 //!
-//! Fuel also bounds the memory a render builds without writing it: minijinja (3.x) charges a
-//! string or list it makes by its size (one unit of fuel per instruction, one per 64 bytes),
-//! and refuses one larger than the fuel left, so a string doubled in a loop
+//! Fuel counts work and sizes: a unit per instruction, and a unit per 64 bytes or so of what a
+//! render writes, of the strings and lists it makes (their items count too), and of the text it
+//! hands to filters. minijinja refuses to make a value larger than the fuel left, so fuel also
+//! bounds the memory a render builds without writing it: a string doubled in a loop
 //! (`{% set ns.s = ns.s ~ ns.s %}`), or many large strings kept in a list, stop at a few hundred
-//! megabytes with an out-of-fuel error ([`TEMPLATE_FUEL`] is 320 MB of bytes), where minijinja 2
-//! joined strings of any size until an allocation failed and aborted the process.
+//! megabytes with an out-of-fuel error, where minijinja 2 joined strings of any size until an
+//! allocation failed and aborted the process. A template that copies each message's text several
+//! times may run out of fuel before its output reaches [`TEMPLATE_OUTPUT_LIMIT`].
 //!
 //! What is not bounded, because minijinja offers no limit to set and no hook to add one:
 //! minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
@@ -47,8 +54,8 @@ use serde_json::Value as Json;
 
 /// The name the template is registered under (it appears in minijinja's error messages).
 const TEMPLATE_NAME: &str = "chat_template";
-/// The most work one render may take, in minijinja's fuel: one unit per instruction, and one
-/// per 64 bytes of the strings and lists it makes (so five million instructions, or 320 MB).
+/// The most work one render may take, in minijinja's fuel: one unit per instruction, and about
+/// one per 64 bytes written, made or filtered (so five million instructions, or some 320 MB).
 pub const TEMPLATE_FUEL: u64 = 5_000_000;
 /// The most bytes one render may write (64 MiB), and, separately, the most that all of its
 /// `tojson` calls together may produce. Text averages about 4 bytes a token, so this is some 16
@@ -197,7 +204,7 @@ impl ChatTemplate {
             .expect("the default delimiters are valid");
         env.set_syntax(syntax);
         minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_method);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
@@ -393,6 +400,59 @@ fn render_error(err: minijinja::Error) -> TemplateError {
 // sort_keys=False), whose layout is Python's (", " and ": " separators; with indent, ","
 // and a newline).
 // ---------------------------------------------------------------------------------------------
+
+/// The widest field a template's `str.format` may ask for, as width or precision (`'{:>N}'`,
+/// `'{:.N}'`); see [`python_method`].
+pub const FORMAT_MAX_WIDTH: usize = 4096;
+
+/// Python's string and dict methods (`minijinja_contrib::pycompat`), but a `str.format` whose
+/// format asks for a field wider than [`FORMAT_MAX_WIDTH`] fails the render: pycompat builds
+/// the padding before any fuel sees it, so `'{:>9999999999}'.format(x)` would fail an
+/// allocation and abort the process.
+fn python_method(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, minijinja::Error> {
+    if method == "format"
+        && let Some(format) = value.as_str()
+    {
+        check_format_widths(format)?;
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// Every number in the format spec of each replacement field of `format` (after its `:`; `{{`
+/// is a literal brace) is at most [`FORMAT_MAX_WIDTH`]. Field indices (before the `:`) are not
+/// sizes and are not checked.
+fn check_format_widths(format: &str) -> Result<(), minijinja::Error> {
+    let mut rest = format;
+    while let Some(open) = rest.find('{') {
+        rest = &rest[open + 1..];
+        if let Some(after) = rest.strip_prefix('{') {
+            rest = after; // `{{`
+            continue;
+        }
+        let end = rest.find('}').unwrap_or(rest.len());
+        if let Some((_, spec)) = rest[..end].split_once(':') {
+            let too_wide = spec
+                .split(|c: char| !c.is_ascii_digit())
+                .map(|digits| digits.trim_start_matches('0'))
+                .any(|n| n.len() > 4 || n.parse::<usize>().is_ok_and(|n| n > FORMAT_MAX_WIDTH));
+            if too_wide {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "str.format: a field's width or precision is at most {FORMAT_MAX_WIDTH}"
+                    ),
+                ));
+            }
+        }
+        rest = &rest[end..];
+    }
+    Ok(())
+}
 
 /// The bytes `tojson` has written so far in one render (a render-local extension of
 /// minijinja's state).
@@ -767,16 +827,58 @@ mod tests {
         let added = "{% set ns = namespace(s='x') %}{% for i in range(64) %}\
                      {% set ns.s = ns.s + ns.s %}{% endfor %}";
         assert_eq!(render(added, &[]).unwrap_err().to_string(), out_of_fuel);
-        let kept = "{% set ns = namespace(s='x', l=[]) %}{% for i in range(27) %}\
-                    {% set ns.s = ns.s ~ ns.s %}{% endfor %}{% for i in range(100) %}\
+        // 1 MiB strings, each made and kept: no one of them is too large for the fuel left,
+        // but together they use it up.
+        let kept = "{% set ns = namespace(s='x', l=[]) %}{% for i in range(20) %}\
+                    {% set ns.s = ns.s ~ ns.s %}{% endfor %}{% for i in range(400) %}\
                     {% set ns.l = ns.l + [ns.s ~ i] %}{% endfor %}{{ ns.l | length }}";
         assert_eq!(render(kept, &[]).unwrap_err().to_string(), out_of_fuel);
+        let fewer = kept.replace("range(400)", "range(20)");
+        assert_eq!(render(&fewer, &[]).unwrap(), "20");
         // A message as large as the server's default body limit (8 MiB) still renders.
         let large = "x".repeat(8 << 20);
         assert_eq!(
             render(SMOLLM2, &[("user", &large)]).unwrap().len(),
             large.len() + 148
         );
+    }
+
+    /// A format that asks for a huge field fails the render, through `str.format` (our check)
+    /// and through the `format` filter (minijinja's fuel); ordinary widths work.
+    #[test]
+    fn huge_format_widths_fail_the_render() {
+        let too_wide = "invalid operation: str.format: a field's width or precision is at most 4096 \
+                        (in chat_template:1)";
+        for source in [
+            "{{ '{:>9999999999}'.format('x') }}",
+            "{{ '{0:.99999}'.format(1.5) }}",
+            "{{ 'a{{b}}{:05000}'.format(1) }}",
+        ] {
+            assert_eq!(
+                render(source, &[]).unwrap_err().to_string(),
+                too_wide,
+                "{source}"
+            );
+        }
+        let out_of_fuel = "engine ran out of fuel (in chat_template:1)";
+        let filter = "{{ '%9999999999s' | format('x') }}";
+        assert_eq!(render(filter, &[]).unwrap_err().to_string(), out_of_fuel);
+        let ok = "{{ '{:>5}|{:.2f}|{{x}}|{:0>4096}'.format('ab', 1.5, 7) | length }}";
+        assert_eq!(render(ok, &[]).unwrap(), "4111");
+        assert_eq!(
+            render("{{ '{:>5}|{:.2f}'.format('ab', 1.5) }}", &[]).unwrap(),
+            "   ab|1.50"
+        );
+    }
+
+    /// Printed lists, dicts and tuples read as Python's `repr` writes them, as in Jinja2.
+    #[test]
+    fn containers_print_as_python_does() {
+        assert_eq!(
+            render("{{ {'a': 1, 'b': [1, 'x'], 'c': none, 'd': true} }}", &[]).unwrap(),
+            "{'a': 1, 'b': [1, 'x'], 'c': None, 'd': True}"
+        );
+        assert_eq!(render("{{ (1, 'y') }}", &[]).unwrap(), "(1, 'y')");
     }
 
     /// A template whose loops would run 10^10 times stops at its fuel with an error, quickly;
