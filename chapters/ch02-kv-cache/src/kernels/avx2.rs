@@ -59,17 +59,7 @@ pub fn panel_matvec<W: WeightElement>(_cpu: Avx2Fma, panel: &[W], x: &[f32], out
 #[target_feature(enable = "avx2,fma")]
 unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR]) {
     const UNROLL: usize = 4;
-    // Input features ahead: each is NR weights.
-    let (ahead, l1) = (
-        super::prefetch_distance() / size_of::<[W; NR]>(),
-        super::prefetch_l1(),
-    );
-    const {
-        assert!(
-            UNROLL.is_multiple_of(super::features_per_line::<W>()),
-            "whole lines"
-        )
-    };
+    let ask = super::AskAhead::new::<W, UNROLL>();
     let p = panel.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 2 * UNROLL];
     let main = x.len() / UNROLL * UNROLL;
@@ -81,7 +71,7 @@ unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut 
             for u in 0..UNROLL {
                 // Ask for the weights `ahead` features on now, so that the memory system has
                 // more reads in flight than the loads alone keep.
-                super::ask_ahead(p, k, u, ahead, l1);
+                ask.ask(p, k, u);
                 let x_k = _mm256_set1_ps(*x.get_unchecked(k + u));
                 let (w_lo, w_hi) = W::load16(p.add((k + u) * NR));
                 acc[2 * u] = _mm256_fmadd_ps(w_lo, x_k, acc[2 * u]);
@@ -130,16 +120,7 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
 ) {
     const UNROLL: usize = 4;
     let k_len = panel.len() / NR;
-    let (ahead, l1) = (
-        super::prefetch_distance() / size_of::<[W; NR]>(),
-        super::prefetch_l1(),
-    );
-    const {
-        assert!(
-            UNROLL.is_multiple_of(super::features_per_line::<W>()),
-            "whole lines"
-        )
-    };
+    let ask = super::AskAhead::new::<W, UNROLL>();
     let (p, x) = (panel.as_ptr(), x.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 2 * UNROLL]; T];
     let main = k_len / UNROLL * UNROLL;
@@ -149,7 +130,7 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
     unsafe {
         for k in (0..main).step_by(UNROLL) {
             for u in 0..UNROLL {
-                super::ask_ahead(p, k, u, ahead, l1);
+                ask.ask(p, k, u);
                 let (w_lo, w_hi) = W::load16(p.add((k + u) * NR));
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let x_k = _mm256_set1_ps(*x.add(t * k_len + k + u));

@@ -200,16 +200,7 @@ unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
 ) {
     const UNROLL: usize = 4;
     let k_len = panel.len() / NR;
-    let (ahead, l1) = (
-        super::prefetch_distance() / size_of::<[W; NR]>(),
-        super::prefetch_l1(),
-    );
-    const {
-        assert!(
-            UNROLL.is_multiple_of(super::features_per_line::<W>()),
-            "whole lines"
-        )
-    };
+    let ask = super::AskAhead::new::<W, UNROLL>();
     let (p, x) = (panel.as_ptr(), x.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); UNROLL]; T];
     let main = k_len / UNROLL * UNROLL;
@@ -219,7 +210,7 @@ unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
     unsafe {
         for k in (0..main).step_by(UNROLL) {
             for u in 0..UNROLL {
-                super::ask_ahead(p, k, u, ahead, l1);
+                ask.ask(p, k, u);
                 let w = W::load16_512(p.add((k + u) * NR)); // lane i: stored element i
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let x_k = _mm512_set1_ps(*x.add(t * k_len + k + u));

@@ -376,7 +376,7 @@ pub fn matmul_part<W: WeightElement>(
 /// at 32 features (2 KiB of f32, 1 KiB of bf16) one thread read bf16 weights at 26 GB/s and f32
 /// at 30; at 4 KiB, at 31 and 32 (`examples/prefetch_distance.rs`, AMD EPYC).
 ///
-/// Into which cache ([`ask_ahead`]): on an Intel Xeon (2 threads, 2026-12-06, three runs of the
+/// Into which cache ([`AskAhead::ask`]): on an Intel Xeon (2 threads, 2026-12-06, three runs of the
 /// same example) bf16 weights read at 29.1 to 33.9 GB/s asked for into L2 once per cache line,
 /// at 19.1 to 22.5 asked for into L1 at every feature; f32 2% to 3% more slowly into L2 (three
 /// runs of a scratch build), so f32 keeps L1.
@@ -424,34 +424,57 @@ const fn features_per_line<W>() -> usize {
     if features == 0 { 1 } else { features }
 }
 
-/// The decode kernels' request for feature `k + u + ahead` of a panel (`p` its start, `ahead`
-/// the distance in features), made at every feature `k + u` of the loop. f32 (a line per
-/// feature): into L1. bf16 (two features a line): into L2 where `u` is a multiple of
-/// [`features_per_line`], so requests fall a line (64 bytes) apart and each line ahead is asked
-/// for once, however the panel is aligned; or, when `l1` ([`set_prefetch_l1`]), into L1 at every
-/// feature as f32. Requires `k` to be a multiple of [`features_per_line`]: the callers step `k`
-/// by an unroll that is (checked where each is defined).
-///
-/// Why the two differ is measured, not derived ([`PREFETCH_BYTES`]): on two threads bf16 read
-/// 50% to 62% faster asked for into L2 once a line than into L1 at every feature, f32 2% to 3%
-/// slower into L2.
+/// How a decode kernel asks for a panel's weights ahead of its loads, read once per panel: the
+/// distance in features ([`set_prefetch_distance`]) and [`set_prefetch_l1`]'s setting.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn ask_ahead<W>(p: *const W, k: usize, u: usize, ahead: usize, l1: bool) {
-    use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
-    debug_assert!(
-        k.is_multiple_of(features_per_line::<W>()),
-        "k starts a line's features"
-    );
-    // A hint only (`wrapping_add`: past the panel's end the address is never dereferenced).
-    let at = p.wrapping_add((k + u + ahead) * NR) as *const i8;
-    let per_line = features_per_line::<W>();
-    // SAFETY: a prefetch neither faults nor writes, whatever the address.
-    unsafe {
-        if l1 || per_line == 1 {
-            _mm_prefetch::<_MM_HINT_T0>(at);
-        } else if u.is_multiple_of(per_line) {
-            _mm_prefetch::<_MM_HINT_T1>(at);
+#[derive(Debug, Clone, Copy)]
+struct AskAhead {
+    ahead: usize,
+    l1: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl AskAhead {
+    /// The settings now, for a kernel whose `k` loop steps by `UNROLL` features: a multiple of
+    /// [`features_per_line`] (checked when the kernel is compiled), which [`AskAhead::ask`]
+    /// relies on.
+    #[inline(always)]
+    fn new<W, const UNROLL: usize>() -> AskAhead {
+        const {
+            assert!(
+                UNROLL.is_multiple_of(features_per_line::<W>()),
+                "whole lines"
+            )
+        };
+        AskAhead {
+            ahead: prefetch_distance() / size_of::<[W; NR]>(),
+            l1: prefetch_l1(),
+        }
+    }
+
+    /// The request made at feature `k + u` of the loop (`p` the panel's start, `k` a multiple
+    /// of the unroll), for feature `k + u + ahead`. f32 (a line per feature): into L1. bf16 (two
+    /// features a line): into L2 where `u` is a multiple of [`features_per_line`], so requests
+    /// fall a line (64 bytes) apart and each line ahead is asked for once, however the panel is
+    /// aligned; or, under [`set_prefetch_l1`], into L1 at every feature as f32.
+    ///
+    /// Why the two differ is measured, not derived ([`PREFETCH_BYTES`]): on two threads bf16
+    /// read 50% to 62% faster asked for into L2 once a line than into L1 at every feature, f32
+    /// 2% to 3% slower into L2.
+    #[inline(always)]
+    fn ask<W>(self, p: *const W, k: usize, u: usize) {
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+        let per_line = features_per_line::<W>();
+        debug_assert!(k.is_multiple_of(per_line), "k starts a line's features");
+        // A hint only (`wrapping_add`: past the panel's end the address is never dereferenced).
+        let at = p.wrapping_add((k + u + self.ahead) * NR) as *const i8;
+        // SAFETY: a prefetch neither faults nor writes, whatever the address.
+        unsafe {
+            if self.l1 || per_line == 1 {
+                _mm_prefetch::<_MM_HINT_T0>(at);
+            } else if u.is_multiple_of(per_line) {
+                _mm_prefetch::<_MM_HINT_T1>(at);
+            }
         }
     }
 }
