@@ -25,10 +25,10 @@
 //! A template comes with the model file, so it is untrusted: a render must end in a prompt or
 //! an error, never a crash. Its bounds: [`TEMPLATE_FUEL`] of minijinja's fuel;
 //! [`TEMPLATE_OUTPUT_LIMIT`] bytes of output, checked as they are written; in `tojson`,
-//! [`TOJSON_MAX_DEPTH`] levels
-//! of nesting (which also ends a namespace that contains itself), an `indent` of at most
-//! [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by all its calls together;
-//! and in `str.format`, fields at most [`FORMAT_MAX_WIDTH`] wide.
+//! [`TOJSON_MAX_DEPTH`] levels of nesting (which also ends a namespace that contains itself),
+//! an `indent` of at most [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by
+//! all its calls together; and in `str.format`, fields at most [`FORMAT_MAX_WIDTH`] wide or
+//! precise and a result bounded by [`TEMPLATE_OUTPUT_LIMIT`] before it is built.
 //!
 //! Fuel counts work and sizes: a unit per instruction, and a unit per 64 bytes or so of what a
 //! render writes, of the strings and lists it makes (their items count too), and of the text it
@@ -39,10 +39,14 @@
 //! allocation failed and aborted the process. A template that copies each message's text several
 //! times may run out of fuel before its output reaches [`TEMPLATE_OUTPUT_LIMIT`].
 //!
-//! What is not bounded, because minijinja offers no limit to set and no hook to add one:
-//! minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
-//! `{{ ns }}` (or anything else that turns `ns` into text) recurses until the stack overflows.
-//! Only `tojson`, which is ours, has a depth limit.
+//! What is not bounded (minijinja 3.1 offers no limit to set, and operators no hook):
+//! - a list repeated by `*` is lazy and costs no fuel, and what turns it into one string charges
+//!   only after building it, so `(['x' * 1000000] * 1000000) | join`, `''.join(...)` of it,
+//!   `... ~ ''` and `... | string` each fail an allocation of 4 GB and abort the process
+//!   (measured with a 3 GB address-space limit); `str.format` is checked ([`check_format`]);
+//! - minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
+//!   `{{ ns }}` (or anything else that turns `ns` into text) recurses until the stack overflows.
+//!   Only `tojson`, which is ours, has a depth limit.
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -402,12 +406,12 @@ fn render_error(err: minijinja::Error) -> TemplateError {
 // ---------------------------------------------------------------------------------------------
 
 /// The widest field a template's `str.format` may ask for, as width or precision (`'{:>N}'`,
-/// `'{:.N}'`); see [`python_method`].
+/// `'{:.N}'`); see [`check_format`].
 pub const FORMAT_MAX_WIDTH: usize = 4096;
 
-/// Python's string and dict methods (`minijinja_contrib::pycompat`), but a `str.format` whose
-/// format asks for a field wider than [`FORMAT_MAX_WIDTH`] fails the render: pycompat builds
-/// the padding before any fuel sees it, so `'{:>9999999999}'.format(x)` would fail an
+/// Python's string and dict methods (`minijinja_contrib::pycompat`), but a `str.format` is
+/// checked first ([`check_format`]): pycompat builds its result, padding included, before any
+/// fuel sees it, so `'{:>9999999999}'.format(x)` or `('{0}' * 1000000).format(s)` would fail an
 /// allocation and abort the process.
 fn python_method(
     state: &mut State,
@@ -418,15 +422,50 @@ fn python_method(
     if method == "format"
         && let Some(format) = value.as_str()
     {
-        check_format_widths(format)?;
+        check_format(format, args)?;
     }
     minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 
-/// Every number in the format spec of each replacement field of `format` (after its `:`; `{{`
-/// is a literal brace) is at most [`FORMAT_MAX_WIDTH`]. Field indices (before the `:`) are not
-/// sizes and are not checked.
-fn check_format_widths(format: &str) -> Result<(), minijinja::Error> {
+/// Fails unless every number in each replacement field's format spec of `format` is at most
+/// [`FORMAT_MAX_WIDTH`], and a bound on what `format.format(*args)` writes, the format's length
+/// plus, for each field, the widest number and every argument's printed length, is at most
+/// [`TEMPLATE_OUTPUT_LIMIT`].
+fn check_format(format: &str, args: &[Value]) -> Result<(), minijinja::Error> {
+    let refuse = |why: String| Err(minijinja::Error::new(ErrorKind::InvalidOperation, why));
+    let specs = format_specs(format);
+    let mut widest = 0;
+    for spec in &specs {
+        for digits in spec.split(|c: char| !c.is_ascii_digit()) {
+            match digits.trim_start_matches('0').parse::<usize>() {
+                Ok(n) if n <= FORMAT_MAX_WIDTH => widest = widest.max(n),
+                Err(_) if digits.trim_start_matches('0').is_empty() => {}
+                _ => {
+                    return refuse(format!(
+                        "str.format: a field's width or precision is at most {FORMAT_MAX_WIDTH}"
+                    ));
+                }
+            }
+        }
+    }
+    let args_len = (args.iter()).fold(0usize, |sum, arg| {
+        sum.saturating_add(printed_len(arg, TEMPLATE_OUTPUT_LIMIT))
+    });
+    let bound =
+        (specs.len().saturating_mul(widest.saturating_add(args_len))).saturating_add(format.len());
+    if bound > TEMPLATE_OUTPUT_LIMIT {
+        return refuse(format!(
+            "str.format: its result could be larger than {TEMPLATE_OUTPUT_LIMIT} bytes"
+        ));
+    }
+    Ok(())
+}
+
+/// The format spec of each replacement field of `format` (empty for a field without one), read
+/// as minijinja reads them: `{{` is a literal brace, and a field name's `[key]` may hold any
+/// character, `:` and `}` included, without ending the name.
+fn format_specs(format: &str) -> Vec<&str> {
+    let mut specs = Vec::new();
     let mut rest = format;
     while let Some(open) = rest.find('{') {
         rest = &rest[open + 1..];
@@ -434,24 +473,54 @@ fn check_format_widths(format: &str) -> Result<(), minijinja::Error> {
             rest = after; // `{{`
             continue;
         }
-        let end = rest.find('}').unwrap_or(rest.len());
-        if let Some((_, spec)) = rest[..end].split_once(':') {
-            let too_wide = spec
-                .split(|c: char| !c.is_ascii_digit())
-                .map(|digits| digits.trim_start_matches('0'))
-                .any(|n| n.len() > 4 || n.parse::<usize>().is_ok_and(|n| n > FORMAT_MAX_WIDTH));
-            if too_wide {
-                return Err(minijinja::Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!(
-                        "str.format: a field's width or precision is at most {FORMAT_MAX_WIDTH}"
-                    ),
-                ));
+        let (mut spec, mut end) = ("", rest.len());
+        let mut chars = rest.char_indices();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '[' => {
+                    let _ = chars.by_ref().find(|&(_, c)| c == ']');
+                }
+                ':' => {
+                    end = rest[i..].find('}').map_or(rest.len(), |close| i + close);
+                    spec = &rest[i + 1..end];
+                    break;
+                }
+                '}' => {
+                    end = i;
+                    break;
+                }
+                _ => {}
             }
         }
+        specs.push(spec);
         rest = &rest[end..];
     }
-    Ok(())
+    specs
+}
+
+/// The bytes `value` prints as, counted up to `cap` and `cap + 1` past it: a lazily repeated
+/// list is printed only as far as the cap to find out.
+fn printed_len(value: &Value, cap: usize) -> usize {
+    if let Some(s) = value.as_str() {
+        return s.len().min(cap + 1);
+    }
+    struct Count {
+        bytes: usize,
+        cap: usize,
+    }
+    impl std::fmt::Write for Count {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            self.bytes = self.bytes.saturating_add(s.len());
+            if self.bytes > self.cap {
+                Err(std::fmt::Error)
+            } else {
+                Ok(())
+            }
+        }
+    }
+    let mut count = Count { bytes: 0, cap };
+    let _ = std::fmt::Write::write_fmt(&mut count, format_args!("{value}"));
+    count.bytes.min(cap + 1)
 }
 
 /// The bytes `tojson` has written so far in one render (a render-local extension of
@@ -843,20 +912,37 @@ mod tests {
         );
     }
 
-    /// A format that asks for a huge field fails the render, through `str.format` (our check)
-    /// and through the `format` filter (minijinja's fuel); ordinary widths work.
+    /// A `str.format` that asks for a huge field, or whose fields and arguments could write
+    /// more than the output limit, fails the render before it is built; so does the `format`
+    /// filter's huge field (minijinja's fuel); ordinary formats work.
     #[test]
-    fn huge_format_widths_fail_the_render() {
-        let too_wide = "invalid operation: str.format: a field's width or precision is at most 4096 \
-                        (in chat_template:1)";
+    fn huge_formats_fail_the_render() {
+        let too_wide = "invalid operation: str.format: a field's width or precision is at most \
+                        4096 (in chat_template:1)";
         for source in [
             "{{ '{:>9999999999}'.format('x') }}",
+            "{{ '{:>99999999999999999999999}'.format('x') }}",
             "{{ '{0:.99999}'.format(1.5) }}",
             "{{ 'a{{b}}{:05000}'.format(1) }}",
+            "{{ '{0[}]:>99999999999}'.format({'}': 'x'}) }}",
+            "{{ '{a[x:y]:>99999}'.format(a={'x:y': 1}) }}",
         ] {
             assert_eq!(
                 render(source, &[]).unwrap_err().to_string(),
                 too_wide,
+                "{source}"
+            );
+        }
+        let too_large = "invalid operation: str.format: its result could be larger than \
+                         67108864 bytes (in chat_template:1)";
+        for source in [
+            "{{ ('{0}' * 1000000).format('x' * 1000000) }}",
+            "{{ ('{0:>4096}' * 100000).format(1) }}",
+            "{{ '{}'.format(['x' * 1000000] * 1000000) }}",
+        ] {
+            assert_eq!(
+                render(source, &[]).unwrap_err().to_string(),
+                too_large,
                 "{source}"
             );
         }
@@ -866,8 +952,8 @@ mod tests {
         let ok = "{{ '{:>5}|{:.2f}|{{x}}|{:0>4096}'.format('ab', 1.5, 7) | length }}";
         assert_eq!(render(ok, &[]).unwrap(), "4111");
         assert_eq!(
-            render("{{ '{:>5}|{:.2f}'.format('ab', 1.5) }}", &[]).unwrap(),
-            "   ab|1.50"
+            render("{{ '{:>5}|{:.2f}|é{}'.format('ab', 1.5, 'ü') }}", &[]).unwrap(),
+            "   ab|1.50|éü"
         );
     }
 

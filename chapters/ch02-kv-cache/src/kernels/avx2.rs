@@ -59,7 +59,7 @@ pub fn panel_matvec<W: WeightElement>(_cpu: Avx2Fma, panel: &[W], x: &[f32], out
 #[target_feature(enable = "avx2,fma")]
 unsafe fn panel_matvec_avx2<W: WeightElement>(panel: &[W], x: &[f32], out: &mut [f32; NR]) {
     const UNROLL: usize = 4;
-    let ask = super::AskAhead::new::<W, UNROLL>();
+    let ask = super::AskAhead::<W>::new::<UNROLL>();
     let p = panel.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 2 * UNROLL];
     let main = x.len() / UNROLL * UNROLL;
@@ -120,7 +120,7 @@ unsafe fn panel_matvec_tokens_avx2<W: WeightElement, const T: usize>(
 ) {
     const UNROLL: usize = 4;
     let k_len = panel.len() / NR;
-    let ask = super::AskAhead::new::<W, UNROLL>();
+    let ask = super::AskAhead::<W>::new::<UNROLL>();
     let (p, x) = (panel.as_ptr(), x.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 2 * UNROLL]; T];
     let main = k_len / UNROLL * UNROLL;

@@ -200,7 +200,7 @@ unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
 ) {
     const UNROLL: usize = 4;
     let k_len = panel.len() / NR;
-    let ask = super::AskAhead::new::<W, UNROLL>();
+    let ask = super::AskAhead::<W>::new::<UNROLL>();
     let (p, x) = (panel.as_ptr(), x.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); UNROLL]; T];
     let main = k_len / UNROLL * UNROLL;

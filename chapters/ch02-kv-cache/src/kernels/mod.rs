@@ -370,14 +370,15 @@ pub fn matmul_part<W: WeightElement>(
 }
 // ANCHOR_END: matmul
 
-/// How far ahead of its loads the AVX2 `panel_matvec` prefetches, in bytes of the panel (so in
+/// How far ahead of their loads the decode kernels (`panel_matvec` and the several-token
+/// matvecs, AVX2 and AVX-512) prefetch, in bytes of the panel (so in
 /// features, half as many for f32 as for bf16): 4 KiB. One thread alone must keep enough reads
 /// in flight to cover the memory's latency, and a distance counted in features left bf16 short:
 /// at 32 features (2 KiB of f32, 1 KiB of bf16) one thread read bf16 weights at 26 GB/s and f32
 /// at 30; at 4 KiB, at 31 and 32 (`examples/prefetch_distance.rs`, AMD EPYC).
 ///
-/// Into which cache ([`AskAhead::ask`]): on an Intel Xeon (2 threads, 2026-12-06, three runs of the
-/// same example) bf16 weights read at 29.1 to 33.9 GB/s asked for into L2 once per cache line,
+/// Into which cache ([`AskAhead::ask`]): on an Intel Xeon (2 threads, 2026-12-06, three runs of
+/// the same example) bf16 weights read at 29.1 to 33.9 GB/s asked for into L2 once per cache line,
 /// at 19.1 to 22.5 asked for into L1 at every feature; f32 2% to 3% more slowly into L2 (three
 /// runs of a scratch build), so f32 keeps L1.
 pub const PREFETCH_BYTES: usize = 4096;
@@ -386,7 +387,7 @@ pub const PREFETCH_BYTES: usize = 4096;
 static PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES);
 
-/// Makes the AVX2 `panel_matvec` prefetch `bytes` ahead (rounded down to whole features; at most
+/// Makes the decode kernels prefetch `bytes` ahead (rounded down to whole features; at most
 /// 1 MiB), for the whole process; the results are the same bits at any distance. For measuring
 /// the distance (`examples/prefetch_distance.rs`).
 pub fn set_prefetch_distance(bytes: usize) {
@@ -428,18 +429,20 @@ const fn features_per_line<W>() -> usize {
 /// distance in features ([`set_prefetch_distance`]) and [`set_prefetch_l1`]'s setting.
 #[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy)]
-struct AskAhead {
+struct AskAhead<W> {
     ahead: usize,
     l1: bool,
+    /// The distance is counted in features of `W`, and [`AskAhead::ask`] takes panels of `W`.
+    element: std::marker::PhantomData<W>,
 }
 
 #[cfg(target_arch = "x86_64")]
-impl AskAhead {
+impl<W> AskAhead<W> {
     /// The settings now, for a kernel whose `k` loop steps by `UNROLL` features: a multiple of
     /// [`features_per_line`] (checked when the kernel is compiled), which [`AskAhead::ask`]
     /// relies on.
     #[inline(always)]
-    fn new<W, const UNROLL: usize>() -> AskAhead {
+    fn new<const UNROLL: usize>() -> AskAhead<W> {
         const {
             assert!(
                 UNROLL.is_multiple_of(features_per_line::<W>()),
@@ -449,6 +452,7 @@ impl AskAhead {
         AskAhead {
             ahead: prefetch_distance() / size_of::<[W; NR]>(),
             l1: prefetch_l1(),
+            element: std::marker::PhantomData,
         }
     }
 
@@ -462,7 +466,7 @@ impl AskAhead {
     /// read 50% to 62% faster asked for into L2 once a line than into L1 at every feature, f32
     /// 2% to 3% slower into L2.
     #[inline(always)]
-    fn ask<W>(self, p: *const W, k: usize, u: usize) {
+    fn ask(self, p: *const W, k: usize, u: usize) {
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
         let per_line = features_per_line::<W>();
         debug_assert!(k.is_multiple_of(per_line), "k starts a line's features");
