@@ -27,8 +27,9 @@
 //! [`TEMPLATE_OUTPUT_LIMIT`] bytes of output, checked as they are written; in `tojson`,
 //! [`TOJSON_MAX_DEPTH`] levels of nesting (which also ends a namespace that contains itself),
 //! an `indent` of at most [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by
-//! all its calls together; and in `str.format`, fields at most [`FORMAT_MAX_WIDTH`] wide or
-//! precise and a result bounded by [`TEMPLATE_OUTPUT_LIMIT`] before it is built.
+//! all its calls together; and in `str.format`, `str.join` and the `join` and `string` filters,
+//! a result bounded by [`TEMPLATE_OUTPUT_LIMIT`] before it is built (and `str.format` fields at
+//! most [`FORMAT_MAX_WIDTH`] wide or precise).
 //!
 //! Fuel counts work and sizes: a unit per instruction, and a unit per 64 bytes or so of what a
 //! render writes, of the strings and lists it makes (their items count too), and of the text it
@@ -40,10 +41,11 @@
 //! times may run out of fuel before its output reaches [`TEMPLATE_OUTPUT_LIMIT`].
 //!
 //! What is not bounded (minijinja 3.1 offers no limit to set, and operators no hook):
-//! - a list repeated by `*` is lazy and costs no fuel, and what turns it into one string charges
-//!   only after building it, so `(['x' * 1000000] * 1000000) | join`, `''.join(...)` of it,
-//!   `... ~ ''` and `... | string` each fail an allocation of 4 GB and abort the process
-//!   (measured with a 3 GB address-space limit); `str.format` is checked ([`check_format`]);
+//! - a list repeated by `*` is lazy and costs no fuel, and minijinja charges for turning it into
+//!   one string only after building it: `(['x' * 1000000] * 1000000) ~ ''` fails an allocation
+//!   of 4 GB and aborts the process (measured with a 3 GB address-space limit). The `join` and
+//!   `string` filters, `str.join` and `str.format` are checked here first ([`check_joined`],
+//!   [`check_format`]), which the `~` operator cannot be;
 //! - minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
 //!   `{{ ns }}` (or anything else that turns `ns` into text) recurses until the stack overflows.
 //!   Only `tojson`, which is ours, has a depth limit.
@@ -212,6 +214,8 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_filter("join", join);
+        env.add_filter("string", string);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| TemplateError::Compile {
                 path,
@@ -419,12 +423,57 @@ fn python_method(
     method: &str,
     args: &[Value],
 ) -> Result<Value, minijinja::Error> {
-    if method == "format"
-        && let Some(format) = value.as_str()
-    {
-        check_format(format, args)?;
+    if let Some(text) = value.as_str() {
+        match (method, args) {
+            ("format", _) => check_format(text, args)?,
+            ("join", [items]) => check_joined(items, text.len())?,
+            _ => {}
+        }
     }
     minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// Fails unless `items` joined with a joiner of `joiner_len` bytes stays within
+/// [`TEMPLATE_OUTPUT_LIMIT`], bounded by `items`' printed length (each item's text and more)
+/// plus a joiner per item, before the string is built: a list repeated with `*` is lazy and
+/// costs no fuel, so `(['x' * 1000000] * 1000000) | join` would otherwise allocate 1 TB.
+fn check_joined(items: &Value, joiner_len: usize) -> Result<(), minijinja::Error> {
+    let joiners = joiner_len.saturating_mul(items.len().unwrap_or(0));
+    // The joiners alone first: counting the items' text of a long list takes a while.
+    let too_large = |bytes: usize| bytes > TEMPLATE_OUTPUT_LIMIT;
+    if too_large(joiners)
+        || too_large(printed_len(items, TEMPLATE_OUTPUT_LIMIT - joiners).saturating_add(joiners))
+    {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("join: its result could be larger than {TEMPLATE_OUTPUT_LIMIT} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// minijinja's `join` filter after [`check_joined`].
+fn join(
+    state: &mut State,
+    value: &Value,
+    joiner: Option<minijinja::value::StringInput<'_>>,
+    attribute: Option<&str>,
+    kwargs: Kwargs,
+) -> Result<Value, minijinja::Error> {
+    check_joined(value, joiner.as_ref().map_or(0, |j| j.as_str().len()))?;
+    minijinja::filters::join(state, value, joiner, attribute, kwargs)
+}
+
+/// minijinja's `string` filter, after a check that the text stays within
+/// [`TEMPLATE_OUTPUT_LIMIT`] (minijinja charges for it only after building it).
+fn string(state: &State, value: &Value) -> Result<Value, minijinja::Error> {
+    if printed_len(value, TEMPLATE_OUTPUT_LIMIT) > TEMPLATE_OUTPUT_LIMIT {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("string: its result could be larger than {TEMPLATE_OUTPUT_LIMIT} bytes"),
+        ));
+    }
+    minijinja::filters::string(state, value)
 }
 
 /// Fails unless every number in each replacement field's format spec of `format` is at most
@@ -954,6 +1003,46 @@ mod tests {
         assert_eq!(
             render("{{ '{:>5}|{:.2f}|é{}'.format('ab', 1.5, 'ü') }}", &[]).unwrap(),
             "   ab|1.50|éü"
+        );
+    }
+
+    /// A list repeated with `*` is lazy and costs no fuel; joining it or printing it with the
+    /// `string` filter into more than the output limit fails before the string is built (it
+    /// aborted the process), and ordinary joins still work.
+    #[test]
+    fn huge_lazy_lists_cannot_be_joined_or_printed() {
+        let message = |what: &str| {
+            format!(
+                "invalid operation: {what}: its result could be larger than 67108864 bytes (in chat_template:1)"
+            )
+        };
+        let huge = "(['x' * 1000000] * 1000000)";
+        for (source, what) in [
+            (format!("{{{{ {huge} | join }}}}"), "join"),
+            (format!("{{{{ {huge} | join(', ') }}}}"), "join"),
+            (format!("{{{{ ''.join({huge}) }}}}"), "join"),
+            (
+                "{{ (['x'] * 100000000) | join('y' * 100) }}".to_string(),
+                "join",
+            ),
+            (format!("{{{{ {huge} | string }}}}"), "string"),
+        ] {
+            assert_eq!(
+                render(&source, &[]).unwrap_err().to_string(),
+                message(what),
+                "{source}"
+            );
+        }
+        assert_eq!(
+            render("{{ ['a', 'b'] | join(', ') }}", &[]).unwrap(),
+            "a, b"
+        );
+        assert_eq!(render("{{ '-'.join(['a', 'b']) }}", &[]).unwrap(), "a-b");
+        assert_eq!(render("{{ [1, 'x'] | string }}", &[]).unwrap(), "[1, 'x']");
+        let users = "{{ messages | join(', ', attribute='content') }}";
+        assert_eq!(
+            render(users, &[("user", "a"), ("user", "b")]).unwrap(),
+            "a, b"
         );
     }
 
