@@ -2,8 +2,9 @@
 //! positions each, one query row per sequence, in each of SmolLM2-135M's 30 layers (9 query
 //! heads sharing 3 KV heads of 64), through chapter 4's `batch_attention`, with f32 and bf16
 //! pools. A step reads every layer's K/V once, far more than the caches hold, so they come from
-//! memory as in the engine. Prints the median and the fastest of `ROUNDS` steps: ms per step,
-//! GB/s of K/V read and GFLOP/s (`2 · 2 · d` FLOPs per query head and position).
+//! memory as in the engine. Prints, for each row kernel this CPU runs but the portable one, the
+//! median and the fastest of `ROUNDS` steps: ms per step, GB/s of K/V read and GFLOP/s
+//! (`2 · 2 · d` FLOPs per query head and position).
 //!
 //! `cargo run --release -p ch04-continuous-batching --example batch_decode_attention [T...]`
 
@@ -12,9 +13,8 @@ use std::time::Instant;
 
 use ch01::LlamaConfig;
 use ch01::attention::AttentionShape;
-use ch02::kernels::Isa;
 use ch03::{BlockId, KvElement, KvPool};
-use ch04_continuous_batching::attention::{QueryRow, batch_attention};
+use ch04_continuous_batching::attention::{QueryRow, RowKernel, batch_attention_with};
 use half::bf16;
 use ndarray::ArrayView1;
 
@@ -44,7 +44,7 @@ fn value(i: usize) -> f32 {
 }
 
 /// (median, fastest) seconds of one step over every layer.
-fn time_steps<K: KvElement>(t: usize) -> (f64, f64) {
+fn time_steps<K: KvElement>(kernel: RowKernel, t: usize) -> (f64, f64) {
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
     let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
@@ -75,12 +75,11 @@ fn time_steps<K: KvElement>(t: usize) -> (f64, f64) {
         .collect();
     let q: Vec<f32> = (0..SEQUENCES * q_dim).map(|i| value(i * 3) * 4.0).collect();
     let mut out = vec![0.0; q.len()];
-    let isa = Isa::detect();
     let mut steps: Vec<f64> = (0..ROUNDS + 2)
         .map(|_| {
             let start = Instant::now();
             for layer in 0..LAYERS {
-                batch_attention(isa, &pool, layer, &rows, &q, SHAPE, &mut out);
+                batch_attention_with(kernel, &pool, layer, &rows, &q, SHAPE, &mut out);
             }
             start.elapsed().as_secs_f64()
         })
@@ -100,25 +99,35 @@ fn main() {
     } else {
         lengths
     };
-    println!("| T | pool | median ms/step | GB/s | GFLOP/s | fastest ms/step | GB/s | GFLOP/s |");
-    println!("|---:|:---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| T | pool | kernel | median ms/step | GB/s | GFLOP/s | fastest ms/step | GB/s | GFLOP/s |"
+    );
+    println!("|---:|:---|:---|---:|---:|---:|---:|---:|---:|");
+    let kernels: Vec<RowKernel> = RowKernel::available()
+        .into_iter()
+        .filter(|k| *k != RowKernel::Portable)
+        .collect();
     for t in lengths {
         let flops = (LAYERS * SEQUENCES * SHAPE.num_heads * t * 4 * SHAPE.head_dim) as f64;
         let positions = (LAYERS * SEQUENCES * t * 2 * SHAPE.num_kv_heads * SHAPE.head_dim) as f64;
-        for (name, (median, best), bytes) in [
-            ("f32", time_steps::<f32>(t), 4.0),
-            ("bf16", time_steps::<bf16>(t), 2.0),
-        ] {
-            let gb = positions * bytes / 1e9;
-            println!(
-                "| {t} | {name} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} |",
-                median * 1e3,
-                gb / median,
-                flops / median / 1e9,
-                best * 1e3,
-                gb / best,
-                flops / best / 1e9
-            );
+        for &kernel in &kernels {
+            for (name, (median, best), bytes) in [
+                ("f32", time_steps::<f32>(kernel, t), 4.0),
+                ("bf16", time_steps::<bf16>(kernel, t), 2.0),
+            ] {
+                let gb = positions * bytes / 1e9;
+                let kernel = format!("{kernel:?}");
+                let kernel = kernel.split('(').next().unwrap_or(&kernel);
+                println!(
+                    "| {t} | {name} | {kernel} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} |",
+                    median * 1e3,
+                    gb / median,
+                    flops / median / 1e9,
+                    best * 1e3,
+                    gb / best,
+                    flops / best / 1e9
+                );
+            }
         }
     }
 }

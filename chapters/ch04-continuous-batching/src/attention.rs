@@ -27,6 +27,9 @@
 //! step further, which does change the rounding: the same loops written with intrinsics (`avx2.rs`),
 //! fused multiply-adds and one horizontal sum for eight scores. They agree with the loops above
 //! to a few ulp; which loops run depends only on the CPU and the shape, never on the batch.
+//! With AVX-512 as well, the same arithmetic runs on 32 wide registers (`avx512.rs`): each K/V
+//! element is loaded and widened once for all the query heads that share it, and the outputs
+//! stay in registers across the row. Its results equal the AVX2 loops' bit for bit.
 //!
 //! K/V are stored as the pool's element type (f32 or bf16, see [`KvElement`]) and widened to
 //! f32 as they are read; the arithmetic is f32 throughout. An 8-bit pool (chapter 5) stores
@@ -40,12 +43,59 @@
 use ch01::attention::AttentionShape;
 use ch02::kernels::Isa;
 use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, axpy8, dot8, prefetch_l2, softmax};
+#[cfg(target_arch = "x86_64")]
+use ch02::kernels::{Avx2Fma, Avx512};
 use ch03::{BlockId, KvElement, KvPool, KvScales};
 use ndarray::ArrayView2;
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Which compiled form of a row's loops [`batch_attention_with`] runs: one per instruction set,
+/// each carrying the proof that the CPU has it (as [`Isa`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowKernel {
+    /// The loops as written, compiled for no particular CPU.
+    Portable,
+    /// The loops compiled for AVX2 + FMA, and for head sizes 64 and 128 their intrinsics.
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma(Avx2Fma),
+    /// As `Avx2Fma`, with the head sizes 64 and 128 on AVX-512's 32 registers (the same
+    /// results, bit for bit).
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Avx2Fma, Avx512),
+}
+
+impl RowKernel {
+    /// The fastest kernel of instruction set `isa` on this CPU.
+    pub fn fastest(isa: Isa) -> RowKernel {
+        match isa {
+            Isa::Portable => RowKernel::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma(cpu) => match Avx512::detect() {
+                Some(wide) => RowKernel::Avx512(cpu, wide),
+                None => RowKernel::Avx2Fma(cpu),
+            },
+        }
+    }
+
+    /// Every kernel this CPU runs.
+    pub fn available() -> Vec<RowKernel> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut kernels = vec![RowKernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if let Some(Isa::Avx2Fma(cpu)) = Isa::avx2_fma() {
+            kernels.push(RowKernel::Avx2Fma(cpu));
+            if let Some(wide) = Avx512::detect() {
+                kernels.push(RowKernel::Avx512(cpu, wide));
+            }
+        }
+        kernels
+    }
+}
 
 /// One query row of the step: its sequence's block table and its position there.
 #[derive(Debug, Clone, Copy)]
@@ -144,9 +194,23 @@ struct LayerKv<'a, K> {
 ///
 /// Every row's K/V up to its own position must be in the pool already (the executor writes the
 /// step's new K/V first), and its blocks must cover `pos`. `isa` picks the compiled form of the
-/// loops ([`Isa::detect`] for the fastest; the tests compare every one).
+/// loops ([`Isa::detect`] for the fastest): [`RowKernel::fastest`] of it.
 pub fn batch_attention<K: KvElement>(
     isa: Isa,
+    pool: &KvPool<K>,
+    layer: usize,
+    rows: &[QueryRow],
+    q: &[f32],
+    shape: AttentionShape,
+    out: &mut [f32],
+) {
+    let kernel = RowKernel::fastest(isa);
+    batch_attention_with(kernel, pool, layer, rows, q, shape, out);
+}
+
+/// [`batch_attention`] on the row kernel `kernel` (the tests compare every one).
+pub fn batch_attention_with<K: KvElement>(
+    kernel: RowKernel,
     pool: &KvPool<K>,
     layer: usize,
     rows: &[QueryRow],
@@ -182,7 +246,7 @@ pub fn batch_attention<K: KvElement>(
             // to row: asking again would only cost.
             let shares = |other: Option<&QueryRow>| other.is_some_and(|o| o.same_sequence(&row));
             let prefetch = !shares(r.checked_sub(1).map(|p| &rows[p])) && !shares(rows.get(r + 1));
-            attend_row_fastest(isa, &kv, row, prefetch, q_r, out_r, scratch);
+            attend_row_with(kernel, &kv, row, prefetch, q_r, out_r, scratch);
         });
 }
 // ANCHOR_END: batch_attention
@@ -313,10 +377,11 @@ fn next_group(slots: &mut impl Iterator<Item = usize>, group: &mut [usize; KEYS]
     n
 }
 
-/// [`attend_row`] compiled for AVX2 + FMA when `isa` says the CPU has them (the same Rust,
-/// vectorised 8 lanes wide by the compiler), else as plain Rust.
-fn attend_row_fastest<K: KvElement>(
-    isa: Isa,
+/// [`attend_row`] as `kernel` compiles it: for AVX2 + FMA (the same Rust, vectorised 8 lanes
+/// wide by the compiler) or as plain Rust, and for head sizes 64 and 128 the intrinsics of
+/// `avx2.rs` or `avx512.rs`.
+fn attend_row_with<K: KvElement>(
+    kernel: RowKernel,
     kv: &LayerKv<K>,
     row: QueryRow,
     prefetch: bool,
@@ -325,14 +390,20 @@ fn attend_row_fastest<K: KvElement>(
     scratch: &mut RowScratch,
 ) {
     let scores = &mut scratch.scores;
-    match isa {
-        Isa::Portable => attend_row(kv, row, prefetch, q_r, out_r, scores),
+    match kernel {
+        RowKernel::Portable => attend_row(kv, row, prefetch, q_r, out_r, scores),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma(cpu) if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) => {
+        RowKernel::Avx512(_, wide) if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) => {
+            avx512::attend_row(wide, kv, row, prefetch, q_r, out_r, scratch)
+        }
+        #[cfg(target_arch = "x86_64")]
+        RowKernel::Avx2Fma(cpu) | RowKernel::Avx512(cpu, _)
+            if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) =>
+        {
             avx2::attend_row(cpu, kv, row, prefetch, q_r, out_r, scratch)
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma(_) => {
+        RowKernel::Avx2Fma(_) | RowKernel::Avx512(..) => {
             #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2<K: KvElement>(
                 kv: &LayerKv<K>,
@@ -344,8 +415,9 @@ fn attend_row_fastest<K: KvElement>(
             ) {
                 attend_row(kv, row, prefetch, q_r, out_r, scores)
             }
-            // SAFETY: an `Isa::Avx2Fma` exists only once run-time detection found AVX2 and FMA
-            // on this CPU (its proof field is private); `avx2` is safe Rust otherwise.
+            // SAFETY: a `RowKernel` other than `Portable` holds an `Avx2Fma` proof, which exists
+            // only once run-time detection found AVX2 and FMA on this CPU (its field is
+            // private); `avx2` is safe Rust otherwise.
             unsafe { avx2(kv, row, prefetch, q_r, out_r, scores) }
         }
     }

@@ -1,19 +1,19 @@
 //! The batched paged attention kernel against chapter 1's naive causal attention, per sequence:
-//! random head counts (GQA groups of 1 to 3), even head sizes 2 to 20 (mostly not multiples of
+//! random head counts (GQA groups of 1 to 5), even head sizes 2 to 20 (mostly not multiples of
 //! the 8-lane vectors) and the 64 and 128 of the AVX2 path's own loops, block sizes 1 to 17,
 //! batches mixing prefill chunks and decodes, physical blocks scattered by earlier allocations,
-//! in every instruction set this CPU runs; with an f32 pool, and with a bf16 pool against the
-//! naive attention of the bf16-rounded K/V.
+//! in every row kernel this CPU runs; with an f32 pool, and with a bf16 pool against the
+//! naive attention of the bf16-rounded K/V. On a CPU with AVX-512, its rows equal the AVX2
+//! rows bit for bit.
 
 use std::path::Path;
 
 use ch01::LlamaConfig;
 use ch01::attention::{AttentionShape, causal_attention};
 use ch01::testing::{assert_rel_close, seeded_runner};
-use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch03::{BlockManager, KvPool};
-use ch04_continuous_batching::attention::{QueryRow, batch_attention};
+use ch04_continuous_batching::attention::{QueryRow, RowKernel, batch_attention_with};
 use half::bf16;
 use ndarray::{Array2, ArrayView2};
 use proptest::prelude::*;
@@ -25,7 +25,9 @@ fn case() -> impl Strategy<Value = Case> {
     // Half the head size: 2 to 20 (mostly not multiples of the 8-lane vectors), or the 64 and
     // 128 that have their own AVX2 loops.
     let half_dim = prop_oneof![3 => 1usize..=10, 1 => Just(32usize), 1 => Just(64usize)];
-    (1usize..=3, 1usize..=3, half_dim, 1usize..=17).prop_flat_map(
+    // Groups of up to 5 query heads: the AVX-512 rows take them in batches of at most 4 (2 for
+    // the outputs at d = 128), so 5 leaves a short batch.
+    (1usize..=3, 1usize..=5, half_dim, 1usize..=17).prop_flat_map(
         |(num_kv_heads, group, half_dim, block_size)| {
             let seq = (1usize..=40).prop_flat_map(|len| (Just(len), 1usize..=len.min(9)));
             (
@@ -131,16 +133,34 @@ fn batch_attention_equals_naive_attention_per_sequence() {
                 expected_bf16.extend(out.iter().copied());
                 first += n;
             }
-            for isa in Isa::available() {
+            let mut outputs = Vec::new(); // (kernel, f32 pool's, bf16 pool's)
+            for kernel in RowKernel::available() {
                 let mut out = vec![f32::NAN; rows.len() * q_dim];
-                batch_attention(isa, &pool, 1, &rows, &q, shape, &mut out);
-                assert_rel_close(&format!("{isa:?}"), &out, &expected, 1e-5);
-                out.fill(f32::NAN);
-                batch_attention(isa, &pool_bf16, 1, &rows, &q, shape, &mut out);
-                assert_rel_close(&format!("{isa:?}, bf16"), &out, &expected_bf16, 1e-5);
+                batch_attention_with(kernel, &pool, 1, &rows, &q, shape, &mut out);
+                assert_rel_close(&format!("{kernel:?}"), &out, &expected, 1e-5);
+                let mut out_bf16 = vec![f32::NAN; rows.len() * q_dim];
+                batch_attention_with(kernel, &pool_bf16, 1, &rows, &q, shape, &mut out_bf16);
+                let name = format!("{kernel:?}, bf16");
+                assert_rel_close(&name, &out_bf16, &expected_bf16, 1e-5);
                 // What storing K/V in bf16 costs: 8 bits of mantissa, about 2⁻⁹ relative per
                 // element, which attention averages rather than accumulates.
-                assert_rel_close(&format!("{isa:?}, bf16 vs f32"), &out, &expected, 1e-2);
+                assert_rel_close(&format!("{name} vs f32"), &out_bf16, &expected, 1e-2);
+                outputs.push((kernel, out, out_bf16));
+            }
+            // The AVX-512 rows repeat the AVX2 rows' arithmetic in the same order: equal bits.
+            #[cfg(target_arch = "x86_64")]
+            {
+                let avx2 = outputs
+                    .iter()
+                    .find(|o| matches!(o.0, RowKernel::Avx2Fma(_)));
+                let avx512 = outputs
+                    .iter()
+                    .find(|o| matches!(o.0, RowKernel::Avx512(..)));
+                if let (Some(avx2), Some(avx512)) = (avx2, avx512) {
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    prop_assert_eq!(bits(&avx512.1), bits(&avx2.1), "f32 pool");
+                    prop_assert_eq!(bits(&avx512.2), bits(&avx2.2), "bf16 pool");
+                }
             }
             Ok(())
         })

@@ -34,7 +34,7 @@ use ch03::KvElement;
 use super::{LayerKv, QueryRow, RowScratch, prefetch_rows, slots as slots_of};
 
 /// Lanes per vector.
-const LANES: usize = 8;
+pub(super) const LANES: usize = 8;
 
 /// The head sizes this path is compiled for (each its own copy of the loops, unrolled).
 pub(super) const HEAD_DIMS: [usize; 2] = [64, 128];
@@ -187,15 +187,14 @@ fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
     }
 }
 
-/// The head row starting at `at` in `stored`, as `CHUNKS` groups of 8 (checked once here, so
-/// that the loops index it without checks).
+/// The head row starting at `at` in `stored`, as `CHUNKS` groups of `N` (8 here; checked once
+/// here, so that the loops index it without checks).
 #[inline]
-fn head_row<T, const CHUNKS: usize>(stored: &[T], at: usize) -> &[[T; LANES]; CHUNKS] {
-    stored[at..][..CHUNKS * LANES]
-        .as_chunks()
-        .0
-        .try_into()
-        .unwrap()
+pub(super) fn head_row<T, const N: usize, const CHUNKS: usize>(
+    stored: &[T],
+    at: usize,
+) -> &[[T; N]; CHUNKS] {
+    stored[at..][..CHUNKS * N].as_chunks().0.try_into().unwrap()
 }
 
 // ANCHOR: lane_sums
@@ -204,7 +203,7 @@ fn head_row<T, const CHUNKS: usize>(stored: &[T], at: usize) -> &[[T; LANES]; CH
 /// one exchange of halves adds them.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn lane_sums(a: [__m256; KEYS]) -> __m256 {
+pub(super) fn lane_sums(a: [__m256; KEYS]) -> __m256 {
     // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
     let a01 = _mm256_hadd_ps(a[0], a[1]);
     let a23 = _mm256_hadd_ps(a[2], a[3]);
@@ -222,13 +221,13 @@ fn lane_sums(a: [__m256; KEYS]) -> __m256 {
 /// Eight stored K/V elements widened to f32 (exact for every [`KvElement`]).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn widen<K: ToF32>(x: &[K; LANES]) -> __m256 {
+pub(super) fn widen<K: ToF32>(x: &[K; LANES]) -> __m256 {
     load(&x.map(K::to_f32))
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn load(x: &[f32; LANES]) -> __m256 {
+pub(super) fn load(x: &[f32; LANES]) -> __m256 {
     // SAFETY: `x` is 8 readable f32 (an unaligned load).
     unsafe { _mm256_loadu_ps(x.as_ptr()) }
 }

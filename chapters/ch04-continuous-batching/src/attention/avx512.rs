@@ -1,0 +1,292 @@
+//! One task of [`batch_attention`](super::batch_attention) on a CPU with AVX-512, for the head
+//! sizes 64 and 128: the same arithmetic as the AVX2 task (`avx2.rs`), every rounding in the
+//! same order, so the two agree to the bit. What the 32 wide registers change is how often
+//! each K/V element is loaded and widened, and whether the outputs stay in registers.
+//!
+//! A decode reads its K/V from memory, and measured (`examples/batch_decode_attention.rs`)
+//! the AVX2 task spent about as long computing as waiting for memory, one after the other: a
+//! step of 32 sequences at 192 positions took about as long with its K/V in the L3 cache as the
+//! gap between that and memory. Two of its costs went:
+//!
+//! - **Scores.** AVX2's 16 registers hold eight scores' accumulators for one query head, so
+//!   each of the `G` query heads sharing a KV head loads and widens the same eight K rows again
+//!   (`G` = 3 in SmolLM2: three loads and, in a bf16 pool, three conversions per element).
+//!   Here the eight rows are widened once per chunk and the accumulators of up to four query
+//!   heads stay in registers, two positions' 8-lane accumulators side by side in one 16-lane
+//!   register (the lanes of each half compute exactly what the AVX2 task's register did).
+//! - **Weighted values.** The AVX2 task adds eight positions into each output chunk, then
+//!   stores it and loads it again for the next eight, and widens each V chunk once per query
+//!   head. Here the outputs of up to four heads (two at d = 128) stay in 16-lane registers for
+//!   the whole row, and each V chunk is widened once for all of them.
+//!
+//! ```text
+//! for each group of 8 positions, KV head g, batch of g's query heads (≤ 4):
+//!     k2[i] = [k_{2i}[c..c+8] | k_{2i+1}[c..c+8]]          widened once, i = 0..4
+//!     acc[h][i] += [q_h[c..c+8] | q_h[c..c+8]] ⊙ k2[i]   c = 0, 8, ..., d − 8   (FMA)
+//!     s[h][j..j+8] = lane_sums(halves of acc[h]) · (1/√d · key scale)
+//! softmax per head; p[h][j] · value scale, zero past the row's last position
+//! for each KV head g, batch of g's query heads, position j (every one, in order):
+//!     out[h][c..c+16] += p[h][j] · v_j[c..c+16]           widened once          (FMA)
+//! ```
+
+use std::arch::x86_64::*;
+
+use ch02::kernels::Avx512;
+use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, softmax};
+use ch03::KvElement;
+
+use super::avx2::{LANES, head_row, lane_sums, load, widen};
+use super::{LayerKv, QueryRow, RowScratch, prefetch_rows, slots as slots_of};
+
+/// Lanes per wide vector.
+const WIDE_LANES: usize = 16;
+
+/// The most query heads whose scores one pass over a group of K rows computes: 4 × 4 score
+/// accumulators, four K pairs and a query chunk fit the 32 registers.
+const SCORE_HEADS: usize = 4;
+
+/// `out_r` [num_heads · d] = the attention of the query row `q_r` [num_heads · d] at `row.pos`,
+/// exactly as the AVX2 task computes it, in the thread's `scratch`.
+///
+/// Panics unless `d` (`kv.shape.head_dim`) is one of the AVX2 task's head sizes (64, 128) and
+/// `q_r`, `out_r` hold `num_heads · d` values.
+pub(super) fn attend_row<K: KvElement>(
+    _cpu: Avx512,
+    kv: &LayerKv<K>,
+    row: QueryRow,
+    prefetch: bool,
+    q_r: &[f32],
+    out_r: &mut [f32],
+    scratch: &mut RowScratch,
+) {
+    let q_dim = kv.shape.num_heads * kv.shape.head_dim;
+    assert_eq!(
+        (q_r.len(), out_r.len()),
+        (q_dim, q_dim),
+        "rows are [num_heads · d]"
+    );
+    // SAFETY: `_cpu` proves the CPU has AVX-512F, AVX2 and FMA.
+    unsafe {
+        match kv.shape.head_dim {
+            // d = 64: eight 8-lane chunks, four 16-lane ones, outputs of 4 heads (16 registers).
+            64 => attend_row_avx512::<K, 8, 4, 4>(kv, row, prefetch, q_r, out_r, scratch),
+            // d = 128: 16 and 8 chunks, outputs of 2 heads (16 registers).
+            128 => attend_row_avx512::<K, 16, 8, 2>(kv, row, prefetch, q_r, out_r, scratch),
+            d => panic!("head size {d} is not one of {:?}", super::avx2::HEAD_DIMS),
+        }
+    }
+}
+
+/// `CHUNKS`: 8-lane chunks of a head, `WIDE`: 16-lane ones, `V_HEADS`: the most query heads
+/// whose outputs one pass over the V rows holds.
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn attend_row_avx512<K: KvElement, const CHUNKS: usize, const WIDE: usize, const V_HEADS: usize>(
+    kv: &LayerKv<K>,
+    row: QueryRow,
+    prefetch: bool,
+    q_r: &[f32],
+    out_r: &mut [f32],
+    scratch: &mut RowScratch,
+) {
+    let d = kv.shape.head_dim;
+    let group_size = kv.shape.num_heads / kv.shape.num_kv_heads; // query heads per KV head
+    let kv_dim = kv.shape.num_kv_heads * d;
+    let len = row.pos + 1; // positions this row sees
+    let stride = len.next_multiple_of(KEYS); // positions padded to whole groups
+    let scale = 1.0 / (d as f32).sqrt();
+    debug_assert_eq!((d, d), (CHUNKS * LANES, WIDE * WIDE_LANES));
+    // As the AVX2 task: the slots of positions 0..len, the last repeated up to `stride`.
+    let RowScratch { scores, slots } = scratch;
+    slots.clear();
+    slots.extend(slots_of(row.blocks, kv.block_size, len));
+    slots.resize(stride, slots[len - 1]);
+    scores.clear();
+    scores.resize(kv.shape.num_heads * stride, 0.0); // [num_heads, stride]
+    let slots = &slots[..];
+    let ahead = |j: usize| {
+        &slots[(j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len)]
+    };
+    let first_rows = &slots[..PREFETCH_POSITIONS.min(len)];
+    // The query heads of KV head `g`, in batches of at most `most`.
+    let batches = |g: usize, most: usize| {
+        (g * group_size..(g + 1) * group_size)
+            .step_by(most)
+            .map(move |h| h..(h + most).min((g + 1) * group_size))
+    };
+
+    // s[h][j..j+8] = q_h · k_{j..j+8} / √d, times K's scale (1 unless the pool is 8-bit).
+    if prefetch {
+        prefetch_rows(
+            kv.keys,
+            &mut first_rows.iter().copied(),
+            PREFETCH_POSITIONS,
+            kv_dim,
+        );
+    }
+    for j in (0..len).step_by(KEYS) {
+        if prefetch {
+            prefetch_rows(kv.keys, &mut ahead(j).iter().copied(), KEYS, kv_dim);
+        }
+        let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
+        for g in 0..kv.shape.num_kv_heads {
+            let k: [&[[K; LANES]; CHUNKS]; KEYS] =
+                std::array::from_fn(|p| head_row(kv.keys, group[p] * kv_dim + g * d));
+            let key_scale: [f32; KEYS] =
+                std::array::from_fn(|p| scale * kv.scales.key(group[p], g));
+            for heads in batches(g, SCORE_HEADS) {
+                let (q, s) = (&q_r[heads.start * d..heads.end * d], &mut scores[..]);
+                let at = heads.start * stride + j; // s[heads.start][j]
+                match heads.len() {
+                    1 => score_heads::<K, CHUNKS, 1>(&k, q, &key_scale, s, at, stride),
+                    2 => score_heads::<K, CHUNKS, 2>(&k, q, &key_scale, s, at, stride),
+                    3 => score_heads::<K, CHUNKS, 3>(&k, q, &key_scale, s, at, stride),
+                    _ => score_heads::<K, CHUNKS, 4>(&k, q, &key_scale, s, at, stride),
+                }
+            }
+        }
+    }
+    if prefetch {
+        // V's first rows, while the softmax computes.
+        prefetch_rows(
+            kv.values,
+            &mut first_rows.iter().copied(),
+            PREFETCH_POSITIONS,
+            kv_dim,
+        );
+    }
+    // p[h] = softmax(s[h]) over the positions the row sees, times V's scale: the weights the
+    // AVX2 task forms, and zero for the padding (whose rows it weighs by zero too).
+    for (h, s_h) in scores.chunks_exact_mut(stride).enumerate() {
+        let g = h / group_size;
+        softmax(&mut s_h[..len]);
+        for (p, &slot) in s_h[..len].iter_mut().zip(slots) {
+            *p *= kv.scales.value(slot, g);
+        }
+        s_h[len..].fill(0.0);
+    }
+
+    // out_h = Σ_j p[h][j] · v_j, position by position, as the AVX2 task adds them.
+    for g in 0..kv.shape.num_kv_heads {
+        for (batch, heads) in batches(g, V_HEADS).enumerate() {
+            // The first pass over V asks for the rows ahead; the later ones find them in L2.
+            let ahead = (prefetch && g == 0 && batch == 0).then_some(len);
+            let out = &mut out_r[heads.start * d..heads.end * d];
+            let w = &scores[heads.start * stride..heads.end * stride];
+            let values = (kv.values, kv_dim, g * d);
+            match heads.len() {
+                1 => weigh_values::<K, WIDE, 1>(values, slots, ahead, w, out),
+                2 => weigh_values::<K, WIDE, 2>(values, slots, ahead, w, out),
+                3 => weigh_values::<K, WIDE, 3>(values, slots, ahead, w, out),
+                _ => weigh_values::<K, WIDE, 4>(values, slots, ahead, w, out),
+            }
+        }
+    }
+}
+
+/// The scores of `HEADS` query heads `q` [HEADS · d] (consecutive, sharing a KV head) against
+/// the eight K rows `k`, into `s[at + h · stride..][..8]` for head `h`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn score_heads<K: KvElement, const CHUNKS: usize, const HEADS: usize>(
+    k: &[&[[K; LANES]; CHUNKS]; KEYS],
+    q: &[f32],
+    key_scale: &[f32; KEYS],
+    s: &mut [f32],
+    at: usize,
+    stride: usize,
+) {
+    let d = CHUNKS * LANES;
+    let q: [&[[f32; LANES]; CHUNKS]; HEADS] = std::array::from_fn(|h| head_row(q, h * d));
+    // ANCHOR: score_heads
+    // acc[h][i]: position 2i's accumulator in the low half, 2i + 1's in the high half.
+    let mut acc = [[_mm512_setzero_ps(); KEYS / 2]; HEADS];
+    for c in 0..CHUNKS {
+        let k2: [__m512; KEYS / 2] =
+            std::array::from_fn(|i| pair(widen(&k[2 * i][c]), widen(&k[2 * i + 1][c])));
+        for h in 0..HEADS {
+            let q_c = load(&q[h][c]);
+            let q2 = pair(q_c, q_c);
+            for i in 0..KEYS / 2 {
+                acc[h][i] = _mm512_fmadd_ps(q2, k2[i], acc[h][i]);
+            }
+        }
+    }
+    for (h, acc_h) in acc.iter().enumerate() {
+        let lanes: [__m256; KEYS] = std::array::from_fn(|p| half(acc_h[p / 2], p % 2));
+        let scores = _mm256_mul_ps(lane_sums(lanes), load(key_scale));
+        // ANCHOR_END: score_heads
+        let out: &mut [f32; KEYS] = (&mut s[at + h * stride..][..KEYS]).try_into().unwrap();
+        // SAFETY: `out` is 8 writable f32 (an unaligned store).
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), scores) };
+    }
+}
+
+/// `out` [HEADS · d] = Σ_j w[h · stride + j] · v_j for every head `h`, over the positions j of
+/// `slots` in order, v_j the `d` values at `offset` of `slot_j`'s row in `stored` [slots,
+/// kv_dim]; each V chunk widened once for every head. With `ahead` = `Some(len)`, it asks for
+/// whole rows of the first `len` slots some positions ahead, as the scores pass does.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn weigh_values<K: KvElement, const WIDE: usize, const HEADS: usize>(
+    (stored, kv_dim, offset): (&[K], usize, usize),
+    slots: &[usize],
+    ahead: Option<usize>,
+    w: &[f32],
+    out: &mut [f32],
+) {
+    let stride = slots.len();
+    let mut acc = [[_mm512_setzero_ps(); WIDE]; HEADS];
+    for (j, &slot) in slots.iter().enumerate() {
+        if let Some(len) = ahead
+            && j % KEYS == 0
+        {
+            let next = (j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len);
+            prefetch_rows(stored, &mut slots[next].iter().copied(), KEYS, kv_dim);
+        }
+        let v: &[[K; WIDE_LANES]; WIDE] = head_row(stored, slot * kv_dim + offset);
+        let v: [__m512; WIDE] = std::array::from_fn(|c| widen_wide(&v[c]));
+        for (h, acc_h) in acc.iter_mut().enumerate() {
+            let w_h = _mm512_set1_ps(w[h * stride + j]);
+            for c in 0..WIDE {
+                acc_h[c] = _mm512_fmadd_ps(w_h, v[c], acc_h[c]);
+            }
+        }
+    }
+    let out: &mut [[f32; WIDE_LANES]] = out.as_chunks_mut().0;
+    for (o, a) in out.iter_mut().zip(acc.as_flattened()) {
+        // SAFETY: `o` is 16 writable f32 (an unaligned store).
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+    }
+}
+
+/// `[a | b]`: `a` in the low eight lanes, `b` in the high eight.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn pair(a: __m256, b: __m256) -> __m512 {
+    let low = _mm512_castpd256_pd512(_mm256_castps_pd(a));
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(low, _mm256_castps_pd(b)))
+}
+
+/// The low (`which` = 0) or high (1) eight lanes of `a`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn half(a: __m512, which: usize) -> __m256 {
+    if which == 0 {
+        _mm512_castps512_ps256(a)
+    } else {
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)))
+    }
+}
+
+/// Sixteen stored K/V elements widened to f32 (exact for every [`KvElement`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn widen_wide<K: ToF32>(x: &[K; WIDE_LANES]) -> __m512 {
+    // A loop rather than `x.map`, which is not inlined at this size.
+    let mut wide = [0.0f32; WIDE_LANES];
+    for (w, &e) in wide.iter_mut().zip(x) {
+        *w = e.to_f32();
+    }
+    // SAFETY: `wide` is 16 readable f32 (an unaligned load).
+    unsafe { _mm512_loadu_ps(wide.as_ptr()) }
+}
