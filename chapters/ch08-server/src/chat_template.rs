@@ -444,12 +444,18 @@ fn check_joined(items: &Value, joiner_len: usize) -> Result<(), minijinja::Error
     if too_large(joiners)
         || too_large(printed_len(items, TEMPLATE_OUTPUT_LIMIT - joiners).saturating_add(joiners))
     {
-        return Err(minijinja::Error::new(
-            ErrorKind::InvalidOperation,
-            format!("join: its result could be larger than {TEMPLATE_OUTPUT_LIMIT} bytes"),
-        ));
+        return Err(too_large_result("join"));
     }
     Ok(())
+}
+
+/// The error of an operation `what` refused because its result could pass
+/// [`TEMPLATE_OUTPUT_LIMIT`].
+fn too_large_result(what: &str) -> minijinja::Error {
+    minijinja::Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{what}: its result could be larger than {TEMPLATE_OUTPUT_LIMIT} bytes"),
+    )
 }
 
 /// minijinja's `join` filter after [`check_joined`].
@@ -468,10 +474,7 @@ fn join(
 /// [`TEMPLATE_OUTPUT_LIMIT`] (minijinja charges for it only after building it).
 fn string(state: &State, value: &Value) -> Result<Value, minijinja::Error> {
     if printed_len(value, TEMPLATE_OUTPUT_LIMIT) > TEMPLATE_OUTPUT_LIMIT {
-        return Err(minijinja::Error::new(
-            ErrorKind::InvalidOperation,
-            format!("string: its result could be larger than {TEMPLATE_OUTPUT_LIMIT} bytes"),
-        ));
+        return Err(too_large_result("string"));
     }
     minijinja::filters::string(state, value)
 }
@@ -503,9 +506,7 @@ fn check_format(format: &str, args: &[Value]) -> Result<(), minijinja::Error> {
     let bound =
         (specs.len().saturating_mul(widest.saturating_add(args_len))).saturating_add(format.len());
     if bound > TEMPLATE_OUTPUT_LIMIT {
-        return refuse(format!(
-            "str.format: its result could be larger than {TEMPLATE_OUTPUT_LIMIT} bytes"
-        ));
+        return Err(too_large_result("str.format"));
     }
     Ok(())
 }
