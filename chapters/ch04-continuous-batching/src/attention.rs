@@ -393,8 +393,8 @@ fn attend_row_with<K: KvElement>(
     match kernel {
         RowKernel::Portable => attend_row(kv, row, prefetch, q_r, out_r, scores),
         #[cfg(target_arch = "x86_64")]
-        RowKernel::Avx512(_, wide) if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) => {
-            avx512::attend_row(wide, kv, row, prefetch, q_r, out_r, scratch)
+        RowKernel::Avx512(cpu, wide) if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) => {
+            avx512::attend_row(cpu, wide, kv, row, prefetch, q_r, out_r, scratch)
         }
         #[cfg(target_arch = "x86_64")]
         RowKernel::Avx2Fma(cpu) | RowKernel::Avx512(cpu, _)

@@ -16,10 +16,14 @@
 //! for each group of 8 positions, for each KV head g, for each of g's query heads h:
 //!     acc[p] (8 lanes)  += q_h[c..c+8] ⊙ k_p[c..c+8]       c = 0, 8, ..., d − 8   (FMA)
 //!     s[h][j..j+8]       = lane_sums(acc) · (1/√d · key scale)
-//! softmax per head
-//! for each group of 8 positions, for each KV head g, for each of g's query heads h:
-//!     out_h[c..c+8]     += Σ_p p[h][j+p] · value scale · v_p[c..c+8]                  (FMA)
+//! softmax per head, times V's scale; zero for the padding
+//! for each KV head g, for each group of 8 positions, for each of g's query heads h:
+//!     out_h[c..c+8]     += Σ_p p[h][j+p] · v_p[c..c+8]                    (FMA, p in order)
 //! ```
+//!
+//! The task itself (slots, prefetching, softmax, which heads go together) is
+//! [`attend_row_with`], shared with the AVX-512 task (`avx512.rs`); the loops over a batch of
+//! heads are a [`HeadLoops`], [`Avx2Loops`] here.
 //! Sums are grouped differently from the portable loops (a tree across lanes, one rounding
 //! per product and addition), so results agree with them and with the naive attention to a
 //! few ulp rather than bit for bit; every row of a step computes the same way whichever batch
@@ -45,6 +49,60 @@ pub(super) const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Panics unless `d` (`kv.shape.head_dim`) is one of [`HEAD_DIMS`] and `q_r`, `out_r` hold
 /// `num_heads · d` values.
 pub(super) fn attend_row<K: KvElement>(
+    cpu: Avx2Fma,
+    kv: &LayerKv<K>,
+    row: QueryRow,
+    prefetch: bool,
+    q_r: &[f32],
+    out_r: &mut [f32],
+    scratch: &mut RowScratch,
+) {
+    attend_row_with(Avx2Loops(cpu), cpu, kv, row, prefetch, q_r, out_r, scratch);
+}
+
+/// The inner loops of a task with intrinsics, over a batch of the query heads that share one
+/// KV head (consecutive heads, at most [`HeadLoops::SCORE_HEADS`] or
+/// [`HeadLoops::value_heads`] of them). Implementations differ in registers, never in
+/// arithmetic: each lane computes the same fused multiply-adds in the same order.
+pub(super) trait HeadLoops: Copy {
+    /// The most query heads one call of [`HeadLoops::score_heads`] takes.
+    const SCORE_HEADS: usize;
+
+    /// The most query heads one call of [`HeadLoops::weigh_values`] takes at head size `d`.
+    fn value_heads(d: usize) -> usize;
+
+    /// The scores of the heads `q` [heads · d] against the eight K rows `k`: `s[at + h ·
+    /// stride..][..8]` = lane sums of `q_h ⊙ k_p` (FMA over the chunks in order), times
+    /// `key_scale`.
+    fn score_heads<K: KvElement, const CHUNKS: usize>(
+        self,
+        k: &[&[[K; LANES]; CHUNKS]; KEYS],
+        q: &[f32],
+        key_scale: &[f32; KEYS],
+        s: &mut [f32],
+        at: usize,
+        stride: usize,
+    );
+
+    /// `out` [heads · d] = Σ_j w[h · stride + j] · v_j, one fused multiply-add per position j
+    /// of `slots` in order (stride = `slots.len()`), v_j the `d` values at `offset` of `slot_j`'s
+    /// row in `stored` [slots, kv_dim]. With `ahead` = `Some(len)`, it asks for the whole rows
+    /// of the first `len` slots [`PREFETCH_POSITIONS`] positions ahead.
+    fn weigh_values<K: KvElement, const CHUNKS: usize>(
+        self,
+        values: (&[K], usize, usize),
+        slots: &[usize],
+        ahead: Option<usize>,
+        w: &[f32],
+        out: &mut [f32],
+    );
+}
+
+/// [`attend_row`] on `loops`, for either instruction set (`_cpu`: the CPU has AVX2 and FMA,
+/// which every [`HeadLoops`] implies).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend_row_with<K: KvElement, L: HeadLoops>(
+    loops: L,
     _cpu: Avx2Fma,
     kv: &LayerKv<K>,
     row: QueryRow,
@@ -62,15 +120,16 @@ pub(super) fn attend_row<K: KvElement>(
     // SAFETY: `_cpu` proves the CPU has AVX2 and FMA.
     unsafe {
         match kv.shape.head_dim {
-            64 => attend_row_avx2::<K, 8>(kv, row, prefetch, q_r, out_r, scratch),
-            128 => attend_row_avx2::<K, 16>(kv, row, prefetch, q_r, out_r, scratch),
+            64 => attend_row_avx2::<K, L, 8>(loops, kv, row, prefetch, q_r, out_r, scratch),
+            128 => attend_row_avx2::<K, L, 16>(loops, kv, row, prefetch, q_r, out_r, scratch),
             d => panic!("head size {d} is not one of {HEAD_DIMS:?}"),
         }
     }
 }
 
 #[target_feature(enable = "avx2,fma")]
-fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
+fn attend_row_avx2<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
+    loops: L,
     kv: &LayerKv<K>,
     row: QueryRow,
     prefetch: bool,
@@ -99,8 +158,13 @@ fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
         &slots[(j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len)]
     };
     let first_rows = &slots[..PREFETCH_POSITIONS.min(len)];
+    // The query heads of KV head `g`, in batches of at most `most`.
+    let batches = |g: usize, most: usize| {
+        (g * group_size..(g + 1) * group_size)
+            .step_by(most)
+            .map(move |h| h..h.saturating_add(most).min((g + 1) * group_size))
+    };
 
-    // ANCHOR: scores
     // s[h][j..j+8] = q_h · k_{j..j+8} / √d, times K's scale (1 unless the pool is 8-bit).
     if prefetch {
         prefetch_rows(
@@ -120,24 +184,13 @@ fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
                 std::array::from_fn(|p| head_row(kv.keys, group[p] * kv_dim + g * d));
             let key_scale: [f32; KEYS] =
                 std::array::from_fn(|p| scale * kv.scales.key(group[p], g));
-            for h in g * group_size..(g + 1) * group_size {
-                let q_h: &[[f32; LANES]; CHUNKS] = head_row(q_r, h * d);
-                let mut acc = [_mm256_setzero_ps(); KEYS];
-                for c in 0..CHUNKS {
-                    let q_c = load(&q_h[c]);
-                    for p in 0..KEYS {
-                        acc[p] = _mm256_fmadd_ps(q_c, widen(&k[p][c]), acc[p]);
-                    }
-                }
-                let s = _mm256_mul_ps(lane_sums(acc), load(&key_scale));
-                store(
-                    s,
-                    (&mut scores[h * stride + j..][..KEYS]).try_into().unwrap(),
-                );
+            for heads in batches(g, L::SCORE_HEADS) {
+                let q = &q_r[heads.start * d..heads.end * d];
+                let at = heads.start * stride + j; // s[heads.start][j]
+                loops.score_heads(&k, q, &key_scale, scores, at, stride);
             }
         }
     }
-    // ANCHOR_END: scores
     if prefetch {
         // V's first rows, while the softmax computes.
         prefetch_rows(
@@ -147,41 +200,127 @@ fn attend_row_avx2<K: KvElement, const CHUNKS: usize>(
             kv_dim,
         );
     }
-    // p[h] = softmax(s[h]) over the positions the row sees, not the padding.
-    for s_h in scores.chunks_exact_mut(stride) {
+    // p[h] = softmax(s[h]) over the positions the row sees, times V's scale (1 unless the pool
+    // is 8-bit); the padding weighs zero.
+    for (h, s_h) in scores.chunks_exact_mut(stride).enumerate() {
+        let g = h / group_size;
         softmax(&mut s_h[..len]);
+        for (p, &slot) in s_h[..len].iter_mut().zip(slots) {
+            *p *= kv.scales.value(slot, g);
+        }
+        s_h[len..].fill(0.0);
     }
 
-    // out_h += Σ_p p[h][j+p] · (V's scale) · v_{j+p}, eight positions at a time.
-    out_r.fill(0.0);
-    for j in (0..len).step_by(KEYS) {
-        if prefetch {
-            prefetch_rows(kv.values, &mut ahead(j).iter().copied(), KEYS, kv_dim);
+    // out_h = Σ_j p[h][j] · v_j, one position after another.
+    for g in 0..kv.shape.num_kv_heads {
+        for (batch, heads) in batches(g, L::value_heads(d)).enumerate() {
+            // The first pass over V asks for the rows ahead; the later ones find them in L2.
+            let ahead = (prefetch && g == 0 && batch == 0).then_some(len);
+            let out = &mut out_r[heads.start * d..heads.end * d];
+            let w = &scores[heads.start * stride..heads.end * stride];
+            let values = (kv.values, kv_dim, g * d);
+            loops.weigh_values::<K, CHUNKS>(values, slots, ahead, w, out);
         }
-        let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
-        let n = (len - j).min(KEYS); // positions of this group the row sees
-        for g in 0..kv.shape.num_kv_heads {
-            let v: [&[[K; LANES]; CHUNKS]; KEYS] =
-                std::array::from_fn(|p| head_row(kv.values, group[p] * kv_dim + g * d));
-            for h in g * group_size..(g + 1) * group_size {
-                let p_h = &scores[h * stride + j..][..KEYS];
-                let w: [__m256; KEYS] = std::array::from_fn(|p| {
-                    let w = if p < n {
-                        p_h[p] * kv.scales.value(group[p], g)
-                    } else {
-                        0.0
-                    };
-                    _mm256_set1_ps(w)
-                });
-                let out_h: &mut [[f32; LANES]; CHUNKS] =
-                    out_r[h * d..][..d].as_chunks_mut().0.try_into().unwrap();
-                for (c, o) in out_h.iter_mut().enumerate() {
-                    let mut acc = load(o);
-                    for p in 0..KEYS {
-                        acc = _mm256_fmadd_ps(w[p], widen(&v[p][c]), acc);
-                    }
-                    store(acc, o);
+    }
+}
+
+/// The AVX2 loops: one query head at a time, its eight score accumulators and a query chunk
+/// in 16 registers.
+#[derive(Debug, Clone, Copy)]
+struct Avx2Loops(Avx2Fma);
+
+impl HeadLoops for Avx2Loops {
+    const SCORE_HEADS: usize = usize::MAX; // one at a time, whatever the batch
+    fn value_heads(_d: usize) -> usize {
+        usize::MAX
+    }
+
+    #[inline]
+    fn score_heads<K: KvElement, const CHUNKS: usize>(
+        self,
+        k: &[&[[K; LANES]; CHUNKS]; KEYS],
+        q: &[f32],
+        key_scale: &[f32; KEYS],
+        s: &mut [f32],
+        at: usize,
+        stride: usize,
+    ) {
+        // SAFETY: `self.0` proves the CPU has AVX2 and FMA.
+        unsafe { score_heads_avx2(k, q, key_scale, s, at, stride) }
+    }
+
+    #[inline]
+    fn weigh_values<K: KvElement, const CHUNKS: usize>(
+        self,
+        values: (&[K], usize, usize),
+        slots: &[usize],
+        ahead: Option<usize>,
+        w: &[f32],
+        out: &mut [f32],
+    ) {
+        // SAFETY: `self.0` proves the CPU has AVX2 and FMA.
+        unsafe { weigh_values_avx2::<K, CHUNKS>(values, slots, ahead, w, out) }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn score_heads_avx2<K: KvElement, const CHUNKS: usize>(
+    k: &[&[[K; LANES]; CHUNKS]; KEYS],
+    q: &[f32],
+    key_scale: &[f32; KEYS],
+    s: &mut [f32],
+    at: usize,
+    stride: usize,
+) {
+    // ANCHOR: scores
+    for (h, q_h) in q.chunks_exact(CHUNKS * LANES).enumerate() {
+        let q_h: &[[f32; LANES]; CHUNKS] = head_row(q_h, 0);
+        let mut acc = [_mm256_setzero_ps(); KEYS];
+        for c in 0..CHUNKS {
+            let q_c = load(&q_h[c]);
+            for p in 0..KEYS {
+                acc[p] = _mm256_fmadd_ps(q_c, widen(&k[p][c]), acc[p]);
+            }
+        }
+        let scores = _mm256_mul_ps(lane_sums(acc), load(key_scale));
+        store(
+            scores,
+            (&mut s[at + h * stride..][..KEYS]).try_into().unwrap(),
+        );
+    }
+    // ANCHOR_END: scores
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn weigh_values_avx2<K: KvElement, const CHUNKS: usize>(
+    (stored, kv_dim, offset): (&[K], usize, usize),
+    slots: &[usize],
+    ahead: Option<usize>,
+    w: &[f32],
+    out: &mut [f32],
+) {
+    let (d, stride) = (CHUNKS * LANES, slots.len());
+    out.fill(0.0);
+    // Eight positions at a time: each output chunk is loaded, takes eight multiply-adds and
+    // is stored again.
+    for j in (0..stride).step_by(KEYS) {
+        if let Some(len) = ahead {
+            let next = (j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len);
+            prefetch_rows(stored, &mut slots[next].iter().copied(), KEYS, kv_dim);
+        }
+        let v: [&[[K; LANES]; CHUNKS]; KEYS] =
+            std::array::from_fn(|p| head_row(stored, slots[j + p] * kv_dim + offset));
+        for (h, out_h) in out.chunks_exact_mut(d).enumerate() {
+            let w: [__m256; KEYS] = std::array::from_fn(|p| _mm256_set1_ps(w[h * stride + j + p]));
+            let out_h: &mut [[f32; LANES]; CHUNKS] = out_h.as_chunks_mut().0.try_into().unwrap();
+            for (c, o) in out_h.iter_mut().enumerate() {
+                let mut acc = load(o);
+                for p in 0..KEYS {
+                    acc = _mm256_fmadd_ps(w[p], widen(&v[p][c]), acc);
                 }
+                store(acc, o);
             }
         }
     }
@@ -234,7 +373,7 @@ pub(super) fn load(x: &[f32; LANES]) -> __m256 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn store(v: __m256, x: &mut [f32; LANES]) {
+pub(super) fn store(v: __m256, x: &mut [f32; LANES]) {
     // SAFETY: `x` is 8 writable f32 (an unaligned store).
     unsafe { _mm256_storeu_ps(x.as_mut_ptr(), v) }
 }

@@ -31,27 +31,25 @@
 
 use std::arch::x86_64::*;
 
-use ch02::kernels::Avx512;
-use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, softmax};
+use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32};
+use ch02::kernels::{Avx2Fma, Avx512};
 use ch03::KvElement;
 
-use super::avx2::{LANES, head_row, lane_sums, load, widen};
-use super::{LayerKv, QueryRow, RowScratch, prefetch_rows, slots as slots_of};
+use super::avx2::{HeadLoops, LANES, attend_row_with, head_row, lane_sums, load, widen};
+use super::{LayerKv, QueryRow, RowScratch, prefetch_rows};
 
 /// Lanes per wide vector.
 const WIDE_LANES: usize = 16;
-
-/// The most query heads whose scores one pass over a group of K rows computes: 4 × 4 score
-/// accumulators, four K pairs and a query chunk fit the 32 registers.
-const SCORE_HEADS: usize = 4;
 
 /// `out_r` [num_heads · d] = the attention of the query row `q_r` [num_heads · d] at `row.pos`,
 /// exactly as the AVX2 task computes it, in the thread's `scratch`.
 ///
 /// Panics unless `d` (`kv.shape.head_dim`) is one of the AVX2 task's head sizes (64, 128) and
 /// `q_r`, `out_r` hold `num_heads · d` values.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn attend_row<K: KvElement>(
-    _cpu: Avx512,
+    cpu: Avx2Fma,
+    wide: Avx512,
     kv: &LayerKv<K>,
     row: QueryRow,
     prefetch: bool,
@@ -59,125 +57,69 @@ pub(super) fn attend_row<K: KvElement>(
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
-    let q_dim = kv.shape.num_heads * kv.shape.head_dim;
-    assert_eq!(
-        (q_r.len(), out_r.len()),
-        (q_dim, q_dim),
-        "rows are [num_heads · d]"
+    attend_row_with(
+        Avx512Loops(wide),
+        cpu,
+        kv,
+        row,
+        prefetch,
+        q_r,
+        out_r,
+        scratch,
     );
-    // SAFETY: `_cpu` proves the CPU has AVX-512F, AVX2 and FMA.
-    unsafe {
-        match kv.shape.head_dim {
-            // d = 64: eight 8-lane chunks, four 16-lane ones, outputs of 4 heads (16 registers).
-            64 => attend_row_avx512::<K, 8, 4, 4>(kv, row, prefetch, q_r, out_r, scratch),
-            // d = 128: 16 and 8 chunks, outputs of 2 heads (16 registers).
-            128 => attend_row_avx512::<K, 16, 8, 2>(kv, row, prefetch, q_r, out_r, scratch),
-            d => panic!("head size {d} is not one of {:?}", super::avx2::HEAD_DIMS),
-        }
-    }
 }
 
-/// `CHUNKS`: 8-lane chunks of a head, `WIDE`: 16-lane ones, `V_HEADS`: the most query heads
-/// whose outputs one pass over the V rows holds.
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn attend_row_avx512<K: KvElement, const CHUNKS: usize, const WIDE: usize, const V_HEADS: usize>(
-    kv: &LayerKv<K>,
-    row: QueryRow,
-    prefetch: bool,
-    q_r: &[f32],
-    out_r: &mut [f32],
-    scratch: &mut RowScratch,
-) {
-    let d = kv.shape.head_dim;
-    let group_size = kv.shape.num_heads / kv.shape.num_kv_heads; // query heads per KV head
-    let kv_dim = kv.shape.num_kv_heads * d;
-    let len = row.pos + 1; // positions this row sees
-    let stride = len.next_multiple_of(KEYS); // positions padded to whole groups
-    let scale = 1.0 / (d as f32).sqrt();
-    debug_assert_eq!((d, d), (CHUNKS * LANES, WIDE * WIDE_LANES));
-    // As the AVX2 task: the slots of positions 0..len, the last repeated up to `stride`.
-    let RowScratch { scores, slots } = scratch;
-    slots.clear();
-    slots.extend(slots_of(row.blocks, kv.block_size, len));
-    slots.resize(stride, slots[len - 1]);
-    scores.clear();
-    scores.resize(kv.shape.num_heads * stride, 0.0); // [num_heads, stride]
-    let slots = &slots[..];
-    let ahead = |j: usize| {
-        &slots[(j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len)]
-    };
-    let first_rows = &slots[..PREFETCH_POSITIONS.min(len)];
-    // The query heads of KV head `g`, in batches of at most `most`.
-    let batches = |g: usize, most: usize| {
-        (g * group_size..(g + 1) * group_size)
-            .step_by(most)
-            .map(move |h| h..(h + most).min((g + 1) * group_size))
-    };
+/// The AVX-512 loops: the scores of up to four query heads in one pass over the K rows, the
+/// outputs of up to four heads (two at d = 128) in registers across the row.
+#[derive(Debug, Clone, Copy)]
+struct Avx512Loops(Avx512);
 
-    // s[h][j..j+8] = q_h · k_{j..j+8} / √d, times K's scale (1 unless the pool is 8-bit).
-    if prefetch {
-        prefetch_rows(
-            kv.keys,
-            &mut first_rows.iter().copied(),
-            PREFETCH_POSITIONS,
-            kv_dim,
-        );
+impl HeadLoops for Avx512Loops {
+    // 4 × 4 score accumulators, four K pairs and a query chunk fit the 32 registers.
+    const SCORE_HEADS: usize = 4;
+    fn value_heads(d: usize) -> usize {
+        // 16 registers of outputs and a row's V chunks: 4 × 4 + 4 at d = 64, 2 × 8 + 8 at 128.
+        if d <= 64 { 4 } else { 2 }
     }
-    for j in (0..len).step_by(KEYS) {
-        if prefetch {
-            prefetch_rows(kv.keys, &mut ahead(j).iter().copied(), KEYS, kv_dim);
-        }
-        let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
-        for g in 0..kv.shape.num_kv_heads {
-            let k: [&[[K; LANES]; CHUNKS]; KEYS] =
-                std::array::from_fn(|p| head_row(kv.keys, group[p] * kv_dim + g * d));
-            let key_scale: [f32; KEYS] =
-                std::array::from_fn(|p| scale * kv.scales.key(group[p], g));
-            for heads in batches(g, SCORE_HEADS) {
-                let (q, s) = (&q_r[heads.start * d..heads.end * d], &mut scores[..]);
-                let at = heads.start * stride + j; // s[heads.start][j]
-                match heads.len() {
-                    1 => score_heads::<K, CHUNKS, 1>(&k, q, &key_scale, s, at, stride),
-                    2 => score_heads::<K, CHUNKS, 2>(&k, q, &key_scale, s, at, stride),
-                    3 => score_heads::<K, CHUNKS, 3>(&k, q, &key_scale, s, at, stride),
-                    _ => score_heads::<K, CHUNKS, 4>(&k, q, &key_scale, s, at, stride),
-                }
+
+    fn score_heads<K: KvElement, const CHUNKS: usize>(
+        self,
+        k: &[&[[K; LANES]; CHUNKS]; KEYS],
+        q: &[f32],
+        key_scale: &[f32; KEYS],
+        s: &mut [f32],
+        at: usize,
+        stride: usize,
+    ) {
+        let at = (at, stride);
+        // SAFETY: `self.0` proves the CPU has AVX-512F, AVX2 and FMA.
+        unsafe {
+            match q.len() / (CHUNKS * LANES) {
+                1 => score_heads::<K, CHUNKS, 1>(k, q, key_scale, s, at),
+                2 => score_heads::<K, CHUNKS, 2>(k, q, key_scale, s, at),
+                3 => score_heads::<K, CHUNKS, 3>(k, q, key_scale, s, at),
+                _ => score_heads::<K, CHUNKS, 4>(k, q, key_scale, s, at),
             }
         }
     }
-    if prefetch {
-        // V's first rows, while the softmax computes.
-        prefetch_rows(
-            kv.values,
-            &mut first_rows.iter().copied(),
-            PREFETCH_POSITIONS,
-            kv_dim,
-        );
-    }
-    // p[h] = softmax(s[h]) over the positions the row sees, times V's scale: the weights the
-    // AVX2 task forms, and zero for the padding (whose rows it weighs by zero too).
-    for (h, s_h) in scores.chunks_exact_mut(stride).enumerate() {
-        let g = h / group_size;
-        softmax(&mut s_h[..len]);
-        for (p, &slot) in s_h[..len].iter_mut().zip(slots) {
-            *p *= kv.scales.value(slot, g);
-        }
-        s_h[len..].fill(0.0);
-    }
 
-    // out_h = Σ_j p[h][j] · v_j, position by position, as the AVX2 task adds them.
-    for g in 0..kv.shape.num_kv_heads {
-        for (batch, heads) in batches(g, V_HEADS).enumerate() {
-            // The first pass over V asks for the rows ahead; the later ones find them in L2.
-            let ahead = (prefetch && g == 0 && batch == 0).then_some(len);
-            let out = &mut out_r[heads.start * d..heads.end * d];
-            let w = &scores[heads.start * stride..heads.end * stride];
-            let values = (kv.values, kv_dim, g * d);
-            match heads.len() {
-                1 => weigh_values::<K, WIDE, 1>(values, slots, ahead, w, out),
-                2 => weigh_values::<K, WIDE, 2>(values, slots, ahead, w, out),
-                3 => weigh_values::<K, WIDE, 3>(values, slots, ahead, w, out),
-                _ => weigh_values::<K, WIDE, 4>(values, slots, ahead, w, out),
+    fn weigh_values<K: KvElement, const CHUNKS: usize>(
+        self,
+        values: (&[K], usize, usize),
+        slots: &[usize],
+        ahead: Option<usize>,
+        w: &[f32],
+        out: &mut [f32],
+    ) {
+        // SAFETY: `self.0` proves the CPU has AVX-512F, AVX2 and FMA.
+        unsafe {
+            match (CHUNKS, out.len() / (CHUNKS * LANES)) {
+                (8, 1) => weigh_values::<K, 4, 1>(values, slots, ahead, w, out),
+                (8, 2) => weigh_values::<K, 4, 2>(values, slots, ahead, w, out),
+                (8, 3) => weigh_values::<K, 4, 3>(values, slots, ahead, w, out),
+                (8, _) => weigh_values::<K, 4, 4>(values, slots, ahead, w, out),
+                (_, 1) => weigh_values::<K, 8, 1>(values, slots, ahead, w, out),
+                (_, _) => weigh_values::<K, 8, 2>(values, slots, ahead, w, out),
             }
         }
     }
@@ -192,8 +134,7 @@ fn score_heads<K: KvElement, const CHUNKS: usize, const HEADS: usize>(
     q: &[f32],
     key_scale: &[f32; KEYS],
     s: &mut [f32],
-    at: usize,
-    stride: usize,
+    (at, stride): (usize, usize),
 ) {
     let d = CHUNKS * LANES;
     let q: [&[[f32; LANES]; CHUNKS]; HEADS] = std::array::from_fn(|h| head_row(q, h * d));
