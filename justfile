@@ -198,4 +198,4 @@ fetch-smollm2:
 
 # The SmolLM2 suite (after `just fetch-smollm2`).
 test-smollm2: fetch-smollm2
-    cargo test --features smollm2 --test smollm2
+    cargo test --release --test smollm2 -- --ignored
