@@ -2,9 +2,9 @@
 //! positions each, one query row per sequence, in each of SmolLM2-135M's 30 layers (9 query
 //! heads sharing 3 KV heads of 64), through chapter 4's `batch_attention`, with f32 and bf16
 //! pools. A step reads every layer's K/V once, far more than the caches hold, so they come from
-//! memory as in the engine. Prints, for each row kernel this CPU runs but the portable one, the
-//! median and the fastest of `ROUNDS` steps: ms per step, GB/s of K/V read and GFLOP/s
-//! (`2 · 2 · d` FLOPs per query head and position).
+//! memory as in the engine. Prints, for each row kernel this CPU runs (portable, AVX2, AVX-512),
+//! the median and the fastest of `ROUNDS` steps taken in turn with the others: ms per step,
+//! GB/s of K/V read and GFLOP/s (`2 · 2 · d` FLOPs per query head and position).
 //!
 //! `cargo run --release -p ch04-continuous-batching --example batch_decode_attention [T...]`
 
@@ -43,8 +43,10 @@ fn value(i: usize) -> f32 {
     ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0
 }
 
-/// (median, fastest) seconds of one step over every layer.
-fn time_steps<K: KvElement>(kernel: RowKernel, t: usize) -> (f64, f64) {
+/// (median, fastest) seconds of one step over every layer, for each of `kernels`, their steps
+/// taken in turn (a round is one step of each), so that a drift of the machine's bandwidth
+/// falls on all of them alike.
+fn time_steps<K: KvElement>(kernels: &[RowKernel], t: usize) -> Vec<(f64, f64)> {
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
     let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
@@ -75,18 +77,25 @@ fn time_steps<K: KvElement>(kernel: RowKernel, t: usize) -> (f64, f64) {
         .collect();
     let q: Vec<f32> = (0..SEQUENCES * q_dim).map(|i| value(i * 3) * 4.0).collect();
     let mut out = vec![0.0; q.len()];
-    let mut steps: Vec<f64> = (0..ROUNDS + 2)
-        .map(|_| {
+    let mut steps = vec![Vec::new(); kernels.len()];
+    for round in 0..ROUNDS + 2 {
+        for (&kernel, steps) in kernels.iter().zip(&mut steps) {
             let start = Instant::now();
             for layer in 0..LAYERS {
                 batch_attention_with(kernel, &pool, layer, &rows, &q, SHAPE, &mut out);
             }
-            start.elapsed().as_secs_f64()
+            if round >= 2 {
+                steps.push(start.elapsed().as_secs_f64()); // after two rounds of warm-up
+            }
+        }
+    }
+    steps
+        .into_iter()
+        .map(|mut steps| {
+            steps.sort_by(f64::total_cmp);
+            (steps[ROUNDS / 2], steps[0])
         })
-        .skip(2) // warm-up
-        .collect();
-    steps.sort_by(f64::total_cmp);
-    (steps[ROUNDS / 2], steps[0])
+        .collect()
 }
 
 fn main() {
@@ -103,19 +112,16 @@ fn main() {
         "| T | pool | kernel | median ms/step | GB/s | GFLOP/s | fastest ms/step | GB/s | GFLOP/s |"
     );
     println!("|---:|:---|:---|---:|---:|---:|---:|---:|---:|");
-    let kernels: Vec<RowKernel> = RowKernel::available()
-        .into_iter()
-        .filter(|k| *k != RowKernel::Portable)
-        .collect();
+    let kernels = RowKernel::available();
     for t in lengths {
         let flops = (LAYERS * SEQUENCES * SHAPE.num_heads * t * 4 * SHAPE.head_dim) as f64;
         let positions = (LAYERS * SEQUENCES * t * 2 * SHAPE.num_kv_heads * SHAPE.head_dim) as f64;
-        for &kernel in &kernels {
-            for (name, (median, best), bytes) in [
-                ("f32", time_steps::<f32>(kernel, t), 4.0),
-                ("bf16", time_steps::<bf16>(kernel, t), 2.0),
-            ] {
-                let gb = positions * bytes / 1e9;
+        for (name, times, bytes) in [
+            ("f32", time_steps::<f32>(&kernels, t), 4.0),
+            ("bf16", time_steps::<bf16>(&kernels, t), 2.0),
+        ] {
+            let gb = positions * bytes / 1e9;
+            for (kernel, (median, best)) in kernels.iter().zip(times) {
                 let kernel = format!("{kernel:?}");
                 let kernel = kernel.split('(').next().unwrap_or(&kernel);
                 println!(

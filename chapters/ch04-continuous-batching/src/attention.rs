@@ -28,8 +28,9 @@
 //! fused multiply-adds and one horizontal sum for eight scores. They agree with the loops above
 //! to a few ulp; which loops run depends only on the CPU and the shape, never on the batch.
 //! With AVX-512 as well, the same arithmetic runs on 32 wide registers (`avx512.rs`): each K/V
-//! element is loaded and widened once for all the query heads that share it, and the outputs
-//! stay in registers across the row. Its results equal the AVX2 loops' bit for bit.
+//! element is loaded and widened once for up to four of the query heads that share it (two for
+//! V at head size 128), and the outputs stay in registers across the row. Its results equal the
+//! AVX2 loops' bit for bit.
 //!
 //! K/V are stored as the pool's element type (f32 or bf16, see [`KvElement`]) and widened to
 //! f32 as they are read; the arithmetic is f32 throughout. An 8-bit pool (chapter 5) stores
@@ -75,7 +76,7 @@ impl RowKernel {
         match isa {
             Isa::Portable => RowKernel::Portable,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma(cpu) => match Avx512::detect() {
+            Isa::Avx2Fma(cpu) => match Avx512::cached() {
                 Some(wide) => RowKernel::Avx512(cpu, wide),
                 None => RowKernel::Avx2Fma(cpu),
             },
@@ -393,8 +394,8 @@ fn attend_row_with<K: KvElement>(
     match kernel {
         RowKernel::Portable => attend_row(kv, row, prefetch, q_r, out_r, scores),
         #[cfg(target_arch = "x86_64")]
-        RowKernel::Avx512(cpu, wide) if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) => {
-            avx512::attend_row(cpu, wide, kv, row, prefetch, q_r, out_r, scratch)
+        RowKernel::Avx512(_, wide) if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) => {
+            avx512::attend_row(wide, kv, row, prefetch, q_r, out_r, scratch)
         }
         #[cfg(target_arch = "x86_64")]
         RowKernel::Avx2Fma(cpu) | RowKernel::Avx512(cpu, _)

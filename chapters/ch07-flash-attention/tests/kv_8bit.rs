@@ -15,7 +15,7 @@ use ch01::testing::{assert_rel_close, seeded_runner};
 use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch03::{BlockManager, KvElement, KvPool};
-use ch04::attention::{QueryRow, batch_attention};
+use ch04::attention::{QueryRow, RowKernel, batch_attention, batch_attention_with};
 use ch05::fp8::F8E4M3;
 use ch05::kv_cache::{KvInt8, e4m3_error_bound};
 use ch07_flash_attention::{LayerKv, Scratch, flash_attention_paged};
@@ -162,6 +162,22 @@ fn check_8bit<K: KvElement>(seed_base: u8, q_scale: f32) {
                 block_size,
                 shape,
             };
+            // Each of chapter 4's row kernels over the 8-bit pool; the AVX-512 rows fold the
+            // scales into their weights as the AVX2 rows do, to the same bits.
+            let per_kernel: Vec<Vec<f32>> = RowKernel::available()
+                .into_iter()
+                .map(|kernel| {
+                    let mut out = vec![f32::NAN; q.len()];
+                    batch_attention_with(kernel, &pool8, 0, &rows, &q, shape, &mut out);
+                    let what = format!("{:?} {kernel:?} {shape:?} {seqs:?}", K::DTYPE);
+                    assert_rel_close(&what, &out, &expected_deq, F32_REL);
+                    out
+                })
+                .collect();
+            if let [_, avx2, avx512] = &per_kernel[..] {
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                prop_assert_eq!(bits(avx512), bits(avx2));
+            }
             let mut scratch = Scratch::new();
             for isa in Isa::available() {
                 let what = format!(

@@ -17,19 +17,21 @@
 //!     acc[p] (8 lanes)  += q_h[c..c+8] ⊙ k_p[c..c+8]       c = 0, 8, ..., d − 8   (FMA)
 //!     s[h][j..j+8]       = lane_sums(acc) · (1/√d · key scale)
 //! softmax per head, times V's scale; zero for the padding
-//! for each KV head g, for each group of 8 positions, for each of g's query heads h:
+//! for each span of 64 positions, KV head g, group of 8 positions of the span, g's query head h:
 //!     out_h[c..c+8]     += Σ_p p[h][j+p] · v_p[c..c+8]                    (FMA, p in order)
 //! ```
 //!
-//! The task itself (slots, prefetching, softmax, which heads go together) is
-//! [`attend_row_with`], shared with the AVX-512 task (`avx512.rs`); the loops over a batch of
-//! heads are a [`HeadLoops`], [`Avx2Loops`] here.
+//! The task itself (slots, prefetching, softmax, which heads go together) is [`row_task`],
+//! shared with the AVX-512 task (`avx512.rs`); the loops over a batch of heads are a
+//! [`HeadLoops`], [`Avx2Loops`] here.
+//!
 //! Sums are grouped differently from the portable loops (a tree across lanes, one rounding
 //! per product and addition), so results agree with them and with the naive attention to a
 //! few ulp rather than bit for bit; every row of a step computes the same way whichever batch
 //! it is in.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use ch02::kernels::Avx2Fma;
 use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, softmax};
@@ -57,7 +59,7 @@ pub(super) fn attend_row<K: KvElement>(
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
-    attend_row_with(Avx2Loops(cpu), cpu, kv, row, prefetch, q_r, out_r, scratch);
+    attend_row_with(Avx2Loops(cpu), kv, row, prefetch, q_r, out_r, scratch);
 }
 
 /// The inner loops of a task with intrinsics, over a batch of the query heads that share one
@@ -84,26 +86,48 @@ pub(super) trait HeadLoops: Copy {
         stride: usize,
     );
 
-    /// `out` [heads · d] = Σ_j w[h · stride + j] · v_j, one fused multiply-add per position j
-    /// of `slots` in order (stride = `slots.len()`), v_j the `d` values at `offset` of `slot_j`'s
-    /// row in `stored` [slots, kv_dim]. With `ahead` = `Some(len)`, it asks for the whole rows
-    /// of the first `len` slots [`PREFETCH_POSITIONS`] positions ahead.
+    /// `out` [heads · d] += Σ_j w[h · stride + j] · v_j, one fused multiply-add per position j
+    /// of `positions` in order (stride = `slots.len()`), v_j the `d` values at `offset` of
+    /// `slot_j`'s row in `stored` [slots, kv_dim]. `positions` starts and ends at multiples of
+    /// [`KEYS`] (or `stride`). With `ahead` = `Some(len)`, it asks for whole rows of the first
+    /// `len` slots some positions ahead ([`ask_ahead`]).
     fn weigh_values<K: KvElement, const CHUNKS: usize>(
         self,
         values: (&[K], usize, usize),
-        slots: &[usize],
+        at: (&[usize], Range<usize>),
         ahead: Option<usize>,
         w: &[f32],
         out: &mut [f32],
     );
+
+    /// [`row_task`] with these loops, compiled for their instruction set so that they inline
+    /// into it; `CHUNKS` 8-lane chunks a head.
+    fn task<K: KvElement, const CHUNKS: usize>(
+        self,
+        kv: &LayerKv<K>,
+        row: QueryRow,
+        prefetch: bool,
+        q_r: &[f32],
+        out_r: &mut [f32],
+        scratch: &mut RowScratch,
+    );
 }
 
-/// [`attend_row`] on `loops`, for either instruction set (`_cpu`: the CPU has AVX2 and FMA,
-/// which every [`HeadLoops`] implies).
-#[allow(clippy::too_many_arguments)]
+/// Positions of a values' pass: spans of 64 (a multiple of [`KEYS`]), whose V rows, 48 KiB at
+/// most for SmolLM2's f32 pool, stay in cache from one KV head's pass to the next.
+const V_SPAN: usize = 8 * KEYS;
+
+/// Asks for the whole rows of `slots[j + PREFETCH_POSITIONS..][..8]` (those below `len`) in
+/// `stored` [slots, kv_dim]: what the values' passes read some positions later.
+#[inline(always)]
+pub(super) fn ask_ahead<K>(stored: &[K], kv_dim: usize, slots: &[usize], len: usize, j: usize) {
+    let next = (j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len);
+    prefetch_rows(stored, &mut slots[next].iter().copied(), KEYS, kv_dim);
+}
+
+/// [`attend_row`] on `loops` (which hold the proof of their instruction set).
 pub(super) fn attend_row_with<K: KvElement, L: HeadLoops>(
     loops: L,
-    _cpu: Avx2Fma,
     kv: &LayerKv<K>,
     row: QueryRow,
     prefetch: bool,
@@ -117,18 +141,19 @@ pub(super) fn attend_row_with<K: KvElement, L: HeadLoops>(
         (q_dim, q_dim),
         "rows are [num_heads · d]"
     );
-    // SAFETY: `_cpu` proves the CPU has AVX2 and FMA.
-    unsafe {
-        match kv.shape.head_dim {
-            64 => attend_row_avx2::<K, L, 8>(loops, kv, row, prefetch, q_r, out_r, scratch),
-            128 => attend_row_avx2::<K, L, 16>(loops, kv, row, prefetch, q_r, out_r, scratch),
-            d => panic!("head size {d} is not one of {HEAD_DIMS:?}"),
-        }
+    match kv.shape.head_dim {
+        64 => loops.task::<K, 8>(kv, row, prefetch, q_r, out_r, scratch),
+        128 => loops.task::<K, 16>(kv, row, prefetch, q_r, out_r, scratch),
+        d => panic!("head size {d} is not one of {HEAD_DIMS:?}"),
     }
 }
 
-#[target_feature(enable = "avx2,fma")]
-fn attend_row_avx2<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
+/// The task around the loops, shared by both instruction sets: the slots of the row's
+/// positions, the requests ahead, the scores pass, the softmax with V's scale folded into the
+/// weights, and the values' pass, each over batches of the query heads that share a KV head.
+/// Inlined into each set's [`HeadLoops::task`], which compiles it for that set.
+#[inline(always)]
+pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
     loops: L,
     kv: &LayerKv<K>,
     row: QueryRow,
@@ -211,15 +236,23 @@ fn attend_row_avx2<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
         s_h[len..].fill(0.0);
     }
 
-    // out_h = Σ_j p[h][j] · v_j, one position after another.
-    for g in 0..kv.shape.num_kv_heads {
-        for (batch, heads) in batches(g, L::value_heads(d)).enumerate() {
-            // The first pass over V asks for the rows ahead; the later ones find them in L2.
-            let ahead = (prefetch && g == 0 && batch == 0).then_some(len);
-            let out = &mut out_r[heads.start * d..heads.end * d];
-            let w = &scores[heads.start * stride..heads.end * stride];
-            let values = (kv.values, kv_dim, g * d);
-            loops.weigh_values::<K, CHUNKS>(values, slots, ahead, w, out);
+    // out_h = Σ_j p[h][j] · v_j, one position after another. The positions go in spans of
+    // V_SPAN, each span in a pass per KV head (and batch of its query heads): the first pass
+    // asks ahead for whole rows, and the later ones find the span's rows in cache, so V streams
+    // from memory once, in order, however long the context.
+    out_r.fill(0.0);
+    for span in (0..stride).step_by(V_SPAN) {
+        let positions = span..(span + V_SPAN).min(stride);
+        for g in 0..kv.shape.num_kv_heads {
+            for (batch, heads) in batches(g, L::value_heads(d)).enumerate() {
+                let first = g == 0 && batch == 0;
+                let ahead = (prefetch && first).then_some(len);
+                let out = &mut out_r[heads.start * d..heads.end * d];
+                let w = &scores[heads.start * stride..heads.end * stride];
+                let values = (kv.values, kv_dim, g * d);
+                let at = (slots, positions.clone());
+                loops.weigh_values::<K, CHUNKS>(values, at, ahead, w, out);
+            }
         }
     }
 }
@@ -253,13 +286,38 @@ impl HeadLoops for Avx2Loops {
     fn weigh_values<K: KvElement, const CHUNKS: usize>(
         self,
         values: (&[K], usize, usize),
-        slots: &[usize],
+        at: (&[usize], Range<usize>),
         ahead: Option<usize>,
         w: &[f32],
         out: &mut [f32],
     ) {
         // SAFETY: `self.0` proves the CPU has AVX2 and FMA.
-        unsafe { weigh_values_avx2::<K, CHUNKS>(values, slots, ahead, w, out) }
+        unsafe { weigh_values_avx2::<K, CHUNKS>(values, at, ahead, w, out) }
+    }
+
+    fn task<K: KvElement, const CHUNKS: usize>(
+        self,
+        kv: &LayerKv<K>,
+        row: QueryRow,
+        prefetch: bool,
+        q_r: &[f32],
+        out_r: &mut [f32],
+        scratch: &mut RowScratch,
+    ) {
+        #[target_feature(enable = "avx2,fma")]
+        fn task_avx2<K: KvElement, const CHUNKS: usize>(
+            loops: Avx2Loops,
+            kv: &LayerKv<K>,
+            row: QueryRow,
+            prefetch: bool,
+            q_r: &[f32],
+            out_r: &mut [f32],
+            scratch: &mut RowScratch,
+        ) {
+            row_task::<K, Avx2Loops, CHUNKS>(loops, kv, row, prefetch, q_r, out_r, scratch)
+        }
+        // SAFETY: `self.0` proves the CPU has AVX2 and FMA.
+        unsafe { task_avx2::<K, CHUNKS>(self, kv, row, prefetch, q_r, out_r, scratch) }
     }
 }
 
@@ -296,19 +354,17 @@ fn score_heads_avx2<K: KvElement, const CHUNKS: usize>(
 #[target_feature(enable = "avx2,fma")]
 fn weigh_values_avx2<K: KvElement, const CHUNKS: usize>(
     (stored, kv_dim, offset): (&[K], usize, usize),
-    slots: &[usize],
+    (slots, positions): (&[usize], Range<usize>),
     ahead: Option<usize>,
     w: &[f32],
     out: &mut [f32],
 ) {
     let (d, stride) = (CHUNKS * LANES, slots.len());
-    out.fill(0.0);
     // Eight positions at a time: each output chunk is loaded, takes eight multiply-adds and
     // is stored again.
-    for j in (0..stride).step_by(KEYS) {
+    for j in positions.step_by(KEYS) {
         if let Some(len) = ahead {
-            let next = (j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len);
-            prefetch_rows(stored, &mut slots[next].iter().copied(), KEYS, kv_dim);
+            ask_ahead(stored, kv_dim, slots, len, j);
         }
         let v: [&[[K; LANES]; CHUNKS]; KEYS] =
             std::array::from_fn(|p| head_row(stored, slots[j + p] * kv_dim + offset));

@@ -3,10 +3,10 @@
 //! same order, so the two agree to the bit. What the 32 wide registers change is how often
 //! each K/V element is loaded and widened, and whether the outputs stay in registers.
 //!
-//! A decode reads its K/V from memory, and measured (`examples/batch_decode_attention.rs`)
-//! the AVX2 task spent about as long computing as waiting for memory, one after the other: a
-//! step of 32 sequences at 192 positions took about as long with its K/V in the L3 cache as the
-//! gap between that and memory. Two of its costs went:
+//! A decode reads its K/V from memory, yet the AVX2 task is not waiting on memory alone: in a
+//! scratch variant of `examples/batch_decode_attention.rs` that read one layer's K/V over and
+//! over (from the L3 cache), a step of 32 sequences at 192 positions took about as long as the
+//! rest of the step from memory did. Two of its costs went:
 //!
 //! - **Scores.** AVX2's 16 registers hold eight scores' accumulators for one query head, so
 //!   each of the `G` query heads sharing a KV head loads and widens the same eight K rows again
@@ -16,8 +16,8 @@
 //!   register (the lanes of each half compute exactly what the AVX2 task's register did).
 //! - **Weighted values.** The AVX2 task adds eight positions into each output chunk, then
 //!   stores it and loads it again for the next eight, and widens each V chunk once per query
-//!   head. Here the outputs of up to four heads (two at d = 128) stay in 16-lane registers for
-//!   the whole row, and each V chunk is widened once for all of them.
+//!   head. Here the outputs of up to four heads (two at d = 128) stay in 16-lane registers
+//!   across a span of 64 positions, and each V chunk is widened once for all of them.
 //!
 //! ```text
 //! for each group of 8 positions, KV head g, batch of g's query heads (≤ 4):
@@ -25,18 +25,22 @@
 //!     acc[h][i] += [q_h[c..c+8] | q_h[c..c+8]] ⊙ k2[i]   c = 0, 8, ..., d − 8   (FMA)
 //!     s[h][j..j+8] = lane_sums(halves of acc[h]) · (1/√d · key scale)
 //! softmax per head; p[h][j] · value scale, zero past the row's last position
-//! for each KV head g, batch of g's query heads, position j (every one, in order):
+//! for each span of 64 positions, KV head g, batch of g's query heads (≤ 4, 2 at d = 128),
+//! position j of the span in order:
 //!     out[h][c..c+16] += p[h][j] · v_j[c..c+16]           widened once          (FMA)
 //! ```
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
-use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32};
-use ch02::kernels::{Avx2Fma, Avx512};
+use ch02::kernels::Avx512;
+use ch02::kernels::vector::{KEYS, ToF32};
 use ch03::KvElement;
 
-use super::avx2::{HeadLoops, LANES, attend_row_with, head_row, lane_sums, load, widen};
-use super::{LayerKv, QueryRow, RowScratch, prefetch_rows};
+use super::avx2::{
+    HeadLoops, LANES, ask_ahead, attend_row_with, head_row, lane_sums, load, row_task, store, widen,
+};
+use super::{LayerKv, QueryRow, RowScratch};
 
 /// Lanes per wide vector.
 const WIDE_LANES: usize = 16;
@@ -46,9 +50,7 @@ const WIDE_LANES: usize = 16;
 ///
 /// Panics unless `d` (`kv.shape.head_dim`) is one of the AVX2 task's head sizes (64, 128) and
 /// `q_r`, `out_r` hold `num_heads · d` values.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn attend_row<K: KvElement>(
-    cpu: Avx2Fma,
     wide: Avx512,
     kv: &LayerKv<K>,
     row: QueryRow,
@@ -57,16 +59,7 @@ pub(super) fn attend_row<K: KvElement>(
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
-    attend_row_with(
-        Avx512Loops(wide),
-        cpu,
-        kv,
-        row,
-        prefetch,
-        q_r,
-        out_r,
-        scratch,
-    );
+    attend_row_with(Avx512Loops(wide), kv, row, prefetch, q_r, out_r, scratch);
 }
 
 /// The AVX-512 loops: the scores of up to four query heads in one pass over the K rows, the
@@ -106,7 +99,7 @@ impl HeadLoops for Avx512Loops {
     fn weigh_values<K: KvElement, const CHUNKS: usize>(
         self,
         values: (&[K], usize, usize),
-        slots: &[usize],
+        at: (&[usize], Range<usize>),
         ahead: Option<usize>,
         w: &[f32],
         out: &mut [f32],
@@ -114,14 +107,39 @@ impl HeadLoops for Avx512Loops {
         // SAFETY: `self.0` proves the CPU has AVX-512F, AVX2 and FMA.
         unsafe {
             match (CHUNKS, out.len() / (CHUNKS * LANES)) {
-                (8, 1) => weigh_values::<K, 4, 1>(values, slots, ahead, w, out),
-                (8, 2) => weigh_values::<K, 4, 2>(values, slots, ahead, w, out),
-                (8, 3) => weigh_values::<K, 4, 3>(values, slots, ahead, w, out),
-                (8, _) => weigh_values::<K, 4, 4>(values, slots, ahead, w, out),
-                (_, 1) => weigh_values::<K, 8, 1>(values, slots, ahead, w, out),
-                (_, _) => weigh_values::<K, 8, 2>(values, slots, ahead, w, out),
+                (8, 1) => weigh_values::<K, 4, 1>(values, at, ahead, w, out),
+                (8, 2) => weigh_values::<K, 4, 2>(values, at, ahead, w, out),
+                (8, 3) => weigh_values::<K, 4, 3>(values, at, ahead, w, out),
+                (8, _) => weigh_values::<K, 4, 4>(values, at, ahead, w, out),
+                (_, 1) => weigh_values::<K, 8, 1>(values, at, ahead, w, out),
+                (_, _) => weigh_values::<K, 8, 2>(values, at, ahead, w, out),
             }
         }
+    }
+
+    fn task<K: KvElement, const CHUNKS: usize>(
+        self,
+        kv: &LayerKv<K>,
+        row: QueryRow,
+        prefetch: bool,
+        q_r: &[f32],
+        out_r: &mut [f32],
+        scratch: &mut RowScratch,
+    ) {
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        fn task_avx512<K: KvElement, const CHUNKS: usize>(
+            loops: Avx512Loops,
+            kv: &LayerKv<K>,
+            row: QueryRow,
+            prefetch: bool,
+            q_r: &[f32],
+            out_r: &mut [f32],
+            scratch: &mut RowScratch,
+        ) {
+            row_task::<K, Avx512Loops, CHUNKS>(loops, kv, row, prefetch, q_r, out_r, scratch)
+        }
+        // SAFETY: `self.0` proves the CPU has AVX-512F, AVX2 and FMA.
+        unsafe { task_avx512::<K, CHUNKS>(self, kv, row, prefetch, q_r, out_r, scratch) }
     }
 }
 
@@ -137,6 +155,7 @@ fn score_heads<K: KvElement, const CHUNKS: usize, const HEADS: usize>(
     (at, stride): (usize, usize),
 ) {
     let d = CHUNKS * LANES;
+    debug_assert_eq!(q.len(), HEADS * d, "q is [HEADS · d]");
     let q: [&[[f32; LANES]; CHUNKS]; HEADS] = std::array::from_fn(|h| head_row(q, h * d));
     // ANCHOR: score_heads
     // acc[h][i]: position 2i's accumulator in the low half, 2i + 1's in the high half.
@@ -155,11 +174,12 @@ fn score_heads<K: KvElement, const CHUNKS: usize, const HEADS: usize>(
     for (h, acc_h) in acc.iter().enumerate() {
         let lanes: [__m256; KEYS] = std::array::from_fn(|p| half(acc_h[p / 2], p % 2));
         let scores = _mm256_mul_ps(lane_sums(lanes), load(key_scale));
-        // ANCHOR_END: score_heads
-        let out: &mut [f32; KEYS] = (&mut s[at + h * stride..][..KEYS]).try_into().unwrap();
-        // SAFETY: `out` is 8 writable f32 (an unaligned store).
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), scores) };
+        store(
+            scores,
+            (&mut s[at + h * stride..][..KEYS]).try_into().unwrap(),
+        );
     }
+    // ANCHOR_END: score_heads
 }
 
 /// `out` [HEADS · d] = Σ_j w[h · stride + j] · v_j for every head `h`, over the positions j of
@@ -170,21 +190,27 @@ fn score_heads<K: KvElement, const CHUNKS: usize, const HEADS: usize>(
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn weigh_values<K: KvElement, const WIDE: usize, const HEADS: usize>(
     (stored, kv_dim, offset): (&[K], usize, usize),
-    slots: &[usize],
+    (slots, positions): (&[usize], Range<usize>),
     ahead: Option<usize>,
     w: &[f32],
     out: &mut [f32],
 ) {
+    debug_assert_eq!(out.len(), HEADS * WIDE * WIDE_LANES, "out is [HEADS · d]");
     let stride = slots.len();
+    let out: &mut [[f32; WIDE_LANES]] = out.as_chunks_mut().0;
+    // The outputs so far, in registers for the whole span.
     let mut acc = [[_mm512_setzero_ps(); WIDE]; HEADS];
-    for (j, &slot) in slots.iter().enumerate() {
+    for (a, o) in acc.as_flattened_mut().iter_mut().zip(out.iter()) {
+        // SAFETY: `o` is 16 readable f32 (an unaligned load).
+        *a = unsafe { _mm512_loadu_ps(o.as_ptr()) };
+    }
+    for j in positions {
         if let Some(len) = ahead
             && j % KEYS == 0
         {
-            let next = (j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len);
-            prefetch_rows(stored, &mut slots[next].iter().copied(), KEYS, kv_dim);
+            ask_ahead(stored, kv_dim, slots, len, j);
         }
-        let v: &[[K; WIDE_LANES]; WIDE] = head_row(stored, slot * kv_dim + offset);
+        let v: &[[K; WIDE_LANES]; WIDE] = head_row(stored, slots[j] * kv_dim + offset);
         let v: [__m512; WIDE] = std::array::from_fn(|c| widen_wide(&v[c]));
         for (h, acc_h) in acc.iter_mut().enumerate() {
             let w_h = _mm512_set1_ps(w[h * stride + j]);
@@ -193,7 +219,6 @@ fn weigh_values<K: KvElement, const WIDE: usize, const HEADS: usize>(
             }
         }
     }
-    let out: &mut [[f32; WIDE_LANES]] = out.as_chunks_mut().0;
     for (o, a) in out.iter_mut().zip(acc.as_flattened()) {
         // SAFETY: `o` is 16 writable f32 (an unaligned store).
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
