@@ -189,6 +189,23 @@ struct LayerKv<'a, K> {
     shape: AttentionShape,
 }
 
+/// One task's query: the row `q` [num_heads · d] at `row.pos`, the layer's K/V it reads, and
+/// whether it asks for them ahead (a decode) or finds them in cache (a prompt chunk's row).
+struct RowQuery<'a, K> {
+    kv: &'a LayerKv<'a, K>,
+    row: QueryRow<'a>,
+    prefetch: bool,
+    q: &'a [f32],
+}
+
+impl<K> Clone for RowQuery<'_, K> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<K> Copy for RowQuery<'_, K> {}
+
 // ANCHOR: batch_attention
 /// `out` [rows, num_heads · d] = attention of each row of `q` [rows, num_heads · d] against
 /// positions `0..=pos` of its sequence in `layer` of `pool`.
@@ -247,7 +264,13 @@ pub fn batch_attention_with<K: KvElement>(
             // to row: asking again would only cost.
             let shares = |other: Option<&QueryRow>| other.is_some_and(|o| o.same_sequence(&row));
             let prefetch = !shares(r.checked_sub(1).map(|p| &rows[p])) && !shares(rows.get(r + 1));
-            attend_row_with(kernel, &kv, row, prefetch, q_r, out_r, scratch);
+            let query = RowQuery {
+                kv: &kv,
+                row,
+                prefetch,
+                q: q_r,
+            };
+            attend_row_with(kernel, query, out_r, scratch);
         });
 }
 // ANCHOR_END: batch_attention
@@ -383,25 +406,28 @@ fn next_group(slots: &mut impl Iterator<Item = usize>, group: &mut [usize; KEYS]
 /// `avx2.rs` or `avx512.rs`.
 fn attend_row_with<K: KvElement>(
     kernel: RowKernel,
-    kv: &LayerKv<K>,
-    row: QueryRow,
-    prefetch: bool,
-    q_r: &[f32],
+    query: RowQuery<K>,
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
+    let RowQuery {
+        kv,
+        row,
+        prefetch,
+        q: q_r,
+    } = query;
     let scores = &mut scratch.scores;
     match kernel {
         RowKernel::Portable => attend_row(kv, row, prefetch, q_r, out_r, scores),
         #[cfg(target_arch = "x86_64")]
         RowKernel::Avx512(_, wide) if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) => {
-            avx512::attend_row(wide, kv, row, prefetch, q_r, out_r, scratch)
+            avx512::attend_row(wide, query, out_r, scratch)
         }
         #[cfg(target_arch = "x86_64")]
         RowKernel::Avx2Fma(cpu) | RowKernel::Avx512(cpu, _)
             if avx2::HEAD_DIMS.contains(&kv.shape.head_dim) =>
         {
-            avx2::attend_row(cpu, kv, row, prefetch, q_r, out_r, scratch)
+            avx2::attend_row(cpu, query, out_r, scratch)
         }
         #[cfg(target_arch = "x86_64")]
         RowKernel::Avx2Fma(_) | RowKernel::Avx512(..) => {

@@ -37,7 +37,7 @@ use ch02::kernels::Avx2Fma;
 use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, softmax};
 use ch03::KvElement;
 
-use super::{LayerKv, QueryRow, RowScratch, prefetch_rows, slots as slots_of};
+use super::{RowQuery, RowScratch, prefetch_rows, slots as slots_of};
 
 /// Lanes per vector.
 pub(super) const LANES: usize = 8;
@@ -45,21 +45,18 @@ pub(super) const LANES: usize = 8;
 /// The head sizes this path is compiled for (each its own copy of the loops, unrolled).
 pub(super) const HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// `out_r` [num_heads · d] = the attention of the query row `q_r` [num_heads · d] at `row.pos`,
-/// as [`attend_row`](super::attend_row) computes it, in the thread's `scratch`.
+/// `out_r` [num_heads · d] = the attention of the query row `query.q` [num_heads · d] at its
+/// position, as [`attend_row`](super::attend_row) computes it, in the thread's `scratch`.
 ///
-/// Panics unless `d` (`kv.shape.head_dim`) is one of [`HEAD_DIMS`] and `q_r`, `out_r` hold
-/// `num_heads · d` values.
+/// Panics unless `d` (the shape's `head_dim`) is one of [`HEAD_DIMS`] and `query.q` and
+/// `out_r` hold `num_heads · d` values.
 pub(super) fn attend_row<K: KvElement>(
     cpu: Avx2Fma,
-    kv: &LayerKv<K>,
-    row: QueryRow,
-    prefetch: bool,
-    q_r: &[f32],
+    query: RowQuery<K>,
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
-    attend_row_with(Avx2Loops(cpu), kv, row, prefetch, q_r, out_r, scratch);
+    attend_row_with(Avx2Loops(cpu), query, out_r, scratch);
 }
 
 /// The inner loops of a task with intrinsics, over a batch of the query heads that share one
@@ -104,10 +101,7 @@ pub(super) trait HeadLoops: Copy {
     /// into it; `CHUNKS` 8-lane chunks a head.
     fn task<K: KvElement, const CHUNKS: usize>(
         self,
-        kv: &LayerKv<K>,
-        row: QueryRow,
-        prefetch: bool,
-        q_r: &[f32],
+        query: RowQuery<K>,
         out_r: &mut [f32],
         scratch: &mut RowScratch,
     );
@@ -128,13 +122,11 @@ pub(super) fn ask_ahead<K>(stored: &[K], kv_dim: usize, slots: &[usize], len: us
 /// [`attend_row`] on `loops` (which hold the proof of their instruction set).
 pub(super) fn attend_row_with<K: KvElement, L: HeadLoops>(
     loops: L,
-    kv: &LayerKv<K>,
-    row: QueryRow,
-    prefetch: bool,
-    q_r: &[f32],
+    query: RowQuery<K>,
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
+    let (kv, q_r) = (query.kv, query.q);
     let q_dim = kv.shape.num_heads * kv.shape.head_dim;
     assert_eq!(
         (q_r.len(), out_r.len()),
@@ -142,8 +134,8 @@ pub(super) fn attend_row_with<K: KvElement, L: HeadLoops>(
         "rows are [num_heads · d]"
     );
     match kv.shape.head_dim {
-        64 => loops.task::<K, 8>(kv, row, prefetch, q_r, out_r, scratch),
-        128 => loops.task::<K, 16>(kv, row, prefetch, q_r, out_r, scratch),
+        64 => loops.task::<K, 8>(query, out_r, scratch),
+        128 => loops.task::<K, 16>(query, out_r, scratch),
         d => panic!("head size {d} is not one of {HEAD_DIMS:?}"),
     }
 }
@@ -155,13 +147,16 @@ pub(super) fn attend_row_with<K: KvElement, L: HeadLoops>(
 #[inline(always)]
 pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
     loops: L,
-    kv: &LayerKv<K>,
-    row: QueryRow,
-    prefetch: bool,
-    q_r: &[f32],
+    query: RowQuery<K>,
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
+    let RowQuery {
+        kv,
+        row,
+        prefetch,
+        q: q_r,
+    } = query;
     let d = kv.shape.head_dim;
     let group_size = kv.shape.num_heads / kv.shape.num_kv_heads; // query heads per KV head
     let kv_dim = kv.shape.num_kv_heads * d;
@@ -297,27 +292,21 @@ impl HeadLoops for Avx2Loops {
 
     fn task<K: KvElement, const CHUNKS: usize>(
         self,
-        kv: &LayerKv<K>,
-        row: QueryRow,
-        prefetch: bool,
-        q_r: &[f32],
+        query: RowQuery<K>,
         out_r: &mut [f32],
         scratch: &mut RowScratch,
     ) {
         #[target_feature(enable = "avx2,fma")]
         fn task_avx2<K: KvElement, const CHUNKS: usize>(
             loops: Avx2Loops,
-            kv: &LayerKv<K>,
-            row: QueryRow,
-            prefetch: bool,
-            q_r: &[f32],
+            query: RowQuery<K>,
             out_r: &mut [f32],
             scratch: &mut RowScratch,
         ) {
-            row_task::<K, Avx2Loops, CHUNKS>(loops, kv, row, prefetch, q_r, out_r, scratch)
+            row_task::<K, Avx2Loops, CHUNKS>(loops, query, out_r, scratch)
         }
         // SAFETY: `self.0` proves the CPU has AVX2 and FMA.
-        unsafe { task_avx2::<K, CHUNKS>(self, kv, row, prefetch, q_r, out_r, scratch) }
+        unsafe { task_avx2::<K, CHUNKS>(self, query, out_r, scratch) }
     }
 }
 

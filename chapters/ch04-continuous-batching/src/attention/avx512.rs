@@ -40,26 +40,23 @@ use ch03::KvElement;
 use super::avx2::{
     HeadLoops, LANES, ask_ahead, attend_row_with, head_row, lane_sums, load, row_task, store, widen,
 };
-use super::{LayerKv, QueryRow, RowScratch};
+use super::{RowQuery, RowScratch};
 
 /// Lanes per wide vector.
 const WIDE_LANES: usize = 16;
 
-/// `out_r` [num_heads · d] = the attention of the query row `q_r` [num_heads · d] at `row.pos`,
-/// exactly as the AVX2 task computes it, in the thread's `scratch`.
+/// `out_r` [num_heads · d] = the attention of the query row `query.q` [num_heads · d] at its
+/// position, exactly as the AVX2 task computes it, in the thread's `scratch`.
 ///
-/// Panics unless `d` (`kv.shape.head_dim`) is one of the AVX2 task's head sizes (64, 128) and
-/// `q_r`, `out_r` hold `num_heads · d` values.
+/// Panics unless `d` (the shape's `head_dim`) is one of the AVX2 task's head sizes (64, 128)
+/// and `query.q`, `out_r` hold `num_heads · d` values.
 pub(super) fn attend_row<K: KvElement>(
     wide: Avx512,
-    kv: &LayerKv<K>,
-    row: QueryRow,
-    prefetch: bool,
-    q_r: &[f32],
+    query: RowQuery<K>,
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
-    attend_row_with(Avx512Loops(wide), kv, row, prefetch, q_r, out_r, scratch);
+    attend_row_with(Avx512Loops(wide), query, out_r, scratch);
 }
 
 /// The AVX-512 loops: the scores of up to four query heads in one pass over the K rows, the
@@ -119,27 +116,21 @@ impl HeadLoops for Avx512Loops {
 
     fn task<K: KvElement, const CHUNKS: usize>(
         self,
-        kv: &LayerKv<K>,
-        row: QueryRow,
-        prefetch: bool,
-        q_r: &[f32],
+        query: RowQuery<K>,
         out_r: &mut [f32],
         scratch: &mut RowScratch,
     ) {
         #[target_feature(enable = "avx512f,avx2,fma")]
         fn task_avx512<K: KvElement, const CHUNKS: usize>(
             loops: Avx512Loops,
-            kv: &LayerKv<K>,
-            row: QueryRow,
-            prefetch: bool,
-            q_r: &[f32],
+            query: RowQuery<K>,
             out_r: &mut [f32],
             scratch: &mut RowScratch,
         ) {
-            row_task::<K, Avx512Loops, CHUNKS>(loops, kv, row, prefetch, q_r, out_r, scratch)
+            row_task::<K, Avx512Loops, CHUNKS>(loops, query, out_r, scratch)
         }
         // SAFETY: `self.0` proves the CPU has AVX-512F, AVX2 and FMA.
-        unsafe { task_avx512::<K, CHUNKS>(self, kv, row, prefetch, q_r, out_r, scratch) }
+        unsafe { task_avx512::<K, CHUNKS>(self, query, out_r, scratch) }
     }
 }
 
