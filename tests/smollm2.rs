@@ -6,7 +6,8 @@
 //! ```bash
 //! just fetch-smollm2 && cargo test --release --test smollm2 -- --ignored
 //! ```
-//! Without the converted model every test here fails and says how to fetch it; nothing is skipped.
+//! Run with `--ignored` but without the converted model, every test here fails and says how to
+//! fetch it.
 
 use ch01::testing::{assert_rel_close, load_golden};
 use ch01::{GenerateOptions, Llama, Tokenizer, perplexity::perplexity};

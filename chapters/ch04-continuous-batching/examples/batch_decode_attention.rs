@@ -44,8 +44,9 @@ fn value(i: usize) -> f32 {
 }
 
 /// (median, fastest) seconds of one step over every layer, for each of `kernels`, their steps
-/// taken in turn (a round is one step of each), so that a drift of the machine's bandwidth
-/// falls on all of them alike.
+/// taken in turn (a round is one step of each, starting one kernel later each round), so that
+/// a drift of the machine's bandwidth, and whatever one step leaves in cache for the next,
+/// fall on all of them alike.
 fn time_steps<K: KvElement>(kernels: &[RowKernel], t: usize) -> Vec<(f64, f64)> {
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
@@ -79,13 +80,14 @@ fn time_steps<K: KvElement>(kernels: &[RowKernel], t: usize) -> Vec<(f64, f64)> 
     let mut out = vec![0.0; q.len()];
     let mut steps = vec![Vec::new(); kernels.len()];
     for round in 0..ROUNDS + 2 {
-        for (&kernel, steps) in kernels.iter().zip(&mut steps) {
+        for i in 0..kernels.len() {
+            let k = (round + i) % kernels.len();
             let start = Instant::now();
             for layer in 0..LAYERS {
-                batch_attention_with(kernel, &pool, layer, &rows, &q, SHAPE, &mut out);
+                batch_attention_with(kernels[k], &pool, layer, &rows, &q, SHAPE, &mut out);
             }
             if round >= 2 {
-                steps.push(start.elapsed().as_secs_f64()); // after two rounds of warm-up
+                steps[k].push(start.elapsed().as_secs_f64()); // after two rounds of warm-up
             }
         }
     }

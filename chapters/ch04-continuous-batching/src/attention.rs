@@ -29,7 +29,7 @@
 //! to a few ulp; which loops run depends only on the CPU and the shape, never on the batch.
 //! With AVX-512 as well, the same arithmetic runs on 32 wide registers (`avx512.rs`): each K/V
 //! element is loaded and widened once for up to four of the query heads that share it (two for
-//! V at head size 128), and the outputs stay in registers across the row. Its results equal the
+//! V at head size 128), and the outputs stay in registers across spans of 64 positions. Its results equal the
 //! AVX2 loops' bit for bit.
 //!
 //! K/V are stored as the pool's element type (f32 or bf16, see [`KvElement`]) and widened to
@@ -280,7 +280,7 @@ pub fn batch_attention_with<K: KvElement>(
 struct RowScratch {
     /// [num_heads, positions]: scores, then softmax weights.
     scores: Vec<f32>,
-    /// The pool slot of each position (the AVX2 task's).
+    /// The pool slot of each position (the intrinsic tasks').
     #[cfg(target_arch = "x86_64")]
     slots: Vec<usize>,
 }

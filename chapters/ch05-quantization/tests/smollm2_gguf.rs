@@ -6,7 +6,7 @@
 //! ```bash
 //! just fetch-smollm2 && cargo test --release -p ch05-quantization --test smollm2_gguf -- --ignored
 //! ```
-//! Without it every test here fails and says how to fetch it; nothing is skipped.
+//! Run with `--ignored` but without it, every test here fails and says how to fetch it.
 //!
 //! `logits_match_transformers` decodes the Q4_1 projections, so it passes once
 //! `blocks::dequantize` knows Q4_1; everything else needs only F32 and Q8_0.

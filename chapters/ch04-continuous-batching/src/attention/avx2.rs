@@ -56,7 +56,7 @@ pub(super) fn attend_row<K: KvElement>(
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
-    attend_row_with(Avx2Loops(cpu), query, out_r, scratch);
+    attend_row_on(Avx2Loops(cpu), query, out_r, scratch);
 }
 
 /// The inner loops of a task with intrinsics, over a batch of the query heads that share one
@@ -86,7 +86,7 @@ pub(super) trait HeadLoops: Copy {
     /// `out` [heads · d] += Σ_j w[h · stride + j] · v_j, one fused multiply-add per position j
     /// of `positions` in order (stride = `slots.len()`), v_j the `d` values at `offset` of
     /// `slot_j`'s row in `stored` [slots, kv_dim]. `positions` starts and ends at multiples of
-    /// [`KEYS`] (or `stride`). With `ahead` = `Some(len)`, it asks for whole rows of the first
+    /// [`KEYS`]. With `ahead` = `Some(len)`, it asks for whole rows of the first
     /// `len` slots some positions ahead ([`ask_ahead`]).
     fn weigh_values<K: KvElement, const CHUNKS: usize>(
         self,
@@ -120,7 +120,7 @@ pub(super) fn ask_ahead<K>(stored: &[K], kv_dim: usize, slots: &[usize], len: us
 }
 
 /// [`attend_row`] on `loops` (which hold the proof of their instruction set).
-pub(super) fn attend_row_with<K: KvElement, L: HeadLoops>(
+pub(super) fn attend_row_on<K: KvElement, L: HeadLoops>(
     loops: L,
     query: RowQuery<K>,
     out_r: &mut [f32],
@@ -238,6 +238,7 @@ pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
     out_r.fill(0.0);
     for span in (0..stride).step_by(V_SPAN) {
         let positions = span..(span + V_SPAN).min(stride);
+        debug_assert!(positions.start % KEYS == 0 && positions.end % KEYS == 0);
         for g in 0..kv.shape.num_kv_heads {
             for (batch, heads) in batches(g, L::value_heads(d)).enumerate() {
                 let first = g == 0 && batch == 0;
@@ -321,6 +322,7 @@ fn score_heads_avx2<K: KvElement, const CHUNKS: usize>(
     stride: usize,
 ) {
     // ANCHOR: scores
+    debug_assert_eq!(q.len() % (CHUNKS * LANES), 0, "q is [heads · d]");
     for (h, q_h) in q.chunks_exact(CHUNKS * LANES).enumerate() {
         let q_h: &[[f32; LANES]; CHUNKS] = head_row(q_h, 0);
         let mut acc = [_mm256_setzero_ps(); KEYS];

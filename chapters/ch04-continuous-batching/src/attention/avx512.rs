@@ -5,8 +5,8 @@
 //!
 //! A decode reads its K/V from memory, yet the AVX2 task is not waiting on memory alone: in a
 //! scratch variant of `examples/batch_decode_attention.rs` that read one layer's K/V over and
-//! over (from the L3 cache), a step of 32 sequences at 192 positions took about as long as the
-//! rest of the step from memory did. Two of its costs went:
+//! over (from the L3 cache), a step of 32 sequences at 192 positions took about half as long as
+//! the same step reading every layer's K/V from memory. Two of its costs went:
 //!
 //! - **Scores.** AVX2's 16 registers hold eight scores' accumulators for one query head, so
 //!   each of the `G` query heads sharing a KV head loads and widens the same eight K rows again
@@ -38,7 +38,7 @@ use ch02::kernels::vector::{KEYS, ToF32};
 use ch03::KvElement;
 
 use super::avx2::{
-    HeadLoops, LANES, ask_ahead, attend_row_with, head_row, lane_sums, load, row_task, store, widen,
+    HeadLoops, LANES, ask_ahead, attend_row_on, head_row, lane_sums, load, row_task, store, widen,
 };
 use super::{RowQuery, RowScratch};
 
@@ -56,11 +56,11 @@ pub(super) fn attend_row<K: KvElement>(
     out_r: &mut [f32],
     scratch: &mut RowScratch,
 ) {
-    attend_row_with(Avx512Loops(wide), query, out_r, scratch);
+    attend_row_on(Avx512Loops(wide), query, out_r, scratch);
 }
 
 /// The AVX-512 loops: the scores of up to four query heads in one pass over the K rows, the
-/// outputs of up to four heads (two at d = 128) in registers across the row.
+/// outputs of up to four heads (two at d = 128) in registers across a span of 64 positions.
 #[derive(Debug, Clone, Copy)]
 struct Avx512Loops(Avx512);
 
@@ -72,6 +72,7 @@ impl HeadLoops for Avx512Loops {
         if d <= 64 { 4 } else { 2 }
     }
 
+    #[inline]
     fn score_heads<K: KvElement, const CHUNKS: usize>(
         self,
         k: &[&[[K; LANES]; CHUNKS]; KEYS],
@@ -93,6 +94,7 @@ impl HeadLoops for Avx512Loops {
         }
     }
 
+    #[inline]
     fn weigh_values<K: KvElement, const CHUNKS: usize>(
         self,
         values: (&[K], usize, usize),
@@ -173,10 +175,11 @@ fn score_heads<K: KvElement, const CHUNKS: usize, const HEADS: usize>(
     // ANCHOR_END: score_heads
 }
 
-/// `out` [HEADS · d] = Σ_j w[h · stride + j] · v_j for every head `h`, over the positions j of
-/// `slots` in order, v_j the `d` values at `offset` of `slot_j`'s row in `stored` [slots,
-/// kv_dim]; each V chunk widened once for every head. With `ahead` = `Some(len)`, it asks for
-/// whole rows of the first `len` slots some positions ahead, as the scores pass does.
+/// `out` [HEADS · d] += Σ_j w[h · stride + j] · v_j for every head `h`, over the positions j
+/// of `positions` in order (stride = `slots.len()`), v_j the `d` values at `offset` of
+/// `slot_j`'s row in `stored` [slots, kv_dim]; each V chunk widened once for every head. With
+/// `ahead` = `Some(len)`, it asks for whole rows of the first `len` slots some positions ahead
+/// ([`ask_ahead`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn weigh_values<K: KvElement, const WIDE: usize, const HEADS: usize>(
