@@ -112,7 +112,8 @@ pub(super) trait HeadLoops: Copy {
 const V_SPAN: usize = 8 * KEYS;
 
 /// Asks for the whole rows of `slots[j + PREFETCH_POSITIONS..][..8]` (those below `len`) in
-/// `stored` [slots, kv_dim]: what the values' passes read some positions later.
+/// `stored` [slots, kv_dim]: what the scores pass (K) or the values' passes (V) read some
+/// positions later.
 #[inline(always)]
 pub(super) fn ask_ahead<K>(stored: &[K], kv_dim: usize, slots: &[usize], len: usize, j: usize) {
     let next = (j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len);
@@ -173,11 +174,16 @@ pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
     scores.clear();
     scores.resize(kv.shape.num_heads * stride, 0.0); // [num_heads, stride]
     let slots = &slots[..];
-    // The slots whose rows group `j` asks for: those PREFETCH_POSITIONS positions ahead.
-    let ahead = |j: usize| {
-        &slots[(j + PREFETCH_POSITIONS).min(len)..(j + PREFETCH_POSITIONS + KEYS).min(len)]
+    // Asks for the rows of `stored` that the first groups read, before a pass starts.
+    let ask_first = |stored: &[K]| {
+        let first_rows = &slots[..PREFETCH_POSITIONS.min(len)];
+        prefetch_rows(
+            stored,
+            &mut first_rows.iter().copied(),
+            PREFETCH_POSITIONS,
+            kv_dim,
+        );
     };
-    let first_rows = &slots[..PREFETCH_POSITIONS.min(len)];
     // The query heads of KV head `g`, in batches of at most `most`.
     let batches = |g: usize, most: usize| {
         (g * group_size..(g + 1) * group_size)
@@ -187,16 +193,11 @@ pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
 
     // s[h][j..j+8] = q_h · k_{j..j+8} / √d, times K's scale (1 unless the pool is 8-bit).
     if prefetch {
-        prefetch_rows(
-            kv.keys,
-            &mut first_rows.iter().copied(),
-            PREFETCH_POSITIONS,
-            kv_dim,
-        );
+        ask_first(kv.keys);
     }
     for j in (0..len).step_by(KEYS) {
         if prefetch {
-            prefetch_rows(kv.keys, &mut ahead(j).iter().copied(), KEYS, kv_dim);
+            ask_ahead(kv.keys, kv_dim, slots, len, j);
         }
         let group: &[usize; KEYS] = slots[j..j + KEYS].try_into().unwrap();
         for g in 0..kv.shape.num_kv_heads {
@@ -212,13 +213,7 @@ pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
         }
     }
     if prefetch {
-        // V's first rows, while the softmax computes.
-        prefetch_rows(
-            kv.values,
-            &mut first_rows.iter().copied(),
-            PREFETCH_POSITIONS,
-            kv_dim,
-        );
+        ask_first(kv.values); // while the softmax computes
     }
     // p[h] = softmax(s[h]) over the positions the row sees, times V's scale (1 unless the pool
     // is 8-bit); the padding weighs zero.
