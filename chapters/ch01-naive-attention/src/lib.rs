@@ -42,6 +42,7 @@ pub mod source;
 pub mod stop;
 pub mod token_bytes;
 pub mod tokenizer;
+mod tokenizer_json;
 pub mod weights;
 
 pub use config::{LlamaConfig, eos_token_ids};

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::token_bytes::ByteForm;
+use crate::tokenizer_json;
 
 /// Text → ids done by other code than the `tokenizers` pipeline's own `encode`, for a
 /// vocabulary whose model that crate cannot express. It is handed the tokenizer's pipeline
@@ -48,9 +49,9 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+        let inner = tokenizer_json::load(&bytes).map_err(|message| Error::Tokenizer {
             path: path.clone(),
-            message: e.to_string(),
+            message,
         })?;
         let mut tokenizer = Tokenizer::from_parts(inner, path, None, None);
 
@@ -76,6 +77,7 @@ impl Tokenizer {
         bos_token_id: Option<u32>,
         eos_token_id: Option<u32>,
     ) -> Self {
+        let inner = tokenizer_json::without_length_rules(inner);
         Tokenizer {
             byte_form: ByteForm::of(&inner),
             inner,
@@ -144,19 +146,18 @@ impl Tokenizer {
     /// tokenizers it prepends BOS), as `transformers`' `encode` does by default. The
     /// [`Encoder`], when there is one, encodes instead of the pipeline.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let ids = match &self.encoder {
+        tokenizer_json::guarded(|| match &self.encoder {
             Some(encoder) => encoder.encode(&self.inner, text, add_special_tokens),
             None => (self.inner.encode(text, add_special_tokens))
                 .map(|encoding| encoding.get_ids().to_vec()),
-        };
-        ids.map_err(|e| self.error(e.to_string()))
+        })
+        .map_err(|message| self.error(message))
     }
 
     /// Ids → text, leaving out special tokens such as BOS and EOS.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, true)
-            .map_err(|e| self.error(e.to_string()))
+        tokenizer_json::guarded(|| self.inner.decode(ids, true))
+            .map_err(|message| self.error(message))
     }
 
     /// One token's bytes: what it adds to the text after earlier tokens, which decoding it

@@ -59,6 +59,15 @@ impl Weights {
             let mut names: Vec<String> = index.weight_map.into_values().collect();
             names.sort();
             names.dedup();
+            // A shard is a file of the model's directory: not `/dev/zero`, nor `../elsewhere`.
+            if let Some(name) = names.iter().find(|name| !is_inside(name)) {
+                return Err(Error::Safetensors {
+                    path: index_path,
+                    message: format!(
+                        "shard {name:?} is not a file name inside the model directory"
+                    ),
+                });
+            }
             names
         } else {
             vec!["model.safetensors".to_string()]
@@ -76,6 +85,16 @@ impl Weights {
     }
 
     fn add_file(&mut self, path: PathBuf) -> Result<()> {
+        // Opening a named pipe would wait for a writer forever; a directory cannot be mapped.
+        if !std::fs::metadata(&path)
+            .map_err(|e| Error::io(&path, e))?
+            .is_file()
+        {
+            return Err(Error::Safetensors {
+                path,
+                message: "not a regular file".into(),
+            });
+        }
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
         if len < 8 {
@@ -102,7 +121,15 @@ impl Weights {
                 shape: info.shape.clone(),
                 bytes: data_start + start..data_start + end,
             };
-            self.location.insert(name, entry);
+            if let Some(earlier) = self.location.insert(name.clone(), entry) {
+                return Err(Error::Safetensors {
+                    path,
+                    message: format!(
+                        "tensor `{name}` is also in {}: which one is meant is unclear",
+                        self.files[earlier.file].0.display()
+                    ),
+                });
+            }
         }
         self.files.push((path, mmap));
         Ok(())
@@ -112,6 +139,13 @@ impl Weights {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
+
+/// Whether `name` names a path below the directory it is joined to: only plain components,
+/// none of them `..`, and not absolute.
+fn is_inside(name: &str) -> bool {
+    let mut components = Path::new(name).components().peekable();
+    components.peek().is_some() && components.all(|c| matches!(c, std::path::Component::Normal(_)))
 }
 
 impl WeightSource for Weights {

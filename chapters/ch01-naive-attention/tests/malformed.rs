@@ -432,6 +432,73 @@ fn malformed_shard_index_is_named() {
     assert_mentions(&load_error(dir.path()), &["model.safetensors.index.json"]);
 }
 
+#[test]
+fn shard_outside_the_model_directory_is_refused() {
+    for shard in [
+        "/dev/zero",
+        "../model-00002-of-00002.safetensors",
+        "a/../../b",
+        "",
+    ] {
+        let dir = copy_fixture("random/sharded");
+        edit_json(&dir.path().join("model.safetensors.index.json"), |index| {
+            index["weight_map"]["model.embed_tokens.weight"] = shard.into();
+        });
+        assert_mentions(
+            &load_error(dir.path()),
+            &[
+                "model.safetensors.index.json",
+                "is not a file name inside the model directory",
+            ],
+        );
+    }
+}
+
+#[test]
+fn a_tensor_in_two_shards_is_refused() {
+    let dir = copy_fixture("random/sharded");
+    // The second shard gains a copy of a tensor the first holds.
+    let first = fs::read(dir.path().join("model-00001-of-00002.safetensors")).unwrap();
+    let first = SafeTensors::deserialize(&first).unwrap();
+    let second_path = dir.path().join("model-00002-of-00002.safetensors");
+    let second = fs::read(&second_path).unwrap();
+    let second = SafeTensors::deserialize(&second).unwrap();
+    let mut views: Vec<(String, TensorView)> = second.tensors();
+    views.push((
+        "model.embed_tokens.weight".into(),
+        first.tensor("model.embed_tokens.weight").unwrap(),
+    ));
+    safetensors::serialize_to_file(views, None::<HashMap<String, String>>, &second_path).unwrap();
+    assert_mentions(
+        &load_error(dir.path()),
+        &[
+            "model-00002-of-00002.safetensors",
+            "`model.embed_tokens.weight` is also in",
+        ],
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn a_weights_file_that_is_a_pipe_or_a_directory_is_refused_at_once() {
+    let dir = copy_fixture("shakespeare-small");
+    let path = dir.path().join("model.safetensors");
+    fs::remove_file(&path).unwrap();
+    // Opening a named pipe waits for a writer: this test would hang.
+    let made = std::process::Command::new("mkfifo").arg(&path).status();
+    assert!(made.unwrap().success(), "mkfifo");
+    assert_mentions(
+        &load_error(dir.path()),
+        &["model.safetensors", "not a regular file"],
+    );
+    fs::remove_file(&path).unwrap();
+    fs::create_dir(&path).unwrap();
+    assert_mentions(
+        &load_error(dir.path()),
+        &["model.safetensors", "not a regular file"],
+    );
+}
+
 fn tokenizer_error(dir: &Path) -> String {
     match Tokenizer::from_dir(dir) {
         Ok(_) => panic!("loading the tokenizer in {} should fail", dir.display()),
@@ -497,4 +564,101 @@ fn empty_prompt_and_out_of_vocabulary_ids_are_rejected() {
         &model.forward(&[0, vocab]).unwrap_err().to_string(),
         &[&format!("token id {vocab}"), "vocabulary"],
     );
+}
+
+/// `shakespeare-small`'s tokenizer with `edit` applied to its `tokenizer.json`.
+fn edited_tokenizer(
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> (TempDir, Result<Tokenizer, Error>) {
+    let tmp = copy_fixture("shakespeare-small");
+    edit_json(&tmp.path().join("tokenizer.json"), edit);
+    let tokenizer = Tokenizer::from_dir(tmp.path());
+    (tmp, tokenizer)
+}
+
+#[test]
+fn tokenizer_truncation_and_padding_in_the_file_are_ignored() {
+    let text =
+        "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer";
+    let (_tmp, plain) = edited_tokenizer(|_| {});
+    let expected = plain.unwrap().encode(text, true).unwrap();
+    assert!(
+        expected.len() > 8,
+        "a prompt longer than the file's max_length"
+    );
+    // A stride longer than max_length made the tokenizers crate panic; 2^42 of padding asked
+    // it for 4 TB. transformers switches both off at every encode, and so does kiln.
+    let (_tmp, hostile) = edited_tokenizer(|json| {
+        json["truncation"] = serde_json::json!({
+            "direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 5
+        });
+        json["padding"] = serde_json::json!({
+            "strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": 1u64 << 42,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "<s>"
+        });
+    });
+    assert_eq!(hostile.unwrap().encode(text, true).unwrap(), expected);
+}
+
+#[test]
+fn tokenizer_components_that_panic_give_errors() {
+    // Each of these makes the tokenizers crate panic when it encodes.
+    let components = [
+        (
+            "pre_tokenizer",
+            serde_json::json!({"type": "FixedLength", "length": 0}),
+        ),
+        (
+            "normalizer",
+            serde_json::json!({"type": "Replace", "pattern": {"String": ""}, "content": "x"}),
+        ),
+    ];
+    for (key, component) in components {
+        let (_tmp, tokenizer) = edited_tokenizer(|json| {
+            json[key] = component.clone();
+        });
+        let tokenizer = tokenizer.unwrap();
+        let err = tokenizer
+            .encode("Good night, sweet prince", true)
+            .unwrap_err();
+        assert_mentions(&err.to_string(), &["tokenizer.json", "panicked"]);
+        // The tokenizer still answers, with the same error rather than a crash.
+        assert!(tokenizer.encode("again", false).is_err(), "{key}");
+    }
+}
+
+#[test]
+fn tokenizer_precompiled_map_that_declares_more_than_it_holds_is_rejected() {
+    use base64::Engine as _;
+    // The header declares a 4 GB trie: the tokenizers crate would reserve 8.6 GB for it.
+    let mut map = 0xFFFF_FFF0u32.to_le_bytes().to_vec();
+    map.extend_from_slice(&[0; 12]);
+    let map = base64::engine::general_purpose::STANDARD.encode(&map);
+    for normalizer in [
+        serde_json::json!({"type": "Precompiled", "precompiled_charsmap": map}),
+        serde_json::json!({"type": "Sequence", "normalizers": [
+            {"type": "NFC"}, {"type": "Precompiled", "precompiled_charsmap": map}
+        ]}),
+    ] {
+        let (_tmp, tokenizer) = edited_tokenizer(|json| {
+            json["normalizer"] = normalizer.clone();
+        });
+        let err = tokenizer
+            .err()
+            .expect("a map larger than its data")
+            .to_string();
+        assert_mentions(
+            &err,
+            &[
+                "tokenizer.json",
+                "declares a trie of 4294967280 bytes but holds 12",
+            ],
+        );
+    }
+    // An empty map made the crate panic while it loaded.
+    let (_tmp, tokenizer) = edited_tokenizer(|json| {
+        json["normalizer"] = serde_json::json!({"type": "Precompiled", "precompiled_charsmap": ""});
+    });
+    let err = tokenizer.err().expect("an empty map").to_string();
+    assert_mentions(&err, &["tokenizer.json", "shorter than its 4-byte header"]);
 }

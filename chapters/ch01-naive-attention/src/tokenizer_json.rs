@@ -1,0 +1,84 @@
+//! Reading a `tokenizer.json` that may be hostile, and calling the `tokenizers` crate on it.
+//!
+//! A tokenizer comes with the model, so it is untrusted input, and some of that crate's
+//! components panic on values its parser accepts: a `FixedLength` pre-tokenizer of length 0, a
+//! `Replace` normalizer with an empty pattern, a `TemplateProcessing` that names a special token
+//! it does not define, a `Precompiled` normalizer whose character map is truncated. [`guarded`]
+//! turns such a panic into an error message. One thing a panic cannot stand for: a
+//! `Precompiled` map whose header declares a trie of up to 4 GB makes the crate reserve eight
+//! bytes per four declared before it reads any of it, an allocation whose failure aborts the
+//! process; [`check_precompiled`] refuses such a map before the crate sees it.
+//!
+//! The file's `truncation` and `padding` settings are switched off ([`without_length_rules`]),
+//! as `transformers` overrides them at every encode: a prompt is never silently cut to the
+//! file's `max_length`, and never padded to a length the file chose (`pad_to_multiple_of: 2^42`
+//! asked for 4 TB).
+
+use base64::Engine as _;
+use serde_json::Value;
+
+/// `bytes` (a `tokenizer.json`) as a tokenizer with truncation and padding off, or why not.
+pub(crate) fn load(bytes: &[u8]) -> Result<tokenizers::Tokenizer, String> {
+    let json: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    if let Some(normalizer) = json.get("normalizer") {
+        check_precompiled(normalizer)?;
+    }
+    let inner = guarded(|| tokenizers::Tokenizer::from_bytes(bytes))?;
+    Ok(without_length_rules(inner))
+}
+
+/// `inner` with truncation and padding switched off (see the module doc).
+pub(crate) fn without_length_rules(mut inner: tokenizers::Tokenizer) -> tokenizers::Tokenizer {
+    inner.with_padding(None);
+    // Setting no truncation cannot fail (only a stride too long for a `max_length` can).
+    if inner.with_truncation(None).is_err() {
+        unreachable!("no truncation has no stride to check");
+    }
+    inner
+}
+
+/// Runs `call` into the `tokenizers` crate: its error, or a panic inside it, becomes the
+/// message of an error (the crate's own panic message, after "panicked: ").
+pub(crate) fn guarded<T>(call: impl FnOnce() -> tokenizers::Result<T>) -> Result<T, String> {
+    // Unwind safety: after a panic the tokenizer may hold a poisoned cache lock, so later calls
+    // may panic again, and each is caught here in turn; nothing else it holds is left half made.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(payload) => {
+            let message = (payload.downcast_ref::<&str>().copied())
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(no message)");
+            Err(format!("the tokenizers crate panicked: {message}"))
+        }
+    }
+}
+
+/// Refuses a `Precompiled` normalizer (at any depth of `Sequence`s) whose character map is not
+/// base64 or is shorter than the trie its first four bytes declare (a little-endian byte count).
+fn check_precompiled(normalizer: &Value) -> Result<(), String> {
+    if let Some(inner) = normalizer.get("normalizers").and_then(Value::as_array) {
+        return inner.iter().try_for_each(check_precompiled);
+    }
+    if normalizer.get("type").and_then(Value::as_str) != Some("Precompiled") {
+        return Ok(());
+    }
+    let Some(map) = normalizer
+        .get("precompiled_charsmap")
+        .and_then(Value::as_str)
+    else {
+        return Ok(()); // the crate's parser reports a missing or mistyped map itself
+    };
+    let map = (base64::engine::general_purpose::STANDARD.decode(map))
+        .map_err(|e| format!("precompiled_charsmap is not base64: {e}"))?;
+    let declared = match map.first_chunk::<4>() {
+        Some(size) => u32::from_le_bytes(*size) as usize,
+        None => return Err("precompiled_charsmap is shorter than its 4-byte header".into()),
+    };
+    if declared > map.len() - 4 {
+        return Err(format!(
+            "precompiled_charsmap declares a trie of {declared} bytes but holds {}",
+            map.len() - 4
+        ));
+    }
+    Ok(())
+}
