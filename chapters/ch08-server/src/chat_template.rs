@@ -29,7 +29,9 @@
 //! an `indent` of at most [`TOJSON_MAX_INDENT`], and [`TEMPLATE_OUTPUT_LIMIT`] bytes written by
 //! all its calls together; and in `str.format`, `str.join` and the `join` and `string` filters,
 //! a result bounded by [`TEMPLATE_OUTPUT_LIMIT`] before it is built (and `str.format` fields at
-//! most [`FORMAT_MAX_WIDTH`] wide or precise).
+//! most [`FORMAT_MAX_WIDTH`] wide or precise). A render runs on a stack of
+//! [`RENDER_STACK_BYTES`], deep enough for minijinja's recursion through the most deeply nested
+//! list the fuel lets a template build.
 //!
 //! Fuel counts work and sizes: a unit per instruction, and a unit per 64 bytes or so of what a
 //! render writes, of the strings and lists it makes (their items count too), and of the text it
@@ -47,8 +49,8 @@
 //!   `string` filters, `str.join` and `str.format` are checked here first ([`check_joined`],
 //!   [`check_format`]), which the `~` operator cannot be;
 //! - minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
-//!   `{{ ns }}` (or anything else that turns `ns` into text) recurses until the stack overflows.
-//!   Only `tojson`, which is ours, has a depth limit.
+//!   `{{ ns }}` (or anything else that turns `ns` into text) recurses without end, so no stack
+//!   is deep enough. Only `tojson`, which is ours, has a depth limit.
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -67,6 +69,12 @@ pub const TEMPLATE_FUEL: u64 = 5_000_000;
 /// `tojson` calls together may produce. Text averages about 4 bytes a token, so this is some 16
 /// million tokens, more than any model's context; a render that goes past it fails at once.
 pub const TEMPLATE_OUTPUT_LIMIT: usize = 64 << 20;
+/// The stack a render runs on. minijinja prints, compares, sorts and drops a nested list
+/// recursively, a few hundred bytes of stack per level, and fuel allows lists nested some
+/// hundreds of thousands deep (`{% set ns.d = [ns.d] %}` in a loop): on a thread's usual 2 MiB
+/// that overflowed the stack, which aborts the process. Only the pages a render touches are
+/// ever made, so this is address space, not memory, for every render but such a one.
+pub const RENDER_STACK_BYTES: usize = 1 << 30;
 /// The deepest nesting `tojson` writes, as serde_json reads: deeper (or a value that contains
 /// itself) is an error, not a stack overflow.
 pub const TOJSON_MAX_DEPTH: usize = 128;
@@ -241,7 +249,32 @@ impl ChatTemplate {
     /// [`ChatTemplate::render`] with more variables: `tools` (as transformers passes them) and
     /// a request's `chat_template_kwargs`. They cannot override `messages`,
     /// `add_generation_prompt` or the special tokens.
+    ///
+    /// It renders on a thread of its own with a [`RENDER_STACK_BYTES`] stack (see there).
     pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &[(String, Json)],
+    ) -> Result<String, TemplateError> {
+        std::thread::scope(|scope| {
+            let render = std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, || {
+                    self.render_here(messages, add_generation_prompt, extra)
+                })
+                .map_err(|e| TemplateError::Render {
+                    message: format!("could not start the template's thread: {e}"),
+                })?;
+            render
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+
+    /// [`ChatTemplate::render_with`] on the calling thread.
+    fn render_here(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
@@ -932,6 +965,39 @@ mod tests {
             t.render(&with_system, false).unwrap(),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
         );
+    }
+
+    /// A list nested about as deep as the fuel allows (some 500 000 levels; more runs out of
+    /// fuel, and the partial list is dropped) is printed, measured, compared, sorted, turned
+    /// into text and dropped on the render's stack. With 2 MiB of stack, 50 000 levels aborted
+    /// the process; with 256 MiB all of these passed.
+    #[test]
+    fn lists_nested_as_deep_as_the_fuel_allows_do_not_overflow_the_stack() {
+        let nest = |depth: usize, then: &str| {
+            format!(
+                "{{% set ns = namespace(d=[]) %}}{{% for i in range({}) %}}\
+                 {{% for j in range(1000) %}}{{% set ns.d = [ns.d] %}}{{% endfor %}}\
+                 {{% endfor %}}{then}",
+                depth / 1000
+            )
+        };
+        let out_of_fuel = "engine ran out of fuel (in chat_template:1)";
+        let err = render(&nest(10_000_000, ""), &[]).unwrap_err();
+        assert_eq!(err.to_string(), out_of_fuel);
+        let depth = 500_000;
+        let printed = render(&nest(depth, "{{ ns.d }}"), &[]).unwrap();
+        assert_eq!(printed.len(), 2 * depth + 2, "[[[...]]]");
+        for (then, expected) in [
+            ("{{ ns.d | length }} {{ ns.d == ns.d }}", "1 True"),
+            ("{{ [ns.d, ns.d] | sort | length }}", "2"),
+            ("{{ (ns.d ~ '') | length }}", "1000002"),
+            ("{{ ns.d | string | length }}", "1000002"),
+        ] {
+            assert_eq!(render(&nest(depth, then), &[]).unwrap(), expected, "{then}");
+        }
+        // Ours: refused at its depth limit before any recursion goes deep.
+        let err = render(&nest(depth, "{{ ns.d | tojson }}"), &[]).unwrap_err();
+        assert!(err.to_string().contains("nest"), "{err}");
     }
 
     /// A template that builds a huge string without writing it, by doubling one or by keeping
