@@ -66,12 +66,13 @@ pub enum Fp8Error {
     Scales { scales: usize, out: usize },
     #[error("a bias of {len} for {out} outputs")]
     Bias { len: usize, out: usize },
-    /// A weight scale that is not positive and finite, or an input scale that is not at least
-    /// `f32::MIN_POSITIVE` (its inverse must be finite) and finite.
-    #[error(
-        "scale {0} is not a positive finite number (an input scale must be normal: its inverse must be finite)"
-    )]
-    BadScale(f32),
+    /// A weight scale that is not positive and finite.
+    #[error("weight scale {0} is not a positive finite number")]
+    BadWeightScale(f32),
+    /// A static input scale that is not finite and at least `f32::MIN_POSITIVE` (its inverse
+    /// must be finite).
+    #[error("input scale {0} is not a positive finite normal number (its inverse must be finite)")]
+    BadInputScale(f32),
     /// A NaN or infinite weight given to [`Fp8Linear::quantize_per_channel`]: its row's scale
     /// would be NaN-blind or infinite (an ∞ makes every other weight of the row 0). `index`
     /// counts row-major from the start of the matrix.
@@ -112,14 +113,11 @@ impl Fp8Linear {
         };
         // The input scale is inverted for every row: a subnormal one has an infinite inverse
         // (1 / 1e-39 overflows), so it must be at least f32's smallest normal number.
-        if let Some(&bad) = scale
-            .iter()
-            .find(|s| !(s.is_finite() && **s > 0.0))
-            .or(input
-                .as_ref()
-                .filter(|s| !(s.is_finite() && **s >= f32::MIN_POSITIVE)))
-        {
-            return Err(Fp8Error::BadScale(bad));
+        if let Some(&bad) = scale.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            return Err(Fp8Error::BadWeightScale(bad));
+        }
+        if let Some(bad) = input.filter(|s| !(s.is_finite() && *s >= f32::MIN_POSITIVE)) {
+            return Err(Fp8Error::BadInputScale(bad));
         }
         if let Some(b) = &bias
             && b.len() != out_features

@@ -166,7 +166,7 @@ fn a_subnormal_input_scale_is_refused() {
             ActivationScale::Static(subnormal),
         );
         assert!(
-            matches!(layer, Err(Fp8Error::BadScale(s)) if s == subnormal),
+            matches!(layer, Err(Fp8Error::BadInputScale(s)) if s == subnormal),
             "input scale {subnormal:e}: {:?}",
             layer.err()
         );
@@ -182,8 +182,22 @@ fn a_subnormal_input_scale_is_refused() {
     .unwrap();
     let y = normal.forward(Array2::from_elem((1, 3), 1e-38f32).view());
     assert!(y.iter().all(|v| v.is_finite()), "{y:?}");
-    let tiny_weights = Fp8Linear::new(codes, 2, 3, &[1e-39], None, ActivationScale::Dynamic);
+    let tiny_weights = Fp8Linear::new(
+        codes.clone(),
+        2,
+        3,
+        &[1e-39],
+        None,
+        ActivationScale::Dynamic,
+    );
     assert!(tiny_weights.is_ok());
+    // A bad weight scale is named as one, whatever the activations' scheme.
+    for bad in [f32::NAN, 0.0, -1.0, f32::INFINITY] {
+        let layer = Fp8Linear::new(codes.clone(), 2, 3, &[bad], None, ActivationScale::Dynamic);
+        let err = layer.err().expect("a bad weight scale");
+        assert!(matches!(err, Fp8Error::BadWeightScale(_)), "{err:?}");
+        assert!(err.to_string().starts_with("weight scale"), "{err}");
+    }
 }
 
 #[test]
