@@ -112,11 +112,16 @@ impl Tokenizer {
         let token = match config.get(key) {
             None | Some(Value::Null) => return Ok(None),
             Some(Value::String(s)) => s.as_str(),
-            Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or_default(),
+            // An added token's form: `{"content": "<s>", "lstrip": false, ...}`.
+            Some(Value::Object(o)) if o.get("content").is_some_and(Value::is_string) => {
+                o["content"].as_str().unwrap_or_default()
+            }
             Some(other) => {
                 return Err(Error::Tokenizer {
                     path: path.to_path_buf(),
-                    message: format!("`{key}` must be a string, found {other}"),
+                    message: format!(
+                        "`{key}` must be a string or an object with a string `content`, found {other}"
+                    ),
                 });
             }
         };

@@ -535,6 +535,21 @@ fn tokenizer_config_with_unknown_special_token_is_named() {
 }
 
 #[test]
+fn tokenizer_config_special_token_object_without_content_is_named() {
+    let dir = copy_fixture("random/gqa");
+    edit_json(&dir.path().join("tokenizer_config.json"), |c| {
+        c.insert("eos_token".into(), serde_json::json!({"foo": 1}));
+    });
+    assert_mentions(
+        &tokenizer_error(dir.path()),
+        &[
+            "tokenizer_config.json",
+            "`eos_token` must be a string or an object with a string `content`",
+        ],
+    );
+}
+
+#[test]
 fn prompt_longer_than_the_context_is_rejected() {
     let model = Llama::load(&fixtures_dir().join("random/gqa")).unwrap();
     let max_len = model.config.max_position_embeddings;
