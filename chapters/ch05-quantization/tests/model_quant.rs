@@ -320,3 +320,32 @@ fn awq_group_sizes_that_do_not_divide_the_inputs_are_refused() {
     );
     assert!(!out.exists(), "nothing is written");
 }
+
+/// A NaN or infinite calibration input (a model with an infinite weight upstream) is refused
+/// by AWQ's search, where every exponent's error would be NaN and the search would pick one
+/// anyway, as GPTQ refuses the Hessian such inputs make.
+#[test]
+fn awq_search_refuses_inputs_that_are_not_finite() {
+    use ch05_quantization::GroupQuantError;
+    use ch05_quantization::awq;
+    let w = ndarray::Array2::from_shape_fn((4, 32), |(o, i)| (o * 32 + i) as f32 / 64.0 - 1.0);
+    let mean = ndarray::Array1::from_elem(32, 1.0);
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x = ndarray::Array2::from_elem((3, 32), 0.5f32);
+        x[[1, 7]] = bad;
+        let err = awq::search(&[&w], x.view(), &mean, 32).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                GroupQuantError::NotFinite {
+                    what: "calibration input",
+                    index: 39,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
+    let x = ndarray::Array2::from_elem((3, 32), 0.5f32);
+    assert!(awq::search(&[&w], x.view(), &mean, 32).is_ok());
+}

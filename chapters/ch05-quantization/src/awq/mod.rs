@@ -13,7 +13,7 @@
 
 use ndarray::{Array1, Array2, ArrayView2, Axis};
 
-use crate::group_quant::{GroupQuantError, GroupQuantized, round_to_nearest};
+use crate::group_quant::{GroupQuantError, GroupQuantized, check_finite, round_to_nearest};
 
 /// The grid of exponents searched.
 pub const GRID: usize = 20;
@@ -89,13 +89,16 @@ pub struct Search {
 
 // ANCHOR: search
 /// The exponent that minimises the output error of `weights` (each `[out_k, in]`, one shared
-/// input) on the tokens `x` `[T, in]`, with channel magnitudes `mean`.
+/// input) on the tokens `x` `[T, in]`, with channel magnitudes `mean`. A NaN or infinite `x` is
+/// refused ([`GroupQuantError::NotFinite`]).
 pub fn search(
     weights: &[&Array2<f32>],
     x: ArrayView2<f32>,
     mean: &Array1<f64>,
     group_size: usize,
 ) -> Result<Search, GroupQuantError> {
+    // A NaN or infinite input makes every error NaN, and no exponent would win on its merits.
+    check_finite("calibration input", x.iter().map(|&v| f64::from(v)))?;
     // ANCHOR: task_5_5
     let x = x.mapv(f64::from); // [T, in]
     let mut best: Option<Search> = None;
