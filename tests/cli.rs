@@ -1130,6 +1130,28 @@ fn quantize_method_never_writes_over_a_directory() {
     // Again into it, now not empty.
     let again = rtn(out.to_str().unwrap());
     assert!(!again.status.success() && stderr(&again).contains("is not empty"));
+    // The quantized checkpoint is not quantized again, by either quantizer: it has no dense
+    // projection weights (the error once said `q_proj.weight` was not found).
+    let out_str = out.to_str().unwrap();
+    let fresh = tmp.path().join("again");
+    for args in [&["--method", "rtn"][..], &["--type", "q8_0"][..]] {
+        let target = fresh.with_extension(if args[0] == "--type" { "gguf" } else { "" });
+        let mut all = vec![
+            "quantize",
+            "--model",
+            out_str,
+            "--out",
+            target.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        let twice = kiln(&all);
+        assert!(
+            !twice.status.success() && stderr(&twice).contains("is already quantized (gptq)"),
+            "{args:?}: {}",
+            stderr(&twice)
+        );
+        assert!(!target.exists(), "nothing is written");
+    }
 }
 
 /// `quantize --method awq` with a group size that does not divide every projection's input

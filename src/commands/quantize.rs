@@ -30,6 +30,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    refuse_quantized(&args.model)?;
     let Some(ty_name) = &args.ty else {
         return super::quantize_hf::run(&args.model, &args.out, &args.part2);
     };
@@ -103,5 +104,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         mib(file_bytes as f64)
     )?;
     writeln!(stdout, "{:.0} weights in {seconds:.2} s", params)?;
+    Ok(())
+}
+
+/// Refuses a checkpoint that is already quantized (its config.json has a
+/// `quantization_config`): both quantizers read dense weights, which it does not have.
+fn refuse_quantized(model: &std::path::Path) -> anyhow::Result<()> {
+    let path = model.join("config.json");
+    if model.is_file() || !path.is_file() {
+        return Ok(()); // a GGUF file or a missing config: the quantizer says what is wrong
+    }
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    if let Some(quantization) = config.get("quantization_config") {
+        let method = quantization.get("quant_method").and_then(|m| m.as_str());
+        anyhow::bail!(
+            "--model {} is already quantized ({}): kiln quantize reads a dense checkpoint",
+            model.display(),
+            method.unwrap_or("its config.json has a quantization_config")
+        );
+    }
     Ok(())
 }

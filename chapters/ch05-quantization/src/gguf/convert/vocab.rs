@@ -64,9 +64,12 @@ fn read_json(path: &Path) -> ConvertResult<Option<Value>> {
         path: path.to_path_buf(),
         error: e,
     })?;
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| ConvertError::tokenizer(path, format!("not valid JSON: {e}")))
+    serde_json::from_str(&text).map(Some).map_err(|e| {
+        ConvertError::Checkpoint(ch01::Error::Config {
+            path: path.to_path_buf(),
+            message: format!("not valid JSON: {e}"),
+        })
+    })
 }
 
 /// llama.cpp's converter treats these added tokens as control tokens even when the checkpoint
