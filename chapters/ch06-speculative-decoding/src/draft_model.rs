@@ -89,6 +89,11 @@ pub fn layer_skip_config(
     num_layers: usize,
 ) -> Result<LlamaConfig, DraftError> {
     let total = config.num_hidden_layers;
+    if total < 2 {
+        return Err(DraftError::Config(format!(
+            "layer skipping needs a model of at least 2 layers to keep fewer of; this one has {total}"
+        )));
+    }
     if num_layers == 0 || num_layers >= total {
         return Err(DraftError::Config(format!(
             "layer skipping keeps 1 to {} of the model's {total} layers, not {num_layers}",

@@ -259,3 +259,21 @@ fn catching_up_runs_in_chunks_within_the_budget_and_drafts_once_caught_up() {
     d.d.release(2);
     assert_eq!(d.d.kv_usage(), 0.0);
 }
+
+/// A layer-skip draft keeps 1 to n − 1 of the target's n layers; a one-layer model has none to
+/// skip, and says so rather than offering "1 to 0".
+#[test]
+fn layer_skip_keeps_fewer_layers_than_the_target() {
+    use ch06_speculative_decoding::layer_skip_config;
+    let mut config = load("shakespeare-tiny").config.clone();
+    let total = config.num_hidden_layers;
+    assert!(total >= 2);
+    assert_eq!(layer_skip_config(&config, 1).unwrap().num_hidden_layers, 1);
+    for bad in [0, total, total + 1] {
+        let err = layer_skip_config(&config, bad).unwrap_err().to_string();
+        assert!(err.contains(&format!("keeps 1 to {}", total - 1)), "{err}");
+    }
+    config.num_hidden_layers = 1;
+    let err = layer_skip_config(&config, 1).unwrap_err().to_string();
+    assert!(err.contains("at least 2 layers"), "{err}");
+}
