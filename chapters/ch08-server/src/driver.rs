@@ -283,7 +283,7 @@ fn advance(
         choice.tokens += 1;
         if let Some(lp) = logprobs.get(i) {
             let info = token_info(choice.tokenizer, lp)?;
-            choice.token_offset += info.text.len();
+            choice.token_offset += info.bytes.len(); // not `text`: U+FFFD for part of a character
             delta.logprobs.push(info);
         }
         if i + 1 == tokens.len() && ends_on_stop_token {

@@ -168,8 +168,9 @@ impl CompletionShape {
 }
 
 /// Appends `delta`'s logprobs. A token's `text_offset` is where it starts in the choice's
-/// whole text: the delta's offset plus the texts of the delta's tokens before it, so streamed
-/// chunks carry the same offsets as the whole response.
+/// whole text, in bytes: the delta's offset plus the bytes of the delta's tokens before it, so
+/// streamed chunks carry the same offsets as the whole response. Bytes, not the tokens' texts:
+/// a token that holds part of a character has the text U+FFFD, three bytes, whatever its own.
 fn push_logprobs(into: &mut CompletionLogprobs, delta: &Delta) {
     let mut offset = delta.offset;
     for token in &delta.logprobs {
@@ -179,7 +180,7 @@ fn push_logprobs(into: &mut CompletionLogprobs, delta: &Delta) {
             token.top.iter().map(|alt| (alt.text.clone(), alt.logprob)),
         ));
         into.text_offset.push(offset);
-        offset += token.text.len();
+        offset += token.bytes.len();
     }
 }
 
@@ -232,5 +233,37 @@ impl Shape for CompletionShape {
             })
             .collect();
         self.envelope(choices, Some(Some(usage)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::TokenInfo;
+
+    fn token(bytes: &[u8]) -> TokenInfo {
+        TokenInfo {
+            text: String::from_utf8_lossy(bytes).into_owned(),
+            bytes: bytes.to_vec(),
+            logprob: -1.0,
+            top: Vec::new(),
+        }
+    }
+
+    /// "中" (three bytes) in two tokens, then " x": each offset is where the token's bytes start
+    /// in the text, though the first two tokens' texts are U+FFFD (three bytes each).
+    #[test]
+    fn offsets_count_the_tokens_bytes_not_their_texts() {
+        let delta = Delta {
+            choice: 0,
+            offset: 5,
+            text: "中 x".into(),
+            logprobs: vec![token(&[0xE4, 0xB8]), token(&[0xAD]), token(b" x")],
+            finish_reason: None,
+        };
+        let mut logprobs = CompletionLogprobs::default();
+        push_logprobs(&mut logprobs, &delta);
+        assert_eq!(logprobs.text_offset, [5, 7, 8]);
+        assert_eq!(logprobs.tokens, ["\u{FFFD}", "\u{FFFD}", " x"]);
     }
 }
