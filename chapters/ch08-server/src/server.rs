@@ -172,7 +172,8 @@ impl Default for ServerConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("--max-model-len {requested}: expected 1 to the model's context of {model} tokens")]
+    /// At least 2: a request needs a prompt token and room for one more.
+    #[error("--max-model-len {requested}: expected 2 to the model's context of {model} tokens")]
     MaxModelLen { requested: usize, model: usize },
     #[error(
         "the KV cache holds {capacity} tokens for one request (above the watermark), fewer than \
@@ -223,7 +224,7 @@ impl Server {
         // ANCHOR: startup_checks
         let model_len = served.weights.config().max_position_embeddings;
         let max_model_len = config.max_model_len.unwrap_or(model_len);
-        if max_model_len > model_len || max_model_len == 0 {
+        if max_model_len > model_len || max_model_len < 2 {
             return Err(ServerError::MaxModelLen {
                 requested: max_model_len,
                 model: model_len,

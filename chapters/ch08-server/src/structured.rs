@@ -221,13 +221,10 @@ impl Grammars {
         let parser = self
             .factory
             .create_parser(grammar)
-            .map_err(|e| ApiError::bad_param(param, format!("{param} does not compile: {e}")))?;
+            .map_err(|e| ApiError::bad_param(param, not_compiled(param, &e.to_string())))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(error) = matcher.get_error() {
-            return Err(ApiError::bad_param(
-                param,
-                format!("{param} does not compile: {error}"),
-            ));
+            return Err(ApiError::bad_param(param, not_compiled(param, &error)));
         }
         Ok(Compiled {
             matcher: Mutex::new(matcher),
@@ -501,9 +498,40 @@ impl LogitsProcessor for RequestProcessor {
 }
 // ANCHOR_END: processor
 
+/// The longest grammar-engine message a 400 quotes: some of its errors dump the parser's whole
+/// state, tens of kilobytes.
+const COMPILE_ERROR_CHARS: usize = 1000;
+
+/// "`param` does not compile: `message`", the message cut to [`COMPILE_ERROR_CHARS`].
+fn not_compiled(param: &str, message: &str) -> String {
+    match message.char_indices().nth(COMPILE_ERROR_CHARS) {
+        Some((cut, _)) => format!(
+            "{param} does not compile: {} ... ({} more bytes)",
+            &message[..cut],
+            message.len() - cut
+        ),
+        None => format!("{param} does not compile: {message}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A grammar engine's message of tens of kilobytes (a parser state dump) is quoted to its
+    /// first 1000 characters, cut on a character boundary; a short one whole.
+    #[test]
+    fn long_compile_errors_are_cut() {
+        let long = "é".repeat(30_000);
+        let cut = not_compiled("guided_regex", &long);
+        assert!(cut.starts_with("guided_regex does not compile: éé"));
+        assert!(
+            cut.ends_with(&format!("... ({} more bytes)", 2 * (30_000 - 1000))),
+            "{cut}"
+        );
+        assert_eq!(cut.matches('é').count(), COMPILE_ERROR_CHARS);
+        assert_eq!(not_compiled("x", "bad"), "x does not compile: bad");
+    }
 
     /// A SentencePiece-style tokenizer (Llama 2's layout: `▁` for spaces, one in front of the
     /// text, `<0xNN>` byte fallback) over a few pieces: `encode("\"")` gives `▁"`, whose bytes

@@ -53,6 +53,16 @@ fn start_up_refuses_what_cannot_serve_one_max_length_request() {
         })
     ));
 
+    // A prompt token and one more: 1 is a server no request could use.
+    for useless in [0, 1] {
+        let mut setup = Setup::default();
+        setup.config.max_model_len = Some(useless);
+        assert!(matches!(
+            build(setup).err(),
+            Some(ServerError::MaxModelLen { requested, model: 512 }) if requested == useless
+        ));
+    }
+
     let mut unchunked = Setup::default();
     unchunked.config.engine = EngineConfig {
         enable_chunked_prefill: false,

@@ -100,14 +100,22 @@ pub async fn accept<T: DeserializeOwned + Send + 'static>(
 }
 // ANCHOR_END: accept
 
-/// 415 unless the body is declared `application/json` (parameters such as `charset` allowed):
-/// a browser may send a cross-site `text/plain` POST without asking, never a JSON one.
+/// 415 unless the body is declared `application/json` (parameters allowed, but a `charset`
+/// only if it is UTF-8, which is how the body is read): a browser may send a cross-site
+/// `text/plain` POST without asking, never a JSON one.
 fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
-    let declared = headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .map(str::trim);
+    let value = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    let mut parts = value.map(|v| v.split(';').map(str::trim));
+    let declared = parts.as_mut().and_then(Iterator::next);
+    let charset = (parts.into_iter().flatten())
+        .filter_map(|p| p.split_once('='))
+        .find(|(name, _)| name.trim().eq_ignore_ascii_case("charset"))
+        .map(|(_, set)| set.trim().trim_matches('"'));
+    if let Some(set) = charset.filter(|set| !set.eq_ignore_ascii_case("utf-8")) {
+        return Err(ApiError::unsupported_media_type(format!(
+            "the request body must be UTF-8 JSON, not charset {set:?}"
+        )));
+    }
     match declared {
         Some(kind) if kind.eq_ignore_ascii_case("application/json") => Ok(()),
         other => Err(ApiError::unsupported_media_type(format!(
@@ -370,3 +378,36 @@ fn stream_response<S: Shape>(job: Job<S>, admitted: Admitted) -> Response {
         .into_response()
 }
 // ANCHOR_END: stream_response
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_type(value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, value.parse().unwrap());
+        headers
+    }
+
+    /// JSON with no charset or UTF-8's passes; another declared type, or a charset the body is
+    /// not read in, is refused (UTF-16 was read as UTF-8).
+    #[test]
+    fn only_utf8_json_bodies_are_accepted() {
+        for ok in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/json;charset=\"UTF-8\"",
+            "application/json; boundary=x",
+        ] {
+            assert!(require_json(&with_type(ok)).is_ok(), "{ok}");
+        }
+        for refused in [
+            "text/plain",
+            "application/json; charset=utf-16",
+            "application/json; charset=\"latin1\"",
+        ] {
+            assert!(require_json(&with_type(refused)).is_err(), "{refused}");
+        }
+        assert!(require_json(&HeaderMap::new()).is_err());
+    }
+}
