@@ -118,7 +118,7 @@ fn refuse_quantized(model: &std::path::Path) -> anyhow::Result<()> {
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let config: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    if let Some(quantization) = config.get("quantization_config") {
+    if let Some(quantization) = config.get("quantization_config").filter(|q| !q.is_null()) {
         let method = quantization.get("quant_method").and_then(|m| m.as_str());
         anyhow::bail!(
             "--model {} is already quantized ({}): kiln quantize reads a dense checkpoint",

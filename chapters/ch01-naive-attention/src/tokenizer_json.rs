@@ -17,23 +17,26 @@
 use base64::Engine as _;
 use serde_json::Value;
 
-/// `bytes` (a `tokenizer.json`) as a tokenizer with truncation and padding off, or why not.
+/// The one part of a `tokenizer.json` read before the crate reads it all.
+#[derive(serde::Deserialize)]
+struct Normalizer {
+    #[serde(default)]
+    normalizer: Value,
+}
+
+/// `bytes` (a `tokenizer.json`) as a tokenizer, or why not. Its truncation and padding are as
+/// the file says: [`crate::Tokenizer::from_parts`] switches them off.
 pub(crate) fn load(bytes: &[u8]) -> Result<tokenizers::Tokenizer, String> {
-    let json: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-    if let Some(normalizer) = json.get("normalizer") {
-        check_precompiled(normalizer)?;
-    }
-    let inner = guarded(|| tokenizers::Tokenizer::from_bytes(bytes))?;
-    Ok(without_length_rules(inner))
+    let json: Normalizer = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    check_precompiled(&json.normalizer)?;
+    guarded(|| tokenizers::Tokenizer::from_bytes(bytes))
 }
 
 /// `inner` with truncation and padding switched off (see the module doc).
 pub(crate) fn without_length_rules(mut inner: tokenizers::Tokenizer) -> tokenizers::Tokenizer {
     inner.with_padding(None);
-    // Setting no truncation cannot fail (only a stride too long for a `max_length` can).
-    if inner.with_truncation(None).is_err() {
-        unreachable!("no truncation has no stride to check");
-    }
+    (inner.with_truncation(None))
+        .expect("no truncation cannot fail: only a stride too long for a max_length can");
     inner
 }
 
@@ -53,8 +56,10 @@ pub(crate) fn guarded<T>(call: impl FnOnce() -> tokenizers::Result<T>) -> Result
     }
 }
 
-/// Refuses a `Precompiled` normalizer (at any depth of `Sequence`s) whose character map is not
-/// base64 or is shorter than the trie its first four bytes declare (a little-endian byte count).
+/// Refuses a `Precompiled` normalizer (at any depth of `Sequence`s) whose character map is
+/// shorter than the trie its first four bytes declare (a little-endian byte count, the trie
+/// then the normalized strings after it). A map this cannot decode is left to the crate, whose
+/// base64 reader is more lenient (unpadded text) and which reports, or panics, on its own.
 fn check_precompiled(normalizer: &Value) -> Result<(), String> {
     if let Some(inner) = normalizer.get("normalizers").and_then(Value::as_array) {
         return inner.iter().try_for_each(check_precompiled);
@@ -68,8 +73,9 @@ fn check_precompiled(normalizer: &Value) -> Result<(), String> {
     else {
         return Ok(()); // the crate's parser reports a missing or mistyped map itself
     };
-    let map = (base64::engine::general_purpose::STANDARD.decode(map))
-        .map_err(|e| format!("precompiled_charsmap is not base64: {e}"))?;
+    let Ok(map) = base64::engine::general_purpose::STANDARD.decode(map) else {
+        return Ok(());
+    };
     let declared = match map.first_chunk::<4>() {
         Some(size) => u32::from_le_bytes(*size) as usize,
         None => return Err("precompiled_charsmap is shorter than its 4-byte header".into()),

@@ -670,6 +670,24 @@ fn tokenizer_precompiled_map_that_declares_more_than_it_holds_is_rejected() {
             ],
         );
     }
+    // At the boundary: a header of 8 with 8 bytes of trie after it is whole (what the crate
+    // makes of a trie of zeros is its own affair); a header of 9 declares a byte more.
+    for (declared, whole) in [(8u32, true), (9, false)] {
+        let mut map = declared.to_le_bytes().to_vec();
+        map.extend_from_slice(&[0; 8]);
+        let map = base64::engine::general_purpose::STANDARD.encode(&map);
+        let (_tmp, tokenizer) = edited_tokenizer(|json| {
+            json["normalizer"] =
+                serde_json::json!({"type": "Precompiled", "precompiled_charsmap": map});
+        });
+        match tokenizer {
+            Ok(_) => assert!(whole, "header {declared} loaded"),
+            Err(e) => {
+                assert!(!whole, "header {declared}: {e}");
+                assert_mentions(&e.to_string(), &["declares a trie of 9 bytes but holds 8"]);
+            }
+        }
+    }
     // An empty map made the crate panic while it loaded.
     let (_tmp, tokenizer) = edited_tokenizer(|json| {
         json["normalizer"] = serde_json::json!({"type": "Precompiled", "precompiled_charsmap": ""});

@@ -69,7 +69,7 @@ pub enum Fp8Error {
     /// A weight scale that is not positive and finite.
     #[error("weight scale {0} is not a positive finite number")]
     BadWeightScale(f32),
-    /// A static input scale that is not finite and at least `f32::MIN_POSITIVE` (its inverse
+    /// A static input scale that is NaN, infinite, or below `f32::MIN_POSITIVE` (its inverse
     /// must be finite).
     #[error("input scale {0} is not a positive finite normal number (its inverse must be finite)")]
     BadInputScale(f32),

@@ -482,3 +482,33 @@ fn llama_q_and_k_biases_are_unpermuted_by_the_reader() {
         k
     );
 }
+
+/// A side file that is not JSON is named with what it belongs to: the two tokenizer files are
+/// tokenizer errors, `generation_config.json` a config error.
+#[test]
+fn side_files_that_are_not_json_are_named_by_what_they_belong_to() {
+    for (file, tokenizer) in [
+        ("tokenizer_config.json", true),
+        ("generation_config.json", false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(fixture("random/gqa")).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+        std::fs::write(dir.path().join(file), "{ not json").unwrap();
+        let target = dir.path().join("m.gguf");
+        let e = quantize_hf_dir(dir.path(), GgmlType::Q8_0, &target).unwrap_err();
+        assert_eq!(
+            matches!(e, ConvertError::Tokenizer { .. }),
+            tokenizer,
+            "{e}"
+        );
+        let e = e.to_string();
+        assert!(e.contains(file) && e.contains("not valid JSON"), "{e}");
+        if !tokenizer {
+            assert!(e.starts_with("invalid config"), "{e}");
+        }
+        assert!(!target.exists());
+    }
+}

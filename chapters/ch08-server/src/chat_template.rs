@@ -49,8 +49,9 @@
 //!   `string` filters, `str.join` and `str.format` are checked here first ([`check_joined`],
 //!   [`check_format`]), which the `~` operator cannot be;
 //! - minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
-//!   `{{ ns }}` (or anything else that turns `ns` into text) recurses without end, so no stack
-//!   is deep enough. Only `tojson`, which is ours, has a depth limit.
+//!   `{{ ns }}` (or anything else that turns `ns` into text) recurses without end, until the
+//!   stack overflows, which aborts the process. Only `tojson`, which is ours, has a depth
+//!   limit.
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -74,7 +75,11 @@ pub const TEMPLATE_OUTPUT_LIMIT: usize = 64 << 20;
 /// hundreds of thousands deep (`{% set ns.d = [ns.d] %}` in a loop): on a thread's usual 2 MiB
 /// that overflowed the stack, which aborts the process. Only the pages a render touches are
 /// ever made, so this is address space, not memory, for every render but such a one.
-pub const RENDER_STACK_BYTES: usize = 1 << 30;
+pub const RENDER_STACK_BYTES: usize = if cfg!(target_pointer_width = "64") {
+    1 << 30
+} else {
+    64 << 20 // a 32-bit process has 4 GB of address space in all
+};
 /// The deepest nesting `tojson` writes, as serde_json reads: deeper (or a value that contains
 /// itself) is an error, not a stack overflow.
 pub const TOJSON_MAX_DEPTH: usize = 128;
@@ -140,6 +145,10 @@ pub enum TemplateError {
     /// of the bounds in the module doc (fuel, output bytes, `tojson` depth or indent).
     #[error("{message}")]
     Render { message: String },
+    /// The render's thread could not be started (no memory for its stack): the server's
+    /// trouble, not the request's.
+    #[error("could not start the chat template's thread: {0}")]
+    Thread(std::io::Error),
 }
 
 fn in_path(path: Option<&Path>) -> String {
@@ -264,9 +273,7 @@ impl ChatTemplate {
                 .spawn_scoped(scope, || {
                     self.render_here(messages, add_generation_prompt, extra)
                 })
-                .map_err(|e| TemplateError::Render {
-                    message: format!("could not start the template's thread: {e}"),
-                })?;
+                .map_err(TemplateError::Thread)?;
             render
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic))

@@ -36,8 +36,9 @@ pub struct TokenInfo {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delta {
     pub choice: usize,
-    /// The completions' `text_offset` of the delta's first token, in bytes: the echo and every
-    /// earlier token's own text (its logprobs entry's `token`). Text held back (a possible
+    /// The completions' `text_offset` of the delta's first token, in bytes: the echo's and
+    /// every earlier token's own ([`TokenInfo::bytes`], not its text, which is U+FFFD for part
+    /// of a character). Text held back (a possible
     /// stop string, a partial character) does not move it: it counts the tokens, not what was
     /// sent.
     pub offset: usize,
@@ -59,7 +60,7 @@ struct Choice<'t> {
     silent_stops: &'t [u32],
     /// Bytes of text sent so far (echo included).
     sent: usize,
-    /// The echo's bytes and each token's own text's so far: where the next token's
+    /// The echo's bytes and each token's own bytes so far: where the next token's
     /// `text_offset` lies.
     token_offset: usize,
     tokens: usize,

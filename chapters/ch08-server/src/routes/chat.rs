@@ -11,7 +11,7 @@ use axum::response::Response;
 use super::{
     Accepted, Job, Shape, accept, chunk_usage, respond, serve_generation, to_json, unix_now,
 };
-use crate::chat_template::ChatMessage;
+use crate::chat_template::{ChatMessage, TemplateError};
 use crate::driver::{Delta, TokenInfo};
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
@@ -224,7 +224,10 @@ async fn render_and_tokenize(
             let template = shared.chat_template.as_ref().expect("checked before");
             let mut text = template
                 .render_with(&messages, add_generation_prompt, &extra)
-                .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
+                .map_err(|e| match e {
+                    TemplateError::Thread(_) => ApiError::unavailable(e.to_string()),
+                    e => ApiError::bad_param("messages", format!("chat template: {e}")),
+                })?;
             if let Some((_, content)) = last.filter(|_| continue_final) {
                 // End the prompt where the last message's text ends: the model continues it.
                 let end = continuation_end(&text, &content).ok_or_else(|| {

@@ -101,7 +101,7 @@ pub async fn accept<T: DeserializeOwned + Send + 'static>(
 // ANCHOR_END: accept
 
 /// 415 unless the body is declared `application/json` (parameters allowed, but a `charset`
-/// only if it is UTF-8, which is how the body is read): a browser may send a cross-site
+/// only if it names UTF-8, which is how the body is read): a browser may send a cross-site
 /// `text/plain` POST without asking, never a JSON one.
 fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
     let value = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
@@ -111,13 +111,18 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
         .filter_map(|p| p.split_once('='))
         .find(|(name, _)| name.trim().eq_ignore_ascii_case("charset"))
         .map(|(_, set)| set.trim().trim_matches('"'));
-    if let Some(set) = charset.filter(|set| !set.eq_ignore_ascii_case("utf-8")) {
-        return Err(ApiError::unsupported_media_type(format!(
-            "the request body must be UTF-8 JSON, not charset {set:?}"
-        )));
-    }
+    let utf8 = |set: &str| {
+        ["utf-8", "utf8", "unicode-1-1-utf-8"]
+            .iter()
+            .any(|name| set.eq_ignore_ascii_case(name))
+    };
     match declared {
-        Some(kind) if kind.eq_ignore_ascii_case("application/json") => Ok(()),
+        Some(kind) if kind.eq_ignore_ascii_case("application/json") => match charset {
+            Some(set) if !utf8(set) => Err(ApiError::unsupported_media_type(format!(
+                "the request body must be UTF-8 JSON, not charset {set:?}"
+            ))),
+            _ => Ok(()),
+        },
         other => Err(ApiError::unsupported_media_type(format!(
             "the request body must be JSON with Content-Type: application/json, not {}",
             other.map_or("none".to_string(), |k| format!("{k:?}"))
@@ -396,6 +401,7 @@ mod tests {
         for ok in [
             "application/json",
             "Application/JSON; charset=utf-8",
+            "application/json; charset=UTF8",
             "application/json;charset=\"UTF-8\"",
             "application/json; boundary=x",
         ] {

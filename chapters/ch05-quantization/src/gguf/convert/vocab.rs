@@ -65,10 +65,15 @@ fn read_json(path: &Path) -> ConvertResult<Option<Value>> {
         error: e,
     })?;
     serde_json::from_str(&text).map(Some).map_err(|e| {
-        ConvertError::Checkpoint(ch01::Error::Config {
-            path: path.to_path_buf(),
-            message: format!("not valid JSON: {e}"),
-        })
+        let message = format!("not valid JSON: {e}");
+        // The tokenizer's two files are the tokenizer's trouble, the others the model's config.
+        match path.file_name().and_then(|n| n.to_str()) {
+            Some(name) if name.starts_with("tokenizer") => ConvertError::tokenizer(path, message),
+            _ => ConvertError::Checkpoint(ch01::Error::Config {
+                path: path.to_path_buf(),
+                message,
+            }),
+        }
     })
 }
 
