@@ -36,6 +36,15 @@ pub enum ConvertError {
 }
 
 impl ConvertError {
+    /// A model config file (`config.json`, `generation_config.json`) that cannot be read as
+    /// one: chapter 1's config error.
+    pub(crate) fn config(path: &std::path::Path, message: String) -> Self {
+        ConvertError::Checkpoint(ch01::Error::Config {
+            path: path.to_path_buf(),
+            message,
+        })
+    }
+
     pub(crate) fn tokenizer(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         ConvertError::Tokenizer {
             path: path.into(),

@@ -55,8 +55,12 @@ pub struct HfVocab {
     pub warnings: Vec<String>,
 }
 
-/// `path` as JSON; `None` when the file does not exist.
-fn read_json(path: &Path) -> ConvertResult<Option<Value>> {
+/// `path` as JSON; `None` when the file does not exist; text that is not JSON is `invalid`'s
+/// error for that file (the tokenizer's files are tokenizer errors, the model's config errors).
+fn read_json(
+    path: &Path,
+    invalid: fn(&Path, String) -> ConvertError,
+) -> ConvertResult<Option<Value>> {
     if !path.exists() {
         return Ok(None);
     }
@@ -64,17 +68,9 @@ fn read_json(path: &Path) -> ConvertResult<Option<Value>> {
         path: path.to_path_buf(),
         error: e,
     })?;
-    serde_json::from_str(&text).map(Some).map_err(|e| {
-        let message = format!("not valid JSON: {e}");
-        // The tokenizer's two files are the tokenizer's trouble, the others the model's config.
-        match path.file_name().and_then(|n| n.to_str()) {
-            Some(name) if name.starts_with("tokenizer") => ConvertError::tokenizer(path, message),
-            _ => ConvertError::Checkpoint(ch01::Error::Config {
-                path: path.to_path_buf(),
-                message,
-            }),
-        }
-    })
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| invalid(path, format!("not valid JSON: {e}")))
 }
 
 /// llama.cpp's converter treats these added tokens as control tokens even when the checkpoint
@@ -171,7 +167,7 @@ impl HfVocab {
     /// Reads the tokenizer of the checkpoint in `dir`, whose embedding has `vocab_size` rows.
     pub fn read(dir: &Path, vocab_size: usize) -> ConvertResult<HfVocab> {
         let path = dir.join("tokenizer.json");
-        let json = read_json(&path)?.ok_or_else(|| {
+        let json = read_json(&path, |p, m| ConvertError::tokenizer(p, m))?.ok_or_else(|| {
             ConvertError::tokenizer(&path, "missing (GGUF needs the tokenizer in its metadata)")
         })?;
         let bad = |message: String| ConvertError::tokenizer(&path, message);
@@ -262,9 +258,12 @@ impl HfVocab {
             .collect::<ConvertResult<Vec<_>>>()?;
 
         let config_path = dir.join("tokenizer_config.json");
-        let tok_config = read_json(&config_path)?.unwrap_or(Value::Null);
-        let model_config = read_json(&dir.join("config.json"))?.unwrap_or(Value::Null);
-        let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
+        let tok_config =
+            read_json(&config_path, |p, m| ConvertError::tokenizer(p, m))?.unwrap_or(Value::Null);
+        let model_config =
+            read_json(&dir.join("config.json"), ConvertError::config)?.unwrap_or(Value::Null);
+        let generation = read_json(&dir.join("generation_config.json"), ConvertError::config)?
+            .unwrap_or(Value::Null);
         let id_of = |token: &str| {
             added_ids
                 .get(token)
