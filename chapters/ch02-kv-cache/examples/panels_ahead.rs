@@ -1,13 +1,15 @@
-//! What asking for the next weight panels ahead (`kernels::ahead`) saves a step of several
-//! tokens: every projection of every layer (q, k, v, o, gate, up, down) on `T` tokens, the
-//! weights from memory, with the tiles asking for the next panels and without, alternating
+//! What asking ahead for weights saves a step of several tokens, in two tables: the next weight
+//! panels, into L2 (`kernels::ahead`), and the rows of the panels being multiplied, into L1
+//! (`kernels::ROWS_AHEAD`). Each times every projection of every layer (q, k, v, o, gate, up,
+//! down) on `T` tokens, the weights from memory, with the requests and without, alternating
 //! within one process so that the machine's drift falls on both alike, in f32 and in bf16.
 //! Prints the median ms of a pass and its GFLOP/s.
 //!
 //! `cargo run --release -p ch02-kv-cache --example panels_ahead -- MODEL_DIR [T...]`
 
+use ch01::Llama;
 use ch02_kv_cache::awake::awake;
-use ch02_kv_cache::kernels::set_panels_ahead;
+use ch02_kv_cache::kernels::{set_panels_ahead, set_rows_ahead};
 use ch02_kv_cache::{WeightDtype, load_fast};
 use ndarray::Array2;
 
@@ -26,21 +28,42 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if lengths.is_empty() {
         lengths = vec![8, 12, 24, 32, 64, 128];
     }
-    let weights = bytes(&f32) / 4; // f32 weights: 4 bytes each
+    table(
+        "the next panels, into L2",
+        set_panels_ahead,
+        &lengths,
+        &f32,
+        &bf16,
+    );
+    table(
+        "the panels' own rows, into L1",
+        set_rows_ahead,
+        &lengths,
+        &f32,
+        &bf16,
+    );
+    Ok(())
+}
+
+/// One table: every pass at each length in `lengths`, with the requests `switch` turns on and
+/// without, alternating, in f32 and in bf16; the requests are left on.
+fn table(what: &str, switch: fn(bool), lengths: &[usize], f32: &Llama, bf16: &Llama) {
+    let weights = bytes(f32) / 4; // f32 weights: 4 bytes each
+    println!("\nAsking ahead for {what}:\n");
     println!(
         "| T | f32, without, ms | f32, ahead, ms | gain | bf16, without, ms | bf16, ahead, ms | gain | GFLOP/s, ahead: f32, bf16 |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for t in lengths {
+    for &t in lengths {
         let x = Array2::from_shape_fn((t, f32.config.hidden_size), |(i, j)| {
             ((i * 31 + j * 7) % 13) as f32 / 13.0 - 0.5
         }); // [T, hidden]
         let rounds = (4000 / t).clamp(7, 41);
         let ms = alternate(4, rounds, |way| {
-            set_panels_ahead(way % 2 == 1);
-            awake(|| pass(if way < 2 { &f32 } else { &bf16 }, &x)) // as the engine runs a step
+            switch(way % 2 == 1);
+            awake(|| pass(if way < 2 { f32 } else { bf16 }, &x)) // as the engine runs a step
         });
-        set_panels_ahead(true);
+        switch(true);
         let [f_off, f_on, b_off, b_on] = ms[..] else {
             unreachable!("four ways")
         };
@@ -54,5 +77,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             gflops(b_on)
         );
     }
-    Ok(())
 }

@@ -573,17 +573,20 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
         .unwrap();
 }
 
-/// The requests for the next panels (`kernels/ahead.rs`) change no product, and their shares
-/// stay inside the panels (one that overran would panic here): on one thread (so that a task
-/// holds several pairs of panels and asks for the next), every micro-kernel on 9 to 19 panels
-/// (odd and partial last ones), 2 to 200 tokens (1 to 17 AVX-512 tiles, across the 16-tile
-/// limit and bf16's widening from 4 tiles), f32 and bf16, with the requests equals the naive
-/// product and the same product without them bit for bit; and so does a top-left corner of the
-/// weight (8 to 19 panels; `matmul_part`, as causal attention uses it), whose next panels are
-/// cut to the corner's inputs.
+/// The requests for weights ahead, the next panels' (`kernels/ahead.rs`) and the rows of the
+/// panels being multiplied (`kernels::ROWS_AHEAD`), change no product, and the next panels'
+/// shares stay inside the panels (one that overran would panic here): on one thread (so that a
+/// task holds several pairs of panels and asks for the next), every micro-kernel on 9 to 19
+/// panels (odd and partial last ones), 2 to 200 tokens (1 to 17 AVX-512 tiles, across the
+/// 11-tile limit and bf16's widening from 4 tiles), f32 and bf16, with both requests equals the
+/// naive product and the same product with either or neither bit for bit; and so does a
+/// top-left corner of the weight (8 to 19 panels; `matmul_part`, as causal attention uses it),
+/// whose next panels are cut to the corner's inputs.
 #[test]
-fn asking_for_the_next_panels_changes_no_product() {
-    use ch02_kv_cache::kernels::{Gemm, PackedWeight, matmul_part, set_panels_ahead};
+fn asking_for_weights_ahead_changes_no_product() {
+    use ch02_kv_cache::kernels::{
+        Gemm, PackedWeight, matmul_part, set_panels_ahead, set_rows_ahead,
+    };
     let shapes = (
         129usize..290,
         2usize..40,
@@ -616,8 +619,9 @@ fn asking_for_the_next_panels_changes_no_product() {
                     for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
                         let expected = naive(&corner, &None, &x.slice(ndarray::s![.., ..inputs]).to_owned(), dtype);
                         for gemm in Gemm::available() {
-                            let run = |ahead: bool| {
-                                set_panels_ahead(ahead);
+                            let run = |panels: bool, rows: bool| {
+                                set_panels_ahead(panels);
+                                set_rows_ahead(rows);
                                 let mut y = vec![0.0f32; tokens * outputs];
                                 let flat = w.as_slice().unwrap();
                                 match dtype {
@@ -637,16 +641,20 @@ fn asking_for_the_next_panels_changes_no_product() {
                             impl Drop for Restore {
                                 fn drop(&mut self) {
                                     set_panels_ahead(true);
+                                    set_rows_ahead(true);
                                 }
                             }
                             let _restore = Restore;
-                            let (with, without) = (run(true), run(false));
+                            let with = run(true, true);
                             let what = format!("{gemm:?} {dtype:?}: W {:?} corner {outputs}×{inputs}, {tokens} tokens", w.dim());
                             assert_close_shaped(&what, &with, &expected, &[tokens, outputs], Tolerance::F32);
-                            prop_assert!(
-                                with.iter().zip(&without).all(|(a, b)| a.to_bits() == b.to_bits()),
-                                "{what}: the requests changed the product"
-                            );
+                            for (panels, rows) in [(false, true), (true, false), (false, false)] {
+                                let without = run(panels, rows);
+                                prop_assert!(
+                                    with.iter().zip(&without).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                    "{what}: the requests changed the product (next panels {panels}, rows {rows})"
+                                );
+                            }
                         }
                     }
                 }

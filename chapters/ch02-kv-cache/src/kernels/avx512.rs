@@ -66,6 +66,16 @@ pub unsafe fn load16_bf16(p: *const u16) -> __m512 {
     }
 }
 
+/// Asks for row `row` of the panel that starts at `panel` ([k][NR]) into L1
+/// ([`super::ROWS_AHEAD`]). Past the panel's last row it asks for whatever memory follows: a
+/// prefetch is a hint that neither faults nor writes, at any address, and changes no result.
+#[inline(always)]
+fn ask_row_l1<W>(panel: *const W, row: usize) {
+    let at = panel.wrapping_add(row * NR) as *const i8;
+    // SAFETY: a prefetch reads nothing into the program and cannot fault (see above).
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
+}
+
 // ANCHOR: widen_panel
 /// `out` [k][NR] = the panel `b` [k][NR] widened to f32 with its outputs in order: `out[kk · NR +
 /// j]` is output `j`'s weight for input `kk`, `b[kk · NR + slot(j)]` widened exactly. The f32
@@ -139,6 +149,7 @@ unsafe fn tile_matmul_avx512<W: WeightElement, V, const M: usize>(
     c: &mut [f32; MR_512 * NR],
 ) {
     let k = b.len() / NR;
+    let ahead = super::rows_ahead();
     let (x, b) = (x.as_ptr(), b.as_ptr());
     let mut acc = [_mm512_setzero_ps(); M];
     // SAFETY: the caller guarantees AVX-512F. For kk < k, `b[kk * NR..][..NR]` is inside `b` (`k * NR <= b.len()`); for r < M,
@@ -146,6 +157,9 @@ unsafe fn tile_matmul_avx512<W: WeightElement, V, const M: usize>(
     unsafe {
         for kk in 0..k {
             requests.step(); // the next panel's rows due at this step (see `ahead`)
+            if ahead > 0 {
+                ask_row_l1(b, kk + ahead); // this panel's row `ahead` steps on, into L1
+            }
             let w = W::load16_512(b.add(kk * NR));
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let x_rk = _mm512_set1_ps(*x.add(r * k + kk));
@@ -287,6 +301,7 @@ unsafe fn tile_matmul_pair_avx512<W: WeightElement, V, const M: usize>(
     c: &mut [f32; MR_512 * 2 * NR],
 ) {
     let k = b0.len() / NR;
+    let ahead = super::rows_ahead();
     let (x, b0, b1) = (x.as_ptr(), b0.as_ptr(), b1.as_ptr());
     let mut acc0 = [_mm512_setzero_ps(); M];
     let mut acc1 = [_mm512_setzero_ps(); M];
@@ -296,6 +311,10 @@ unsafe fn tile_matmul_pair_avx512<W: WeightElement, V, const M: usize>(
     unsafe {
         for kk in 0..k {
             requests.step(); // the next panels' rows due at this step (see `ahead`)
+            if ahead > 0 {
+                ask_row_l1(b0, kk + ahead); // this pair's row `ahead` steps on, into L1
+                ask_row_l1(b1, kk + ahead);
+            }
             let w0 = W::load16_512(b0.add(kk * NR));
             let w1 = W::load16_512(b1.add(kk * NR));
             for r in 0..M {

@@ -15,7 +15,8 @@
 //!   for its height. Threads split the panels, so every weight is read from memory once per call,
 //!   and each tile is written straight into its place in `y`. In a product of at most
 //!   `AHEAD_UP_TO_TILES` tiles, each tile also asks for its share of the task's next panels while
-//!   it multiplies (`ahead.rs`), so that they come from L2 in their turn.
+//!   it multiplies (`ahead.rs`), so that they come from L2 in their turn; the AVX-512 kernels
+//!   also ask for their present panels' rows [`ROWS_AHEAD`] features ahead, into L1.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
@@ -312,8 +313,9 @@ pub fn matmul_part<W: WeightElement>(
     let widen = W::WIDENS_ON_LOAD
         && tiles >= WIDEN_FROM_TILES
         && PANEL_WIDENING.load(std::sync::atomic::Ordering::Relaxed);
-    let asks_ahead =
-        tiles <= AHEAD_UP_TO_TILES && PANELS_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
+    let asks_ahead = !widen
+        && tiles <= AHEAD_UP_TO_TILES
+        && PANELS_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
     // Panel p's first k inputs: [k][NR].
     let panel = |p: usize| &w.panel(p)[..k * NR];
     let task = |task: usize| {
@@ -498,13 +500,15 @@ pub fn set_panel_widening(on: bool) {
     PANEL_WIDENING.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Products of at most this many token tiles ask for their next panels ahead (`ahead.rs`): 192
-/// tokens on AVX-512's tiles of 12, 96 on AVX2's tiles of 6 (measured on AVX-512 only). With
-/// more tiles a pair's first tile is a small part of its time, and the requests only compete
-/// with the token rows for L2: on SmolLM2's projections
-/// (`examples/panels_ahead.rs`, Intel Xeon) they gained 1.6% to 10% at 96 to 192 tokens (8 to
-/// 16 tiles) and lost up to 2.7% at 256 and 512.
-const AHEAD_UP_TO_TILES: usize = 16;
+/// Products of at most this many token tiles ask for their next panels ahead (`ahead.rs`): 132
+/// tokens on AVX-512's tiles of 12, 66 on AVX2's tiles of 6 (measured on AVX-512 only), and
+/// only where the panels are read as stored (not widened once per call). With more tiles a
+/// pair's first tile is a small part of its time, and the requests only compete with the token
+/// rows for L2. On SmolLM2's projections (`examples/panels_ahead.rs`, Intel Xeon), with the
+/// rows of the present panels asked for too ([`ROWS_AHEAD`]), they gained 0.3% to 3.8% in f32
+/// from 24 to 128 tokens and lost 2% to 5% at 192; in bf16 they lost 2% to 4% from 64 to 192
+/// tokens, where its panels are widened once per call (three runs).
+const AHEAD_UP_TO_TILES: usize = 11;
 
 /// Whether [`matmul_part`]'s tiles ask for the next panels ([`ahead`]); see
 /// [`set_panels_ahead`].
@@ -515,6 +519,33 @@ static PANELS_AHEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 /// (`examples/panels_ahead.rs`).
 pub fn set_panels_ahead(on: bool) {
     PANELS_AHEAD.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How many rows (input features) ahead of its loads an AVX-512 micro-kernel asks for the rows
+/// of the panels it is multiplying into L1 (1 KiB ahead in an f32 panel). Every tile but a pair's
+/// first finds its panels in L2, not L1 (a pair of f32 panels of 576 features is 72 KiB, L1 48
+/// KiB), and the hardware's prefetchers bring two streams of one line per feature from L2 less
+/// quickly than the 24 multiply-adds of a feature use them: on SmolLM2's projections
+/// (`examples/panels_ahead.rs`, Intel Xeon with AVX-512) asking 8, 16 or 32 rows ahead gained
+/// 3% to 5% from 24 to 512 tokens, 16 and 24 the same within noise.
+pub(crate) const ROWS_AHEAD: usize = 16;
+
+/// Whether the AVX-512 micro-kernels ask for their panels' rows ahead; see [`set_rows_ahead`].
+static ROWS_AHEAD_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes the AVX-512 micro-kernels ask for nothing ahead in the panels they multiply
+/// ([`ROWS_AHEAD`]), as before they did, for the whole process; the results are the same bits
+/// either way. For measuring the difference (`examples/panels_ahead.rs`).
+pub fn set_rows_ahead(on: bool) {
+    ROWS_AHEAD_ON.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`ROWS_AHEAD`], or 0 if [`set_rows_ahead`] switched the requests off.
+fn rows_ahead() -> usize {
+    match ROWS_AHEAD_ON.load(std::sync::atomic::Ordering::Relaxed) {
+        true => ROWS_AHEAD,
+        false => 0,
+    }
 }
 
 std::thread_local! {
