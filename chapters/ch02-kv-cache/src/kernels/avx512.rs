@@ -66,6 +66,7 @@ pub unsafe fn load16_bf16(p: *const u16) -> __m512 {
     }
 }
 
+// ANCHOR: rows_ahead
 /// Asks for row `row` of the panel that starts at `panel` ([k][NR]) into L1
 /// ([`super::ROWS_AHEAD`]). Past the panel's last row it asks for whatever memory follows: a
 /// prefetch is a hint that neither faults nor writes, at any address, and changes no result.
@@ -75,6 +76,7 @@ fn ask_row_l1<W>(panel: *const W, row: usize) {
     // SAFETY: a prefetch reads nothing into the program and cannot fault (see above).
     unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
 }
+// ANCHOR_END: rows_ahead
 
 // ANCHOR: widen_panel
 /// `out` [k][NR] = the panel `b` [k][NR] widened to f32 with its outputs in order: `out[kk · NR +

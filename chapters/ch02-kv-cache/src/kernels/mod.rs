@@ -13,8 +13,8 @@
 //!   weights once and uses each for 6 tokens, broadcast from the token rows of `x` where they lie
 //!   (six sequential streams, nothing packed). A last tile of fewer tokens runs a kernel compiled
 //!   for its height. Threads split the panels, so every weight is read from memory once per call,
-//!   and each tile is written straight into its place in `y`. In a product of at most
-//!   `AHEAD_UP_TO_TILES` tiles, each tile also asks for its share of the task's next panels while
+//!   and each tile is written straight into its place in `y`. In a product of
+//!   `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles, each tile also asks for its share of the task's next panels while
 //!   it multiplies (`ahead.rs`), so that they come from L2 in their turn; the AVX-512 kernels
 //!   also ask for their present panels' rows [`ROWS_AHEAD`] features ahead, into L1.
 //!
@@ -314,7 +314,7 @@ pub fn matmul_part<W: WeightElement>(
         && tiles >= WIDEN_FROM_TILES
         && PANEL_WIDENING.load(std::sync::atomic::Ordering::Relaxed);
     let asks_ahead = !widen
-        && tiles <= AHEAD_UP_TO_TILES
+        && (AHEAD_FROM_TILES..=AHEAD_UP_TO_TILES).contains(&tiles)
         && PANELS_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
     // Panel p's first k inputs: [k][NR].
     let panel = |p: usize| &w.panel(p)[..k * NR];
@@ -509,6 +509,12 @@ pub fn set_panel_widening(on: bool) {
 /// from 24 to 128 tokens and lost 2% to 5% at 192; in bf16 they lost 2% to 4% from 64 to 192
 /// tokens, where its panels are widened once per call (three runs).
 const AHEAD_UP_TO_TILES: usize = 11;
+
+/// Products of fewer token tiles than this ask for nothing ahead: with its present panels' rows
+/// asked for, a one-tile product (up to 12 tokens) lost 1.1% to 5.4% in f32 with the next
+/// panels' requests, in four runs of `examples/panels_ahead.rs` (Intel Xeon; bf16 gained or
+/// lost up to 9%, 0.4% on average).
+const AHEAD_FROM_TILES: usize = 2;
 
 /// Whether [`matmul_part`]'s tiles ask for the next panels ([`ahead`]); see
 /// [`set_panels_ahead`].
