@@ -159,8 +159,8 @@ unsafe fn tile_matmul_avx512<W: WeightElement, V, const M: usize>(
     unsafe {
         for kk in 0..k {
             requests.step(); // the next panel's rows due at this step (see `ahead`)
-            if ahead > 0 {
-                ask_row_l1(b, kk + ahead); // this panel's row `ahead` steps on, into L1
+            if ahead > 0 && kk.is_multiple_of(super::features_per_line::<W>()) {
+                ask_row_l1(b, kk + ahead); // this panel's line `ahead` rows on, into L1
             }
             let w = W::load16_512(b.add(kk * NR));
             for (r, acc_r) in acc.iter_mut().enumerate() {
@@ -313,8 +313,8 @@ unsafe fn tile_matmul_pair_avx512<W: WeightElement, V, const M: usize>(
     unsafe {
         for kk in 0..k {
             requests.step(); // the next panels' rows due at this step (see `ahead`)
-            if ahead > 0 {
-                ask_row_l1(b0, kk + ahead); // this pair's row `ahead` steps on, into L1
+            if ahead > 0 && kk.is_multiple_of(super::features_per_line::<W>()) {
+                ask_row_l1(b0, kk + ahead); // this pair's line `ahead` rows on, into L1
                 ask_row_l1(b1, kk + ahead);
             }
             let w0 = W::load16_512(b0.add(kk * NR));

@@ -422,7 +422,7 @@ fn prefetch_l1() -> bool {
 
 /// Input features of a panel that fill one cache line: 1 of f32 (16 × 4 bytes), 2 of bf16.
 #[cfg(target_arch = "x86_64")]
-const fn features_per_line<W>() -> usize {
+pub(super) const fn features_per_line<W>() -> usize {
     let features = vector::CACHE_LINE / size_of::<[W; NR]>();
     if features == 0 { 1 } else { features }
 }
@@ -533,7 +533,8 @@ pub fn set_panels_ahead(on: bool) {
 /// KiB), and the hardware's prefetchers bring two streams of one line per feature from L2 less
 /// quickly than the 24 multiply-adds of a feature use them: on SmolLM2's projections
 /// (`examples/panels_ahead.rs`, Intel Xeon with AVX-512) asking 8, 16 or 32 rows ahead gained
-/// 3% to 5% from 24 to 512 tokens, 16 and 24 the same within noise.
+/// 3% to 5% from 24 to 512 tokens, 16 and 24 the same within noise. A kernel asks once per
+/// cache line: at every row of f32, every other row of bf16 (two rows to a line).
 pub(crate) const ROWS_AHEAD: usize = 16;
 
 /// Whether the AVX-512 micro-kernels ask for their panels' rows ahead; see [`set_rows_ahead`].
