@@ -26,7 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let f32 = load_fast(dir, WeightDtype::F32)?;
     let mut lengths: Vec<usize> = args.map(|a| a.parse()).collect::<Result<_, _>>()?;
     if lengths.is_empty() {
-        lengths = vec![8, 12, 24, 32, 64, 128];
+        lengths = vec![8, 12, 24, 32, 64, 96, 128, 192, 512];
     }
     table(
         "the next panels, into L2",

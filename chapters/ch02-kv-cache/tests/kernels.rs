@@ -577,11 +577,11 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
 /// panels being multiplied (`kernels::ROWS_AHEAD`), change no product, and the next panels'
 /// shares stay inside the panels (one that overran would panic here): on one thread (so that a
 /// task holds several pairs of panels and asks for the next), every micro-kernel on 9 to 19
-/// panels (odd and partial last ones), 2 to 200 tokens (1 to 17 AVX-512 tiles, across the
-/// 11-tile limit and bf16's widening from 4 tiles), f32 and bf16, with both requests equals the
-/// naive product and the same product with either or neither bit for bit; and so does a
-/// top-left corner of the weight (8 to 19 panels; `matmul_part`, as causal attention uses it),
-/// whose next panels are cut to the corner's inputs.
+/// panels (odd and partial last ones), 2 to 200 tokens (1 to 17 AVX-512 tiles, across the 2-
+/// and 11-tile limits and bf16's widening from 4 tiles), f32 and bf16, with both requests
+/// equals the naive product and the same product with either or neither bit for bit; and so
+/// does a top-left corner of the weight (8 to 19 panels; `matmul_part`, as causal attention
+/// uses it), whose next panels are cut to the corner's inputs.
 #[test]
 fn asking_for_weights_ahead_changes_no_product() {
     use ch02_kv_cache::kernels::{

@@ -13,7 +13,8 @@
 //!
 //! Only the panels of the same task are asked for (another thread may take the next task), so a
 //! task of one pair asks for nothing: with many threads SmolLM2's small projections are cut into
-//! such tasks. And only a product of `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles asks (see there).
+//! such tasks. And only a product of `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles whose
+//! panels are read as stored (not widened) asks (see there).
 
 use super::NR;
 use super::vector::{CACHE_LINE as LINE, prefetch_l2};

@@ -124,7 +124,8 @@ unsafe fn widen_panel_avx512<W: WeightElement>(b: &[W], out: &mut [f32]) {
 /// is checked at compile time.
 ///
 /// Each step of `k` also takes its turn of `requests`, the next panels' rows asked for ahead
-/// (`ahead.rs`).
+/// (`ahead.rs`), and, once per cache line, asks for its panel's row [`super::ROWS_AHEAD`] on,
+/// into L1 (`ask_row_l1`).
 pub fn tile_matmul<W: WeightElement, V, const M: usize>(
     _cpu: Avx512,
     x: &[f32],
@@ -270,7 +271,8 @@ unsafe fn panel_matvec_tokens_avx512<W: WeightElement, const T: usize>(
 /// b0.len() / NR`.
 ///
 /// Each step of `k` also takes its turn of `requests`, the next pair's rows asked for ahead
-/// (`ahead.rs`).
+/// (`ahead.rs`), and, once per cache line, asks for each panel's row [`super::ROWS_AHEAD`] on,
+/// into L1 (`ask_row_l1`).
 pub fn tile_matmul_pair<W: WeightElement, V, const M: usize>(
     _cpu: Avx512,
     x: &[f32],

@@ -14,9 +14,10 @@
 //!   (six sequential streams, nothing packed). A last tile of fewer tokens runs a kernel compiled
 //!   for its height. Threads split the panels, so every weight is read from memory once per call,
 //!   and each tile is written straight into its place in `y`. In a product of
-//!   `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles, each tile also asks for its share of the task's next panels while
-//!   it multiplies (`ahead.rs`), so that they come from L2 in their turn; the AVX-512 kernels
-//!   also ask for their present panels' rows [`ROWS_AHEAD`] features ahead, into L1.
+//!   `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles whose panels are read as stored (not
+//!   widened), each tile also asks for its share of the task's next panels while it multiplies
+//!   (`ahead.rs`), so that they come from L2 in their turn; the AVX-512 kernels also ask for
+//!   their present panels' rows [`ROWS_AHEAD`] features ahead, into L1.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
@@ -422,7 +423,7 @@ fn prefetch_l1() -> bool {
 
 /// Input features of a panel that fill one cache line: 1 of f32 (16 × 4 bytes), 2 of bf16.
 #[cfg(target_arch = "x86_64")]
-pub(super) const fn features_per_line<W>() -> usize {
+const fn features_per_line<W>() -> usize {
     let features = vector::CACHE_LINE / size_of::<[W; NR]>();
     if features == 0 { 1 } else { features }
 }
@@ -504,38 +505,42 @@ pub fn set_panel_widening(on: bool) {
 /// tokens on AVX-512's tiles of 12, 66 on AVX2's tiles of 6 (measured on AVX-512 only), and
 /// only where the panels are read as stored (not widened once per call). With more tiles a
 /// pair's first tile is a small part of its time, and the requests only compete with the token
-/// rows for L2. On SmolLM2's projections (`examples/panels_ahead.rs`, Intel Xeon), with the
-/// rows of the present panels asked for too ([`ROWS_AHEAD`]), they gained 0.3% to 3.8% in f32
-/// from 24 to 128 tokens and lost 2% to 5% at 192; in bf16 they lost 2% to 4% from 64 to 192
-/// tokens, where its panels are widened once per call (three runs).
+/// rows for L2. On SmolLM2's projections (`examples/panels_ahead.rs`, Intel Xeon, three runs
+/// with a limit of 16 tiles), with the rows of the present panels asked for too
+/// ([`ROWS_AHEAD`]), they gained 0.3% to 3.8% in f32 from 24 to 128 tokens in all rows but one
+/// (−0.3%) and lost 2% to 5% at 192; in bf16 they lost 1.5% to 3.6% from 64 to 192 tokens,
+/// where its panels are widened once per call.
 const AHEAD_UP_TO_TILES: usize = 11;
 
-/// Products of fewer token tiles than this ask for nothing ahead: with its present panels' rows
-/// asked for, a one-tile product (up to 12 tokens) lost 1.1% to 5.4% in f32 with the next
-/// panels' requests, in four runs of `examples/panels_ahead.rs` (Intel Xeon; bf16 gained or
-/// lost up to 9%, 0.4% on average).
+/// Products of fewer token tiles than this ask for none of their next panels: with the present
+/// panels' rows asked for, a one-tile product (12 tokens) lost 1.7% to 5.4% in f32 with the
+/// next panels' requests, in each of four runs of `examples/panels_ahead.rs` (Intel Xeon; in
+/// bf16 it gained in two and lost in two).
 const AHEAD_FROM_TILES: usize = 2;
 
 /// Whether [`matmul_part`]'s tiles ask for the next panels ([`ahead`]); see
 /// [`set_panels_ahead`].
 static PANELS_AHEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// `false` makes the prefill products ask for nothing ahead, as before they did, for the whole
-/// process; the results are the same bits either way. For measuring the difference
+/// `false` makes the prefill products ask for none of their next panels, as before they did,
+/// for the whole process (the rows of the present ones are still asked for: see
+/// [`set_rows_ahead`]); the results are the same bits either way. For measuring the difference
 /// (`examples/panels_ahead.rs`).
 pub fn set_panels_ahead(on: bool) {
     PANELS_AHEAD.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// How many rows (input features) ahead of its loads an AVX-512 micro-kernel asks for the rows
-/// of the panels it is multiplying into L1 (1 KiB ahead in an f32 panel). Every tile but a pair's
-/// first finds its panels in L2, not L1 (a pair of f32 panels of 576 features is 72 KiB, L1 48
-/// KiB), and the hardware's prefetchers bring two streams of one line per feature from L2 less
-/// quickly than the 24 multiply-adds of a feature use them: on SmolLM2's projections
-/// (`examples/panels_ahead.rs`, Intel Xeon with AVX-512) asking 8, 16 or 32 rows ahead gained
-/// 3% to 5% from 24 to 512 tokens, 16 and 24 the same within noise. A kernel asks once per
-/// cache line: at every row of f32, every other row of bf16 (two rows to a line).
-pub(crate) const ROWS_AHEAD: usize = 16;
+/// of the panels it is multiplying into L1 (1 KiB ahead in an f32 panel). Every tile but a
+/// pair's first finds its panels in L2, not L1 (a pair of f32 panels of 576 features is 72 KiB,
+/// L1 48 KiB), and the hardware's prefetchers bring two streams of one line per feature from L2
+/// less quickly than the 24 multiply-adds of a feature use them. On SmolLM2's projections
+/// (`examples/panels_ahead.rs`, Intel Xeon with AVX-512, 24 to 512 tokens), runs alternating
+/// none with 8, 16 and 32 rows ahead found f32 1% to 7% faster at each distance and bf16 up to
+/// 6.5% faster (up to 2.5% slower at 24 or 32 tokens in one run); 16 and 24 rows ran alike. A
+/// kernel asks once per cache line: at every row of f32, every other row of bf16 (two rows to a
+/// line).
+pub const ROWS_AHEAD: usize = 16;
 
 /// Whether the AVX-512 micro-kernels ask for their panels' rows ahead; see [`set_rows_ahead`].
 static ROWS_AHEAD_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
@@ -548,6 +553,7 @@ pub fn set_rows_ahead(on: bool) {
 }
 
 /// [`ROWS_AHEAD`], or 0 if [`set_rows_ahead`] switched the requests off.
+#[cfg(target_arch = "x86_64")]
 fn rows_ahead() -> usize {
     match ROWS_AHEAD_ON.load(std::sync::atomic::Ordering::Relaxed) {
         true => ROWS_AHEAD,
