@@ -478,6 +478,19 @@ fn prompts_file_errors_are_clear() {
         "cannot be used with",
     );
     assert_fails_with(&["generate", "--model", model], "--prompts-file");
+
+    // A prompt past the context is named by its first characters, not echoed whole (a
+    // megabyte of prompt made a megabyte of error).
+    let long = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(long.path(), "x ".repeat(100_000)).unwrap();
+    let long = long.path().to_str().unwrap();
+    let args = ["generate", "--model", model, "--prompts-file", long];
+    assert_fails_with(&args, "(200000 characters)");
+    let err = stderr(&kiln(&args));
+    assert!(
+        !err.contains(&"x ".repeat(100)),
+        "the prompt echoed whole: {err:.2000}"
+    );
 }
 
 /// `kiln perplexity` equals the PyTorch computation of the same llama.cpp-style score.

@@ -274,9 +274,23 @@ fn run_one(
     Ok(())
 }
 
+/// A prompt as an error names it: quoted, its first 80 characters at most (a prompt of a
+/// megabyte must not make a megabyte of error message).
+fn quoted(prompt: &str) -> String {
+    const SHOWN: usize = 80;
+    match prompt.char_indices().nth(SHOWN) {
+        Some((end, _)) => format!(
+            "{:?}… ({} characters)",
+            &prompt[..end],
+            prompt.chars().count()
+        ),
+        None => format!("{prompt:?}"),
+    }
+}
+
 /// The prompts of a `--prompts-file`: one per line, empty lines skipped.
 fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
-    let text = std::fs::read_to_string(path)
+    let text = super::read_text_file(path)
         .with_context(|| format!("reading prompts from {}", path.display()))?;
     let prompts: Vec<String> = text
         .lines()
@@ -341,7 +355,7 @@ fn run_many(
         .map(|(i, prompt)| {
             tokenizer
                 .encode(prompt, true)
-                .with_context(|| format!("prompt {i} ({prompt:?})"))
+                .with_context(|| format!("prompt {i} ({})", quoted(prompt)))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let seed = options.sampling.seed;
@@ -366,7 +380,7 @@ fn run_many(
         error: None,
     };
     for ((i, prompt), tokens) in prompts.iter().enumerate().zip(tokenized) {
-        let context = || format!("prompt {i} ({prompt:?})");
+        let context = || format!("prompt {i} ({})", quoted(prompt));
         let text = OutputText::after(tokenizer, options.stop.clone(), &tokens);
         let request = Request {
             prompt: tokens,

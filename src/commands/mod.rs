@@ -12,7 +12,8 @@ pub mod serve;
 pub mod speculative_args;
 pub mod tensor_parallel;
 
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use ch01::linear::LinearLoader;
@@ -477,9 +478,32 @@ pub fn refuse_non_empty(out: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The most bytes a text file given on the command line may hold (prompts, a text to score, a
+/// calibration text): 256 MiB, far more than any of them needs, so that `/dev/zero` or a
+/// runaway pipe is an error instead of all the memory there is.
+pub const MAX_TEXT_FILE_BYTES: u64 = 256 << 20;
+
+/// The UTF-8 text of `path` (a file, or a pipe such as `<(command)`), read up to
+/// [`MAX_TEXT_FILE_BYTES`]: a longer one is an error that says so.
+pub fn read_text_file(path: &Path) -> anyhow::Result<String> {
+    read_text_up_to(path, MAX_TEXT_FILE_BYTES)
+}
+
+/// [`read_text_file`] with a limit of `most` bytes.
+fn read_text_up_to(path: &Path, most: u64) -> anyhow::Result<String> {
+    let file = std::fs::File::open(path)?;
+    let mut bytes = Vec::new();
+    file.take(most.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > most {
+        bail!("it holds more than {most} bytes, the most a text file given here may");
+    }
+    String::from_utf8(bytes).context("it is not UTF-8 text")
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{ModelArgs, ModelFormat, parse_bytes};
+    use super::{ModelArgs, ModelFormat, parse_bytes, read_text_up_to};
+    use std::path::Path;
 
     /// What a GPU's host keeps (`load_host_side`, no weight decoded) is what loading the whole
     /// model gives, for a Hugging Face directory and for the GGUF file written from it.
@@ -523,5 +547,22 @@ mod tests {
         for bad in ["", "MiB", "12XB", "-3MiB", "0", "1e400GB", "nan"] {
             assert!(parse_bytes(bad).is_err(), "{bad:?} should be rejected");
         }
+    }
+
+    /// A file of at most the limit is read whole; one byte more, or an endless device, is an
+    /// error after reading no more than the limit and one byte.
+    #[test]
+    fn a_text_file_is_read_up_to_its_limit() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), "héllo\nworld\n").unwrap();
+        let len = std::fs::metadata(file.path()).unwrap().len();
+        assert_eq!(read_text_up_to(file.path(), len).unwrap(), "héllo\nworld\n");
+        let err = read_text_up_to(file.path(), len - 1).unwrap_err();
+        assert!(err.to_string().contains("more than"), "{err}");
+        let err = read_text_up_to(Path::new("/dev/zero"), 1 << 20).unwrap_err();
+        assert!(err.to_string().contains("more than 1048576 bytes"), "{err}");
+        std::fs::write(file.path(), [0xff, 0xfe]).unwrap();
+        let err = read_text_up_to(file.path(), 10).unwrap_err();
+        assert!(err.to_string().contains("not UTF-8"), "{err}");
     }
 }

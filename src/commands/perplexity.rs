@@ -39,7 +39,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     // What is cheap to check comes before the model loads.
-    let text = std::fs::read_to_string(&args.file)
+    let text = super::read_text_file(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     anyhow::ensure!(args.ctx >= 2, "--ctx must be at least 2 tokens");
     anyhow::ensure!(args.chunks != Some(0), "--chunks must be at least 1");

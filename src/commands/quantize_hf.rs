@@ -216,7 +216,7 @@ pub fn quantize_dir(
         Vec::new()
     } else {
         let path = args.calibration.clone().unwrap_or_else(default_calibration);
-        let text = std::fs::read_to_string(&path).with_context(|| {
+        let text = super::read_text_file(&path).with_context(|| {
             format!("reading the calibration text {} (make it with `python fixtures/scripts/corpus.py`)", path.display())
         })?;
         if path.ends_with("hamlet.txt") {

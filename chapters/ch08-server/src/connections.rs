@@ -85,7 +85,10 @@ pub async fn serve(
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // More permits than a semaphore holds (2^61 − 1) is no limit at all: clamped, not refused.
+    let slots = Arc::new(Semaphore::new(
+        limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    ));
     let busy = busy_response();
     let (closing, closed) = watch::channel(false);
     let mut connections = JoinSet::new();

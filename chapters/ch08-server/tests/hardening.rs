@@ -255,6 +255,20 @@ async fn truncate_prompt_tokens_serves_a_text_longer_than_the_context() {
 
 // ─────────────────────────────────── 2. connections ───────────────────────────────────
 
+/// A connection limit past what a semaphore counts (2^61 − 1) is no limit: the server starts
+/// and serves (it panicked at start-up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_limit_past_counting_is_no_limit() {
+    let mut setup = Setup::default();
+    setup.config.connections = quick_timeouts(usize::MAX);
+    let server = start(setup).await;
+    let response = reqwest::get(format!("{}/health", server.url))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_and_idle_clients_are_closed_after_the_timeouts() {
     let limits = quick_timeouts(64);

@@ -368,7 +368,12 @@ async fn run_rate(
     max_concurrency: Option<usize>,
     seed: u64,
 ) -> anyhow::Result<(Vec<RequestRecord>, f64)> {
-    let slots = max_concurrency.map(|c| Arc::new(tokio::sync::Semaphore::new(c)));
+    // More permits than a semaphore holds (2^61 − 1) is no limit at all: clamped.
+    let slots = max_concurrency.map(|c| {
+        Arc::new(tokio::sync::Semaphore::new(
+            c.min(tokio::sync::Semaphore::MAX_PERMITS),
+        ))
+    });
     let progress = Arc::new(Progress::new(prompts.len()));
     let start = tokio::time::Instant::now();
     let tasks: Vec<_> = schedule(prompts.len(), rate, seed)
