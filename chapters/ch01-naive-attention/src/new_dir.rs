@@ -53,8 +53,23 @@ pub fn write_new_dir<E>(
 }
 
 /// Writes the file `path` with `bytes`: under a hidden name beside it (named for this
-/// process), then renamed over it.
+/// process), then renamed over it. What is not a file nor a link (a device such as
+/// `/dev/null`, a pipe) is written into and never replaced; a directory is an error of kind
+/// `IsADirectory`, left as it was.
 pub fn write_new_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::IsADirectory,
+                "is a directory, not a file",
+            ));
+        }
+        Ok(meta) if !meta.is_file() && !meta.is_symlink() => {
+            let mut special = std::fs::OpenOptions::new().write(true).open(path)?;
+            return std::io::Write::write_all(&mut special, bytes);
+        }
+        _ => {}
+    }
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let partial = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
     let written = std::fs::write(&partial, bytes).and_then(|()| std::fs::rename(&partial, path));
@@ -112,5 +127,35 @@ mod tests {
         let refused = write_new_dir(&kept, write_config, io).unwrap_err();
         assert!(refused.contains("is not empty"), "{refused}");
         assert_eq!(std::fs::read(kept.join("config.json")).unwrap(), b"{}");
+    }
+
+    #[test]
+    fn a_file_is_replaced_whole_a_directory_refused_and_a_device_written_into() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("logits.safetensors");
+        write_new_file(&file, b"first").unwrap();
+        write_new_file(&file, b"second").unwrap();
+        assert_eq!(std::fs::read(&file).unwrap(), b"second");
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+        let refused = write_new_file(tmp.path(), b"x").unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::IsADirectory);
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+        // A pipe stands for `/dev/null` or `/dev/stdout` here: renamed over, `/dev/null` would
+        // become a file of these bytes, read back by every later reader of `/dev/null`.
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::fs::FileTypeExt;
+            let pipe = tmp.path().join("pipe");
+            let made = std::process::Command::new("mkfifo").arg(&pipe).status().unwrap();
+            assert!(made.success());
+            let reader = {
+                let pipe = pipe.clone();
+                std::thread::spawn(move || std::fs::read(pipe).unwrap())
+            };
+            write_new_file(&pipe, b"logits").unwrap();
+            let kind = std::fs::symlink_metadata(&pipe).unwrap().file_type();
+            assert!(kind.is_fifo(), "the pipe is now {kind:?}");
+            assert_eq!(reader.join().unwrap(), b"logits");
+        }
     }
 }
