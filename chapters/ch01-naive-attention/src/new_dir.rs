@@ -146,7 +146,10 @@ mod tests {
         {
             use std::os::unix::fs::FileTypeExt;
             let pipe = tmp.path().join("pipe");
-            let made = std::process::Command::new("mkfifo").arg(&pipe).status().unwrap();
+            let made = std::process::Command::new("mkfifo")
+                .arg(&pipe)
+                .status()
+                .unwrap();
             assert!(made.success());
             let reader = {
                 let pipe = pipe.clone();
