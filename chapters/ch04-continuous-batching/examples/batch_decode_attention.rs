@@ -4,7 +4,10 @@
 //! pools. A step reads every layer's K/V once, far more than the caches hold, so they come from
 //! memory as in the engine. Prints, for each row kernel this CPU runs (portable, AVX2, AVX-512),
 //! the median and the fastest of `ROUNDS` steps taken in turn with the others: ms per step,
-//! GB/s of K/V read and GFLOP/s (`2 · 2 · d` FLOPs per query head and position).
+//! GB/s of K/V read and GFLOP/s (`2 · 2 · d` FLOPs per query head and position). Beside them,
+//! for the f32 pool, in the same turns, a pure read: every sequence's K then V blocks summed in
+//! the same order and on the same threads, with no attention: how fast this layout of the pool
+//! can be read at all. (Summing a bf16 pool would time its widening, not its reading.)
 //!
 //! `cargo run --release -p ch04-continuous-batching --example batch_decode_attention [T...]`
 
@@ -17,6 +20,7 @@ use ch03::{BlockId, KvElement, KvPool};
 use ch04_continuous_batching::attention::{QueryRow, RowKernel, batch_attention_with};
 use half::bf16;
 use ndarray::ArrayView1;
+use rayon::prelude::*;
 
 const LAYERS: usize = 30;
 const SEQUENCES: usize = 32;
@@ -47,7 +51,50 @@ fn value(i: usize) -> f32 {
 /// taken in turn (a round is one step of each, starting one kernel later each round), so that
 /// a drift of the machine's bandwidth, and whatever one step leaves in cache for the next,
 /// fall on all of them alike.
-fn time_steps<K: KvElement>(kernels: &[RowKernel], t: usize) -> Vec<(f64, f64)> {
+/// What one turn of [`time_steps`] runs: a row kernel, or the pure read ([`read_blocks`]).
+#[derive(Debug, Clone, Copy)]
+enum Pass {
+    Kernel(RowKernel),
+    PureRead,
+}
+
+impl Pass {
+    fn name(self) -> String {
+        match self {
+            Pass::Kernel(kernel) => {
+                let kernel = format!("{kernel:?}");
+                kernel.split('(').next().unwrap_or(&kernel).to_string()
+            }
+            Pass::PureRead => "pure read".to_string(),
+        }
+    }
+}
+
+/// The sum of every K, then every V, element of the blocks `tables` name in `layer`, a
+/// sequence per task: what the attention of a decode step reads, and nothing else.
+fn read_blocks<K: KvElement>(pool: &KvPool<K>, layer: usize, tables: &[Vec<BlockId>]) -> f32 {
+    let block_len = BLOCK_SIZE * pool.kv_dim();
+    let (keys, values) = pool.layer_kv(layer);
+    tables
+        .par_iter()
+        .map(|table| {
+            let mut lanes = [0.0f32; 16]; // 16 sums, one per lane: a vector add per 16 elements
+            for stored in [keys, values] {
+                for &block in table {
+                    let block = &stored[block as usize * block_len..][..block_len];
+                    for chunk in block.as_chunks::<16>().0 {
+                        for (sum, e) in lanes.iter_mut().zip(chunk) {
+                            *sum += e.to_f32();
+                        }
+                    }
+                }
+            }
+            lanes.iter().sum::<f32>()
+        })
+        .sum()
+}
+
+fn time_steps<K: KvElement>(passes: &[Pass], t: usize) -> Vec<(f64, f64)> {
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
     let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
@@ -78,19 +125,26 @@ fn time_steps<K: KvElement>(kernels: &[RowKernel], t: usize) -> Vec<(f64, f64)> 
         .collect();
     let q: Vec<f32> = (0..SEQUENCES * q_dim).map(|i| value(i * 3) * 4.0).collect();
     let mut out = vec![0.0; q.len()];
-    let mut steps = vec![Vec::new(); kernels.len()];
+    let mut steps = vec![Vec::new(); passes.len()];
+    let mut read = 0.0;
     for round in 0..ROUNDS + 2 {
-        for i in 0..kernels.len() {
-            let k = (round + i) % kernels.len();
+        for i in 0..passes.len() {
+            let k = (round + i) % passes.len();
             let start = Instant::now();
             for layer in 0..LAYERS {
-                batch_attention_with(kernels[k], &pool, layer, &rows, &q, SHAPE, &mut out);
+                match passes[k] {
+                    Pass::Kernel(kernel) => {
+                        batch_attention_with(kernel, &pool, layer, &rows, &q, SHAPE, &mut out)
+                    }
+                    Pass::PureRead => read += read_blocks(&pool, layer, &tables),
+                }
             }
             if round >= 2 {
                 steps[k].push(start.elapsed().as_secs_f64()); // after two rounds of warm-up
             }
         }
     }
+    std::hint::black_box(read);
     steps
         .into_iter()
         .map(|mut steps| {
@@ -114,26 +168,31 @@ fn main() {
         "| T | pool | kernel | median ms/step | GB/s | GFLOP/s | fastest ms/step | GB/s | GFLOP/s |"
     );
     println!("|---:|:---|:---|---:|---:|---:|---:|---:|---:|");
-    let kernels = RowKernel::available();
+    let kernels: Vec<Pass> = (RowKernel::available().into_iter().map(Pass::Kernel)).collect();
+    let with_read: Vec<Pass> = kernels.iter().copied().chain([Pass::PureRead]).collect();
     for t in lengths {
         let flops = (LAYERS * SEQUENCES * SHAPE.num_heads * t * 4 * SHAPE.head_dim) as f64;
         let positions = (LAYERS * SEQUENCES * t * 2 * SHAPE.num_kv_heads * SHAPE.head_dim) as f64;
-        for (name, times, bytes) in [
-            ("f32", time_steps::<f32>(&kernels, t), 4.0),
-            ("bf16", time_steps::<bf16>(&kernels, t), 2.0),
+        for (name, passes, times, bytes) in [
+            ("f32", &with_read, time_steps::<f32>(&with_read, t), 4.0),
+            ("bf16", &kernels, time_steps::<bf16>(&kernels, t), 2.0),
         ] {
             let gb = positions * bytes / 1e9;
-            for (kernel, (median, best)) in kernels.iter().zip(times) {
-                let kernel = format!("{kernel:?}");
-                let kernel = kernel.split('(').next().unwrap_or(&kernel);
+            for (pass, (median, best)) in passes.iter().zip(times) {
+                // A pure read does no arithmetic: no GFLOP/s.
+                let gflops = |secs: f64| match pass {
+                    Pass::Kernel(_) => format!("{:.1}", flops / secs / 1e9),
+                    Pass::PureRead => "–".to_string(),
+                };
                 println!(
-                    "| {t} | {name} | {kernel} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} |",
+                    "| {t} | {name} | {} | {:.2} | {:.1} | {} | {:.2} | {:.1} | {} |",
+                    pass.name(),
                     median * 1e3,
                     gb / median,
-                    flops / median / 1e9,
+                    gflops(median),
                     best * 1e3,
                     gb / best,
-                    flops / best / 1e9
+                    gflops(best)
                 );
             }
         }
