@@ -6,8 +6,9 @@
 use std::path::Path;
 
 /// Creates the directory `out` (missing, or empty; a directory with anything in it is an error
-/// of kind `DirectoryNotEmpty`) with what `write` puts into the directory it is given. `io`
-/// turns a filesystem error at a path into the caller's error.
+/// of kind `DirectoryNotEmpty`, anything else at `out` one of kind `AlreadyExists`) with what
+/// `write` puts into the directory it is given. `io` turns a filesystem error at a path into
+/// the caller's error.
 ///
 /// A missing `out` is staged beside it (a hidden sibling named for this process) and renamed
 /// into place. An existing one (a mount point, a directory with its own owner and mode) is
@@ -18,6 +19,13 @@ pub fn write_new_dir<E>(
     io: impl Fn(&Path, std::io::Error) -> E,
 ) -> Result<(), E> {
     let existing = out.is_dir();
+    if !existing && std::fs::symlink_metadata(out).is_ok() {
+        let not_a_dir = std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "exists and is not a directory: a model directory is written into a new or empty one",
+        );
+        return Err(io(out, not_a_dir));
+    }
     if existing
         && std::fs::read_dir(out)
             .map_err(|e| io(out, e))?
@@ -127,6 +135,12 @@ mod tests {
         let refused = write_new_dir(&kept, write_config, io).unwrap_err();
         assert!(refused.contains("is not empty"), "{refused}");
         assert_eq!(std::fs::read(kept.join("config.json")).unwrap(), b"{}");
+        // A file (or a device) is not written over, nor is anything written before saying so.
+        let file = tmp.path().join("file");
+        std::fs::write(&file, "mine").unwrap();
+        let refused = write_new_dir(&file, |_| panic!("nothing is written"), io).unwrap_err();
+        assert!(refused.contains("is not a directory"), "{refused}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"mine");
     }
 
     #[test]
