@@ -45,6 +45,26 @@ pub enum AuthError {
     },
 }
 
+/// The most bytes a key file may hold: ample for thousands of keys, and `/dev/zero` or a log
+/// given by mistake is refused instead of read until memory runs out.
+pub const MAX_KEY_FILE_BYTES: u64 = 1 << 20;
+
+/// The text of the key file `path`, if it holds at most [`MAX_KEY_FILE_BYTES`] of UTF-8.
+fn read_key_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_KEY_FILE_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_KEY_FILE_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {MAX_KEY_FILE_BYTES} bytes: not a file of API keys"),
+        ));
+    }
+    Ok(text)
+}
+
 /// The accepted API keys. Empty: the server is open (no Authorization needed).
 #[derive(Clone, Default)]
 pub struct ApiKeys {
@@ -80,7 +100,7 @@ impl ApiKeys {
         let asked = !keys.is_empty() || file.is_some();
         let mut all = keys.to_vec();
         if let Some(path) = file {
-            let text = std::fs::read_to_string(path).map_err(|source| AuthError::File {
+            let text = read_key_file(path).map_err(|source| AuthError::File {
                 path: path.to_path_buf(),
                 source,
             })?;
@@ -242,6 +262,24 @@ mod tests {
             Err(AuthError::NoneUsable)
         ));
         assert!(ApiKeys::load(&[], None).unwrap().is_open());
+    }
+
+    #[test]
+    fn a_key_file_past_its_limit_is_refused_unread() {
+        let err = ApiKeys::load(&[], Some(Path::new("/dev/zero"))).unwrap_err();
+        assert!(err.to_string().contains("larger than"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.txt");
+        let mut text = "sk-one\n".to_string();
+        text.push_str(&"#".repeat(MAX_KEY_FILE_BYTES as usize - text.len()));
+        std::fs::write(&path, &text).unwrap();
+        assert_eq!(ApiKeys::load(&[], Some(&path)).unwrap().len(), 1);
+        text.push('#');
+        std::fs::write(&path, &text).unwrap();
+        assert!(matches!(
+            ApiKeys::load(&[], Some(&path)),
+            Err(AuthError::File { .. })
+        ));
     }
 
     #[test]
