@@ -449,7 +449,7 @@ fn prompts_file_errors_are_clear() {
                 "--max-num-batched-tokens",
                 "8",
             ],
-            "without chunked prefill",
+            "raise --max-num-batched-tokens, or drop --no-enable-chunked-prefill",
         ),
         (&["--max-num-seqs", "0"], "max_num_seqs"),
     ] {
@@ -460,6 +460,15 @@ fn prompts_file_errors_are_clear() {
         .concat();
         assert_fails_with(&args, needle);
     }
+    // A prompt past the model's context: no flag admits it, and none is suggested.
+    let long = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(long.path(), "ROMEO. ".repeat(2000)).unwrap();
+    let long = long.path().to_str().unwrap();
+    let output = kiln(&["generate", "--model", model, "--prompts-file", long]);
+    let err = stderr(&output);
+    assert!(!output.status.success());
+    assert!(err.contains("exceeds the model's context"), "{err}");
+    assert!(!err.contains("raise --"), "{err}");
     // Engine flags and --trace need --prompts-file.
     assert_fails_with(
         &[

@@ -394,10 +394,9 @@ fn run_many(
             priority: 0,
             logprobs: None,
         };
-        let id = engine.add_request(request).with_context(context).context(
-            "raise --kv-cache-memory or lower --max-tokens if the cache is too small; \
-             raise --max-num-batched-tokens if a step must hold more",
-        )?;
+        let id = engine
+            .add_request(request)
+            .map_err(|e| admission_error(e, context()))?;
         client.index.insert(id, i);
         client.texts.push(text);
     }
@@ -559,4 +558,22 @@ fn trace_line(engine: &Engine, sampled: &[RequestId], recomputing: &BTreeSet<Req
         line += &format!(", {swapped} swapped");
     }
     line
+}
+
+/// `e`, refusing prompt `prompt` (described), with the flag that would admit it where one would:
+/// a cache too small for prompt and output, or a step too small for an unchunked prompt. A
+/// prompt past the model's context says so itself; no flag helps it.
+fn admission_error(e: ch04::EngineError, prompt: String) -> anyhow::Error {
+    let advice = match e {
+        ch04::EngineError::TooLong { .. } => Some("raise --kv-cache-memory, or lower --max-tokens"),
+        ch04::EngineError::OverBudget { .. } => {
+            Some("raise --max-num-batched-tokens, or drop --no-enable-chunked-prefill")
+        }
+        _ => None,
+    };
+    let e = anyhow::Error::new(e).context(prompt);
+    match advice {
+        Some(advice) => e.context(advice),
+        None => e,
+    }
 }
