@@ -1,15 +1,17 @@
 //! What asking ahead for weights saves a step of several tokens, in two tables: the next weight
 //! panels, into L2 (`kernels::ahead`), and the rows of the panels being multiplied, into L1
-//! (`kernels::ROWS_AHEAD`). Each times every projection of every layer (q, k, v, o, gate, up,
-//! down) on `T` tokens, the weights from memory, with the requests and without, alternating
-//! within one process so that the machine's drift falls on both alike, in f32 and in bf16.
-//! Prints the median ms of a pass and its GFLOP/s.
+//! (`kernels::ROWS_AHEAD`); and in a third, what going through each pair of panels in stretches
+//! of `kernels::STRETCH_ROWS` features, every tile in turn, saves against whole tiles one after
+//! another (`kernels::set_stretches`). Each times every projection of every layer (q, k, v, o,
+//! gate, up, down) on `T` tokens, the weights from memory, with the change and without,
+//! alternating within one process so that the machine's drift falls on both alike, in f32 and in
+//! bf16. Prints the median ms of a pass and its GFLOP/s.
 //!
 //! `cargo run --release -p ch02-kv-cache --example panels_ahead -- MODEL_DIR [T...]`
 
 use ch01::Llama;
 use ch02_kv_cache::awake::awake;
-use ch02_kv_cache::kernels::{set_panels_ahead, set_rows_ahead};
+use ch02_kv_cache::kernels::{set_panels_ahead, set_rows_ahead, set_stretches};
 use ch02_kv_cache::{WeightDtype, load_fast};
 use ndarray::Array2;
 
@@ -29,15 +31,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         lengths = vec![8, 12, 24, 32, 64, 96, 128, 192, 512];
     }
     table(
-        "the next panels, into L2",
+        (
+            "Asking ahead for the next panels, into L2",
+            ["without", "ahead"],
+        ),
         set_panels_ahead,
         &lengths,
         &f32,
         &bf16,
     );
     table(
-        "the panels' own rows, into L1",
+        (
+            "Asking ahead for the panels' own rows, into L1",
+            ["without", "ahead"],
+        ),
         set_rows_ahead,
+        &lengths,
+        &f32,
+        &bf16,
+    );
+    table(
+        (
+            "Products of 13 to 36 tokens: whole tiles, or the pairs in stretches",
+            ["whole tiles", "stretches"],
+        ),
+        set_stretches,
         &lengths,
         &f32,
         &bf16,
@@ -45,13 +63,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// One table: every pass at each length in `lengths`, with the requests `switch` turns on and
-/// without, alternating, in f32 and in bf16; the requests are left on.
-fn table(what: &str, switch: fn(bool), lengths: &[usize], f32: &Llama, bf16: &Llama) {
+/// One table, titled `title` with the ways `[off, on]` named: every pass at each length in
+/// `lengths`, with what `switch` turns on and without, alternating, in f32 and in bf16; it is
+/// left on.
+fn table(
+    (title, [off, on]): (&str, [&str; 2]),
+    switch: fn(bool),
+    lengths: &[usize],
+    f32: &Llama,
+    bf16: &Llama,
+) {
     let weights = bytes(f32) / 4; // f32 weights: 4 bytes each
-    println!("\nAsking ahead for {what}:\n");
+    println!("\n{title}:\n");
     println!(
-        "| T | f32, without, ms | f32, ahead, ms | gain | bf16, without, ms | bf16, ahead, ms | gain | GFLOP/s, ahead: f32, bf16 |"
+        "| T | f32, {off}, ms | f32, {on}, ms | gain | bf16, {off}, ms | bf16, {on}, ms | gain | GFLOP/s, {on}: f32, bf16 |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &t in lengths {

@@ -663,3 +663,97 @@ fn asking_for_weights_ahead_changes_no_product() {
             .unwrap();
     });
 }
+
+/// Going through the pairs of panels in stretches of `STRETCH_ROWS` features, every tile in
+/// turn (products of 2 and 3 AVX-512 tiles), changes no product: on 2 to 50 tokens (1 to 5
+/// tiles, across both limits), 1 to 200 input features (none, one or several whole stretches
+/// and a partial last one), 17 to 80 outputs (odd and partial last panels), f32 and bf16, with
+/// and without the rows asked for ahead, every micro-kernel's product with stretches equals
+/// the naive product and the same product without them bit for bit; so does a top-left corner.
+#[test]
+fn stretches_of_features_change_no_product() {
+    use ch02_kv_cache::kernels::{
+        Gemm, PackedWeight, STRETCH_ROWS, matmul_part, set_rows_ahead, set_stretches,
+    };
+    assert_eq!(
+        STRETCH_ROWS, 64,
+        "the feature counts below straddle one and two stretches"
+    );
+    let shapes = (17usize..81, 1usize..201, 2usize..51, 0usize..17, 0usize..2);
+    let inputs = shapes.prop_flat_map(|(out_f, in_f, tokens, cut_out, cut_in)| {
+        (
+            proptest::collection::vec(-1.0f32..1.0, out_f * in_f)
+                .prop_map(move |w| Array2::from_shape_vec((out_f, in_f), w).unwrap()),
+            proptest::collection::vec(-2.0f32..2.0, tokens * in_f)
+                .prop_map(move |x| Array2::from_shape_vec((tokens, in_f), x).unwrap()),
+            Just((cut_out, cut_in.min(in_f - 1))),
+        )
+    });
+    // Back on even if a product panics, for the other tests of this binary.
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            set_stretches(true);
+            set_rows_ahead(true);
+        }
+    }
+    let _restore = Restore;
+    runner(32)
+        .run(&inputs, |(w, x, (cut_out, cut_in))| {
+            let (tokens, (out_f, in_f)) = (x.nrows(), w.dim());
+            let flat = w.as_slice().unwrap();
+            for (outputs, inputs) in [(out_f, in_f), (out_f - cut_out, in_f - cut_in)] {
+                let x_in = x.slice(ndarray::s![.., ..inputs]).to_owned();
+                let corner = w.slice(ndarray::s![..outputs, ..inputs]).to_owned();
+                for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
+                    let expected = naive(&corner, &None, &x_in, dtype);
+                    for gemm in Gemm::available() {
+                        let run = |stretches: bool, rows: bool| {
+                            set_stretches(stretches);
+                            set_rows_ahead(rows);
+                            let mut y = vec![0.0f32; tokens * outputs];
+                            let x_in = x_in.as_slice().unwrap();
+                            match dtype {
+                                WeightDtype::F32 => {
+                                    let packed = PackedWeight::<f32>::pack(flat, out_f, in_f);
+                                    matmul_part(
+                                        gemm, &packed, outputs, inputs, x_in, &mut y, tokens,
+                                    );
+                                }
+                                WeightDtype::Bf16 => {
+                                    let packed = PackedWeight::<u16>::pack(flat, out_f, in_f);
+                                    matmul_part(
+                                        gemm, &packed, outputs, inputs, x_in, &mut y, tokens,
+                                    );
+                                }
+                            }
+                            y
+                        };
+                        let what = format!(
+                            "{gemm:?} {dtype:?}: W {:?} corner {outputs}×{inputs}, {tokens} tokens",
+                            w.dim()
+                        );
+                        for rows in [true, false] {
+                            let with = run(true, rows);
+                            assert_close_shaped(
+                                &what,
+                                &with,
+                                &expected,
+                                &[tokens, outputs],
+                                Tolerance::F32,
+                            );
+                            let without = run(false, rows);
+                            prop_assert!(
+                                with.iter()
+                                    .zip(&without)
+                                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{what}: the stretches changed the product (rows ahead {rows})"
+                            );
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}

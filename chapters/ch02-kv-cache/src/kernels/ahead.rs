@@ -14,7 +14,9 @@
 //! Only the panels of the same task are asked for (another thread may take the next task), so a
 //! task of one pair asks for nothing: with many threads SmolLM2's small projections are cut into
 //! such tasks. And only a product of `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles whose
-//! panels are read as stored (not widened) asks (see there).
+//! panels are read as stored (not widened) asks (see there), but for the pairs that go in
+//! stretches (`pair_in_stretches`, 2 and 3 tiles on AVX-512), which hide the first tile's wait
+//! by another order of the loops.
 
 use super::NR;
 use super::vector::{CACHE_LINE as LINE, prefetch_l2};

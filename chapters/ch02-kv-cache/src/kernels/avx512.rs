@@ -341,3 +341,96 @@ unsafe fn tile_matmul_pair_avx512<W: WeightElement, V, const M: usize>(
     }
 }
 // ANCHOR_END: micro_kernel_512_pair
+
+// ANCHOR: pair_stretch
+/// A pair's accumulators between stretches of `k` ([`tile_matmul_pair_stretch`]): register
+/// `2r` holds token row r's 16 lanes of panel p, `2r + 1` those of panel p + 1, lane i the
+/// output stored at slot i (as the registers of [`tile_matmul_pair`] before its last store).
+pub type PairLanes = [[f32; NR]; 2 * MR_512];
+
+/// [`tile_matmul_pair`] over one stretch of the input features: `acc` (rows `0..M`) += the
+/// products of the stretch, `x` holding token row r's features of the stretch at `r ·
+/// x_stride..`, `b0`, `b1` the two panels' rows of the stretch ([steps][NR] each). Started from
+/// zeros and run over consecutive stretches that cover `k`, it computes every output as the
+/// same chain of multiply-adds as [`tile_matmul_pair`] over all of `k`: the same bits
+/// ([`pair_lanes_to_tile`] puts them in their places).
+///
+/// Panics unless both panels have the same length, a multiple of `NR`, `x_stride` is at least
+/// their steps and `x` holds `M` rows of them at that stride.
+pub fn tile_matmul_pair_stretch<W: WeightElement, const M: usize>(
+    _cpu: Avx512,
+    x: &[f32],
+    x_stride: usize,
+    (b0, b1): (&[W], &[W]),
+    acc: &mut PairLanes,
+) {
+    const { assert!(M >= 1 && M <= MR_512, "a tile holds 1 to MR_512 tokens") };
+    assert!(
+        b0.len().is_multiple_of(NR) && b0.len() == b1.len(),
+        "b0, b1 are [steps][NR]"
+    );
+    let steps = b0.len() / NR;
+    assert!(
+        steps <= x_stride && x.len() >= (M - 1) * x_stride + steps,
+        "x holds M rows of the stretch"
+    );
+    // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
+    unsafe { tile_matmul_pair_stretch_avx512::<W, M>(x, x_stride, b0, b1, acc) }
+}
+
+/// [`tile_matmul_pair_stretch`]'s body.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `b0.len() == b1.len()`, a multiple of `NR`, of `steps` rows;
+/// `x.len() >= (M - 1) * x_stride + steps`, `M <= MR_512`.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_matmul_pair_stretch_avx512<W: WeightElement, const M: usize>(
+    x: &[f32],
+    x_stride: usize,
+    b0: &[W],
+    b1: &[W],
+    lanes: &mut PairLanes,
+) {
+    let steps = b0.len() / NR;
+    let ahead = super::rows_ahead();
+    let (x, b0, b1) = (x.as_ptr(), b0.as_ptr(), b1.as_ptr());
+    let mut acc0 = [_mm512_setzero_ps(); M];
+    let mut acc1 = [_mm512_setzero_ps(); M];
+    // SAFETY: the caller guarantees AVX-512F. `lanes` rows 0..2M hold 16 f32 each (2M <= 24);
+    // for kk < steps, `b0[kk * NR..][..NR]` and the same of `b1` are inside them; for r < M,
+    // `x[r * x_stride + kk]` is inside `x` ((M - 1) * x_stride + steps elements).
+    unsafe {
+        for r in 0..M {
+            acc0[r] = _mm512_loadu_ps(lanes[2 * r].as_ptr());
+            acc1[r] = _mm512_loadu_ps(lanes[2 * r + 1].as_ptr());
+        }
+        for kk in 0..steps {
+            if ahead > 0 && kk.is_multiple_of(super::features_per_line::<W>()) {
+                ask_row_l1(b0, kk + ahead); // this pair's line `ahead` rows on, into L1
+                ask_row_l1(b1, kk + ahead);
+            }
+            let w0 = W::load16_512(b0.add(kk * NR));
+            let w1 = W::load16_512(b1.add(kk * NR));
+            for r in 0..M {
+                let x_rk = _mm512_set1_ps(*x.add(r * x_stride + kk));
+                acc0[r] = _mm512_fmadd_ps(x_rk, w0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(x_rk, w1, acc1[r]);
+            }
+        }
+        for r in 0..M {
+            _mm512_storeu_ps(lanes[2 * r].as_mut_ptr(), acc0[r]);
+            _mm512_storeu_ps(lanes[2 * r + 1].as_mut_ptr(), acc1[r]);
+        }
+    }
+}
+// ANCHOR_END: pair_stretch
+
+/// Rows `0..m` of `c` [MR_512][2 · NR] (row r: panel p's 16 outputs, then panel p + 1's) from
+/// the accumulators `lanes`, each output put back in its place from its stored slot.
+pub fn pair_lanes_to_tile<W: WeightElement>(lanes: &PairLanes, m: usize, c: &mut [f32]) {
+    for (lanes, out) in lanes.iter().zip(c.chunks_exact_mut(NR)).take(2 * m) {
+        for (j, c) in out.iter_mut().enumerate() {
+            *c = lanes[W::slot(j)];
+        }
+    }
+}

@@ -17,7 +17,10 @@
 //!   `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles whose panels are read as stored (not
 //!   widened), each tile also asks for its share of the task's next panels while it multiplies
 //!   (`ahead.rs`), so that they come from L2 in their turn; the AVX-512 kernels also ask for
-//!   their present panels' rows [`ROWS_AHEAD`] features ahead, into L1.
+//!   their present panels' rows [`ROWS_AHEAD`] features ahead, into L1. A product of two or
+//!   three AVX-512 tiles (13 to 36 tokens, a batch of decodes) goes through each pair of panels
+//!   in stretches of [`STRETCH_ROWS`] features instead, every tile in turn over a stretch
+//!   (`pair_in_stretches`): the stretch comes from memory once and stays in L1 for the others.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
@@ -314,7 +317,19 @@ pub fn matmul_part<W: WeightElement>(
     let widen = W::WIDENS_ON_LOAD
         && tiles >= WIDEN_FROM_TILES
         && PANEL_WIDENING.load(std::sync::atomic::Ordering::Relaxed);
+    // The pairs of a product of a few tiles go through their features in stretches, every tile
+    // in turn ([`pair_in_stretches`]); they ask for nothing ahead but their rows.
+    #[cfg(target_arch = "x86_64")]
+    let in_stretches = match gemm {
+        Gemm::Avx512Pair(cpu) if !widen && stretches(tiles) => Some(cpu),
+        _ => None,
+    };
+    #[cfg(target_arch = "x86_64")]
+    let stretched = in_stretches.is_some();
+    #[cfg(not(target_arch = "x86_64"))]
+    let stretched = false;
     let asks_ahead = !widen
+        && !stretched
         && (AHEAD_FROM_TILES..=AHEAD_UP_TO_TILES).contains(&tiles)
         && PANELS_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
     // Panel p's first k inputs: [k][NR].
@@ -335,6 +350,13 @@ pub fn matmul_part<W: WeightElement>(
                 row_len: n,
             };
             let pair = (panel(p), (width == 2).then(|| panel(p + 1)));
+            #[cfg(target_arch = "x86_64")]
+            if let (Some(cpu), Some(b1)) = (in_stretches, pair.1) {
+                // SAFETY: see above.
+                unsafe { pair_in_stretches(cpu, x, tokens, (pair.0, b1), &out, &at) };
+                p += width;
+                continue;
+            }
             // Columns `at.cols` belong to panels p..p + width, which only this task computes
             // (the tasks' panel ranges are disjoint), once: the safety of both calls below.
             // Widening panels as they come from memory would stall on the loads; so the first
@@ -501,7 +523,8 @@ pub fn set_panel_widening(on: bool) {
     PANEL_WIDENING.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Products of at most this many token tiles ask for their next panels ahead (`ahead.rs`): 132
+/// Products of at most this many token tiles ask for their next panels ahead (`ahead.rs`), but
+/// for the pairs that go in stretches ([`pair_in_stretches`], 2 and 3 tiles): 132
 /// tokens on AVX-512's tiles of 12, 66 on AVX2's tiles of 6 (measured on AVX-512 only), and
 /// only where the panels are read as stored (not widened once per call). With more tiles a
 /// pair's first tile is a small part of its time, and the requests only compete with the token
@@ -625,15 +648,118 @@ unsafe fn tile_products<W: WeightElement, V>(
                 tile_matmul(gemm, rows.len(), x_tile, b0, requests, single);
             }
         }
-        for (r, c_row) in rows.zip(c.chunks_exact(width * NR)) {
-            // SAFETY: elements `r * row_len + cols` are in row r and columns `at.cols`, which
-            // the caller guarantees nothing else touches meanwhile.
-            let y_row = unsafe { out.slice(r * at.row_len + at.cols.start, at.cols.len()) };
-            y_row.copy_from_slice(&c_row[..at.cols.len()]);
-        }
+        // SAFETY: the caller's guarantee.
+        unsafe { write_tile(&c, width, rows, out, at) };
     }
 }
 // ANCHOR_END: tile_products
+
+/// Writes the tile `c` [_][width · NR] of token rows `rows` into columns `at.cols` of those rows
+/// of `out`.
+///
+/// # Safety
+/// No other live reference may touch columns `at.cols` of `out`'s rows `rows` while this runs.
+unsafe fn write_tile(
+    c: &[f32],
+    width: usize,
+    rows: std::ops::Range<usize>,
+    out: &SharedOut,
+    at: &OutputColumns,
+) {
+    for (r, c_row) in rows.zip(c.chunks_exact(width * NR)) {
+        // SAFETY: elements `r * row_len + cols` are in row r and columns `at.cols`, which the
+        // caller guarantees nothing else touches meanwhile.
+        let y_row = unsafe { out.slice(r * at.row_len + at.cols.start, at.cols.len()) };
+        y_row.copy_from_slice(&c_row[..at.cols.len()]);
+    }
+}
+
+/// Products of `STRETCH_FROM_TILES` to `STRETCH_UP_TO_TILES` AVX-512 tiles (13 to 36 tokens)
+/// take each pair of panels in stretches of [`STRETCH_ROWS`] input features
+/// ([`pair_in_stretches`]), whose panels they read as stored. On SmolLM2's projections
+/// (`examples/panels_ahead.rs`, Intel Xeon, two runs) that gained 0.4% to 14% in f32 and 3.5%
+/// to 10% in bf16 from 16 to 36 tokens; four tiles (48 tokens) lost 3% to 4% in f32.
+#[cfg(target_arch = "x86_64")]
+const STRETCH_FROM_TILES: usize = 2;
+#[cfg(target_arch = "x86_64")]
+const STRETCH_UP_TO_TILES: usize = 3;
+
+/// Input features of a stretch: 8 KiB of a pair of f32 panels, which stays in L1 while every
+/// tile of the product multiplies it (128 did no better).
+pub const STRETCH_ROWS: usize = 64;
+
+/// Whether products of a few tiles go through their pairs in stretches; see
+/// [`set_stretches`].
+static STRETCHES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes every product multiply each pair of panels one whole tile after another, as
+/// before products of a few tiles went through them in stretches, for the whole process; the
+/// results are the same bits either way. For measuring the difference
+/// (`examples/panels_ahead.rs`).
+pub fn set_stretches(on: bool) {
+    STRETCHES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a product of `tiles` AVX-512 tiles goes through its pairs in stretches.
+#[cfg(target_arch = "x86_64")]
+fn stretches(tiles: usize) -> bool {
+    (STRETCH_FROM_TILES..=STRETCH_UP_TO_TILES).contains(&tiles)
+        && STRETCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+// ANCHOR: pair_in_stretches
+/// The token rows `0..tokens` of `x` [tokens, k] (at most `STRETCH_UP_TO_TILES` tiles) against
+/// the adjacent panels `b0`, `b1` [k][NR], written into columns `at.cols` of `out`: a stretch of
+/// the features at a time, every tile in turn over it, so that the stretch of the panels comes
+/// from memory once, while the first tile multiplies it, and from L1 for the others. Each output
+/// is the same chain of multiply-adds as one tile's whole pass: the same bits.
+///
+/// # Safety
+/// No other live reference may touch columns `at.cols` of `out`'s rows while this runs.
+#[cfg(target_arch = "x86_64")]
+unsafe fn pair_in_stretches<W: WeightElement>(
+    cpu: Avx512,
+    x: &[f32],
+    tokens: usize,
+    (b0, b1): (&[W], &[W]),
+    out: &SharedOut,
+    at: &OutputColumns,
+) {
+    let k = b0.len() / NR;
+    let tiles = tokens.div_ceil(MR_512);
+    assert!(tiles <= STRETCH_UP_TO_TILES, "a product of a few tiles");
+    let mut lanes = [[[0.0f32; NR]; 2 * MR_512]; STRETCH_UP_TO_TILES]; // [tile] its accumulators
+    for k0 in (0..k).step_by(STRETCH_ROWS) {
+        let steps = STRETCH_ROWS.min(k - k0);
+        let panels = (
+            &b0[k0 * NR..(k0 + steps) * NR],
+            &b1[k0 * NR..(k0 + steps) * NR],
+        );
+        for (tile, lanes) in lanes[..tiles].iter_mut().enumerate() {
+            let start = tile * MR_512;
+            let m = MR_512.min(tokens - start);
+            // Token rows start..start + m, features k0..k0 + steps of each.
+            let x_rows = &x[start * k + k0..(start + m - 1) * k + k0 + steps];
+            macro_rules! heights {
+                ($($h:literal)+) => {
+                    match m {
+                        $($h => avx512::tile_matmul_pair_stretch::<W, $h>(cpu, x_rows, k, panels, lanes),)+
+                        _ => unreachable!("a tile height the kernel has no variant for"),
+                    }
+                };
+            }
+            heights!(1 2 3 4 5 6 7 8 9 10 11 12)
+        }
+    }
+    let mut c = [0.0f32; MR_512 * 2 * NR];
+    for (tile, lanes) in lanes[..tiles].iter().enumerate() {
+        let rows = tile * MR_512..(tile * MR_512 + MR_512).min(tokens);
+        avx512::pair_lanes_to_tile::<W>(lanes, rows.len(), &mut c);
+        // SAFETY: the caller's guarantee.
+        unsafe { write_tile(&c, 2, rows, out, at) };
+    }
+}
+// ANCHOR_END: pair_in_stretches
 
 /// The output `y` of a [`matmul`], written by many tasks at once, each to its own elements.
 /// It borrows `y` mutably for `'a`, so `y` outlives every task and nothing else touches it.
