@@ -61,18 +61,19 @@ pub fn write_new_dir<E>(
 }
 
 /// Writes the file `path` with `bytes`: under a hidden name beside it (named for this
-/// process), then renamed over it. What is not a file nor a link (a device such as
-/// `/dev/null`, a pipe) is written into and never replaced; a directory is an error of kind
-/// `IsADirectory`, left as it was.
+/// process), then renamed over it. What is, or links to, neither a file nor a directory (a
+/// device such as `/dev/null`, `/dev/stdout`, a pipe) is written into and never replaced; a
+/// directory, or a link to one, is an error of kind `IsADirectory`, left as it was.
 pub fn write_new_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    match std::fs::symlink_metadata(path) {
+    // `metadata` follows links: `/dev/stdout` is a link to the process's output.
+    match std::fs::metadata(path) {
         Ok(meta) if meta.is_dir() => {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::IsADirectory,
                 "is a directory, not a file",
             ));
         }
-        Ok(meta) if !meta.is_file() && !meta.is_symlink() => {
+        Ok(meta) if !meta.is_file() => {
             let mut special = std::fs::OpenOptions::new().write(true).open(path)?;
             return std::io::Write::write_all(&mut special, bytes);
         }
@@ -154,8 +155,18 @@ mod tests {
         let refused = write_new_file(tmp.path(), b"x").unwrap_err();
         assert_eq!(refused.kind(), std::io::ErrorKind::IsADirectory);
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
-        // A pipe stands for `/dev/null` or `/dev/stdout` here: renamed over, `/dev/null` would
-        // become a file of these bytes, read back by every later reader of `/dev/null`.
+        #[cfg(unix)]
+        {
+            let to_dir = tmp.path().join("to-dir");
+            std::os::unix::fs::symlink(tmp.path(), &to_dir).unwrap();
+            let refused = write_new_file(&to_dir, b"x").unwrap_err();
+            assert_eq!(refused.kind(), std::io::ErrorKind::IsADirectory);
+            assert!(std::fs::symlink_metadata(&to_dir).unwrap().is_symlink());
+            std::fs::remove_file(&to_dir).unwrap();
+        }
+        // A pipe stands for `/dev/null` here, and a link to one for `/dev/stdout`: renamed
+        // over, `/dev/null` would become a file of these bytes, read back by every later
+        // reader of `/dev/null`.
         #[cfg(target_os = "linux")]
         {
             use std::os::unix::fs::FileTypeExt;
@@ -165,14 +176,21 @@ mod tests {
                 .status()
                 .unwrap();
             assert!(made.success());
-            let reader = {
+            let link = tmp.path().join("link");
+            std::os::unix::fs::symlink(&pipe, &link).unwrap();
+            for path in [&pipe, &link] {
+                // The reader reports through a channel: were the pipe replaced, its `open`
+                // would wait for a writer forever, and the test fails on the timeout instead.
+                let (sent, received) = std::sync::mpsc::channel();
                 let pipe = pipe.clone();
-                std::thread::spawn(move || std::fs::read(pipe).unwrap())
-            };
-            write_new_file(&pipe, b"logits").unwrap();
-            let kind = std::fs::symlink_metadata(&pipe).unwrap().file_type();
-            assert!(kind.is_fifo(), "the pipe is now {kind:?}");
-            assert_eq!(reader.join().unwrap(), b"logits");
+                std::thread::spawn(move || sent.send(std::fs::read(pipe).unwrap()));
+                write_new_file(path, b"logits").unwrap();
+                let kind = std::fs::metadata(path).unwrap().file_type();
+                assert!(kind.is_fifo(), "{} now leads to {kind:?}", path.display());
+                let read = received.recv_timeout(std::time::Duration::from_secs(30));
+                assert_eq!(read.unwrap(), b"logits");
+            }
+            assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
         }
     }
 }
