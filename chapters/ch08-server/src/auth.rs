@@ -52,17 +52,17 @@ pub const MAX_KEY_FILE_BYTES: u64 = 1 << 20;
 /// The text of the key file `path`, if it holds at most [`MAX_KEY_FILE_BYTES`] of UTF-8.
 fn read_key_file(path: &Path) -> std::io::Result<String> {
     use std::io::Read;
-    let mut text = String::new();
+    let mut bytes = Vec::new();
     std::fs::File::open(path)?
         .take(MAX_KEY_FILE_BYTES + 1)
-        .read_to_string(&mut text)?;
-    if text.len() as u64 > MAX_KEY_FILE_BYTES {
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_KEY_FILE_BYTES {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("larger than {MAX_KEY_FILE_BYTES} bytes: not a file of API keys"),
         ));
     }
-    Ok(text)
+    String::from_utf8(bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 /// The accepted API keys. Empty: the server is open (no Authorization needed).
@@ -276,10 +276,14 @@ mod tests {
         assert_eq!(ApiKeys::load(&[], Some(&path)).unwrap().len(), 1);
         text.push('#');
         std::fs::write(&path, &text).unwrap();
-        assert!(matches!(
-            ApiKeys::load(&[], Some(&path)),
-            Err(AuthError::File { .. })
-        ));
+        let err = ApiKeys::load(&[], Some(&path)).unwrap_err();
+        assert!(err.to_string().contains("larger than"), "{err}");
+        // Cut in the middle of a character by the limit: still too large, not "invalid UTF-8".
+        text.pop();
+        text.push('é');
+        std::fs::write(&path, &text).unwrap();
+        let err = ApiKeys::load(&[], Some(&path)).unwrap_err();
+        assert!(err.to_string().contains("larger than"), "{err}");
     }
 
     #[test]
