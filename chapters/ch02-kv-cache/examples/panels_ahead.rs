@@ -1,7 +1,8 @@
 //! What asking ahead for weights saves a step of several tokens, in two tables: the next weight
 //! panels, into L2 (`kernels::ahead`), and the rows of the panels being multiplied, into L1
-//! (`kernels::ROWS_AHEAD`); and in a third, what going through each pair of panels in stretches
-//! of `kernels::STRETCH_ROWS` features, every tile in turn, saves against whole tiles one after
+//! (`kernels::ROWS_AHEAD`), the first with the stretches below off (pairs in stretches ask for
+//! no next panels); and in a third, what going through each pair of panels in stretches of
+//! `kernels::STRETCH_ROWS` features, every tile in turn, saves against whole tiles one after
 //! another (`kernels::set_stretches`). Each times every projection of every layer (q, k, v, o,
 //! gate, up, down) on `T` tokens, the weights from memory, with the change and without,
 //! alternating within one process so that the machine's drift falls on both alike, in f32 and in
@@ -30,6 +31,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if lengths.is_empty() {
         lengths = vec![8, 12, 24, 32, 64, 96, 128, 192, 512];
     }
+    // Products of 2 and 3 tiles in stretches ask for no next panels: off, so that they do.
+    set_stretches(false);
     table(
         (
             "Asking ahead for the next panels, into L2",
@@ -40,6 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &f32,
         &bf16,
     );
+    set_stretches(true);
     table(
         (
             "Asking ahead for the panels' own rows, into L1",

@@ -670,6 +670,7 @@ fn asking_for_weights_ahead_changes_no_product() {
 /// and a partial last one), 17 to 80 outputs (odd and partial last panels), f32 and bf16, with
 /// and without the rows asked for ahead, every micro-kernel's product with stretches equals
 /// the naive product and the same product without them bit for bit; so does a top-left corner.
+/// Four fixed shapes of 2 and 3 tiles come first, so that the stretches surely run.
 #[test]
 fn stretches_of_features_change_no_product() {
     use ch02_kv_cache::kernels::{
@@ -698,6 +699,40 @@ fn stretches_of_features_change_no_product() {
         }
     }
     let _restore = Restore;
+    // Cases sure to go in stretches (2 or 3 tiles, several stretches or one, a partial last),
+    // whatever the generator draws below.
+    for (tokens, in_f, out_f) in [(30, 150, 40), (25, 64, 32), (14, 129, 33), (36, 200, 80)] {
+        let w = Array2::from_shape_fn((out_f, in_f), |(o, i)| {
+            ((o * 7 + i * 3) % 17) as f32 / 17.0 - 0.5
+        });
+        let x = Array2::from_shape_fn((tokens, in_f), |(t, i)| {
+            ((t * 5 + i * 11) % 13) as f32 / 6.5 - 1.0
+        });
+        let packed = PackedWeight::<f32>::pack(w.as_slice().unwrap(), out_f, in_f);
+        for gemm in Gemm::available() {
+            let run = |stretches: bool| {
+                set_stretches(stretches);
+                let mut y = vec![0.0f32; tokens * out_f];
+                matmul_part(
+                    gemm,
+                    &packed,
+                    out_f,
+                    in_f,
+                    x.as_slice().unwrap(),
+                    &mut y,
+                    tokens,
+                );
+                y
+            };
+            let (with, without) = (run(true), run(false));
+            assert!(
+                with.iter()
+                    .zip(&without)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{gemm:?}: {tokens} tokens × {in_f} → {out_f}: the stretches changed the product"
+            );
+        }
+    }
     runner(32)
         .run(&inputs, |(w, x, (cut_out, cut_in))| {
             let (tokens, (out_f, in_f)) = (x.nrows(), w.dim());

@@ -47,10 +47,6 @@ fn value(i: usize) -> f32 {
     ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0
 }
 
-/// (median, fastest) seconds of one step over every layer, for each of `kernels`, their steps
-/// taken in turn (a round is one step of each, starting one kernel later each round), so that
-/// a drift of the machine's bandwidth, and whatever one step leaves in cache for the next,
-/// fall on all of them alike.
 /// What one turn of [`time_steps`] runs: a row kernel, or the pure read ([`read_blocks`]).
 #[derive(Debug, Clone, Copy)]
 enum Pass {
@@ -70,18 +66,24 @@ impl Pass {
     }
 }
 
-/// The sum of every K, then every V, element of the blocks `tables` name in `layer`, a
-/// sequence per task: what the attention of a decode step reads, and nothing else.
-fn read_blocks<K: KvElement>(pool: &KvPool<K>, layer: usize, tables: &[Vec<BlockId>]) -> f32 {
-    let block_len = BLOCK_SIZE * pool.kv_dim();
+/// The sum of every K, then every V, element of positions `0..t` in the blocks `tables` name
+/// in `layer`, a sequence per task: what the attention of a decode step reads, and nothing else.
+fn read_blocks<K: KvElement>(
+    pool: &KvPool<K>,
+    layer: usize,
+    tables: &[Vec<BlockId>],
+    t: usize,
+) -> f32 {
+    let kv_dim = pool.kv_dim();
     let (keys, values) = pool.layer_kv(layer);
     tables
         .par_iter()
         .map(|table| {
             let mut lanes = [0.0f32; 16]; // 16 sums, one per lane: a vector add per 16 elements
             for stored in [keys, values] {
-                for &block in table {
-                    let block = &stored[block as usize * block_len..][..block_len];
+                for (i, &block) in table.iter().enumerate() {
+                    let rows = BLOCK_SIZE.min(t - i * BLOCK_SIZE); // the last block's positions
+                    let block = &stored[block as usize * BLOCK_SIZE * kv_dim..][..rows * kv_dim];
                     for chunk in block.as_chunks::<16>().0 {
                         for (sum, e) in lanes.iter_mut().zip(chunk) {
                             *sum += e.to_f32();
@@ -94,6 +96,10 @@ fn read_blocks<K: KvElement>(pool: &KvPool<K>, layer: usize, tables: &[Vec<Block
         .sum()
 }
 
+/// (median, fastest) seconds of one step over every layer, for each of `passes`, their steps
+/// taken in turn (a round is one step of each, starting one pass later each round), so that
+/// a drift of the machine's bandwidth, and whatever one step leaves in cache for the next,
+/// fall on all of them alike.
 fn time_steps<K: KvElement>(passes: &[Pass], t: usize) -> Vec<(f64, f64)> {
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
@@ -136,7 +142,7 @@ fn time_steps<K: KvElement>(passes: &[Pass], t: usize) -> Vec<(f64, f64)> {
                     Pass::Kernel(kernel) => {
                         batch_attention_with(kernel, &pool, layer, &rows, &q, SHAPE, &mut out)
                     }
-                    Pass::PureRead => read += read_blocks(&pool, layer, &tables),
+                    Pass::PureRead => read += read_blocks(&pool, layer, &tables, t),
                 }
             }
             if round >= 2 {

@@ -370,8 +370,11 @@ pub fn tile_matmul_pair_stretch<W: WeightElement, const M: usize>(
         "b0, b1 are [steps][NR]"
     );
     let steps = b0.len() / NR;
+    let x_needed = (M - 1)
+        .checked_mul(x_stride)
+        .and_then(|n| n.checked_add(steps));
     assert!(
-        steps <= x_stride && x.len() >= (M - 1) * x_stride + steps,
+        steps <= x_stride && x_needed.is_some_and(|n| n <= x.len()),
         "x holds M rows of the stretch"
     );
     // SAFETY: `_cpu` proves the CPU has AVX-512F, and the lengths were checked above.
@@ -427,7 +430,11 @@ unsafe fn tile_matmul_pair_stretch_avx512<W: WeightElement, const M: usize>(
 
 /// Rows `0..m` of `c` [MR_512][2 · NR] (row r: panel p's 16 outputs, then panel p + 1's) from
 /// the accumulators `lanes`, each output put back in its place from its stored slot.
-pub fn pair_lanes_to_tile<W: WeightElement>(lanes: &PairLanes, m: usize, c: &mut [f32]) {
+pub fn pair_lanes_to_tile<W: WeightElement>(
+    lanes: &PairLanes,
+    m: usize,
+    c: &mut [f32; MR_512 * 2 * NR],
+) {
     for (lanes, out) in lanes.iter().zip(c.chunks_exact_mut(NR)).take(2 * m) {
         for (j, c) in out.iter_mut().enumerate() {
             *c = lanes[W::slot(j)];

@@ -17,10 +17,11 @@
 //!   `AHEAD_FROM_TILES` to `AHEAD_UP_TO_TILES` tiles whose panels are read as stored (not
 //!   widened), each tile also asks for its share of the task's next panels while it multiplies
 //!   (`ahead.rs`), so that they come from L2 in their turn; the AVX-512 kernels also ask for
-//!   their present panels' rows [`ROWS_AHEAD`] features ahead, into L1. A product of two or
-//!   three AVX-512 tiles (13 to 36 tokens, a batch of decodes) goes through each pair of panels
-//!   in stretches of [`STRETCH_ROWS`] features instead, every tile in turn over a stretch
-//!   (`pair_in_stretches`): the stretch comes from memory once and stays in L1 for the others.
+//!   their present panels' rows [`ROWS_AHEAD`] features ahead, into L1. On the two-panel
+//!   kernel, a product of two or three tiles (13 to 36 tokens, a batch of decodes) goes through
+//!   each pair of panels in stretches of [`STRETCH_ROWS`] features instead, every tile in turn
+//!   over a stretch (`pair_in_stretches`): the stretch comes from memory once and stays in L1
+//!   for the others.
 //!
 //! Two instruction sets implement the same loops: [`Isa::Avx2Fma`] with explicit intrinsics on
 //! x86-64 CPUs that have them (checked at run time, and only the check can make that variant),
@@ -350,6 +351,8 @@ pub fn matmul_part<W: WeightElement>(
                 row_len: n,
             };
             let pair = (panel(p), (width == 2).then(|| panel(p + 1)));
+            // Columns `at.cols` belong to panels p..p + width, which only this task computes
+            // (the tasks' panel ranges are disjoint), once: the safety of the calls below.
             #[cfg(target_arch = "x86_64")]
             if let (Some(cpu), Some(b1)) = (in_stretches, pair.1) {
                 // SAFETY: see above.
@@ -357,8 +360,6 @@ pub fn matmul_part<W: WeightElement>(
                 p += width;
                 continue;
             }
-            // Columns `at.cols` belong to panels p..p + width, which only this task computes
-            // (the tasks' panel ranges are disjoint), once: the safety of both calls below.
             // Widening panels as they come from memory would stall on the loads; so the first
             // tile reads them as stored, its multiply-adds overlapping the loads, and the other
             // tiles read the widened copy of what it left in the cache.
