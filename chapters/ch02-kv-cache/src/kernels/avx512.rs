@@ -357,6 +357,10 @@ pub type PairLanes = [[f32; NR]; 2 * MR_512];
 ///
 /// Panics unless both panels have the same length, a multiple of `NR`, `x_stride` is at least
 /// their steps and `x` holds `M` rows of them at that stride.
+///
+/// Its loop repeats [`tile_matmul_pair`]'s on purpose: written as one stretch of this kernel
+/// from zeros, the whole-tile kernel ran about 3% slower across `kiln bench ch02 --only gemm`'s
+/// products (three runs of each binary, alternating, Intel Xeon, 2026-12-06).
 pub fn tile_matmul_pair_stretch<W: WeightElement, const M: usize>(
     _cpu: Avx512,
     x: &[f32],
