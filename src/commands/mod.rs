@@ -12,7 +12,6 @@ pub mod serve;
 pub mod speculative_args;
 pub mod tensor_parallel;
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
@@ -491,13 +490,7 @@ pub fn read_text_file(path: &Path) -> anyhow::Result<String> {
 
 /// [`read_text_file`] with a limit of `most` bytes.
 fn read_text_up_to(path: &Path, most: u64) -> anyhow::Result<String> {
-    let file = std::fs::File::open(path)?;
-    let mut bytes = Vec::new();
-    file.take(most.saturating_add(1)).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > most {
-        bail!("it holds more than {most} bytes, the most a text file given here may");
-    }
-    String::from_utf8(bytes).context("it is not UTF-8 text")
+    Ok(ch01::text_file::read_text_up_to(path, most)?)
 }
 
 #[cfg(test)]

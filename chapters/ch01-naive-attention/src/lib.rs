@@ -40,6 +40,7 @@ pub mod sampler;
 pub mod shard;
 pub mod source;
 pub mod stop;
+pub mod text_file;
 pub mod token_bytes;
 pub mod tokenizer;
 mod tokenizer_json;

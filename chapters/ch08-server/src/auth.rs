@@ -51,18 +51,15 @@ pub const MAX_KEY_FILE_BYTES: u64 = 1 << 20;
 
 /// The text of the key file `path`, if it holds at most [`MAX_KEY_FILE_BYTES`] of UTF-8.
 fn read_key_file(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(MAX_KEY_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_KEY_FILE_BYTES {
-        return Err(std::io::Error::new(
+    use ch01::text_file::{TextFileError, read_text_up_to};
+    read_text_up_to(path, MAX_KEY_FILE_BYTES).map_err(|e| match e {
+        TextFileError::Io(e) => e,
+        TextFileError::TooLarge { most } => std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("larger than {MAX_KEY_FILE_BYTES} bytes: not a file of API keys"),
-        ));
-    }
-    String::from_utf8(bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+            format!("larger than {most} bytes: not a file of API keys"),
+        ),
+        e @ TextFileError::NotUtf8(_) => std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+    })
 }
 
 /// The accepted API keys. Empty: the server is open (no Authorization needed).
