@@ -573,6 +573,45 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
         .unwrap();
 }
 
+/// Turns every switch of the products' loops back on when dropped, even if a product panics,
+/// for the other tests of this binary.
+struct SwitchesBackOn;
+
+impl Drop for SwitchesBackOn {
+    fn drop(&mut self) {
+        use ch02_kv_cache::kernels::{set_panels_ahead, set_rows_ahead, set_stretches};
+        set_panels_ahead(true);
+        set_rows_ahead(true);
+        set_stretches(true);
+    }
+}
+
+/// `matmul_part` of `gemm` on the top-left `outputs × inputs` corner of `w` [out, in], packed
+/// as `dtype`, and `x` [tokens, inputs].
+fn corner_product(
+    gemm: ch02_kv_cache::kernels::Gemm,
+    dtype: WeightDtype,
+    w: &Array2<f32>,
+    (outputs, inputs): (usize, usize),
+    x: &[f32],
+) -> Vec<f32> {
+    use ch02_kv_cache::kernels::{PackedWeight, matmul_part};
+    let ((out_f, in_f), tokens) = (w.dim(), x.len() / inputs.max(1));
+    let flat = w.as_slice().unwrap();
+    let mut y = vec![0.0f32; tokens * outputs];
+    match dtype {
+        WeightDtype::F32 => {
+            let packed = PackedWeight::<f32>::pack(flat, out_f, in_f);
+            matmul_part(gemm, &packed, outputs, inputs, x, &mut y, tokens);
+        }
+        WeightDtype::Bf16 => {
+            let packed = PackedWeight::<u16>::pack(flat, out_f, in_f);
+            matmul_part(gemm, &packed, outputs, inputs, x, &mut y, tokens);
+        }
+    }
+    y
+}
+
 /// The requests for weights ahead, the next panels' (`kernels/ahead.rs`) and the rows of the
 /// panels being multiplied (`kernels::ROWS_AHEAD`), change no product, and the next panels'
 /// shares stay inside the panels (one that overran would panic here): on one thread (so that a
@@ -584,9 +623,7 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
 /// uses it), whose next panels are cut to the corner's inputs.
 #[test]
 fn asking_for_weights_ahead_changes_no_product() {
-    use ch02_kv_cache::kernels::{
-        Gemm, PackedWeight, matmul_part, set_panels_ahead, set_rows_ahead,
-    };
+    use ch02_kv_cache::kernels::{Gemm, set_panels_ahead, set_rows_ahead};
     let shapes = (
         129usize..290,
         2usize..40,
@@ -622,29 +659,9 @@ fn asking_for_weights_ahead_changes_no_product() {
                             let run = |panels: bool, rows: bool| {
                                 set_panels_ahead(panels);
                                 set_rows_ahead(rows);
-                                let mut y = vec![0.0f32; tokens * outputs];
-                                let flat = w.as_slice().unwrap();
-                                match dtype {
-                                    WeightDtype::F32 => {
-                                        let packed = PackedWeight::<f32>::pack(flat, out_f, in_f);
-                                        matmul_part(gemm, &packed, outputs, inputs, x_in, &mut y, tokens);
-                                    }
-                                    WeightDtype::Bf16 => {
-                                        let packed = PackedWeight::<u16>::pack(flat, out_f, in_f);
-                                        matmul_part(gemm, &packed, outputs, inputs, x_in, &mut y, tokens);
-                                    }
-                                }
-                                y
+                                corner_product(gemm, dtype, &w, (outputs, inputs), x_in)
                             };
-                            // Back on even if a product panics, for the other tests of this binary.
-                            struct Restore;
-                            impl Drop for Restore {
-                                fn drop(&mut self) {
-                                    set_panels_ahead(true);
-                                    set_rows_ahead(true);
-                                }
-                            }
-                            let _restore = Restore;
+                            let _restore = SwitchesBackOn;
                             let with = run(true, true);
                             let what = format!("{gemm:?} {dtype:?}: W {:?} corner {outputs}×{inputs}, {tokens} tokens", w.dim());
                             assert_close_shaped(&what, &with, &expected, &[tokens, outputs], Tolerance::F32);
@@ -690,15 +707,7 @@ fn stretches_of_features_change_no_product() {
             Just((cut_out, cut_in.min(in_f - 1))),
         )
     });
-    // Back on even if a product panics, for the other tests of this binary.
-    struct Restore;
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            set_stretches(true);
-            set_rows_ahead(true);
-        }
-    }
-    let _restore = Restore;
+    let _restore = SwitchesBackOn;
     // Cases sure to go in stretches (2 or 3 tiles, several stretches or one, a partial last),
     // whatever the generator draws below.
     for (tokens, in_f, out_f) in [(30, 150, 40), (25, 64, 32), (14, 129, 33), (36, 200, 80)] {
@@ -736,7 +745,6 @@ fn stretches_of_features_change_no_product() {
     runner(32)
         .run(&inputs, |(w, x, (cut_out, cut_in))| {
             let (tokens, (out_f, in_f)) = (x.nrows(), w.dim());
-            let flat = w.as_slice().unwrap();
             for (outputs, inputs) in [(out_f, in_f), (out_f - cut_out, in_f - cut_in)] {
                 let x_in = x.slice(ndarray::s![.., ..inputs]).to_owned();
                 let corner = w.slice(ndarray::s![..outputs, ..inputs]).to_owned();
@@ -746,23 +754,13 @@ fn stretches_of_features_change_no_product() {
                         let run = |stretches: bool, rows: bool| {
                             set_stretches(stretches);
                             set_rows_ahead(rows);
-                            let mut y = vec![0.0f32; tokens * outputs];
-                            let x_in = x_in.as_slice().unwrap();
-                            match dtype {
-                                WeightDtype::F32 => {
-                                    let packed = PackedWeight::<f32>::pack(flat, out_f, in_f);
-                                    matmul_part(
-                                        gemm, &packed, outputs, inputs, x_in, &mut y, tokens,
-                                    );
-                                }
-                                WeightDtype::Bf16 => {
-                                    let packed = PackedWeight::<u16>::pack(flat, out_f, in_f);
-                                    matmul_part(
-                                        gemm, &packed, outputs, inputs, x_in, &mut y, tokens,
-                                    );
-                                }
-                            }
-                            y
+                            corner_product(
+                                gemm,
+                                dtype,
+                                &w,
+                                (outputs, inputs),
+                                x_in.as_slice().unwrap(),
+                            )
                         };
                         let what = format!(
                             "{gemm:?} {dtype:?}: W {:?} corner {outputs}×{inputs}, {tokens} tokens",
