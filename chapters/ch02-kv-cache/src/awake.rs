@@ -10,16 +10,28 @@
 //! [`awake`] runs a closure while every other thread of the current pool runs a **spinner**: a
 //! job that looks for work in a loop ([`rayon::yield_now`], which runs any job it finds,
 //! stolen or its own) until the closure returns (and no other call of the same thread has
-//! begun). The threads then take each region's tasks as soon as they are pushed, at the cost
-//! of spinning (one core busy) between them. Nothing the closure computes changes: the same
-//! tasks run, only sooner.
+//! begun), or until it has found none for a millisecond ([`GIVE_WAY_AFTER`]). The threads then
+//! take each region's tasks as soon as they are pushed, at the cost of spinning (one core busy)
+//! between them. Nothing the closure computes changes: the same tasks run, only sooner.
 
 use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// Whether [`awake`] starts spinners; see [`set_keep_awake`].
 static KEEP_AWAKE: AtomicBool = AtomicBool::new(true);
+
+/// How long a spinner goes on finding no work before it returns, its call still in progress.
+///
+/// A spinner is a job, and a thread runs it where it finds it: perhaps while it waits inside
+/// another job, one of the call's own, stolen before the spinner reached the thread (the thread
+/// was looking for work when the call began). The spinner then runs on top of that job, which
+/// cannot go on until the spinner returns, while the call cannot end until the job does: spinning
+/// until the call's end would never end. Within a step the pool's threads find work every few
+/// microseconds, so a millisecond without any costs nothing where all is well, and is what such a
+/// stacking costs where it happens (`tests/awake.rs` makes it happen).
+pub const GIVE_WAY_AFTER: Duration = Duration::from_millis(1);
 
 /// Spinners running now, in every pool of the process; see [`spinners`].
 static SPINNERS: AtomicUsize = AtomicUsize::new(0);
@@ -67,7 +79,7 @@ impl Drop for Busy {
     }
 }
 
-/// Runs `f`, the other threads of the current rayon pool spinning for work until it returns
+/// Runs `f`, the other threads of the current rayon pool spinning for work while it runs
 /// (see the module doc). Outside a pool's thread, or inside another [`awake`], it runs `f`
 /// alone.
 // ANCHOR: awake
@@ -87,8 +99,13 @@ pub fn awake<R>(f: impl FnOnce() -> R) -> R {
         }
         let _busy = Busy::enter();
         SPINNERS.fetch_add(1, Ordering::Relaxed);
+        let mut last_work = Instant::now();
         while callers_calls.load(Ordering::Acquire) > 0 {
-            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+            if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                last_work = Instant::now();
+            } else if last_work.elapsed() > GIVE_WAY_AFTER {
+                break; // perhaps on top of a job the call waits for: see `GIVE_WAY_AFTER`
+            } else {
                 std::hint::spin_loop();
             }
         }

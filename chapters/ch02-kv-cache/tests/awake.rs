@@ -1,8 +1,9 @@
 //! `awake`: the closure's result comes back unchanged, parallel work inside it is done, every
-//! spinner stops once its call has returned (a panicking closure included), and two calls at
-//! once on one pool finish.
+//! spinner stops once its call has returned (a panicking closure included), two calls at once on
+//! one pool finish, and a spinner that lands on top of a job its call waits for gives way.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -52,8 +53,10 @@ fn outside_a_pool_it_runs_the_closure() {
     assert_eq!(awake(|| 6 * 7), 42);
 }
 
+/// A spinner starts as the call does. (It may give way before the call ends: the caller can be
+/// descheduled for longer than a spinner waits for work on a busy machine.)
 #[test]
-fn inside_a_pool_the_other_threads_spin_until_it_returns() {
+fn inside_a_pool_the_other_threads_spin_while_it_runs() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let expected: u64 = (0..100_000u64).map(|i| i * i % 7).sum();
     let runs = within_a_minute(|| {
@@ -63,7 +66,12 @@ fn inside_a_pool_the_other_threads_spin_until_it_returns() {
             .unwrap();
         pool.install(|| {
             (0..50)
-                .map(|_| awake(|| (sum_of_squares_mod_7(), a_spinner_starts())))
+                .map(|_| {
+                    awake(|| {
+                        let started = a_spinner_starts();
+                        (sum_of_squares_mod_7(), started)
+                    })
+                })
                 .collect::<Vec<_>>()
         })
     })
@@ -123,5 +131,55 @@ fn two_calls_at_once_on_one_pool_finish() {
     })
     .expect("two awake calls at once deadlocked");
     assert!(sums.iter().all(|&(a, b)| a == expected && b == expected));
+    assert!(spinners_stop(), "{} spinners still running", spinners());
+}
+
+/// A job of the call's work can be stolen by another thread before that thread takes the call's
+/// spinner (it was looking for work when the call began). If the job then looks for work while
+/// it waits, it finds the spinner, which runs on top of it: the job cannot go on until the
+/// spinner returns, and the call cannot end until the job does. Here the job is made to look
+/// for work exactly then; the spinner, finding none, must give the thread back.
+#[test]
+fn a_spinner_on_top_of_a_job_its_call_waits_for_gives_way() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let finished = within_a_minute(|| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let (job_started, call_started, job_done) = (
+                AtomicBool::new(false),
+                AtomicBool::new(false),
+                AtomicBool::new(false),
+            );
+            let wait_for = |flag: &AtomicBool| {
+                while !flag.load(Ordering::Acquire) {
+                    std::hint::spin_loop();
+                }
+            };
+            rayon::join(
+                || {
+                    wait_for(&job_started); // the other thread has stolen the job
+                    awake(|| {
+                        call_started.store(true, Ordering::Release);
+                        wait_for(&job_done) // the call needs the job
+                    })
+                },
+                || {
+                    job_started.store(true, Ordering::Release);
+                    wait_for(&call_started); // the spinner is queued for this thread now
+                    rayon::yield_now(); // the job looks for work: it runs the spinner
+                    job_done.store(true, Ordering::Release);
+                },
+            );
+            true
+        })
+    });
+    assert_eq!(
+        finished,
+        Some(true),
+        "the spinner held up the job its call waited for"
+    );
     assert!(spinners_stop(), "{} spinners still running", spinners());
 }
