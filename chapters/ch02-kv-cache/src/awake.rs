@@ -10,9 +10,10 @@
 //! [`awake`] runs a closure while every other thread of the current pool runs a **spinner**: a
 //! job that looks for work in a loop ([`rayon::yield_now`], which runs any job it finds,
 //! stolen or its own) until the closure returns (and no other call of the same thread has
-//! begun), or until it has found none for a millisecond ([`GIVE_WAY_AFTER`]). The threads then
-//! take each region's tasks as soon as they are pushed, at the cost of spinning (one core busy)
-//! between them. Nothing the closure computes changes: the same tasks run, only sooner.
+//! begun), giving its place on the thread's stack back after a millisecond without work
+//! ([`GIVE_WAY_AFTER`]). The threads then take each region's tasks as soon as they are pushed,
+//! at the cost of spinning (one core busy) between them. Nothing the closure computes changes:
+//! the same tasks run, only sooner.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -22,15 +23,16 @@ use std::time::{Duration, Instant};
 /// Whether [`awake`] starts spinners; see [`set_keep_awake`].
 static KEEP_AWAKE: AtomicBool = AtomicBool::new(true);
 
-/// How long a spinner goes on finding no work before it returns, its call still in progress.
+/// How long a spinner goes on finding no work before it gives its place back: it returns and
+/// queues itself again (see `spin`).
 ///
 /// A spinner is a job, and a thread runs it where it finds it: perhaps while it waits inside
 /// another job, one of the call's own, stolen before the spinner reached the thread (the thread
 /// was looking for work when the call began). The spinner then runs on top of that job, which
 /// cannot go on until the spinner returns, while the call cannot end until the job does: spinning
-/// until the call's end would never end. Within a step the pool's threads find work every few
-/// microseconds, so a millisecond without any costs nothing where all is well, and is what such a
-/// stacking costs where it happens (`tests/awake.rs` makes it happen).
+/// until the call's end would never end. A millisecond without work is what such a stacking
+/// costs where it happens (`tests/awake.rs` makes it happen); where the spinner is at the bottom
+/// of its thread's stack, it takes its queued copy again at once and spins on.
 pub const GIVE_WAY_AFTER: Duration = Duration::from_millis(1);
 
 /// Spinners running now, in every pool of the process; see [`spinners`].
@@ -94,22 +96,9 @@ pub fn awake<R>(f: impl FnOnce() -> R) -> R {
     calls.fetch_add(1, Ordering::AcqRel);
     let callers_calls = Arc::clone(&calls);
     rayon::spawn_broadcast(move |thread| {
-        if thread.index() == me || BUSY.get() {
-            return; // the caller's own copy, or a thread busy with another (see `BUSY`)
+        if thread.index() != me {
+            spin(me, Arc::clone(&callers_calls)); // the caller's own copy returns at once
         }
-        let _busy = Busy::enter();
-        SPINNERS.fetch_add(1, Ordering::Relaxed);
-        let mut last_work = Instant::now();
-        while callers_calls.load(Ordering::Acquire) > 0 {
-            if rayon::yield_now() == Some(rayon::Yield::Executed) {
-                last_work = Instant::now();
-            } else if last_work.elapsed() > GIVE_WAY_AFTER {
-                break; // perhaps on top of a job the call waits for: see `GIVE_WAY_AFTER`
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-        SPINNERS.fetch_sub(1, Ordering::Relaxed);
     });
     // Ends this call however `f` ends (a panic included): its spinners stop once their caller
     // has no other call in progress.
@@ -122,5 +111,40 @@ pub fn awake<R>(f: impl FnOnce() -> R) -> R {
     let _done = Done(calls);
     let _busy = Busy::enter();
     f()
+}
+
+/// A spinner for the calls of thread `caller`: looks for work while `callers_calls` is above
+/// zero. After [`GIVE_WAY_AFTER`] without work it returns, so that whatever job it may be
+/// running on top of goes on, and queues itself again on this thread's deque: at the bottom of
+/// the thread's stack it is taken again at once and spins on; on top of a job whose wait is
+/// over, that job goes on first.
+fn spin(caller: usize, callers_calls: Arc<AtomicUsize>) {
+    if BUSY.get() {
+        return; // a thread busy with another call or spinner (see `BUSY`)
+    }
+    let busy = Busy::enter();
+    SPINNERS.fetch_add(1, Ordering::Relaxed);
+    let mut last_work = Instant::now();
+    let mut gave_way = false;
+    while callers_calls.load(Ordering::Acquire) > 0 {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            last_work = Instant::now();
+        } else if last_work.elapsed() > GIVE_WAY_AFTER {
+            gave_way = true;
+            break;
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    SPINNERS.fetch_sub(1, Ordering::Relaxed);
+    drop(busy);
+    if gave_way {
+        // A copy taken by the caller's own thread returns at once.
+        rayon::spawn(move || {
+            if rayon::current_thread_index() != Some(caller) {
+                spin(caller, callers_calls);
+            }
+        });
+    }
 }
 // ANCHOR_END: awake
