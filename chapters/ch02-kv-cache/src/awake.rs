@@ -30,9 +30,11 @@ static KEEP_AWAKE: AtomicBool = AtomicBool::new(true);
 /// another job, one of the call's own, stolen before the spinner reached the thread (the thread
 /// was looking for work when the call began). The spinner then runs on top of that job, which
 /// cannot go on until the spinner returns, while the call cannot end until the job does: spinning
-/// until the call's end would never end. A millisecond without work is what such a stacking
-/// costs where it happens (`tests/awake.rs` makes it happen); where the spinner is at the bottom
-/// of its thread's stack, it takes its queued copy again at once and spins on.
+/// until the call's end would never end. Giving way costs such a stacking (`tests/awake.rs`
+/// makes one happen) a millisecond, and about one more for each `join` the task is inside of
+/// on that thread: each finds the queued copy on top of its deque and runs it before going on.
+/// Where the spinner is at the bottom of its thread's stack, it takes its copy again at once and
+/// spins on.
 pub const GIVE_WAY_AFTER: Duration = Duration::from_millis(1);
 
 /// Spinners running now, in every pool of the process; see [`spinners`].
