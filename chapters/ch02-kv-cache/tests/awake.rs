@@ -37,10 +37,20 @@ fn a_spinner_starts() -> bool {
     true
 }
 
-/// Runs `work` on another thread; `None` if it has not finished within a minute (a deadlock).
-fn within_a_minute<R: Send + 'static>(work: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+/// Runs `work` with a new pool of `threads` threads, on another thread; `None` if it has not
+/// finished within a minute (a deadlock).
+fn on_a_pool<R: Send + 'static>(
+    threads: usize,
+    work: impl FnOnce(&rayon::ThreadPool) -> R + Send + 'static,
+) -> Option<R> {
     let (done, result) = mpsc::channel();
-    std::thread::spawn(move || done.send(work()));
+    std::thread::spawn(move || {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        done.send(work(&pool))
+    });
     result.recv_timeout(Duration::from_secs(60)).ok()
 }
 
@@ -59,11 +69,7 @@ fn outside_a_pool_it_runs_the_closure() {
 fn inside_a_pool_the_other_threads_spin_while_it_runs() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let expected: u64 = (0..100_000u64).map(|i| i * i % 7).sum();
-    let runs = within_a_minute(|| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
+    let runs = on_a_pool(3, |pool| {
         pool.install(|| {
             (0..50)
                 .map(|_| {
@@ -86,11 +92,7 @@ fn inside_a_pool_the_other_threads_spin_while_it_runs() {
 #[test]
 fn a_panic_inside_stops_the_spinners() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let (started, caught, after) = within_a_minute(|| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+    let (started, caught, after) = on_a_pool(2, |pool| {
         let started = AtomicBool::new(false);
         let caught = pool.install(|| {
             std::panic::catch_unwind(|| {
@@ -116,11 +118,7 @@ fn a_panic_inside_stops_the_spinners() {
 fn two_calls_at_once_on_one_pool_finish() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let expected: u64 = (0..100_000u64).map(|i| i * i % 7).sum();
-    let sums = within_a_minute(move || {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+    let sums = on_a_pool(2, move |pool| {
         pool.install(|| {
             (0..200)
                 .map(|_| {
@@ -145,11 +143,7 @@ fn two_calls_at_once_on_one_pool_finish() {
 #[test]
 fn a_spinner_on_top_of_a_job_its_call_waits_for_gives_way() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let finished = within_a_minute(|| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+    let finished = on_a_pool(2, |pool| {
         pool.install(|| {
             let (job_started, call_started, job_done) = (
                 AtomicBool::new(false),
