@@ -177,6 +177,7 @@ fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
     // One `cargo test` per crate the tasks are in (chapter 8 spans two); each crate's results
     // apart, as two crates may have tests of the same name.
     let (target, mut results) = (target_dir(root), Results::new());
+    let config = run::light_profile(&table::load_all(root)?);
     for krate in &chapter.crates {
         let tests: Vec<table::TestRef> = tasks
             .iter()
@@ -184,7 +185,7 @@ fn check(root: &Path, n: u32, k: Option<u32>) -> Result<()> {
             .flat_map(|t| t.test_refs())
             .collect();
         if !tests.is_empty() {
-            let ran = run::run_tests(&learner, &target, &krate.package, &tests, &[])?;
+            let ran = run::run_tests(&learner, &target, &krate.package, &tests, &[], &config)?;
             results.insert(krate.package.clone(), ran);
         }
     }

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
-use super::table::TestRef;
+use super::table::{Chapter, TestRef};
 
 /// What one test did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,19 +18,22 @@ pub struct TestResult {
 
 /// Runs `tests` of the crate `package` in the workspace at `copy`, building into `target_dir`
 /// (the reference's, so the dependencies are not built again), with `env` set. Every test must
-/// have run: a name that matched nothing is an error, not a pass.
+/// have run: a name that matched nothing is an error, not a pass. `config` are cargo's
+/// `--config` settings for the run (see [`light_profile`]).
 pub fn run_tests(
     copy: &Path,
     target_dir: &Path,
     package: &str,
     tests: &[TestRef],
     env: &[(&str, String)],
+    config: &[String],
 ) -> Result<BTreeMap<String, TestResult>> {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(copy)
         .arg("test")
         // The README's test profile: the dependencies are the release build's.
         .arg("--release")
+        .args(config.iter().flat_map(|setting| ["--config", setting]))
         .arg("--no-fail-fast")
         .arg("--target-dir")
         .arg(target_dir)
@@ -86,6 +89,23 @@ pub fn run_tests(
         );
     }
     Ok(results)
+}
+
+/// `--config` settings that compile the chapter crates of `chapters` at opt-level 1 in the
+/// release profile, and nothing else differently. A copy's chapter crates are compiled anew
+/// (their sources differ from the reference's) and opt-level 1 compiles them in about half the
+/// time, while whether a task's tests pass does not depend on how hard the compiler optimised.
+/// Their dependencies keep the reference's release settings, so cargo reuses its build of
+/// them. (Only named packages: a `"*"` override would also reach the proc macros, which the
+/// release profile builds at opt-level 0, and rebuild them and everything that uses them.)
+pub fn light_profile(chapters: &[Chapter]) -> Vec<String> {
+    let mut packages: Vec<&str> = (chapters.iter())
+        .flat_map(|c| c.crates.iter().map(|k| k.package.as_str()))
+        .collect();
+    packages.dedup();
+    (packages.iter())
+        .map(|package| format!("profile.release.package.{package}.opt-level=1"))
+        .collect()
 }
 
 /// Reads libtest's plain output: `test NAME ... ok|FAILED` lines, then one `---- NAME stdout

@@ -49,6 +49,7 @@ pub fn verify(root: &Path, only: &[u32], compile_check: bool) -> Result<()> {
     }
     let dir = base.join("switch");
     prepare(root, &dir, &all, Stub::Switch)?;
+    let config = run::light_profile(&all);
     let mut problems = Vec::new();
     for chapter in all
         .iter()
@@ -63,11 +64,13 @@ pub fn verify(root: &Path, only: &[u32], compile_check: bool) -> Result<()> {
         for task in &chapter.tasks {
             let refs = task.test_refs();
             let package = &task.krate.package;
-            let before =
-                run::run_tests(&dir, &target, package, &refs, &[(DONE_VAR, done.join(","))])?;
+            let run = |done: &[String]| {
+                let env = [(DONE_VAR, done.join(","))];
+                run::run_tests(&dir, &target, package, &refs, &env, &config)
+            };
+            let before = run(&done)?;
             done.push(task.id.clone());
-            let after =
-                run::run_tests(&dir, &target, package, &refs, &[(DONE_VAR, done.join(","))])?;
+            let after = run(&done)?;
             let mut bad = Vec::new();
             for t in &refs {
                 let (b, a) = (&before[&t.name], &after[&t.name]);
