@@ -97,11 +97,7 @@ pub fn awake<R>(f: impl FnOnce() -> R) -> R {
     let calls = CALLS.with(Arc::clone);
     calls.fetch_add(1, Ordering::AcqRel);
     let callers_calls = Arc::clone(&calls);
-    rayon::spawn_broadcast(move |thread| {
-        if thread.index() != me {
-            spin(me, Arc::clone(&callers_calls)); // the caller's own copy returns at once
-        }
-    });
+    rayon::spawn_broadcast(move |_| spin(me, Arc::clone(&callers_calls)));
     // Ends this call however `f` ends (a panic included): its spinners stop once their caller
     // has no other call in progress.
     struct Done(Arc<AtomicUsize>);
@@ -121,6 +117,9 @@ pub fn awake<R>(f: impl FnOnce() -> R) -> R {
 /// the thread's stack it is taken again at once and spins on; on top of a job whose wait is
 /// over, that job goes on first.
 fn spin(caller: usize, callers_calls: Arc<AtomicUsize>) {
+    if rayon::current_thread_index() == Some(caller) {
+        return; // the caller's own thread runs the call, not a spinner
+    }
     if BUSY.get() {
         return; // a thread busy with another call or spinner (see `BUSY`)
     }
@@ -141,12 +140,7 @@ fn spin(caller: usize, callers_calls: Arc<AtomicUsize>) {
     SPINNERS.fetch_sub(1, Ordering::Relaxed);
     drop(busy);
     if gave_way {
-        // A copy taken by the caller's own thread returns at once.
-        rayon::spawn(move || {
-            if rayon::current_thread_index() != Some(caller) {
-                spin(caller, callers_calls);
-            }
-        });
+        rayon::spawn(move || spin(caller, callers_calls));
     }
 }
 // ANCHOR_END: awake
