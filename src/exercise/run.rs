@@ -96,8 +96,9 @@ pub fn run_tests(
 /// (their sources differ from the reference's) and opt-level 1 compiles them in about half the
 /// time, while whether a task's tests pass does not depend on how hard the compiler optimised.
 /// Their dependencies keep the reference's release settings, so cargo reuses its build of
-/// them. (Only named packages: a `"*"` override would also reach the proc macros, which the
-/// release profile builds at opt-level 0, and rebuild them and everything that uses them.)
+/// them. (Lowering the profile's own opt-level and setting the dependencies' `"*"` back to 3
+/// would not do: `"*"` outranks the build-override that builds proc macros and build scripts at
+/// opt-level 0, so they, and everything that uses them, would be built again.)
 pub fn light_profile(chapters: &[Chapter]) -> Vec<String> {
     let mut packages: Vec<&str> = (chapters.iter())
         .flat_map(|c| c.crates.iter().map(|k| k.package.as_str()))
