@@ -523,11 +523,12 @@ fn matmul_part_equals_the_naive_product_of_its_corner() {
 }
 
 /// A weight packed from its columns (`pack_columns`: prefill attention's values, one column per
-/// stored position) or from rows lying anywhere (`pack_rows`) is the weight `pack` makes from the
-/// row-major matrix, bit for bit, in both element types, on sizes that leave a partial last
+/// stored position), from rows lying anywhere (`pack_rows`) or from rows written on demand
+/// (`pack_with`: chapter 5's widened codes) is the weight `pack` makes from the row-major
+/// matrix, bit for bit, in both element types, on sizes that leave a partial last
 /// panel.
 #[test]
-fn packing_from_rows_or_columns_equals_packing_the_matrix() {
+fn packing_from_rows_columns_or_a_filler_equals_packing_the_matrix() {
     use ch02_kv_cache::kernels::{PackedWeight, WeightElement};
     fn bits<W: WeightElement>(w: &PackedWeight<W>) -> Vec<u32> {
         let panels = (0..w.num_panels()).flat_map(|p| w.panel(p));
@@ -545,6 +546,29 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
         let columns = transposed.as_slice().unwrap();
         let from_columns =
             PackedWeight::<W>::pack_columns(out_f, in_f, |k| &columns[k * out_f..][..out_f]);
+        let written = PackedWeight::<W>::pack_with(out_f, in_f, |o, k, part| {
+            part.copy_from_slice(&reversed[(out_f - 1 - o) * in_f + k..][..part.len()])
+        });
+        // Refilled over a larger weight's storage: nothing of it may show through.
+        let mut refilled =
+            PackedWeight::<W>::pack_with(out_f + 17, in_f + 70, |_, _, part| part.fill(7.0));
+        refilled.refill_with(out_f, in_f, |o, k, part| {
+            part.copy_from_slice(&w.as_slice().unwrap()[o * in_f + k..][..part.len()])
+        });
+        prop_assert_eq!(
+            bits(&refilled),
+            bits(&whole),
+            "refill_with, {} × {}",
+            out_f,
+            in_f
+        );
+        prop_assert_eq!(
+            bits(&written),
+            bits(&whole),
+            "pack_with, {} × {}",
+            out_f,
+            in_f
+        );
         prop_assert_eq!(
             bits(&from_rows),
             bits(&whole),
@@ -561,7 +585,7 @@ fn packing_from_rows_or_columns_equals_packing_the_matrix() {
         );
         Ok(())
     }
-    let weights = (1usize..70, 1usize..40).prop_flat_map(|(out_f, in_f)| {
+    let weights = (1usize..70, 1usize..150).prop_flat_map(|(out_f, in_f)| {
         proptest::collection::vec(-1.0f32..1.0, out_f * in_f)
             .prop_map(move |w| Array2::from_shape_vec((out_f, in_f), w).unwrap())
     });

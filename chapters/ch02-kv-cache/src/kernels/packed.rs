@@ -5,6 +5,10 @@ use crate::weight_memory::{Elements, ZeroBits};
 /// Output rows per panel: two 8-lane f32 vectors.
 pub const NR: usize = 16;
 
+/// Input features [`PackedWeight::refill_with`] asks for at a time: the 16 rows' parts of a
+/// panel, 4 KiB of f32, stay in L1 while they are written out as panel rows.
+pub const FILL_FEATURES: usize = 64;
+
 /// A weight element: f32, or bf16 kept as its bits and widened to f32 where it is used.
 pub trait WeightElement: ZeroBits {
     /// Whether a load widens it to f32 (bf16), work a prefill with many token tiles saves by
@@ -137,6 +141,69 @@ impl<W: WeightElement> PackedWeight<W> {
     ) -> Self {
         let data = Elements::on_heap(out_features.div_ceil(NR) * in_features * NR);
         Self::fill_rows(data, out_features, in_features, row)
+    }
+
+    /// Packs `W` [out, in] on the heap from `fill(o, k, part)`, which writes elements
+    /// `k..k + part.len()` of output row `o` as f32 into `part`: a weight stored some other way
+    /// (chapter 5's FP8 and int8 codes), widened for one product. The panels are filled in
+    /// parallel, each by one task.
+    pub fn pack_with(
+        out_features: usize,
+        in_features: usize,
+        fill: impl Fn(usize, usize, &mut [f32]) + Sync,
+    ) -> Self {
+        let mut packed = PackedWeight {
+            data: Elements::on_heap(0),
+            in_features: 0,
+            out_features: 0,
+        };
+        packed.refill_with(out_features, in_features, fill);
+        packed
+    }
+
+    /// [`pack_with`](Self::pack_with) into this weight's own heap storage, kept from call to
+    /// call (a weight widened for every product): nothing is allocated once it has grown to the
+    /// largest shape. A panel is written [`FILL_FEATURES`] input features at a time: the 16 rows'
+    /// parts, then the panel rows they make, whole cache lines in order.
+    pub fn refill_with(
+        &mut self,
+        out_features: usize,
+        in_features: usize,
+        fill: impl Fn(usize, usize, &mut [f32]) + Sync,
+    ) {
+        use rayon::prelude::*;
+        const KB: usize = FILL_FEATURES;
+        let len = out_features.div_ceil(NR) * in_features * NR;
+        match &mut self.data {
+            Elements::Heap(elements) => elements.resize(len, W::default()),
+            weights => *weights = Elements::on_heap(len),
+        }
+        self.in_features = in_features;
+        self.out_features = out_features;
+        self.data
+            .par_chunks_mut((in_features * NR).max(1))
+            .enumerate()
+            .for_each_init(
+                || vec![0.0f32; NR * KB], // [NR, KB]: each row's part
+                |parts, (p, panel)| {
+                    let rows = NR.min(out_features - p * NR);
+                    for k in (0..in_features).step_by(KB) {
+                        let width = KB.min(in_features - k);
+                        for (j, part) in parts.chunks_exact_mut(KB).enumerate() {
+                            match j < rows {
+                                true => fill(p * NR + j, k, &mut part[..width]),
+                                false => part.fill(0.0), // past `out`
+                            }
+                        }
+                        let lines = panel[k * NR..(k + width) * NR].chunks_exact_mut(NR);
+                        for (i, line) in lines.enumerate() {
+                            for j in 0..NR {
+                                line[W::slot(j)] = W::from_f32(parts[j * KB + i]);
+                            }
+                        }
+                    }
+                },
+            );
     }
 
     /// Writes row `o` of `W` [out, in], `row(o)` [in], into zeroed `data` in the packed order.
