@@ -12,9 +12,10 @@
 //! The activations are rounded through E4M3 exactly as a W8A8 FP8 kernel would feed them to its
 //! tensor cores: with the checkpoint's `input_scale` (`activation_scheme: "static"`), or with a
 //! scale per token, `max |x_t| / 448`, computed on the fly (`"dynamic"`). The products and their
-//! sum are f32 (a GPU accumulates FP8 products in f32 too); the weight codes are widened as they
-//! are read, 8 lanes at a time in the AVX2 build. Block-wise scales (`weight_block_size`) are
-//! refused with an error, not read wrongly.
+//! sum are f32 (a GPU accumulates FP8 products in f32 too). One token's dot products widen the
+//! weight codes as they read them, 8 lanes at a time in the AVX2 build; a prefill runs on
+//! chapter 2's GEMM, the codes widened to f32 a chunk of rows at a time. Block-wise scales
+//! (`weight_block_size`) are refused with an error, not read wrongly.
 
 use ch01::linear::{Linear, LinearLoader, LinearSpec};
 use ch01::{TensorDtype, WeightSource};
@@ -27,6 +28,7 @@ use rayon::prelude::*;
 use crate::fp8::F8E4M3;
 use crate::kv_cache::{amax, scale_for};
 use crate::quant_linear::shard_bias;
+use crate::widened::{GEMM_FROM_TOKENS, widened_matmul};
 
 /// How a layer's activations are rounded to E4M3 before the products.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -199,7 +201,7 @@ fn dot_codes<W: ToF32>(isa: Isa, x: &[f32], w: &[W]) -> f32 {
 #[derive(Default)]
 struct Fp8Scratch {
     rounded: Vec<f32>, // [T, in] the activations, rounded to E4M3
-    y_t: Vec<f32>,     // [out, T] the outputs, transposed
+    y_t: Vec<f32>,     // [out, T] the outputs, transposed (the dot products')
 }
 
 thread_local! {
@@ -242,10 +244,23 @@ impl Linear for Fp8Linear {
                     None => self.round_activations(&x_t.to_vec(), r_t),
                 }
             }
-            // yᵀ[o, t] = scale[o] · (x'_t · w_o), 16 outputs per task. One token (decode) widens
-            // the codes inside the dot product; several widen each row once and reuse it.
-            y_t.resize(out * t, 0.0); // [out, T]
             let rounded = &*rounded;
+            let bias = |o: usize| self.bias.as_ref().map_or(0.0, |b| b[o]);
+            if t >= GEMM_FROM_TOKENS {
+                // Many tokens (a prefill): y[t, o] = scale[o] · (x'_t · w_o) + bias[o] on
+                // chapter 2's GEMM, the codes widened to f32 a chunk of rows at a time.
+                let widen = |o: usize, k: usize, part: &mut [f32]| {
+                    let codes = &self.codes[o * n + k..][..part.len()];
+                    part.iter_mut()
+                        .zip(codes)
+                        .for_each(|(w, c)| *w = c.to_f32());
+                };
+                let finish = |o: usize, v: f32| self.scale[o] * v + bias(o);
+                return widened_matmul(self.isa, rounded, y, widen, finish);
+            }
+            // yᵀ[o, t] = scale[o] · (x'_t · w_o), 16 outputs per task. One token (decode) widens
+            // the codes inside the dot product; a few widen each row once and reuse it.
+            y_t.resize(out * t, 0.0); // [out, T]
             const ROWS: usize = 16;
             y_t.par_chunks_mut(ROWS * t.max(1))
                 .enumerate()
@@ -270,7 +285,7 @@ impl Linear for Fp8Linear {
                 .flat_map(|o| (0..t).map(move |r| (o, r)))
                 .zip(y_t.iter())
             {
-                y[[r, o]] = v + self.bias.as_ref().map_or(0.0, |b| b[o]);
+                y[[r, o]] = v + bias(o);
             }
         });
     }

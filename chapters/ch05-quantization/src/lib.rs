@@ -37,6 +37,7 @@ pub mod quant_linear;
 mod scratch;
 pub mod smoothquant;
 pub mod testing;
+mod widened;
 
 pub use blocks::BlockError;
 pub use format::GgmlType;

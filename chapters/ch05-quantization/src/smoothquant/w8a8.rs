@@ -12,14 +12,19 @@
 //! for up to [`MAX_IN_FEATURES`] inputs; a wider layer is refused. Everything up to the
 //! rescaling is exact: the layer's only errors are the two roundings to the grids, and the
 //! f32 rounding of the final product. With [`Int8Activations::None`] the activations stay f32
-//! (W8A16: what "RTN int8" means in the benchmark's table), and the dot product widens the
-//! codes instead.
+//! (W8A16: what "RTN int8" means in the benchmark's table): the dot products widen the codes as
+//! they read them, and a prefill runs on chapter 2's GEMM with the codes widened a chunk of rows
+//! at a time. The integer products stay dot products: an f32 GEMM would
+//! not add their i32 sums exactly.
 
 use ch01::linear::{DenseLinear, Linear, LinearLoader, LinearSpec};
+use ch02::kernels::Isa;
 use ch02::{FastLoader, WeightDtype};
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 use std::cell::RefCell;
+
+use crate::widened::{GEMM_FROM_TOKENS, widened_matmul};
 
 /// The largest code of the symmetric int8 grid.
 pub const QMAX: f32 = 127.0;
@@ -277,6 +282,20 @@ impl Linear for W8A8Linear {
                     }
                 }
             }
+            let bias = |o: usize| self.bias.as_ref().map_or(0.0, |b| b[o]);
+            if !int8 && t >= GEMM_FROM_TOKENS {
+                // Many tokens with f32 activations (W8A16, a prefill): y[t, o] = s_w[o] ·
+                // (x[t] · q_w[o]) + bias[o] on chapter 2's GEMM, the codes widened a chunk of
+                // rows at a time.
+                let widen = |o: usize, k: usize, part: &mut [f32]| {
+                    let codes = &self.codes[o * n + k..][..part.len()];
+                    part.iter_mut()
+                        .zip(codes)
+                        .for_each(|(w, &c)| *w = f32::from(c));
+                };
+                let finish = |o: usize, v: f32| self.scale[o] * v + bias(o);
+                return widened_matmul(Isa::detect(), x_f, y, widen, finish);
+            }
             // yᵀ[o, t] = s_w[o] · s_x[t] · (q_x[t] · q_w[o]), 16 output channels per task.
             y_t.resize(out * t, 0.0); // [out, T]
             const ROWS: usize = 16;
@@ -298,9 +317,8 @@ impl Linear for W8A8Linear {
                     }
                 });
             for o in 0..out {
-                let b = self.bias.as_ref().map_or(0.0, |b| b[o]);
                 for r in 0..t {
-                    y[[r, o]] = y_t[o * t + r] + b;
+                    y[[r, o]] = y_t[o * t + r] + bias(o);
                 }
             }
         });
