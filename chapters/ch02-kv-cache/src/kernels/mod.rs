@@ -45,7 +45,7 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 pub use avx512::{Avx512, MR_512};
-pub use packed::{NR, PackedWeight, WeightElement};
+pub use packed::{FILL_FEATURES, NR, PackedWeight, WeightElement};
 
 /// Token rows of the prefill micro-kernel's output tile (portable and AVX2).
 pub const MR: usize = 6;

@@ -183,27 +183,25 @@ impl<W: WeightElement> PackedWeight<W> {
         self.data
             .par_chunks_mut((in_features * NR).max(1))
             .enumerate()
-            .for_each_init(
-                || vec![0.0f32; NR * KB], // [NR, KB]: each row's part
-                |parts, (p, panel)| {
-                    let rows = NR.min(out_features - p * NR);
-                    for k in (0..in_features).step_by(KB) {
-                        let width = KB.min(in_features - k);
-                        for (j, part) in parts.chunks_exact_mut(KB).enumerate() {
-                            match j < rows {
-                                true => fill(p * NR + j, k, &mut part[..width]),
-                                false => part.fill(0.0), // past `out`
-                            }
-                        }
-                        let lines = panel[k * NR..(k + width) * NR].chunks_exact_mut(NR);
-                        for (i, line) in lines.enumerate() {
-                            for j in 0..NR {
-                                line[W::slot(j)] = W::from_f32(parts[j * KB + i]);
-                            }
+            .for_each(|(p, panel)| {
+                let mut parts = [0.0f32; NR * KB]; // [NR, KB]: each row's part
+                let rows = NR.min(out_features - p * NR);
+                for k in (0..in_features).step_by(KB) {
+                    let width = KB.min(in_features - k);
+                    for (j, part) in parts.chunks_exact_mut(KB).enumerate() {
+                        match j < rows {
+                            true => fill(p * NR + j, k, &mut part[..width]),
+                            false => part.fill(0.0), // past `out`
                         }
                     }
-                },
-            );
+                    let lines = panel[k * NR..(k + width) * NR].chunks_exact_mut(NR);
+                    for (i, line) in lines.enumerate() {
+                        for j in 0..NR {
+                            line[W::slot(j)] = W::from_f32(parts[j * KB + i]);
+                        }
+                    }
+                }
+            });
     }
 
     /// Writes row `o` of `W` [out, in], `row(o)` [in], into zeroed `data` in the packed order.
