@@ -18,21 +18,28 @@ use ch02::kernels::{Isa, NR, PackedWeight, matmul};
 use ndarray::ArrayViewMut2;
 use rayon::prelude::*;
 
-/// The fewest rows of a call that run on the GEMM.
-/// FP8 layers of SmolLM2's shapes (1536 × 576, 576 × 1536, 8192 × 576) took as long either way
-/// at 24 rows, 23% to 32% longer on the GEMM at 16, and 4% to 18% less at 32 (AMD EPYC, 2
-/// threads, 2026-12-06).
+/// The fewest rows of a call that run on the GEMM. FP8 layers of SmolLM2's MLP shapes (1536 ×
+/// 576, 576 × 1536) and of a sixth of its head (8192 × 576) took as long either way at 24 rows,
+/// 23% to 32% longer on the GEMM at 16, and 4% to 18% less at 32 (AMD EPYC, 2 threads,
+/// 2026-12-06). W8A16 layers use the same threshold, not measured apart.
 pub(crate) const GEMM_FROM_TOKENS: usize = 24;
 
 /// f32 bytes of weights widened at once, which bounds the copy however large the layer (a
 /// vocabulary's output head). Alternating, 128 tokens through an FP8 layer of 1536 × 576 or
-/// 576 × 1536 took 1.5 to 2.9 ms in chunks of 4 MiB and 2.4 to 3.8 ms in chunks of 512 KiB,
-/// each of those a few parallel regions more (AMD EPYC, 2 threads, 2026-12-06).
+/// 576 × 1536 took 1.5 to 3.1 ms in one chunk (4 MiB) and 2.4 to 3.8 ms in seven or eight of
+/// 512 KiB, each of which adds three parallel regions; through SmolLM2's head (49152 × 576), 60
+/// to 98 ms in chunks of 4 MiB and 84 to 107 ms in chunks of 512 KiB (AMD EPYC, 2 threads,
+/// 2026-12-06, three rounds each).
 const CHUNK_BYTES: usize = 4 << 20;
 
+/// The most products (f32) a thread's scratch keeps for the next call: a long prompt's are
+/// given back rather than held for as long as the thread lives.
+const KEEP_PRODUCTS: usize = CHUNK_BYTES / 4;
+
 /// `y[t, o] = finish(o, Σ_i x[t, i] · w[o, i])` for every token `t` of `x` [tokens, in] and
-/// output `o` of `y` [tokens, out], where `widen(o, k, part)` writes elements `k..k + part.len()`
-/// of the weight's output row `o` as f32 into `part`. Each sum is f32, in the order of chapter 2's GEMM.
+/// output `o` of `y` [tokens, out], where `widen(o, k, part)` writes elements
+/// `k..k + part.len()` of the weight's output row `o` as f32 into `part`. Each sum is f32, in
+/// the order of chapter 2's GEMM.
 pub(crate) fn widened_matmul(
     isa: Isa,
     x: &[f32],
@@ -41,7 +48,10 @@ pub(crate) fn widened_matmul(
     finish: impl Fn(usize, f32) -> f32 + Sync,
 ) {
     let (tokens, out) = y.dim();
-    assert!(tokens > 0 && x.len().is_multiple_of(tokens), "x is [tokens, in]");
+    assert!(
+        tokens > 0 && x.len().is_multiple_of(tokens),
+        "x is [tokens, in]"
+    );
     let n = x.len() / tokens;
     let chunk = (CHUNK_BYTES / (4 * n.max(1))).max(NR) / NR * NR; // whole panels
     crate::scratch::with_local(&SCRATCH, |Scratch { packed, acc }| {
@@ -67,6 +77,9 @@ pub(crate) fn widened_matmul(
                     }
                 }
             }
+        }
+        if acc.capacity() > KEEP_PRODUCTS {
+            *acc = Vec::new();
         }
     });
 }
@@ -109,13 +122,15 @@ mod tests {
                     };
                     widened_matmul(isa, &x, y.view_mut(), widen, |o, v| v + o as f32);
                     for ((t, o), &v) in y.indexed_iter() {
-                        let (mut sum, mut mag) = (o as f64, o as f64);
+                        let (mut sum, mut mag) = (0.0f64, 0.0f64);
                         for i in 0..n {
                             let term = f64::from(x[t * n + i]) * f64::from(w[o * n + i]);
                             sum += term;
                             mag += term.abs();
                         }
-                        let bound = 1e-6 * n as f64 * mag;
+                        // The sum's f32 rounding, then the one of `finish`'s addition of `o`.
+                        let bound = 1e-6 * n as f64 * mag + f64::from(f32::EPSILON) * o as f64;
+                        let sum = sum + o as f64;
                         assert!(
                             (f64::from(v) - sum).abs() <= bound,
                             "{isa:?} [{t}, {o}] of [{tokens}, {out}]: {v} vs {sum}"
