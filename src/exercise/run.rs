@@ -103,6 +103,7 @@ pub fn light_profile(chapters: &[Chapter]) -> Vec<String> {
     let mut packages: Vec<&str> = (chapters.iter())
         .flat_map(|c| c.crates.iter().map(|k| k.package.as_str()))
         .collect();
+    packages.sort_unstable();
     packages.dedup();
     (packages.iter())
         .map(|package| format!("profile.release.package.{package}.opt-level=1"))

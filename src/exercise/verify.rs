@@ -64,13 +64,13 @@ pub fn verify(root: &Path, only: &[u32], compile_check: bool) -> Result<()> {
         for task in &chapter.tasks {
             let refs = task.test_refs();
             let package = &task.krate.package;
-            let run = |done: &[String]| {
+            let play = |done: &[String]| {
                 let env = [(DONE_VAR, done.join(","))];
                 run::run_tests(&dir, &target, package, &refs, &env, &config)
             };
-            let before = run(&done)?;
+            let before = play(&done)?;
             done.push(task.id.clone());
-            let after = run(&done)?;
+            let after = play(&done)?;
             let mut bad = Vec::new();
             for t in &refs {
                 let (b, a) = (&before[&t.name], &after[&t.name]);
