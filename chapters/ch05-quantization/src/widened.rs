@@ -84,8 +84,10 @@ pub(crate) fn widened_matmul(
     });
 }
 
-/// One thread's buffers for [`widened_matmul`], grown once to the largest chunk: fresh ones
-/// for every chunk cost more than the widening (the allocator hands back zeroed pages).
+/// One thread's buffers for [`widened_matmul`], kept from call to call: fresh ones for every
+/// chunk cost more than the widening (the allocator hands back zeroed pages). The packed chunk
+/// stays at most [`CHUNK_BYTES`]; products beyond [`KEEP_PRODUCTS`] (a prompt of more than
+/// about 580 tokens through a 1,808-row chunk) are allocated for their call and given back.
 #[derive(Default)]
 struct Scratch {
     packed: Option<PackedWeight<f32>>, // a chunk of the weight, widened and packed
