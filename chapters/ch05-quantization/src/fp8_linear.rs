@@ -28,7 +28,7 @@ use rayon::prelude::*;
 use crate::fp8::F8E4M3;
 use crate::kv_cache::{amax, scale_for};
 use crate::quant_linear::shard_bias;
-use crate::widened::{GEMM_FROM_TOKENS, widened_matmul};
+use crate::widened::{GEMM_FROM_TOKENS, scaled_codes_matmul};
 
 /// How a layer's activations are rounded to E4M3 before the products.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -249,14 +249,15 @@ impl Linear for Fp8Linear {
             if t >= GEMM_FROM_TOKENS {
                 // Many tokens (a prefill): y[t, o] = scale[o] · (x'_t · w_o) + bias[o] on
                 // chapter 2's GEMM, the codes widened to f32 a chunk of rows at a time.
-                let widen = |o: usize, k: usize, part: &mut [f32]| {
-                    let codes = &self.codes[o * n + k..][..part.len()];
-                    part.iter_mut()
-                        .zip(codes)
-                        .for_each(|(w, c)| *w = c.to_f32());
-                };
-                let finish = |o: usize, v: f32| self.scale[o] * v + bias(o);
-                return widened_matmul(self.isa, rounded, y, widen, finish);
+                return scaled_codes_matmul(
+                    self.isa,
+                    rounded,
+                    y,
+                    &self.codes,
+                    F8E4M3::to_f32,
+                    &self.scale,
+                    self.bias.as_ref(),
+                );
             }
             // yᵀ[o, t] = scale[o] · (x'_t · w_o), 16 outputs per task. One token (decode) widens
             // the codes inside the dot product; a few widen each row once and reuse it.

@@ -15,7 +15,7 @@
 //! few), that copy costs more than it saves and the layers keep their dot products.
 
 use ch02::kernels::{Isa, NR, PackedWeight, matmul};
-use ndarray::ArrayViewMut2;
+use ndarray::{Array1, ArrayViewMut2};
 use rayon::prelude::*;
 
 /// The fewest rows of a call that run on the GEMM. FP8 layers of SmolLM2's MLP shapes (1536 ×
@@ -40,7 +40,7 @@ const KEEP_PRODUCTS: usize = CHUNK_BYTES / 4;
 /// output `o` of `y` [tokens, out], where `widen(o, k, part)` writes elements
 /// `k..k + part.len()` of the weight's output row `o` as f32 into `part`. Each sum is f32, in
 /// the order of chapter 2's GEMM.
-pub(crate) fn widened_matmul(
+fn widened_matmul(
     isa: Isa,
     x: &[f32],
     mut y: ArrayViewMut2<f32>,
@@ -82,6 +82,29 @@ pub(crate) fn widened_matmul(
             *acc = Vec::new();
         }
     });
+}
+
+/// `y[t, o] = scale[o] · Σ_i x[t, i] · f32(codes[o, i]) + bias[o]` for a layer stored as codes
+/// [out, in] with one scale per output row (FP8 weights, int8 weights with f32 activations):
+/// [`widened_matmul`] with `to_f32` widening each code.
+pub(crate) fn scaled_codes_matmul<C: Copy + Sync>(
+    isa: Isa,
+    x: &[f32],
+    y: ArrayViewMut2<f32>,
+    codes: &[C],
+    to_f32: impl Fn(C) -> f32 + Sync,
+    scale: &[f32],
+    bias: Option<&Array1<f32>>,
+) {
+    let n = codes.len() / scale.len().max(1);
+    let widen = |o: usize, k: usize, part: &mut [f32]| {
+        let codes = &codes[o * n + k..][..part.len()];
+        part.iter_mut()
+            .zip(codes)
+            .for_each(|(w, &c)| *w = to_f32(c));
+    };
+    let finish = |o: usize, v: f32| scale[o] * v + bias.map_or(0.0, |b| b[o]);
+    widened_matmul(isa, x, y, widen, finish)
 }
 
 /// One thread's buffers for [`widened_matmul`], kept from call to call: fresh ones for every

@@ -24,7 +24,7 @@ use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 use std::cell::RefCell;
 
-use crate::widened::{GEMM_FROM_TOKENS, widened_matmul};
+use crate::widened::{GEMM_FROM_TOKENS, scaled_codes_matmul};
 
 /// The largest code of the symmetric int8 grid.
 pub const QMAX: f32 = 127.0;
@@ -287,14 +287,15 @@ impl Linear for W8A8Linear {
                 // Many tokens with f32 activations (W8A16, a prefill): y[t, o] = s_w[o] ·
                 // (x[t] · q_w[o]) + bias[o] on chapter 2's GEMM, the codes widened a chunk of
                 // rows at a time.
-                let widen = |o: usize, k: usize, part: &mut [f32]| {
-                    let codes = &self.codes[o * n + k..][..part.len()];
-                    part.iter_mut()
-                        .zip(codes)
-                        .for_each(|(w, &c)| *w = f32::from(c));
-                };
-                let finish = |o: usize, v: f32| self.scale[o] * v + bias(o);
-                return widened_matmul(Isa::detect(), x_f, y, widen, finish);
+                return scaled_codes_matmul(
+                    Isa::detect(),
+                    x_f,
+                    y,
+                    &self.codes,
+                    f32::from,
+                    &self.scale,
+                    self.bias.as_ref(),
+                );
             }
             // yᵀ[o, t] = s_w[o] · s_x[t] · (q_x[t] · q_w[o]), 16 output channels per task.
             y_t.resize(out * t, 0.0); // [out, T]
