@@ -182,7 +182,7 @@ impl<K: KvElement> AttentionBackend<K> for AutoAttention {
     }
 }
 
-/// Chapter 4's [`ch04::cpu_executor`] with the attention backend chosen: a CPU executor with a
+/// Chapter 4's [`ch04::cpu_executor()`] with the attention backend chosen: a CPU executor with a
 /// pool of `cache.dtype` elements, as many blocks as `cache.memory` holds. Every dtype: f32 and
 /// bf16 (chapter 3), FP8 E4M3 and int8 with scales (chapter 5's element types).
 pub fn cpu_executor<'m>(

@@ -118,7 +118,7 @@ pub fn decode_task<K: ToF32>(
 }
 // ANCHOR_END: decode_task
 
-/// Reads the partial state of query head `h` from a task's `partial`: (stats, o [d]).
+/// Reads the partial state of query head `h` from a task's `partial`: (stats, o `[d]`).
 pub fn read_partial(partial: &[f32], h: usize, d: usize) -> (RowStats, &[f32]) {
     let state = &partial[h * (d + 2)..][..d + 2];
     (

@@ -88,7 +88,7 @@ pub fn online_step(stats: &mut RowStats, s: &mut [f32]) -> f32 {
 
 // ANCHOR: merge
 /// Combines two states over disjoint sets of keys: `(a, o_a) ← (a, o_a) ⊕ (b, o_b)`.
-/// `o_a`, `o_b`: the rows' unnormalised outputs [d].
+/// `o_a`, `o_b`: the rows' unnormalised outputs `[d]`.
 #[inline(always)]
 pub fn merge_into(a: &mut RowStats, o_a: &mut [f32], b: RowStats, o_b: &[f32]) {
     // ANCHOR: task_7_1
@@ -124,7 +124,7 @@ pub fn finish(stats: RowStats, o: &mut [f32]) {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Partial {
     pub stats: RowStats,
-    /// Unnormalised output [d].
+    /// Unnormalised output `[d]`.
     pub o: Vec<f32>,
 }
 
@@ -143,7 +143,7 @@ impl Partial {
         partial
     }
 
-    /// Folds in one more tile: `scores` [len], `values` [len, d].
+    /// Folds in one more tile: `scores` `[len]`, `values` `[len, d]`.
     pub fn absorb(&mut self, scores: &[f32], values: &[f32]) {
         let d = self.o.len();
         assert_eq!(values.len(), scores.len() * d, "values are [len, d]");
@@ -162,7 +162,7 @@ impl Partial {
         out
     }
 
-    /// The normalised output `o / l` [d].
+    /// The normalised output `o / l` `[d]`.
     pub fn output(&self) -> Vec<f32> {
         let mut o = self.o.clone();
         finish(self.stats, &mut o);

@@ -247,8 +247,8 @@ pub fn naive(
 }
 // ANCHOR_END: naive_model
 
-/// Fast memory one step of the tiled loop holds, in elements: Q_i and O_i [Br, d], m and l
-/// [Br], K_j and V_j [Bc, d], S_ij [Br, Bc].
+/// Fast memory one step of the tiled loop holds, in elements: Q_i and O_i `[Br, d]`, m and l
+/// `[Br]`, K_j and V_j `[Bc, d]`, S_ij `[Br, Bc]`.
 pub fn tiled_footprint(d: usize, br: usize, bc: usize) -> usize {
     2 * br * d + 2 * br + 2 * bc * d + br * bc
 }

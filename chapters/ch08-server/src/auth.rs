@@ -130,7 +130,7 @@ impl ApiKeys {
         self.keys.is_empty()
     }
 
-    /// Checks an `Authorization` header value ("Bearer <key>", scheme case-insensitive).
+    /// Checks an `Authorization` header value (`Bearer <key>`, scheme case-insensitive).
     ///
     /// Returns the identity used for rate limiting: [`ANONYMOUS`] on an open server (whatever
     /// the header says), otherwise `key-<n>` for the n-th configured key (1-based).

@@ -46,8 +46,8 @@
 //! - a list repeated by `*` is lazy and costs no fuel, and minijinja charges for turning it into
 //!   one string only after building it: `(['x' * 1000000] * 1000000) ~ ''` fails an allocation
 //!   of 4 GB and aborts the process (measured with a 3 GB address-space limit). The `join` and
-//!   `string` filters, `str.join` and `str.format` are checked here first ([`check_joined`],
-//!   [`check_format`]), which the `~` operator cannot be;
+//!   `string` filters, `str.join` and `str.format` are checked here first (`check_joined`,
+//!   `check_format`), which the `~` operator cannot be;
 //! - minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
 //!   `{{ ns }}` (or anything else that turns `ns` into text) recurses without end, until the
 //!   stack overflows, which aborts the process. Only `tojson`, which is ours, has a depth
@@ -450,7 +450,7 @@ fn render_error(err: minijinja::Error) -> TemplateError {
 // ---------------------------------------------------------------------------------------------
 
 /// The widest field a template's `str.format` may ask for, as width or precision (`'{:>N}'`,
-/// `'{:.N}'`); see [`check_format`].
+/// `'{:.N}'`); see `check_format`.
 pub const FORMAT_MAX_WIDTH: usize = 4096;
 
 /// Python's string and dict methods (`minijinja_contrib::pycompat`), but a `str.format` is

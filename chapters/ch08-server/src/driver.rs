@@ -26,7 +26,7 @@ pub struct TokenInfo {
     pub text: String,
     /// The token's own bytes ([`Tokenizer::token_bytes`]): what it adds to the text, exactly.
     ///
-    /// [`Tokenizer::token_bytes`]: ch01_naive_attention::Tokenizer::token_bytes
+    /// [`Tokenizer::token_bytes`]: ch01::Tokenizer::token_bytes
     pub bytes: Vec<u8>,
     pub logprob: f32,
     pub top: Vec<TokenInfo>,

@@ -64,7 +64,7 @@ impl Shape {
         2.0 * self.layers * self.kv_heads * self.head_dim() * BYTES
     }
 
-    /// Bytes one all-reduce moves per token: the [hidden] row in bf16.
+    /// Bytes one all-reduce moves per token: the `[hidden]` row in bf16.
     fn all_reduce_bytes_per_token(&self) -> f64 {
         self.hidden * BYTES
     }
