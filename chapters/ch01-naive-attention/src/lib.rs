@@ -17,7 +17,7 @@
 //! | [`model`]     | the Llama forward pass: embedding → N × (RMSNorm, attention, SwiGLU) → logits   |
 //! | [`output_text`] | generated ids → text: detokenisation and stop strings, one fold for every caller |
 //! | [`sampler`]   | greedy, temperature, top-k/top-p/min-p, penalties, seeded                       |
-//! | [`generate`]  | the generation loop that recomputes the whole sequence for every token          |
+//! | [`mod@generate`] | the generation loop that recomputes the whole sequence for every token       |
 //! | [`perplexity`]| llama.cpp-style perplexity over a text                                          |
 //! | [`random_model`] | a Llama checkpoint with random weights (benchmark and test shapes), seeded   |
 //!

@@ -63,7 +63,7 @@ impl RmsNorm {
         }
     }
 
-    /// One row of [`forward_into`](Self::forward_into), bit for bit: `x`, `out`: [hidden].
+    /// One row of [`forward_into`](Self::forward_into), bit for bit: `x`, `out`: `[hidden]`.
     /// Chapter 2 splits a step's rows across threads and runs this on each.
     pub fn forward_into_row(&self, x: &[f32], out: &mut [f32]) {
         let mean_square = sum_of_squares(&ArrayView1::from(x)) / x.len() as f32;
@@ -71,7 +71,7 @@ impl RmsNorm {
     }
 
     /// One row of [`forward`](Self::forward), bit for bit (a single running sum of squares, not
-    /// [`forward_into`](Self::forward_into)'s eight): `x`, `out`: [hidden].
+    /// [`forward_into`](Self::forward_into)'s eight): `x`, `out`: `[hidden]`.
     pub fn forward_row(&self, x: &[f32], out: &mut [f32]) {
         let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
         self.scale_row(x.iter(), out.iter_mut(), mean_square);
@@ -396,7 +396,7 @@ impl Llama {
         )
     }
 
-    /// Rows of the embedding table: tokens [T] → [T, hidden]. Ids must be checked first.
+    /// Rows of the embedding table: tokens `[T]` → `[T, hidden]`. Ids must be checked first.
     /// On a tensor-parallel shard, the rows of the ids outside the rank's vocabulary are zero:
     /// the ranks' embeddings sum to the whole model's.
     pub fn embed(&self, tokens: &[u32]) -> Array2<f32> {
@@ -413,7 +413,7 @@ impl Llama {
         x
     }
 
-    /// Token `id`'s embedding row when this rank holds it (always on one rank). [hidden]
+    /// Token `id`'s embedding row when this rank holds it (always on one rank). `[hidden]`
     pub fn embedding_row(&self, id: u32) -> Option<ArrayView1<'_, f32>> {
         let vocab = self.shard.vocab_range(self.config.vocab_size);
         let id = id as usize;
@@ -422,7 +422,7 @@ impl Llama {
             .then(|| self.embed_tokens.row(id - vocab.start))
     }
 
-    /// The logits of every position: tokens [T] (positions 0..T) → [T, vocab].
+    /// The logits of every position: tokens `[T]` (positions 0..T) → `[T, vocab]`.
     /// Everything is recomputed from scratch on every call; nothing is cached.
     // ANCHOR: forward
     pub fn forward(&self, tokens: &[u32]) -> Result<Array2<f32>> {
@@ -461,7 +461,7 @@ impl Llama {
         layers + self.lm_head.weight_bytes()
     }
 
-    /// Logits of the last position only: what generation needs. [vocab]
+    /// Logits of the last position only: what generation needs. `[vocab]`
     pub fn next_token_logits(&self, tokens: &[u32]) -> Result<Array1<f32>> {
         let logits = self.forward(tokens)?;
         Ok(logits.row(logits.nrows() - 1).to_owned())

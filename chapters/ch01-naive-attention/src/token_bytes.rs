@@ -80,7 +80,7 @@ fn is_printable(b: u8) -> bool {
     matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF)
 }
 
-/// Byte-level BPE's character for a byte; the inverse of [`byte_of_char`].
+/// Byte-level BPE's character for a byte; the inverse of `byte_of_char`.
 pub fn char_of_byte(b: u8) -> char {
     if is_printable(b) {
         char::from(b)

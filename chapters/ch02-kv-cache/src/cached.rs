@@ -299,7 +299,7 @@ pub fn forward_cached(
     Ok(model.lm_head.forward(ws.h.slice(s![..tokens.len(), ..])))
 }
 
-/// Logits of the last new position only (what generation needs), in `ws`: [vocab].
+/// Logits of the last new position only (what generation needs), in `ws`: `[vocab]`.
 pub fn next_token_logits_cached<'w>(
     model: &Llama,
     tokens: &[u32],
@@ -335,12 +335,12 @@ impl<'m, S: KvStore> CachedSession<'m, S> {
         &self.store
     }
 
-    /// Runs the prompt in one pass; returns the logits of its last position. [vocab]
+    /// Runs the prompt in one pass; returns the logits of its last position. `[vocab]`
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<ArrayView1<'_, f32>> {
         next_token_logits_cached(self.model, prompt, &mut self.store, &mut self.workspace)
     }
 
-    /// Runs one new token against the cache; returns the logits of the next position. [vocab]
+    /// Runs one new token against the cache; returns the logits of the next position, `[vocab]`.
     /// Allocates nothing once the session has decoded a token (see the tests).
     pub fn decode(&mut self, token: u32) -> Result<ArrayView1<'_, f32>> {
         next_token_logits_cached(self.model, &[token], &mut self.store, &mut self.workspace)

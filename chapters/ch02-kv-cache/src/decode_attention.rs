@@ -37,7 +37,7 @@ const MIN_CHUNK: usize = 32;
 /// scratch of partial results.
 pub const MAX_CHUNKS: usize = 16;
 
-/// Positions per chunk for a context of `context_len`: at least [`MIN_CHUNK`], a multiple of
+/// Positions per chunk for a context of `context_len`: at least `MIN_CHUNK`, a multiple of
 /// [`KEYS`], and few enough for at most [`MAX_CHUNKS`] chunks.
 pub fn chunk_len(context_len: usize) -> usize {
     context_len

@@ -40,7 +40,7 @@ pub struct FastLinear {
 }
 
 impl FastLinear {
-    /// `weight`: [out, in]; `bias`: [out]. The packed weights go to weight memory
+    /// `weight`: `[out, in]`; `bias`: `[out]`. The packed weights go to weight memory
     /// ([`crate::weight_memory`]): a model's projection, kept as long as the model.
     pub fn new(weight: Array2<f32>, bias: Option<Array1<f32>>, dtype: WeightDtype) -> Self {
         Self::packed(weight, bias, dtype, true)

@@ -34,7 +34,7 @@ pub const CHUNK: usize = 64 << 20;
 /// Every buffer starts on a cache line.
 const ALIGN: usize = 64;
 
-/// Types for which all-zero bytes are a valid value, with alignment at most [`ALIGN`].
+/// Types for which all-zero bytes are a valid value, with alignment at most `ALIGN`.
 ///
 /// # Safety
 /// Implement only for types whose every all-zero bit pattern is a valid value and whose

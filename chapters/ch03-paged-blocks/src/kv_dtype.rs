@@ -109,7 +109,7 @@ pub unsafe trait KvElement: ToF32 + Default + Send + Sync + 'static {
     const SCALED: bool = false;
     /// Rounds an f32 to this type (the executor's write, for an unscaled type).
     fn from_f32(x: f32) -> Self;
-    /// Rounds one head's row `x` [head_dim] into `codes` [head_dim]; returns the scale that
+    /// Rounds one head's row `x` `[head_dim]` into `codes` `[head_dim]`; returns the scale that
     /// reads it back (`x[i] ≈ codes[i].to_f32() · scale`). An unscaled type rounds each element
     /// and returns 1.
     fn quantize_head(x: &[f32], codes: &mut [Self]) -> f32 {

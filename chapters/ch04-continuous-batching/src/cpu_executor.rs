@@ -249,7 +249,7 @@ impl<K: KvElement> Executor for CpuExecutor<'_, K> {
         }
     }
 
-    /// One step: [`CpuExecutor::run_step`] with the pool's other threads spinning for its
+    /// One step: `CpuExecutor::run_step` with the pool's other threads spinning for its
     /// parallel regions instead of sleeping between them (chapter 2's [`awake`]).
     fn execute(&mut self, step: &SchedulerOutput) -> Result<ArrayView2<'_, f32>, ExecutorError> {
         awake(move || self.run_step(step))

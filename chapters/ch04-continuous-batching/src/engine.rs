@@ -211,7 +211,8 @@ impl<'e> Engine<'e> {
         self.scheduler.add_request(request)
     }
 
-    /// [`Engine::add_request`], with a [`LogitsProcessor`] over its logits (chapter 8).
+    /// [`Engine::add_request`], with a [`LogitsProcessor`](crate::LogitsProcessor) over its
+    /// logits (chapter 8).
     pub fn add_request_with(
         &mut self,
         request: Request,

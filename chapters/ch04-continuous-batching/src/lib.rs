@@ -20,7 +20,7 @@
 //! | [`request`]      | [`Request`], its [`Status`] (waiting, running, swapped, finished)       |
 //! | [`scheduler`]    | [`Scheduler`]: admission, chunks, preemption; [`SchedulerOutput`]; sampling in `update` |
 //! | [`executor`]     | the [`Executor`] seam and the [`KvLayout`] it reports                   |
-//! | [`cpu_executor`] | [`CpuExecutor`]: chapter 1's model and chapter 3's pool, one batched forward |
+//! | [`mod@cpu_executor`] | [`CpuExecutor`]: chapter 1's model and chapter 3's pool, one batched forward |
 //! | [`attention`]    | the [`AttentionBackend`] seam; [`batch_attention`](attention::batch_attention), the whole step's attention in one parallel pass |
 //! | [`engine`]       | [`Engine`]: a scheduler, an executor, and the step between them         |
 //! | [`driver`]       | [`drive`]: the one loop that feeds an engine and hands out its outputs  |

@@ -27,7 +27,7 @@ pub struct Request {
     /// Scheduling priority: lower runs first (as vLLM's `priority`); FCFS among equals.
     pub priority: i32,
     /// Report each sampled token's log-probability and this many top alternatives
-    /// ([`TokenLogprobs`](crate::TokenLogprobs)); `None`: none (nothing is computed).
+    /// ([`TokenLogprobs`]); `None`: none (nothing is computed).
     pub logprobs: Option<usize>,
 }
 

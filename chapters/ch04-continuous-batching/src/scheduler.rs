@@ -110,7 +110,7 @@ impl SchedulerOutput {
     }
 
     /// The step's tokens flattened, in batch order: each one's sequence table and position.
-    /// [n]
+    /// `[n]`
     pub fn query_rows(&self) -> Vec<QueryRow<'_>> {
         self.seqs
             .iter()
@@ -124,7 +124,7 @@ impl SchedulerOutput {
     }
 
     /// Which of the flattened rows want logits: the last `logit_rows` of each sequence.
-    /// [num_logit_rows]
+    /// `[num_logit_rows]`
     pub fn logit_row_indices(&self) -> Vec<usize> {
         let mut picked = Vec::with_capacity(self.num_logit_rows());
         let mut end = 0;

@@ -83,7 +83,8 @@ pub enum Fp8Error {
 }
 
 impl Fp8Linear {
-    /// `codes` [out, in]; `scale` of 1 (per tensor) or `out` (per channel) values; `bias` [out].
+    /// `codes` `[out, in]`; `scale` of 1 (per tensor) or `out` (per channel) values;
+    /// `bias` `[out]`.
     pub fn new(
         codes: Vec<F8E4M3>,
         out_features: usize,

@@ -90,7 +90,7 @@ unsafe impl KvElement for KvInt8 {
         KvInt8(x.round().clamp(-127.0, 127.0) as i8)
     }
 
-    /// A NaN or infinite element makes the row's scale NaN ([`int8_scale`]).
+    /// A NaN or infinite element makes the row's scale NaN (`int8_scale`).
     fn quantize_head(x: &[f32], codes: &mut [KvInt8]) -> f32 {
         let scale = int8_scale(x);
         let inv = 1.0 / scale;

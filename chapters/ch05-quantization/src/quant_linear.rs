@@ -50,7 +50,7 @@ pub struct QuantLinear {
 }
 
 impl QuantLinear {
-    /// `weight` [out, in]; `bias` [out].
+    /// `weight` `[out, in]`; `bias` `[out]`.
     pub fn new(weight: QuantMatrix, bias: Option<Array1<f32>>) -> Result<Self, KernelError> {
         if let Some(b) = &bias
             && b.len() != weight.rows()

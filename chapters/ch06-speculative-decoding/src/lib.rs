@@ -19,7 +19,7 @@
 //! | module           | what it does                                                          |
 //! |------------------|-----------------------------------------------------------------------|
 //! | [`drafter`]      | the [`Drafter`] seam                                                   |
-//! | [`verify`]       | greedy verification and modified rejection sampling, proven by enumeration |
+//! | [`mod@verify`]   | greedy verification and modified rejection sampling, proven by enumeration |
 //! | [`speculative`]  | [`SpeculativeDecoding`]: a drafter and the verifier as chapter 4's [`Speculator`](ch04::Speculator) |
 //! | [`ngram`]        | [`NgramDrafter`]: prompt lookup, no model                              |
 //! | [`draft_model`]  | [`ModelDrafter`]: a draft model, or the target's first layers, on its own paged cache |

@@ -10,7 +10,7 @@
 //!   drop:    broadcast an empty message ──────────▶ return
 //! ```
 //! [`TensorParallelExecutor`](crate::TensorParallelExecutor) hands its threads the step in
-//! memory; here it is one broadcast of [`step_codec`](crate::step_codec) bytes per step, the
+//! memory; here it is one broadcast of [`step_codec`] bytes per step, the
 //! only message the ranks exchange besides the forward's collectives. Every rank must load
 //! shard `r` of the same model, and the group runs as long as rank 0's executor lives.
 

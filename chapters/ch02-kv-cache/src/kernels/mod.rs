@@ -115,7 +115,7 @@ pub enum Gemm {
     /// 12 × 16 tiles in 16-lane registers.
     #[cfg(target_arch = "x86_64")]
     Avx512(Avx512),
-    /// 12 × 32 tiles: two adjacent panels at once ([`avx512::tile_matmul_pair`]), the last odd
+    /// 12 × 32 tiles: two adjacent panels at once (`avx512::tile_matmul_pair`), the last odd
     /// panel of a task alone.
     #[cfg(target_arch = "x86_64")]
     Avx512Pair(Avx512),
@@ -229,7 +229,7 @@ fn matvec_panels_per_task(panels: usize) -> usize {
 }
 
 /// One token: `y[o] = Σ_k W[o, k] · x[k]` for every output row, panels split across threads.
-/// `x`: [in], `y`: [out].
+/// `x`: `[in]`, `y`: `[out]`.
 // ANCHOR: matvec
 pub fn matvec<W: WeightElement>(isa: Isa, w: &PackedWeight<W>, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.in_features(), "x is [in]");
@@ -403,7 +403,7 @@ pub fn matmul_part<W: WeightElement>(
 /// at 32 features (2 KiB of f32, 1 KiB of bf16) one thread read bf16 weights at 26 GB/s and f32
 /// at 30; at 4 KiB, at 31 and 32 (`examples/prefetch_distance.rs`, AMD EPYC).
 ///
-/// Into which cache ([`AskAhead::ask`]): on an Intel Xeon (2 threads, 2026-12-06, three runs of
+/// Into which cache (`AskAhead::ask`): on an Intel Xeon (2 threads, 2026-12-06, three runs of
 /// the same example) bf16 weights read at 29.1 to 33.9 GB/s asked for into L2 once per cache line,
 /// at 19.1 to 22.5 asked for into L1 at every feature; f32 2% to 3% more slowly into L2 (three
 /// runs of a scratch build), so f32 keeps L1.

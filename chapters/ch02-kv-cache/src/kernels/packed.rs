@@ -131,8 +131,8 @@ impl<W: WeightElement> PackedWeight<W> {
         })
     }
 
-    /// Packs `W` [out, in] whose output row `o` is `row(o)` [in], wherever each row lies (a
-    /// head's keys, one per stored position, inside rows of every KV head), on the heap: a
+    /// Packs `W` `[out, in]` whose output row `o` is `row(o)` `[in]`, wherever each row lies
+    /// (a head's keys, one per stored position, inside rows of every KV head), on the heap: a
     /// short-lived weight.
     pub fn pack_rows<'w>(
         out_features: usize,
@@ -226,7 +226,7 @@ impl<W: WeightElement> PackedWeight<W> {
         }
     }
 
-    /// Packs `W` [out, in] given by its columns: `column(k)` [out] holds input `k`'s weight for
+    /// Packs `W` `[out, in]` given by its columns: `column(k)` `[out]` holds input `k`'s weight for
     /// every output (a head's values, one per stored position, as the weight whose outputs are
     /// the head's channels), on the heap. A panel row is a run of [`NR`] consecutive elements of
     /// a column.

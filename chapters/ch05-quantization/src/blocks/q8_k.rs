@@ -21,7 +21,7 @@ pub const BLOCK_BYTES: usize = 292;
 /// Values of one block.
 pub const BLOCK_ELEMS: usize = 256;
 
-/// Encodes 256 values: returns `d` and fills `q` [256] and `bsums` [16].
+/// Encodes 256 values: returns `d` and fills `q` `[256]` and `bsums` `[16]`.
 #[inline]
 pub fn encode(x: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
     // NaN for a block holding a NaN, so that the NaN reaches the outputs it touches.

@@ -3,7 +3,7 @@
 //! | module        | what it does                                                             |
 //! |---------------|--------------------------------------------------------------------------|
 //! | [`value`]     | [`GgufValue`]: the thirteen metadata value types                          |
-//! | [`file`]      | [`GgufFile`]: the memory-mapped reader, every length checked before use   |
+//! | [`mod@file`]  | [`GgufFile`]: the memory-mapped reader, every length checked before use   |
 //! | [`writer`]    | [`GgufWriter`]: metadata and encoded tensors → a version-3 file           |
 //! | [`config`]    | metadata → chapter 1's [`ch01::LlamaConfig`]                              |
 //! | [`source`]    | [`GgufSource`]: the file as a [`ch01::WeightSource`] with Hugging Face names |

@@ -30,8 +30,8 @@
 //! ```
 //! (each with its `.weight` / `.bias` suffix.)
 //!
-//! Block-quantized tensors are reported as [`TensorDtype::Blocks`]; the source's `get` and
-//! `matrix_block` decode them (and the dense float types) to f32 with
+//! Block-quantized tensors are reported as [`TensorDtype::Blocks`](ch01::TensorDtype::Blocks);
+//! the source's `get` and `matrix_block` decode them (and the dense float types) to f32 with
 //! [`crate::blocks::dequantize`], one row at a time, so a shard decodes only its rows.
 
 use std::borrow::Cow;

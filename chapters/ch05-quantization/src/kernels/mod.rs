@@ -941,7 +941,7 @@ fn matvec_rows_per_task(rows: usize) -> usize {
 
 // ANCHOR: matvec
 /// One token: `y[o] = Σ_k W[o, k] · x[k]`, output rows split across threads.
-/// `x`: [in], `y`: [out]. Panics on other lengths (a caller's mistake: shapes were checked
+/// `x`: `[in]`, `y`: `[out]`. Panics on other lengths (a caller's mistake: shapes were checked
 /// when `w` was made).
 pub fn matvec(isa: Isa, w: &QuantMatrix, x: &[f32], y: &mut [f32], scratch: &mut Scratch) {
     assert_eq!(x.len(), w.cols, "x is [in]");

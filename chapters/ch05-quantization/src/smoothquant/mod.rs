@@ -4,7 +4,7 @@
 //! | file        | what it holds                                                                |
 //! |-------------|------------------------------------------------------------------------------|
 //! | [`w8a8`]    | [`W8A8Linear`]: per-channel int8 weights, per-token int8 activations, i32 sums; [`W8A8Quantizer`] |
-//! | [`smooth`]  | the factors `s_j = max|X_j|^α / max|W_j|^(1−α)`, calibration, and [`SmoothedSource`] with `1/s` folded into the norms, up_proj and v_proj |
+//! | [`mod@smooth`] | the factors `s_j = max|X_j|^α / max|W_j|^(1−α)`, calibration, and [`SmoothedSource`] with `1/s` folded into the norms, up_proj and v_proj |
 //!
 //! The naive W8A8 model is `W8A8Quantizer` on the checkpoint; SmoothQuant is the same loader on
 //! the [`SmoothedSource`] of the checkpoint.

@@ -147,7 +147,7 @@ fn dot_f32_i8(x: &[f32], q: &[i8]) -> f32 {
 }
 
 impl W8A8Linear {
-    /// `codes` [out, in] in `-127..=127`; `scale` [out]; `bias` [out].
+    /// `codes` `[out, in]` in `-127..=127`; `scale` `[out]`; `bias` `[out]`.
     pub fn new(
         codes: Vec<i8>,
         out_features: usize,

@@ -52,10 +52,10 @@ pub trait Communicator: Send {
 
     fn world(&self) -> usize;
 
-    /// `buf` [n] ← the element-wise sum of every rank's `buf` [n].
+    /// `buf` `[n]` ← the element-wise sum of every rank's `buf` `[n]`.
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError>;
 
-    /// `out` [world · n] ← every rank's `part` [n], in rank order.
+    /// `out` `[world · n]` ← every rank's `part` `[n]`, in rank order.
     fn all_gather(&mut self, part: &[f32], out: &mut [f32]) -> Result<(), CommError>;
 
     /// `buf` ← the root's `buf` (any length: the others' buffers are resized to it).
@@ -63,7 +63,7 @@ pub trait Communicator: Send {
 
     /// The group closed as agreed: this rank's last collective is behind it. A communicator
     /// dropped without it (an error, a panic) must not wait for its peers on the way out:
-    /// [`MpiComm`](mpi::MpiComm) then skips MPI's finalize, which waits for every process, so
+    /// `MpiComm` then skips MPI's finalize, which waits for every process, so
     /// the process exits with its error and mpirun ends the others.
     fn finish(&mut self) {}
 }
