@@ -2,7 +2,7 @@
 //! constrained output parses or matches, over many seeds, streamed and not; bad constraints
 //! are 400s naming their field.
 
-mod support;
+use crate::support;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};

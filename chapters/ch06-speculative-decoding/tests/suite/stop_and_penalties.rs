@@ -2,7 +2,7 @@
 //! drafts ends the request at it (finish reason Stop, no block left), and greedy decoding with a
 //! repetition penalty gives what the engine without speculation gives, whatever drafts.
 
-mod common;
+use crate::common;
 
 use ch01::{Llama, SamplingParams};
 use ch03::KvPool;

@@ -4,10 +4,7 @@
 //! of shakespeare-tiny (4 query heads, 2 KV heads: at 4 ranks each KV head is replicated twice),
 //! and by ranks that share only a communicator (the step sent as bytes, as between processes).
 
-extern crate ch04 as ch04_continuous_batching;
-
-#[path = "../../ch04-continuous-batching/tests/engine_scenario/mod.rs"]
-mod engine_scenario;
+use crate::engine_scenario;
 
 use ch01::fixtures_dir;
 use ch02::{FastLoader, WeightDtype};

@@ -3,7 +3,7 @@
 //! sequence that cannot draft lets go of its blocks (so that others still draft), nothing is
 //! dropped for a sequence that could never fit, and catching up is chunked within the budget.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 

@@ -5,7 +5,7 @@
 //! after every step the block manager's invariants hold; afterwards no block of the target's
 //! cache, nor of a draft model's, is in use.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

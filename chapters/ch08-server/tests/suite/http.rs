@@ -5,7 +5,7 @@
 //! reads are its own; the model is loaded once per test binary. Every wait is bounded: the
 //! client has a timeout, and polling loops give up after [`WAIT`].
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! (logprob order and offsets, per-request counts). Each test fails on the server before
 //! these fixes; the timeouts are small so that each takes a second or two.
 
-mod support;
+use crate::support;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, TcpStream};

@@ -6,7 +6,7 @@
 //! - stays within a bound derived from the formats' rounding of attention over the original
 //!   f32 K/V (see [`bound`]).
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -1,7 +1,7 @@
 //! The dashboard over real HTTP: `/dashboard` is the page, `/dashboard/state` the engine's
 //! snapshot; the snapshot's counters and histograms are `/metrics`' numbers.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -2,11 +2,7 @@
 //! chunking and preemption, every request's greedy output equals generating it alone (on
 //! chapter 2's cache). The scenario is chapter 4's own test body, shared, not copied.
 
-// The scenario names chapter 4's crate by its package name.
-extern crate ch04 as ch04_continuous_batching;
-
-#[path = "../../ch04-continuous-batching/tests/engine_scenario/mod.rs"]
-mod engine_scenario;
+use crate::engine_scenario;
 
 use ch02::kernels::Isa;
 use ch04::CpuExecutor;
