@@ -1,6 +1,6 @@
 //! Whole models from GGUF files: the committed random checkpoints written by chapter 5's own
 //! converter (`gguf::convert`), loaded by `load_gguf`, must give exactly the logits, config and
-//! tokens that the safetensors directory gives. (`tests/quantize.rs` tests the converter.)
+//! tokens that the safetensors directory gives. (`quantize.rs` beside it tests the converter.)
 
 use std::path::PathBuf;
 

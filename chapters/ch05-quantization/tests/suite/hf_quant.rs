@@ -525,7 +525,8 @@ fn packed_tensors(
     out
 }
 
-/// Regenerates the unpacker's inputs: `cargo test -p ch05-quantization --test hf_quant -- --ignored`,
+/// Regenerates the unpacker's inputs:
+/// `cargo test -p ch05-quantization --test suite -- --ignored hf_quant::`,
 /// then `fixtures/scripts/hf_quant_unpack.py DIR DIR/dequantized.safetensors` for each.
 #[test]
 #[ignore]
