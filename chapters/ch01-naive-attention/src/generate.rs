@@ -99,8 +99,7 @@ pub fn generate(
 pub type NextTokenLogits<'a, E> = dyn FnMut(&[u32]) -> Result<Array1<f32>, E> + 'a;
 
 /// The generation loop, whatever computes the logits: `next_token_logits(tokens)` returns the
-/// logits `[vocab]` of the position after `tokens` (the prompt plus everything generated so
-/// far).
+/// logits `[vocab]` of the position after `tokens` (the prompt plus everything generated so far).
 /// Chapter 1 recomputes the whole sequence there; chapter 2 passes a closure that reads a KV cache.
 /// `max_len` is the model's context: generation stops with [`FinishReason::Length`] when it is full.
 // ANCHOR: generate_loop

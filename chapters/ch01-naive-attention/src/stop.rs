@@ -6,7 +6,7 @@
 
 /// Accumulates generated text and decides what may be released.
 /// Invariant: `emitted <= text.len()` and `text[..emitted]` contains no stop string;
-/// `borders[i]` is `borders` of `stops[i]`.
+/// `borders[i]` is `borders(stops[i])`.
 #[derive(Debug, Default)]
 pub struct StopStrings {
     stops: Vec<String>,

@@ -1,6 +1,5 @@
 //! What the server's integration tests share: the model loaded once, a server on a free port
-//! per test, a streaming reader, and the checks of OpenAI's shapes. (Each test binary uses
-//! part of it.)
+//! per test, a streaming reader, and the checks of OpenAI's shapes.
 #![allow(dead_code)]
 
 use std::sync::{Arc, OnceLock};

@@ -63,7 +63,7 @@ pub trait Communicator: Send {
 
     /// The group closed as agreed: this rank's last collective is behind it. A communicator
     /// dropped without it (an error, a panic) must not wait for its peers on the way out:
-    /// `MpiComm` then skips MPI's finalize, which waits for every process, so
+    /// `mpi::MpiComm` then skips MPI's finalize, which waits for every process, so
     /// the process exits with its error and mpirun ends the others.
     fn finish(&mut self) {}
 }
