@@ -21,7 +21,7 @@ use ch07::AttentionKind;
 use half::bf16;
 
 use super::Run;
-use super::serve::{self, Summary};
+use super::serve::{self, Summary, median_summary};
 use super::static_batch::{Arrival, WallClock};
 use super::{measured, pool_for, workload};
 use crate::bench::bars::BarChart;
@@ -55,7 +55,7 @@ impl Shape {
     }
 }
 
-/// Both engines on `shape`, `reps` times each; the table (markdown) and the plot (SVG). Without
+/// Both engines on `shape` in `reps` rounds; the table (markdown) and the plot (SVG). Without
 /// llama.cpp (not built, or not SmolLM2) only kiln's row is measured, and the table says why.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
@@ -98,42 +98,57 @@ pub fn run(
             &WallClock::start(),
         )
     }
-    let kiln = measured("kiln, continuous batching, f32 KV", reps, || {
-        engine::<f32>(model, block_size, &arrivals, config, attention)
-    })?;
-    let kiln_bf16 = measured("kiln, continuous batching, bf16 KV", reps, || {
-        engine::<bf16>(model, block_size, &arrivals, config, attention)
-    })?;
-    let llama = if model_name.starts_with("SmolLM2-135M") {
-        let gguf = fixtures().join(".cache/llama.cpp/SmolLM2-135M-Instruct-F32.gguf");
-        let threads = rayon::current_num_threads();
-        let runs = (0..reps)
-            .map(|_| {
-                let run = llama_batched_bench(
-                    &gguf,
-                    threads,
-                    shape.sequences,
-                    shape.prompt,
-                    shape.output,
-                )?;
-                eprintln!(
-                    "   llama-batched-bench: {:.1} output tok/s, S_TG {:.1}, {:.1} s",
-                    run.output_tok_s(),
-                    run.decode_tok_s,
-                    run.seconds
-                );
-                Ok(run)
-            })
-            .collect::<anyhow::Result<Vec<BatchedRun>>>();
-        match runs {
-            Ok(runs) => Ok(BatchedRun::median(&runs)),
-            Err(e) => Err(format!("{e:#}")),
-        }
+    // Rounds, each engine once per round in the same order, rather than each engine's runs in a
+    // block: the machine's pace drifts by a quarter within minutes, and a round's ratio compares
+    // runs a minute apart. The table gives each engine's median run and the rounds' median ratio.
+    let gguf = fixtures().join(".cache/llama.cpp/SmolLM2-135M-Instruct-F32.gguf");
+    let mut llama: Result<Vec<BatchedRun>, String> = if model_name.starts_with("SmolLM2-135M") {
+        Ok(Vec::new())
     } else {
         Err(format!(
             "llama.cpp's GGUF files are made for SmolLM2-135M only, not {model_name}"
         ))
     };
+    let (mut kiln, mut kiln_bf16) = (Vec::new(), Vec::new());
+    for round in 1..=reps {
+        eprintln!("   round {round} of {reps}");
+        kiln.push(measured("kiln, continuous batching, f32 KV", 1, || {
+            engine::<f32>(model, block_size, &arrivals, config, attention)
+        })?);
+        kiln_bf16.push(measured("kiln, continuous batching, bf16 KV", 1, || {
+            engine::<bf16>(model, block_size, &arrivals, config, attention)
+        })?);
+        if let Ok(runs) = &mut llama {
+            let threads = rayon::current_num_threads();
+            let (b, p, g) = (shape.sequences, shape.prompt, shape.output);
+            match llama_batched_bench(&gguf, threads, b, p, g) {
+                Ok(run) => {
+                    eprintln!(
+                        "   llama-batched-bench: {:.1} output tok/s, S_TG {:.1}, {:.1} s",
+                        run.output_tok_s(),
+                        run.decode_tok_s,
+                        run.seconds
+                    );
+                    runs.push(run);
+                }
+                Err(e) => llama = Err(format!("{e:#}")),
+            }
+        }
+    }
+    // Per engine: the median of the rounds' ratios to llama.cpp's run of the same round, and
+    // their range.
+    let ratios = |kiln: &[Summary]| -> Option<(f64, f64, f64)> {
+        let runs = llama.as_ref().ok()?;
+        let mut r: Vec<f64> = (kiln.iter().zip(runs))
+            .map(|(k, l)| k.throughput / l.output_tok_s())
+            .collect();
+        r.sort_by(f64::total_cmp);
+        let (&low, &high) = (r.first()?, r.last()?);
+        Some((r[r.len() / 2], low, high))
+    };
+    let (f32_ratios, bf16_ratios) = (ratios(&kiln), ratios(&kiln_bf16));
+    let (kiln, kiln_bf16) = (median_summary(&kiln), median_summary(&kiln_bf16));
+    let llama = llama.map(|runs| BatchedRun::median(&runs));
 
     let mut table = Table::new([
         "engine",
@@ -148,12 +163,18 @@ pub fn run(
         "{} × ({} + {})",
         shape.sequences, shape.prompt, shape.output
     );
-    let against = |tok_s: f64| match &llama {
-        Ok(l) => format!("{:.2}×", tok_s / l.output_tok_s()),
-        Err(_) => "-".into(),
+    let against = |ratios: Option<(f64, f64, f64)>| match ratios {
+        Some((median, low, high)) if reps > 1 => {
+            format!("{median:.2}× ({low:.2}–{high:.2})")
+        }
+        Some((median, ..)) => format!("{median:.2}×"),
+        None => "-".into(),
     };
-    let kilns = [("f32", &kiln), ("bf16", &kiln_bf16)];
-    for (kv, run) in kilns {
+    let kilns = [
+        ("f32", &kiln, f32_ratios),
+        ("bf16", &kiln_bf16, bf16_ratios),
+    ];
+    for (kv, run, ratios) in kilns {
         table.row([
             format!(
                 "kiln, continuous batching (max_num_seqs {}), {kv} KV",
@@ -163,12 +184,12 @@ pub fn run(
             format!("{:.2}", run.makespan),
             format!("{:.1}", run.throughput),
             "-".into(),
-            against(run.throughput),
+            against(ratios),
         ]);
     }
     let mut bars: Vec<(String, f64)> = kilns
         .iter()
-        .map(|(kv, run)| (format!("kiln, {kv} KV"), run.throughput))
+        .map(|(kv, run, _)| (format!("kiln, {kv} KV"), run.throughput))
         .collect();
     let verdict = match &llama {
         Ok(l) => {
@@ -181,8 +202,8 @@ pub fn run(
                 "1.00×".into(),
             ]);
             bars.push(("llama.cpp, F16 KV".into(), l.output_tok_s()));
-            let ratio = |run: &Summary| run.throughput / l.output_tok_s();
-            let (f32_kv, bf16_kv) = (ratio(&kiln), ratio(&kiln_bf16));
+            let median = |r: Option<(f64, f64, f64)>| r.map_or(f64::NAN, |(m, ..)| m);
+            let (f32_kv, bf16_kv) = (median(f32_ratios), median(bf16_ratios));
             let verdict = |r: f64| if r >= 1.5 { "met" } else { "not met" };
             format!(
                 "kiln served **{bf16_kv:.2}×** llama.cpp's output tokens per second on the same \
@@ -195,6 +216,16 @@ pub fn run(
         Err(why) => format!("llama.cpp was not measured: {why}."),
     };
     let (b, p, g) = (shape.sequences, shape.prompt, shape.output);
+    let rounds = if reps > 1 && llama.is_ok() {
+        format!(
+            "The engines ran in {reps} rounds, each round kiln with the f32 pool, kiln with the \
+             bf16 pool, then llama.cpp: the times and rates are each engine's median run, and \
+             × llama.cpp is the median of the rounds' ratios, each kiln run over llama.cpp's run \
+             of its round (their range in brackets). "
+        )
+    } else {
+        String::new()
+    };
     let md = format!(
         "{}\n{b} sequences of {p} prompt tokens (windows of Hamlet), each generating exactly {g} \
          tokens, all submitted at once. Output tok/s: generated tokens over the wall time from \
@@ -204,7 +235,7 @@ pub fn run(
          512` and as many threads as kiln, with its default F16 KV cache; kiln its engine with \
          max_num_seqs {b} and 512 tokens a step, once with an f32 KV pool and once with a bf16 \
          one (the weights f32 in both). Each engine makes its KV memory before its clock starts \
-         (llama.cpp clears its buffers, kiln populates its pool). {verdict}\n\n{caption}\n",
+         (llama.cpp clears its buffers, kiln populates its pool). {rounds}{verdict}\n\n{caption}\n",
         table.to_markdown(),
     );
     let svg = BarChart::new(format!(
