@@ -131,7 +131,7 @@ pub fn run(
                     );
                     runs.push(run);
                 }
-                Err(e) => llama = Err(format!("{e:#}")),
+                Err(e) => llama = Err(format!("it failed in round {round}: {e:#}")),
             }
         }
     }
@@ -144,7 +144,7 @@ pub fn run(
             .collect();
         r.sort_by(f64::total_cmp);
         let (&low, &high) = (r.first()?, r.last()?);
-        Some((r[r.len() / 2], low, high))
+        Some((serve::percentile(&r, 50.0), low, high))
     };
     let (f32_ratios, bf16_ratios) = (ratios(&kiln), ratios(&kiln_bf16));
     let (kiln, kiln_bf16) = (median_summary(&kiln), median_summary(&kiln_bf16));
