@@ -26,6 +26,7 @@ use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
 use crate::fp8::F8E4M3;
+use crate::fp8_dot::dot_e4m3;
 use crate::kv_cache::{amax, scale_for};
 use crate::quant_linear::shard_bias;
 use crate::widened::{GEMM_FROM_TOKENS, scaled_codes_matmul};
@@ -53,6 +54,7 @@ pub struct Fp8Linear {
     activations: ActivationScale,
     in_features: usize,
     isa: Isa,
+    nan_free: bool, // no code is a NaN: decode may take `fp8_dot`'s AVX2 loop
 }
 
 /// Why FP8 weights could not be made into a layer.
@@ -130,6 +132,7 @@ impl Fp8Linear {
                 out: out_features,
             });
         }
+        let nan_free = codes.iter().all(|c| c.to_bits() & 0x7F != 0x7F);
         Ok(Fp8Linear {
             codes,
             scale,
@@ -137,6 +140,7 @@ impl Fp8Linear {
             activations,
             in_features,
             isa: Isa::detect(),
+            nan_free,
         })
     }
 
@@ -264,6 +268,7 @@ impl Linear for Fp8Linear {
             // the codes inside the dot product; a few widen each row once and reuse it.
             y_t.resize(out * t, 0.0); // [out, T]
             const ROWS: usize = 16;
+            let nan_free = self.nan_free;
             y_t.par_chunks_mut(ROWS * t.max(1))
                 .enumerate()
                 .for_each_init(
@@ -273,7 +278,8 @@ impl Linear for Fp8Linear {
                             let o = c * ROWS + j;
                             let w_o = &self.codes[o * n..(o + 1) * n];
                             if t == 1 {
-                                y_o[0] = self.scale[o] * dot_codes(self.isa, rounded, w_o);
+                                let dot = if nan_free { dot_e4m3 } else { dot_codes };
+                                y_o[0] = self.scale[o] * dot(self.isa, rounded, w_o);
                                 continue;
                             }
                             w_f32.iter_mut().zip(w_o).for_each(|(w, c)| *w = c.to_f32());

@@ -25,6 +25,7 @@ pub mod awq;
 pub mod blocks;
 pub mod format;
 pub mod fp8;
+mod fp8_dot;
 pub mod fp8_linear;
 pub mod gguf;
 pub mod gptq;

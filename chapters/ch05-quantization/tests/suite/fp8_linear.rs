@@ -127,6 +127,29 @@ fn fp8_linear_equals_its_definition() {
         .unwrap();
 }
 
+/// A checkpoint's NaN code (0x7F or 0xFF, which the quantizer never writes) makes its row's
+/// output NaN and leaves the other rows as they were, one token or several, in every
+/// instruction set: decode's fast loop, which would read it as ±480, is not taken.
+#[test]
+fn a_nan_code_gives_its_row_nan_and_no_other() {
+    let (out, n) = (3, 41);
+    let mut codes: Vec<F8E4M3> = (0..out * n)
+        .map(|i| F8E4M3::from_bits((i % 50) as u8))
+        .collect();
+    codes[n + 17] = F8E4M3::from_bits(0xFF);
+    for isa in Isa::available() {
+        let layer = Fp8Linear::new(codes.clone(), out, n, &[0.5], None, ActivationScale::None)
+            .unwrap()
+            .with_isa(isa);
+        for t in [1, 3] {
+            let y = layer.forward(Array2::from_elem((t, n), 1.0f32).view());
+            for ((_, o), v) in y.indexed_iter() {
+                assert_eq!(v.is_nan(), o == 1, "{isa:?}, {t} tokens: output {o} is {v}");
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_layers_are_errors() {
     let codes = vec![F8E4M3::default(); 6];
