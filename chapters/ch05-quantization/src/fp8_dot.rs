@@ -17,9 +17,9 @@ use ch02::kernels::vector::dot;
 use crate::fp8::F8E4M3;
 
 /// `Σ_i x[i] · w[i]` over `x.len().min(w.len())` elements, in f32, for `w` that holds no NaN
-/// code (the AVX2 loop reads one as ±480; callers with one use chapter 2's `dot`). Each product
-/// is exact (an E4M3 value times an f32 holds in f32's range); the sums are rounded in an order
-/// of their own per instruction set.
+/// code (the AVX2 loop reads one as ±480; callers with one use chapter 2's `dot`). Each code
+/// widens exactly; products and sums round in f32 (unrounded inside the AVX2 loop's fused
+/// multiply-adds), in an order of their own per instruction set.
 pub fn dot_e4m3(isa: Isa, x: &[f32], w: &[F8E4M3]) -> f32 {
     match isa {
         Isa::Portable => dot(x, w),
@@ -38,10 +38,10 @@ mod avx2 {
 
     use crate::fp8::F8E4M3;
 
-    /// Eight codes at `w` as f32 lanes.
+    /// Eight codes at `w` as f32 lanes, exactly for every code but a NaN one (read as ±480).
     ///
     /// # Safety
-    /// AVX2 must be present; `w` must point to 8 readable codes, none of them a NaN.
+    /// AVX2 must be present; `w` must point to 8 readable codes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn widen8(w: *const F8E4M3) -> __m256 {
@@ -53,8 +53,10 @@ mod avx2 {
         _mm256_mul_ps(_mm256_castsi256_ps(bits), rebias)
     }
 
+    /// `Σ_i x[i] · w[i]`; a NaN code of `w` counts as ±480.
+    ///
     /// # Safety
-    /// AVX2 and FMA must be present; no code of `w` may be a NaN.
+    /// AVX2 and FMA must be present.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot(x: &[f32], w: &[F8E4M3]) -> f32 {
         let n = x.len().min(w.len());
@@ -91,10 +93,24 @@ mod avx2 {
 mod tests {
     use super::*;
 
-    /// Every finite code at every lane position and length (tails included), against the sum
-    /// in f64 of the exact products, on every instruction set.
+    /// Every finite code, alone at positions of a 32-code block and of a tail, comes out as
+    /// exactly its value (−0 as +0: the sum starts at +0); mixed codes at every length (tails
+    /// included) sum within f32's rounding of the f64 sum; on every instruction set.
     #[test]
-    fn equals_the_f64_sum_of_exact_products() {
+    fn every_code_widens_exactly_and_sums_round_as_f32() {
+        for isa in Isa::available() {
+            for code in (0..=255u8).map(F8E4M3::from_bits) {
+                if code.to_f32().is_nan() {
+                    continue;
+                }
+                for (n, p) in [(32, 0), (32, 13), (32, 31), (45, 40), (45, 44)] {
+                    let mut w = vec![F8E4M3::from_bits(0); n];
+                    w[p] = code;
+                    let got = dot_e4m3(isa, &vec![1.0; n], &w);
+                    assert_eq!(got, code.to_f32(), "{isa:?} {code:?} at {p}");
+                }
+            }
+        }
         let finite: Vec<F8E4M3> = (0..=255u8)
             .map(F8E4M3::from_bits)
             .filter(|c| !c.to_f32().is_nan())
@@ -114,7 +130,8 @@ mod tests {
             }
             for isa in Isa::available() {
                 let got = f64::from(dot_e4m3(isa, &x, &w));
-                let bound = 1e-6 * n as f64 * mag;
+                // Each of n products and n additions rounds once: n · 2⁻²³ of the magnitudes.
+                let bound = n as f64 * f64::from(f32::EPSILON) * mag;
                 assert!((got - sum).abs() <= bound, "{isa:?} n={n}: {got} vs {sum}");
             }
         }
