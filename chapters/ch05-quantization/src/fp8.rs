@@ -60,6 +60,9 @@ impl F8E4M3 {
         // ANCHOR_END: task_5_4
     }
 
+    /// 2¹²⁰: an E4M3 code shifted left by 20 and read as an f32 is its value times 2⁻¹²⁰.
+    pub(crate) const REBIAS: f32 = f32::from_bits((127 + 120) << 23);
+
     /// Exact: every E4M3 value is an f32.
     #[inline(always)]
     pub fn to_f32(self) -> f32 {
@@ -67,7 +70,7 @@ impl F8E4M3 {
         // `mag << 20` puts e and m where an f32 keeps them; as an f32 that is
         // 2^(e − 127) · 1.m (normal) or m · 2⁻¹²⁹ (e = 0, an f32 subnormal); · 2¹²⁰ rebiases
         // both to E4M3's 2^(e − 7) · 1.m and m · 2⁻⁹.
-        let value = f32::from_bits(mag << 20) * f32::from_bits((127 + 120) << 23);
+        let value = f32::from_bits(mag << 20) * Self::REBIAS;
         let value = if mag == 0x7F { f32::NAN } else { value };
         f32::from_bits(value.to_bits() | sign)
     }

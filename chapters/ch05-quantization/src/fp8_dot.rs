@@ -49,7 +49,7 @@ mod avx2 {
         let codes = unsafe { _mm_loadl_epi64(w as *const __m128i) };
         let bits = _mm256_slli_epi32::<20>(_mm256_cvtepi8_epi32(codes));
         let bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x87F0_0000u32 as i32));
-        let rebias = _mm256_set1_ps(f32::from_bits((127 + 120) << 23)); // 2¹²⁰
+        let rebias = _mm256_set1_ps(F8E4M3::REBIAS);
         _mm256_mul_ps(_mm256_castsi256_ps(bits), rebias)
     }
 

@@ -96,11 +96,11 @@ pub(crate) fn scaled_codes_matmul<C: Copy + Sync>(
     scale: &[f32],
     bias: Option<&Array1<f32>>,
 ) {
-    let n = codes.len() / scale.len().max(1);
+    let n = x.len() / y.nrows().max(1); // in
     debug_assert_eq!(
         codes.len(),
-        scale.len() * (x.len() / y.nrows().max(1)),
-        "a scale per row"
+        scale.len() * n,
+        "codes [out, in], a scale per row"
     );
     let widen = |o: usize, k: usize, part: &mut [f32]| {
         let codes = &codes[o * n + k..][..part.len()];
