@@ -201,13 +201,15 @@ impl BatchedRun {
 }
 
 /// llama.cpp's `llama-batched-bench` on `gguf`: `-npl sequences -npp prompt -ntg output`, a
-/// context that holds them all, physical batches of 512 tokens.
+/// context that holds them all, physical batches of 512 tokens, K and V cached as `kv` (its
+/// `--cache-type-k` and `-v` names: `f32`, `f16`, ...).
 pub fn llama_batched_bench(
     gguf: &Path,
     threads: usize,
     sequences: usize,
     prompt: usize,
     output: usize,
+    kv: &str,
 ) -> anyhow::Result<BatchedRun> {
     let bench = llama_cpp_tool("llama-batched-bench")?;
     let context = sequences * (prompt + output);
@@ -219,6 +221,7 @@ pub fn llama_batched_bench(
         .args(["-c", &context.to_string(), "-b", "2048", "-ub", "512"])
         .args(["-npl", &sequences.to_string()])
         .args(["-npp", &prompt.to_string(), "-ntg", &output.to_string()])
+        .args(["--cache-type-k", kv, "--cache-type-v", kv])
         .args(["--output-format", "jsonl"]);
     let json = run_json(command)?;
     // The build is not in its JSON; `build_llama_cpp.sh` pins it, and `--version` prints it.

@@ -6,8 +6,9 @@
 //! kiln:    the engine at max_num_seqs B, 512 tokens a step (chunked prefill), f32 weights,
 //!          an f32 KV pool, then a bf16 one
 //! llama:   llama-batched-bench -npl B -npp P -ntg G -ub 512 on the F32 GGUF (the same weights),
-//!          its default F16 KV cache
-//! figure:  output tokens / wall time, prefill included, for both
+//!          an F32 KV cache, then its default F16 one
+//! figure:  output tokens / wall time, prefill included, for both; each kiln pool over the
+//!          llama.cpp cache of as many bytes per value (f32 over F32, bf16 over F16)
 //! ```
 //!
 //! `llama-batched-bench` prefills the B prompts, then decodes the B sequences in lock step: a
@@ -100,55 +101,49 @@ pub fn run(
     }
     // Rounds, each engine once per round in the same order, rather than each engine's runs in a
     // block: the machine's pace drifts by a quarter within minutes, and a round's ratio compares
-    // runs a minute apart. The table gives each engine's median run and the rounds' median ratio.
+    // runs a minute apart. Each kiln pool runs beside llama.cpp with a cache of as many bytes per
+    // value: kiln's f32 pool beside llama.cpp's F32 cache, its bf16 pool beside llama.cpp's
+    // default F16 cache. The table gives each engine's median run and the rounds' median ratios.
     let gguf = fixtures().join(".cache/llama.cpp/SmolLM2-135M-Instruct-F32.gguf");
-    let mut llama: Result<Vec<BatchedRun>, String> = if model_name.starts_with("SmolLM2-135M") {
-        Ok(Vec::new())
-    } else {
-        Err(format!(
-            "llama.cpp's GGUF files are made for SmolLM2-135M only, not {model_name}"
-        ))
-    };
-    let (mut kiln, mut kiln_bf16) = (Vec::new(), Vec::new());
+    let mut failed: Option<String> = (!model_name.starts_with("SmolLM2-135M")).then(|| {
+        format!("llama.cpp's GGUF files are made for SmolLM2-135M only, not {model_name}")
+    });
+    let mut pairs = [Pair::new("f32", "F32"), Pair::new("bf16", "F16")];
     for round in 1..=reps {
         eprintln!("   round {round} of {reps}");
-        kiln.push(measured("kiln, continuous batching, f32 KV", 1, || {
-            engine::<f32>(model, block_size, &arrivals, config, attention)
-        })?);
-        kiln_bf16.push(measured("kiln, continuous batching, bf16 KV", 1, || {
-            engine::<bf16>(model, block_size, &arrivals, config, attention)
-        })?);
-        if let Ok(runs) = &mut llama {
+        for pair in &mut pairs {
+            let label = format!("kiln, continuous batching, {} KV", pair.kiln_kv);
+            pair.kiln.push(measured(&label, 1, || match pair.kiln_kv {
+                "f32" => engine::<f32>(model, block_size, &arrivals, config, attention),
+                _ => engine::<bf16>(model, block_size, &arrivals, config, attention),
+            })?);
+            if failed.is_some() {
+                continue;
+            }
             let threads = rayon::current_num_threads();
             let (b, p, g) = (shape.sequences, shape.prompt, shape.output);
-            match llama_batched_bench(&gguf, threads, b, p, g) {
+            let kv = pair.llama_kv.to_lowercase();
+            match llama_batched_bench(&gguf, threads, b, p, g, &kv) {
                 Ok(run) => {
                     eprintln!(
-                        "   llama-batched-bench: {:.1} output tok/s, S_TG {:.1}, {:.1} s",
+                        "   llama-batched-bench, {} KV: {:.1} output tok/s, S_TG {:.1}, {:.1} s",
+                        pair.llama_kv,
                         run.output_tok_s(),
                         run.decode_tok_s,
                         run.seconds
                     );
-                    runs.push(run);
+                    pair.llama.push(run);
                 }
-                Err(e) => llama = Err(format!("it failed in round {round}: {e:#}")),
+                Err(e) => {
+                    failed = Some(format!(
+                        "it failed in round {round} ({} KV): {e:#}",
+                        pair.llama_kv
+                    ))
+                }
             }
         }
     }
-    // Per engine: the median of the rounds' ratios to llama.cpp's run of the same round, and
-    // their range.
-    let ratios = |kiln: &[Summary]| -> Option<(f64, f64, f64)> {
-        let runs = llama.as_ref().ok()?;
-        let mut r: Vec<f64> = (kiln.iter().zip(runs))
-            .map(|(k, l)| k.throughput / l.output_tok_s())
-            .collect();
-        r.sort_by(f64::total_cmp);
-        let (&low, &high) = (r.first()?, r.last()?);
-        Some((serve::percentile(&r, 50.0), low, high))
-    };
-    let (f32_ratios, bf16_ratios) = (ratios(&kiln), ratios(&kiln_bf16));
-    let (kiln, kiln_bf16) = (median_summary(&kiln), median_summary(&kiln_bf16));
-    let llama = llama.map(|runs| BatchedRun::median(&runs));
+    let measured_llama = failed.is_none();
 
     let mut table = Table::new([
         "engine",
@@ -156,72 +151,79 @@ pub fn run(
         "wall s",
         "output tok/s",
         "decode-phase tok/s",
-        "× llama.cpp",
+        "× llama.cpp, same KV bytes",
+        "× llama.cpp, F16 KV",
     ])
     .align(0, Align::Left);
     let work = format!(
         "{} × ({} + {})",
         shape.sequences, shape.prompt, shape.output
     );
-    let against = |ratios: Option<(f64, f64, f64)>| match ratios {
-        Some((median, low, high)) if reps > 1 => {
-            format!("{median:.2}× ({low:.2}–{high:.2})")
-        }
-        Some((median, ..)) => format!("{median:.2}×"),
+    let against = |ratios: Option<RoundRatios>| match ratios {
+        Some(r) if reps > 1 => format!("{:.2}× ({:.2}–{:.2})", r.median, r.low, r.high),
+        Some(r) => format!("{:.2}×", r.median),
         None => "-".into(),
     };
-    let kilns = [
-        ("f32", &kiln, f32_ratios),
-        ("bf16", &kiln_bf16, bf16_ratios),
-    ];
-    for (kv, run, ratios) in kilns {
+    let f16 = &pairs[1].llama;
+    let mut bars = Vec::new();
+    let mut verdicts = Vec::new();
+    for pair in &pairs {
+        let kiln = median_summary(&pair.kiln);
+        let same = measured_llama.then(|| RoundRatios::of(&pair.kiln, &pair.llama));
+        let default = measured_llama.then(|| RoundRatios::of(&pair.kiln, f16));
         table.row([
             format!(
-                "kiln, continuous batching (max_num_seqs {}), {kv} KV",
-                shape.sequences
+                "kiln, continuous batching (max_num_seqs {}), {} KV",
+                shape.sequences, pair.kiln_kv
             ),
             work.clone(),
-            format!("{:.2}", run.makespan),
-            format!("{:.1}", run.throughput),
+            format!("{:.2}", kiln.makespan),
+            format!("{:.1}", kiln.throughput),
             "-".into(),
-            against(ratios),
+            against(same),
+            against(default),
         ]);
-    }
-    let mut bars: Vec<(String, f64)> = kilns
-        .iter()
-        .map(|(kv, run, _)| (format!("kiln, {kv} KV"), run.throughput))
-        .collect();
-    let verdict = match &llama {
-        Ok(l) => {
-            table.row([
-                format!("llama.cpp {}, llama-batched-bench", l.build),
-                work.clone(),
-                format!("{:.2}", l.seconds),
-                format!("{:.1}", l.output_tok_s()),
-                format!("{:.1}", l.decode_tok_s),
-                "1.00×".into(),
-            ]);
-            bars.push(("llama.cpp, F16 KV".into(), l.output_tok_s()));
-            let median = |r: Option<(f64, f64, f64)>| r.map_or(f64::NAN, |(m, ..)| m);
-            let (f32_kv, bf16_kv) = (median(f32_ratios), median(bf16_ratios));
-            let verdict = |r: f64| if r >= 1.5 { "met" } else { "not met" };
-            format!(
-                "kiln served **{bf16_kv:.2}×** llama.cpp's output tokens per second on the same \
-                 work with a 16-bit KV cache like llama.cpp's (target: at least 1.5×, {}), and \
-                 {f32_kv:.2}× with an f32 one ({}).",
-                verdict(bf16_kv),
-                verdict(f32_kv)
-            )
+        bars.push((format!("kiln, {} KV", pair.kiln_kv), kiln.throughput));
+        if !measured_llama {
+            continue;
         }
-        Err(why) => format!("llama.cpp was not measured: {why}."),
+        let l = BatchedRun::median(&pair.llama);
+        table.row([
+            format!(
+                "llama.cpp {}, llama-batched-bench, {} KV",
+                l.build, pair.llama_kv
+            ),
+            work.clone(),
+            format!("{:.2}", l.seconds),
+            format!("{:.1}", l.output_tok_s()),
+            format!("{:.1}", l.decode_tok_s),
+            "1.00×".into(),
+            against(Some(RoundRatios::of_llama(&pair.llama, f16))),
+        ]);
+        bars.push((format!("llama.cpp, {} KV", pair.llama_kv), l.output_tok_s()));
+        if let Some(same) = same {
+            let met = if same.median >= 1.5 { "met" } else { "not met" };
+            verdicts.push(format!(
+                "**{:.2}×** with the {} pool (over its {} cache; {met})",
+                same.median, pair.kiln_kv, pair.llama_kv
+            ));
+        }
+    }
+    let verdict = match &failed {
+        None => format!(
+            "Against llama.cpp with a KV cache of as many bytes per value (target: at least \
+             1.5×), kiln served {} its output tokens per second on the same work.",
+            verdicts.join(" and ")
+        ),
+        Some(why) => format!("llama.cpp was not measured: {why}."),
     };
     let (b, p, g) = (shape.sequences, shape.prompt, shape.output);
-    let rounds = if reps > 1 && llama.is_ok() {
+    let rounds = if reps > 1 && measured_llama {
         format!(
-            "The engines ran in {reps} rounds, each round kiln with the f32 pool, kiln with the \
-             bf16 pool, then llama.cpp: the times and rates are each engine's median run, and \
-             × llama.cpp is the median of the rounds' ratios, each kiln run over llama.cpp's run \
-             of its round (their range in brackets). "
+            "The engines ran in {reps} rounds, each round kiln with the f32 pool, llama.cpp with \
+             an F32 cache, kiln with the bf16 pool, then llama.cpp with its F16 one: the times \
+             and rates are each engine's median run, and a ratio is the median of the rounds' \
+             ratios, each run over llama.cpp's run of its round (their range in brackets). "
         )
     } else {
         String::new()
@@ -232,9 +234,9 @@ pub fn run(
          submission to the last token, prefill included, for both engines. Decode-phase tok/s: \
          llama-batched-bench's S_TG, its lock-step decode after every prompt is in. \
          llama.cpp runs the F32 GGUF of the same weights with `-npl {b} -npp {p} -ntg {g} -ub \
-         512` and as many threads as kiln, with its default F16 KV cache; kiln its engine with \
-         max_num_seqs {b} and 512 tokens a step, once with an f32 KV pool and once with a bf16 \
-         one (the weights f32 in both). Each engine makes its KV memory before its clock starts \
+         512` and as many threads as kiln, once with an F32 KV cache (`-ctk f32 -ctv f32`) and \
+         once with its default F16 one; kiln its engine with max_num_seqs {b} and 512 tokens a \
+         step, once with an f32 KV pool and once with a bf16 one (the weights f32 in both). Each engine makes its KV memory before its clock starts \
          (llama.cpp clears its buffers, kiln populates its pool). {rounds}{verdict}\n\n{caption}\n",
         table.to_markdown(),
     );
@@ -246,4 +248,59 @@ pub fn run(
     .group(format!("{work} tokens"), &bars)
     .to_svg();
     Ok((md, svg))
+}
+
+/// A kiln pool and the llama.cpp cache of as many bytes per value, with each one's runs.
+struct Pair {
+    kiln_kv: &'static str,
+    llama_kv: &'static str,
+    kiln: Vec<Summary>,
+    llama: Vec<BatchedRun>,
+}
+
+impl Pair {
+    fn new(kiln_kv: &'static str, llama_kv: &'static str) -> Self {
+        Pair {
+            kiln_kv,
+            llama_kv,
+            kiln: Vec::new(),
+            llama: Vec::new(),
+        }
+    }
+}
+
+/// The median and range of the rounds' ratios, each run over llama.cpp's run of its round.
+#[derive(Debug, Clone, Copy)]
+struct RoundRatios {
+    median: f64,
+    low: f64,
+    high: f64,
+}
+
+impl RoundRatios {
+    /// kiln's output rate over llama.cpp's, round by round. Both hold a run per round.
+    fn of(kiln: &[Summary], llama: &[BatchedRun]) -> Self {
+        Self::from_rates(kiln.iter().map(|k| k.throughput), llama)
+    }
+
+    /// One llama.cpp cache's output rate over another's, round by round.
+    fn of_llama(runs: &[BatchedRun], over: &[BatchedRun]) -> Self {
+        Self::from_rates(runs.iter().map(BatchedRun::output_tok_s), over)
+    }
+
+    fn from_rates(rates: impl Iterator<Item = f64>, over: &[BatchedRun]) -> Self {
+        let ratios: Vec<f64> = (rates.zip(over))
+            .map(|(rate, l)| rate / l.output_tok_s())
+            .collect();
+        let (low, high) = ratios
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &r| {
+                (lo.min(r), hi.max(r))
+            });
+        RoundRatios {
+            median: serve::percentile(&ratios, 50.0),
+            low,
+            high,
+        }
+    }
 }
