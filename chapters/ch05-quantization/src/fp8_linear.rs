@@ -25,8 +25,8 @@ use ch02::{FastLoader, WeightDtype};
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
+use crate::codes_dot::dot_e4m3;
 use crate::fp8::F8E4M3;
-use crate::fp8_dot::dot_e4m3;
 use crate::kv_cache::{amax, scale_for};
 use crate::quant_linear::shard_bias;
 use crate::widened::{GEMM_FROM_TOKENS, scaled_codes_matmul};
@@ -54,7 +54,7 @@ pub struct Fp8Linear {
     activations: ActivationScale,
     in_features: usize,
     isa: Isa,
-    nan_free: bool, // no code is a NaN: decode may take `fp8_dot`'s AVX2 loop
+    nan_free: bool, // no code is a NaN: decode may take `codes_dot`'s AVX2 loop
 }
 
 /// Why FP8 weights could not be made into a layer.

@@ -23,9 +23,9 @@
 
 pub mod awq;
 pub mod blocks;
+mod codes_dot;
 pub mod format;
 pub mod fp8;
-mod fp8_dot;
 pub mod fp8_linear;
 pub mod gguf;
 pub mod gptq;

@@ -24,6 +24,7 @@ use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 use std::cell::RefCell;
 
+use crate::codes_dot::{dot_int8, dot_int8_int8};
 use crate::widened::{GEMM_FROM_TOKENS, scaled_codes_matmul};
 
 /// The largest code of the symmetric int8 grid.
@@ -105,7 +106,8 @@ pub fn quantize_token(x: &[f32], out: &mut [i8]) -> f32 {
 // ANCHOR: dot_i8
 /// `Σ_i a[i] · b[i]` of int8 codes, exact in i32 (for `len ≤ MAX_IN_FEATURES`). Written as
 /// 32-wide chunks of i16 products summed into i32 lanes, which the compiler turns into
-/// multiply-add instructions (`pmaddwd`); no `unsafe`, no intrinsics.
+/// multiply-add instructions (`pmaddwd`); no `unsafe`, no intrinsics. The layer runs it where
+/// the CPU has no AVX2; where it has, a loop of AVX2 intrinsics with the same (exact) result.
 pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
     const LANES: usize = 32;
     let mut acc = [0i32; LANES];
@@ -124,27 +126,6 @@ pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
     acc.iter().sum::<i32>() + tail
 }
 // ANCHOR_END: dot_i8
-
-/// `Σ_i x[i] · q[i]` with the codes widened to f32 (the W8A16 path).
-fn dot_f32_i8(x: &[f32], q: &[i8]) -> f32 {
-    const LANES: usize = 16;
-    let mut acc = [0f32; LANES];
-    let main = x.len() - x.len() % LANES;
-    for (cx, cq) in x[..main]
-        .chunks_exact(LANES)
-        .zip(q[..main].chunks_exact(LANES))
-    {
-        for k in 0..LANES {
-            acc[k] += cx[k] * f32::from(cq[k]);
-        }
-    }
-    let tail: f32 = x[main..]
-        .iter()
-        .zip(&q[main..])
-        .map(|(&v, &c)| v * f32::from(c))
-        .sum();
-    acc.iter().sum::<f32>() + tail
-}
 
 impl W8A8Linear {
     /// `codes` `[out, in]` in `-127..=127`; `scale` `[out]`; `bias` `[out]`.
@@ -283,12 +264,13 @@ impl Linear for W8A8Linear {
                 }
             }
             let bias = |o: usize| self.bias.as_ref().map_or(0.0, |b| b[o]);
+            let isa = Isa::detect();
             if !int8 && t >= GEMM_FROM_TOKENS {
                 // Many tokens with f32 activations (W8A16, a prefill): y[t, o] = s_w[o] ·
                 // (x[t] · q_w[o]) + bias[o] on chapter 2's GEMM, the codes widened a chunk of
                 // rows at a time.
                 return scaled_codes_matmul(
-                    Isa::detect(),
+                    isa,
                     x_f,
                     y,
                     &self.codes,
@@ -309,10 +291,10 @@ impl Linear for W8A8Linear {
                         let w_o = &self.codes[o * n..(o + 1) * n];
                         for (r, y_ot) in y_o.iter_mut().enumerate() {
                             *y_ot = if int8 {
-                                let acc = dot_i8(&q_x[r * n..(r + 1) * n], w_o);
+                                let acc = dot_int8_int8(isa, &q_x[r * n..(r + 1) * n], w_o);
                                 self.scale[o] * s_x[r] * acc as f32
                             } else {
-                                self.scale[o] * dot_f32_i8(&x_f[r * n..(r + 1) * n], w_o)
+                                self.scale[o] * dot_int8(isa, &x_f[r * n..(r + 1) * n], w_o)
                             };
                         }
                     }
