@@ -16,6 +16,9 @@ pub struct TestResult {
     pub output: String,
 }
 
+/// The workspace's root package, the `kiln` binary.
+const ROOT_PACKAGE: &str = env!("CARGO_PKG_NAME");
+
 /// Runs `tests` of the crate `package` in the workspace at `copy`, building into `target_dir`
 /// (the reference's, so the dependencies are not built again), with `env` set. Every test must
 /// have run: a name that matched nothing is an error, not a pass. `config` are cargo's
@@ -37,7 +40,11 @@ pub fn run_tests(
         .arg("--no-fail-fast")
         .arg("--target-dir")
         .arg(target_dir)
-        .args(["-p", package]);
+        // The root package beside the chapter's: it depends on every chapter, so cargo resolves
+        // the dependencies' features as for the whole workspace and reuses the README's build
+        // of them; `-p` alone would rebuild the dozens whose features the chapter leaves off.
+        // The root has none of the chapters' test targets, so it adds nothing to build.
+        .args(["-p", ROOT_PACKAGE, "-p", package]);
     let mut targets: Vec<&str> = tests.iter().map(|t| t.target.as_str()).collect();
     targets.sort_unstable();
     targets.dedup();
