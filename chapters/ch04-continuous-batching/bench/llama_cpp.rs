@@ -7,8 +7,9 @@
 //!          an f32 KV pool, then a bf16 one
 //! llama:   llama-batched-bench -npl B -npp P -ntg G -ub 512 on the F32 GGUF (the same weights),
 //!          an F32 KV cache, then its default F16 one
-//! figure:  output tokens / wall time, prefill included, for both; each kiln pool over the
-//!          llama.cpp cache of as many bytes per value (f32 over F32, bf16 over F16)
+//! figure:  output tokens / wall time, prefill included, for both; each row over the
+//!          llama.cpp cache of as many bytes per value (f32 over F32, bf16 over F16), and every
+//!          row over llama.cpp's default F16 cache
 //! ```
 //!
 //! `llama-batched-bench` prefills the B prompts, then decodes the B sequences in lock step: a
@@ -57,7 +58,8 @@ impl Shape {
 }
 
 /// Both engines on `shape` in `reps` rounds; the table (markdown) and the plot (SVG). Without
-/// llama.cpp (not built, or not SmolLM2) only kiln's row is measured, and the table says why.
+/// llama.cpp (not built, or not SmolLM2) only kiln's two rows are measured, and the table says
+/// why; a llama.cpp run that fails drops every llama.cpp run and ratio, and the table says where.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     model: &Llama,
@@ -164,7 +166,10 @@ pub fn run(
         Some(r) => format!("{:.2}×", r.median),
         None => "-".into(),
     };
-    let f16 = &pairs[1].llama;
+    // The cache `llama-batched-bench` runs when no type is named.
+    let f16 = &(pairs.iter().find(|p| p.llama_kv == "F16"))
+        .expect("a pair with llama.cpp's default cache")
+        .llama;
     let mut bars = Vec::new();
     let mut verdicts = Vec::new();
     for pair in &pairs {
@@ -198,21 +203,24 @@ pub fn run(
             format!("{:.1}", l.output_tok_s()),
             format!("{:.1}", l.decode_tok_s),
             "1.00×".into(),
-            against(Some(RoundRatios::of_llama(&pair.llama, f16))),
+            match pair.llama_kv {
+                "F16" => "1.00×".into(),
+                _ => against(Some(RoundRatios::of_llama(&pair.llama, f16))),
+            },
         ]);
         bars.push((format!("llama.cpp, {} KV", pair.llama_kv), l.output_tok_s()));
         if let Some(same) = same {
             let met = if same.median >= 1.5 { "met" } else { "not met" };
             verdicts.push(format!(
-                "**{:.2}×** with the {} pool (over its {} cache; {met})",
+                "**{:.2}×** llama.cpp's with the {} pool against llama.cpp's {} cache ({met})",
                 same.median, pair.kiln_kv, pair.llama_kv
             ));
         }
     }
     let verdict = match &failed {
         None => format!(
-            "Against llama.cpp with a KV cache of as many bytes per value (target: at least \
-             1.5×), kiln served {} its output tokens per second on the same work.",
+            "kiln's output tokens per second on the same work were {}; the target is at least \
+             1.5× llama.cpp's with a cache of as many bytes per value.",
             verdicts.join(" and ")
         ),
         Some(why) => format!("llama.cpp was not measured: {why}."),
@@ -222,8 +230,9 @@ pub fn run(
         format!(
             "The engines ran in {reps} rounds, each round kiln with the f32 pool, llama.cpp with \
              an F32 cache, kiln with the bf16 pool, then llama.cpp with its F16 one: the times \
-             and rates are each engine's median run, and a ratio is the median of the rounds' \
-             ratios, each run over llama.cpp's run of its round (their range in brackets). "
+             and rates are each engine's median run, and each × entry is the median of the \
+             rounds' ratios, each run over the run of the same round with the column's \
+             llama.cpp cache (their range in brackets). "
         )
     } else {
         String::new()
@@ -236,8 +245,9 @@ pub fn run(
          llama.cpp runs the F32 GGUF of the same weights with `-npl {b} -npp {p} -ntg {g} -ub \
          512` and as many threads as kiln, once with an F32 KV cache (`-ctk f32 -ctv f32`) and \
          once with its default F16 one; kiln its engine with max_num_seqs {b} and 512 tokens a \
-         step, once with an f32 KV pool and once with a bf16 one (the weights f32 in both). Each engine makes its KV memory before its clock starts \
-         (llama.cpp clears its buffers, kiln populates its pool). {rounds}{verdict}\n\n{caption}\n",
+         step, once with an f32 KV pool and once with a bf16 one (the weights f32 in both). \
+         Each engine makes its KV memory before its clock starts (llama.cpp clears its buffers, \
+         kiln populates its pool). {rounds}{verdict}\n\n{caption}\n",
         table.to_markdown(),
     );
     let svg = BarChart::new(format!(
@@ -278,7 +288,7 @@ struct RoundRatios {
 }
 
 impl RoundRatios {
-    /// kiln's output rate over llama.cpp's, round by round. Both hold a run per round.
+    /// kiln's output rate over llama.cpp's, round by round.
     fn of(kiln: &[Summary], llama: &[BatchedRun]) -> Self {
         Self::from_rates(kiln.iter().map(|k| k.throughput), llama)
     }
@@ -288,7 +298,9 @@ impl RoundRatios {
         Self::from_rates(runs.iter().map(BatchedRun::output_tok_s), over)
     }
 
-    fn from_rates(rates: impl Iterator<Item = f64>, over: &[BatchedRun]) -> Self {
+    /// `rates` and `over` hold one run per round, in the order of the rounds.
+    fn from_rates(rates: impl ExactSizeIterator<Item = f64>, over: &[BatchedRun]) -> Self {
+        assert_eq!(rates.len(), over.len(), "a run per round on both sides");
         let ratios: Vec<f64> = (rates.zip(over))
             .map(|(rate, l)| rate / l.output_tok_s())
             .collect();
