@@ -41,9 +41,11 @@ pub fn run_tests(
         .arg("--target-dir")
         .arg(target_dir)
         // The root package beside the chapter's: it depends on every chapter, so cargo resolves
-        // the dependencies' features as for the whole workspace and reuses the README's build
-        // of them; `-p` alone would rebuild the dozens whose features the chapter leaves off.
-        // The root has none of the chapters' test targets, so it adds nothing to build.
+        // the dependencies' features (and the chapter's own, e.g. ch07's `cuda`) nearly as for
+        // the whole workspace, and reuses the README's build of them; `-p` alone rebuilt the
+        // dozens whose features the chapter leaves off. (Other chapters' dev-dependencies still
+        // count only in a `--workspace` build.) The root has no library and no test target named
+        // as a chapter's, so it adds nothing to build or run: keep its test names apart.
         .args(["-p", ROOT_PACKAGE, "-p", package]);
     let mut targets: Vec<&str> = tests.iter().map(|t| t.target.as_str()).collect();
     targets.sort_unstable();

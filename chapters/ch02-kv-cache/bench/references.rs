@@ -201,8 +201,8 @@ impl BatchedRun {
 }
 
 /// llama.cpp's `llama-batched-bench` on `gguf`: `-npl sequences -npp prompt -ntg output`, a
-/// context that holds them all, physical batches of 512 tokens, K and V cached as `kv` (its
-/// `--cache-type-k` and `-v` names: `f32`, `f16`, ...).
+/// context that holds them all, physical batches of 512 tokens, K and V cached as `kv` (a value
+/// of its `--cache-type-k` and `--cache-type-v`: `f32`, `f16`, ...).
 pub fn llama_batched_bench(
     gguf: &Path,
     threads: usize,

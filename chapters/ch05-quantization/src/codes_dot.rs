@@ -1,5 +1,6 @@
-//! One-token products over 8-bit weight codes, widened to f32 as they are read: E4M3 codes
-//! (FP8 weights) and int8 codes (W8A16, int8 weights with f32 activations).
+//! Dot products over 8-bit weight codes: f32 activations times E4M3 codes (FP8 weights) or int8
+//! codes (W8A16, int8 weights with f32 activations), the codes widened to f32 as they are read;
+//! and int8 times int8 (W8A8), summed exactly in i32.
 //!
 //! ```text
 //! E4M3  s eeee mmm  →  sign-extended to 32 bits, shifted left by 20, AND 0x87F0_0000:
@@ -7,10 +8,13 @@
 //!                              its exponent's low bits and its mantissa's high ones)
 //!       × 2¹²⁰ as an f32      →  2^(e − 7) · 1.m, or m · 2⁻⁹ when e = 0 (as `F8E4M3::to_f32`)
 //! int8  q                  →  sign-extended to 32 bits, converted to f32 (exact: |q| ≤ 128)
+//! int8 × int8              →  both sign-extended to 16 bits, multiplied and added in pairs
+//!                              into 32-bit lanes (`vpmaddwd`)
 //! ```
 //! Decode reads each weight once per token, so these loops are the whole of a decode's
-//! products. Four accumulators of eight lanes keep four multiply-adds in flight, where one
-//! would wait on its own previous add. A NaN code (0x7F, 0xFF) would come out as ±480 in the
+//! products (and of W8A8's prefill, which has no GEMM, and W8A16's below the GEMM's
+//! threshold). The f32 loop keeps four accumulators of eight lanes, four multiply-adds in
+//! flight, where one would wait on its own previous add. A NaN code (0x7F, 0xFF) would come out as ±480 in the
 //! E4M3 loop: layers holding one keep chapter 2's generic loop, which widens it to NaN.
 
 use ch02::kernels::Isa;
@@ -50,9 +54,9 @@ pub fn dot_int8(isa: Isa, x: &[f32], q: &[i8]) -> f32 {
     }
 }
 
-/// `Σ_i a[i] · b[i]` of int8 codes over `a.len().min(b.len())` elements, exact in i32 for up to
-/// [`MAX_IN_FEATURES`] elements: the same result on every instruction set (the portable one is
-/// the book's [`w8a8::dot_i8`]).
+/// `Σ_i a[i] · b[i]` of int8 codes over `a.len().min(b.len())` elements, exact in i32 for codes
+/// in `-127..=127` and up to [`MAX_IN_FEATURES`] elements (W8A8's grids): the same result on
+/// every instruction set (the portable one is the book's [`w8a8::dot_i8`]).
 pub fn dot_int8_int8(isa: Isa, a: &[i8], b: &[i8]) -> i32 {
     match isa {
         Isa::Portable => w8a8::dot_i8(a, b),
@@ -106,7 +110,7 @@ mod avx2 {
 
         /// Exact for every code but a NaN one (read as ±480).
         #[inline]
-        #[target_feature(enable = "avx2,fma")]
+        #[target_feature(enable = "avx2")]
         unsafe fn widen8(w: *const F8E4M3) -> __m256 {
             // SAFETY: 8 readable bytes at `w` (the caller's); `F8E4M3` is a transparent `u8`.
             let codes = unsafe { _mm_loadl_epi64(w as *const __m128i) };
@@ -124,7 +128,7 @@ mod avx2 {
         }
 
         #[inline]
-        #[target_feature(enable = "avx2,fma")]
+        #[target_feature(enable = "avx2")]
         unsafe fn widen8(w: *const i8) -> __m256 {
             // SAFETY: 8 readable bytes at `w` (the caller's).
             let codes = unsafe { _mm_loadl_epi64(w as *const __m128i) };
@@ -180,11 +184,12 @@ mod avx2 {
 
     /// `Σ_i a[i] · b[i]` in i32: 16 codes of each sign-extended to i16, multiplied and added in
     /// pairs (`vpmaddwd`: each pair's sum at most 2 · 128², exact), two accumulators of eight i32
-    /// lanes. Exact while the whole sum fits an i32.
+    /// lanes. Exact while the sum and every partial sum of it fit an i32 (W8A8's grids and
+    /// widths keep them so).
     ///
     /// # Safety
     /// AVX2 must be present.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2")]
     pub unsafe fn dot_int8_int8(a: &[i8], b: &[i8]) -> i32 {
         let n = a.len().min(b.len());
         let (ap, bp) = (a.as_ptr(), b.as_ptr());
@@ -224,17 +229,27 @@ mod avx2 {
 mod tests {
     use super::*;
 
-    /// Placements of one code: in a 32-code block (first, middle, last) and in a tail.
-    const PLACES: [(usize, usize); 5] = [(32, 0), (32, 13), (32, 31), (45, 40), (45, 44)];
+    /// Placements of one code: in a 32-code block (first, middle, last), in the 8-code loop
+    /// after it, and in the scalar tail.
+    const PLACES: [(usize, usize); 7] = [
+        (32, 0),
+        (32, 13),
+        (32, 31),
+        (45, 32),
+        (45, 39),
+        (45, 40),
+        (45, 44),
+    ];
 
-    /// `dot(x, w)` for `w` of mixed codes at every length (tails included) is within f32's
-    /// rounding of the f64 sum: each of n products and n additions rounds once.
+    /// `dot(x, w)` for `w` of mixed codes at lengths that leave every tail of both loops (0 to
+    /// 80) and longer ones is within f32's rounding of the f64 sum: each of n products and n
+    /// additions rounds once.
     fn sums_round_as_f32<C: Copy>(
         codes: &[C],
         value: impl Fn(C) -> f32,
         dot: impl Fn(Isa, &[f32], &[C]) -> f32,
     ) {
-        for n in [0, 1, 7, 8, 9, 31, 32, 33, 64, 100, 254] {
+        for n in (0..=80).chain([100, 254]) {
             let w: Vec<C> = (0..n).map(|i| codes[(i * 37 + n) % codes.len()]).collect();
             let x: Vec<f32> = (0..n)
                 .map(|i| ((i * 7919) % 201) as f32 / 50.0 - 2.0)
@@ -293,13 +308,13 @@ mod tests {
         sums_round_as_f32(&codes, f32::from, dot_int8);
     }
 
-    /// The int8 × int8 sum equals the exact one on every instruction set, at every length
-    /// (tails of the 32- and 16-code loops included), with every code (−128 too) and at the
-    /// extremes (127 · 127 and −128 · −128 throughout).
+    /// The int8 × int8 sum equals the exact one on every instruction set, at lengths that leave
+    /// every tail of the 32- and 16-code loops (0 to 80) and longer ones, with every code (−128
+    /// too) and at the extremes (127 · 127 and −128 · −128 throughout).
     #[test]
     fn int8_int8_sums_are_exact() {
         let codes: Vec<i8> = (i8::MIN..=i8::MAX).collect();
-        for n in [0, 1, 15, 16, 17, 31, 32, 33, 48, 63, 64, 100, 256, 1000] {
+        for n in (0..=80).chain([100, 256, 1000]) {
             let a: Vec<i8> = (0..n).map(|i| codes[(i * 37 + 5) % 256]).collect();
             let b: Vec<i8> = (0..n).map(|i| codes[(i * 101 + n) % 256]).collect();
             let cases = [

@@ -60,7 +60,8 @@ impl F8E4M3 {
         // ANCHOR_END: task_5_4
     }
 
-    /// 2¹²⁰: an E4M3 code shifted left by 20 and read as an f32 is its value times 2⁻¹²⁰.
+    /// 2¹²⁰: an E4M3 code's seven magnitude bits shifted left by 20 and read as an f32 are its
+    /// magnitude times 2⁻¹²⁰ (the NaN code aside).
     pub(crate) const REBIAS: f32 = f32::from_bits((127 + 120) << 23);
 
     /// Exact: every E4M3 value is an f32.

@@ -75,6 +75,7 @@ pub struct W8A8Linear {
     bias: Option<Array1<f32>>, // [out]
     activations: Int8Activations,
     in_features: usize,
+    isa: Isa, // the dot products' and the GEMM's instruction set
 }
 
 /// The symmetric int8 grid of `values`: its scale `max |v| / 127` (1 for all zeros; never
@@ -107,7 +108,8 @@ pub fn quantize_token(x: &[f32], out: &mut [i8]) -> f32 {
 /// `Σ_i a[i] · b[i]` of int8 codes, exact in i32 (for `len ≤ MAX_IN_FEATURES`). Written as
 /// 32-wide chunks of i16 products summed into i32 lanes, which the compiler turns into
 /// multiply-add instructions (`pmaddwd`); no `unsafe`, no intrinsics. The layer runs it where
-/// the CPU has no AVX2; where it has, a loop of AVX2 intrinsics with the same (exact) result.
+/// the CPU has no AVX2 and FMA (or is not x86-64); where it has, a loop of AVX2 intrinsics with
+/// the same (exact) result.
 pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
     const LANES: usize = 32;
     let mut acc = [0i32; LANES];
@@ -173,7 +175,14 @@ impl W8A8Linear {
             bias,
             activations,
             in_features,
+            isa: Isa::detect(),
         })
+    }
+
+    /// The same layer computed with `isa` (the tests compare every one).
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.isa = isa;
+        self
     }
 
     /// Round-to-nearest of dense `weight` [out, in] to int8, one scale per output channel.
@@ -264,7 +273,7 @@ impl Linear for W8A8Linear {
                 }
             }
             let bias = |o: usize| self.bias.as_ref().map_or(0.0, |b| b[o]);
-            let isa = Isa::detect();
+            let isa = self.isa;
             if !int8 && t >= GEMM_FROM_TOKENS {
                 // Many tokens with f32 activations (W8A16, a prefill): y[t, o] = s_w[o] ·
                 // (x[t] · q_w[o]) + bias[o] on chapter 2's GEMM, the codes widened a chunk of

@@ -6,6 +6,7 @@
 use ch01::linear::{DenseLoader, Linear};
 use ch01::testing::{relative_l2, seeded_runner};
 use ch01::{Llama, LlamaConfig, TensorParallel, Tokenizer, Weights, fixtures_dir};
+use ch02::kernels::Isa;
 use ch02::workload::WorkloadRng;
 use ch05_quantization::smoothquant::smooth::{column_max, factors};
 use ch05_quantization::smoothquant::w8a8::{MAX_IN_FEATURES, dot_i8, grid_scale, quantize_token};
@@ -77,7 +78,7 @@ fn activation_codes_round_to_nearest() {
 
 /// The W8A8 (or W8A16) layer against `Σ_i x'[i] · w'[o, i] + b[o]` in f64, where `x'` and `w'`
 /// are the dequantized f32 operands; the bound is f32's rounding of the operands, of the scales'
-/// product and of the bias addition, relative to `Σ |terms| + |b|`.
+/// product and of the bias addition, relative to `Σ |terms| + |b|`; on every instruction set.
 fn check_kernel(activations: Int8Activations, seed_byte: u8) {
     let mut runner = seeded_runner(48, seed_byte);
     runner
@@ -86,35 +87,38 @@ fn check_kernel(activations: Int8Activations, seed_byte: u8) {
             let w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 0.3)).unwrap();
             let x = Array2::from_shape_vec((t, n), uniform(&mut rng, t * n, 4.0)).unwrap();
             let b = bias.then(|| Array1::from(uniform(&mut rng, out, 1.0)));
-            let layer = W8A8Linear::quantize(w.view(), b.clone(), activations).unwrap();
-            let y = layer.forward(x.view());
-            let w_deq = layer.dequantized(); // [out, in]
-            for r in 0..t {
-                let row = x.row(r).to_vec();
-                let x_deq: Vec<f32> = match activations {
-                    Int8Activations::None => row,
-                    Int8Activations::PerToken => {
-                        let mut q = vec![0i8; n];
-                        let s = quantize_token(&row, &mut q);
-                        q.iter().map(|&c| f32::from(c) * s).collect()
+            let layer = || W8A8Linear::quantize(w.view(), b.clone(), activations).unwrap();
+            let w_deq = layer().dequantized(); // [out, in]
+            for isa in Isa::available() {
+                let y = layer().with_isa(isa).forward(x.view());
+                for r in 0..t {
+                    let row = x.row(r).to_vec();
+                    let x_deq: Vec<f32> = match activations {
+                        Int8Activations::None => row,
+                        Int8Activations::PerToken => {
+                            let mut q = vec![0i8; n];
+                            let s = quantize_token(&row, &mut q);
+                            q.iter().map(|&c| f32::from(c) * s).collect()
+                        }
+                    };
+                    for o in 0..out {
+                        let (mut sum, mut mag) = (0.0f64, 0.0f64);
+                        for i in 0..n {
+                            let term = f64::from(x_deq[i]) * f64::from(w_deq[[o, i]]);
+                            sum += term;
+                            mag += term.abs();
+                        }
+                        let bo = b.as_ref().map_or(0.0, |b| f64::from(b[o]));
+                        let bound = 8.0 * EPS * (mag + bo.abs()) + 1e-30;
+                        let err = (f64::from(y[[r, o]]) - sum - bo).abs();
+                        prop_assert!(
+                            err <= bound,
+                            "{isa:?} [{t}, {n}] -> {out}: y[{r}, {o}] = {} vs {}, error {err:e} > \
+                         {bound:e}",
+                            y[[r, o]],
+                            sum + bo
+                        );
                     }
-                };
-                for o in 0..out {
-                    let (mut sum, mut mag) = (0.0f64, 0.0f64);
-                    for i in 0..n {
-                        let term = f64::from(x_deq[i]) * f64::from(w_deq[[o, i]]);
-                        sum += term;
-                        mag += term.abs();
-                    }
-                    let bo = b.as_ref().map_or(0.0, |b| f64::from(b[o]));
-                    let bound = 8.0 * EPS * (mag + bo.abs()) + 1e-30;
-                    let err = (f64::from(y[[r, o]]) - sum - bo).abs();
-                    prop_assert!(
-                        err <= bound,
-                        "[{t}, {n}] -> {out}: y[{r}, {o}] = {} vs {}, error {err:e} > {bound:e}",
-                        y[[r, o]],
-                        sum + bo
-                    );
                 }
             }
             Ok(())
