@@ -266,12 +266,13 @@ impl<K: KvElement> KvPool<K> {
         ];
         for (buffer, scales, row) in halves {
             let codes = &mut buffer[at..at + kv_dim];
+            // The executor's rows are contiguous; a strided view is copied first. (A slice's
+            // loop compiles to vector code; ndarray's element iterator does not.)
+            let row = row
+                .as_slice()
+                .map_or_else(|| Cow::Owned(row.to_vec()), Cow::Borrowed);
             match scales {
                 Some(scales) if K::SCALED => {
-                    // The executor's rows are contiguous; a strided view is copied first.
-                    let row = row
-                        .as_slice()
-                        .map_or_else(|| Cow::Owned(row.to_vec()), Cow::Borrowed);
                     let scales = &mut scales[slot * self.num_kv_heads..][..self.num_kv_heads];
                     let heads = codes.chunks_exact_mut(d).zip(row.chunks_exact(d));
                     for ((codes_h, x_h), s) in heads.zip(scales) {
