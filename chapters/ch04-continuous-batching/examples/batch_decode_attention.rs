@@ -9,7 +9,12 @@
 //! the same order and on the same threads, with no attention: how fast this layout of the pool
 //! can be read at all. (Summing a bf16 pool would time its widening, not its reading.)
 //!
-//! `cargo run --release -p ch04-continuous-batching --example batch_decode_attention [T...]`
+//! With `--warm`, every layer of a step reads layer 0's K/V instead of its own: after the first
+//! layer they come from cache, so the step times the kernels' own work, without memory's. Where
+//! a kernel's warm step takes about as long as its step from memory, memory is not what limits
+//! it.
+//!
+//! `cargo run --release -p ch04-continuous-batching --example batch_decode_attention [--warm] [T...]`
 
 use std::path::Path;
 use std::time::Instant;
@@ -100,7 +105,7 @@ fn read_blocks<K: KvElement>(
 /// taken in turn (a round is one step of each, starting one pass later each round), so that
 /// a drift of the machine's bandwidth, and whatever one step leaves in cache for the next,
 /// fall on all of them alike.
-fn time_steps<K: KvElement>(passes: &[Pass], t: usize) -> Vec<(f64, f64)> {
+fn time_steps<K: KvElement>(passes: &[Pass], t: usize, warm: bool) -> Vec<(f64, f64)> {
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
     let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
@@ -138,6 +143,7 @@ fn time_steps<K: KvElement>(passes: &[Pass], t: usize) -> Vec<(f64, f64)> {
             let k = (round + i) % passes.len();
             let start = Instant::now();
             for layer in 0..LAYERS {
+                let layer = if warm { 0 } else { layer };
                 match passes[k] {
                     Pass::Kernel(kernel) => {
                         batch_attention_with(kernel, &pool, layer, &rows, &q, SHAPE, &mut out)
@@ -161,15 +167,22 @@ fn time_steps<K: KvElement>(passes: &[Pass], t: usize) -> Vec<(f64, f64)> {
 }
 
 fn main() {
-    let lengths: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let warm = args.iter().any(|a| a == "--warm");
+    let lengths: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
     let lengths = if lengths.is_empty() {
         vec![192]
     } else {
         lengths
     };
+    println!(
+        "K/V {}:\n",
+        if warm {
+            "from cache (--warm: every layer reads layer 0's)"
+        } else {
+            "from memory"
+        }
+    );
     println!(
         "| T | pool | kernel | median ms/step | GB/s | GFLOP/s | fastest ms/step | GB/s | GFLOP/s |"
     );
@@ -180,8 +193,13 @@ fn main() {
         let flops = (LAYERS * SEQUENCES * SHAPE.num_heads * t * 4 * SHAPE.head_dim) as f64;
         let positions = (LAYERS * SEQUENCES * t * 2 * SHAPE.num_kv_heads * SHAPE.head_dim) as f64;
         for (name, passes, times, bytes) in [
-            ("f32", &with_read, time_steps::<f32>(&with_read, t), 4.0),
-            ("bf16", &kernels, time_steps::<bf16>(&kernels, t), 2.0),
+            (
+                "f32",
+                &with_read,
+                time_steps::<f32>(&with_read, t, warm),
+                4.0,
+            ),
+            ("bf16", &kernels, time_steps::<bf16>(&kernels, t, warm), 2.0),
         ] {
             let gb = positions * bytes / 1e9;
             for (pass, (median, best)) in passes.iter().zip(times) {

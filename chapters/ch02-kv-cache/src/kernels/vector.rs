@@ -51,9 +51,12 @@ pub fn prefetch_l2<T>(data: &[T]) {
     {
         use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
         let start = data.as_ptr() as *const i8;
-        for at in (0..size_of_val(data)).step_by(CACHE_LINE) {
-            // SAFETY: `start + at` is inside `data`; a prefetch neither faults nor writes.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(start.add(at)) };
+        // A counted loop over the lines rather than `step_by`, whose set-up showed in the
+        // profiles of attention, which asks for a few lines at a time.
+        for line in 0..size_of_val(data).div_ceil(CACHE_LINE) {
+            // SAFETY: `start + line · CACHE_LINE` is inside `data` (line < ⌈size / line size⌉);
+            // a prefetch neither faults nor writes.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(start.add(line * CACHE_LINE)) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -184,11 +184,14 @@ pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
             kv_dim,
         );
     };
-    // The query heads of KV head `g`, in batches of at most `most`.
+    // The query heads of KV head `g`, in batches of at most `most` (a plain range mapped, not
+    // `step_by`, whose set-up in these inner loops showed in profiles).
     let batches = |g: usize, most: usize| {
-        (g * group_size..(g + 1) * group_size)
-            .step_by(most)
-            .map(move |h| h..h.saturating_add(most).min((g + 1) * group_size))
+        let end = (g + 1) * group_size;
+        (0..group_size.div_ceil(most)).map(move |b| {
+            let start = g * group_size + b * most;
+            start..start.saturating_add(most).min(end)
+        })
     };
 
     // s[h][j..j+8] = q_h · k_{j..j+8} / √d, times K's scale (1 unless the pool is 8-bit).
@@ -203,8 +206,12 @@ pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
         for g in 0..kv.shape.num_kv_heads {
             let k: [&[[K; LANES]; CHUNKS]; KEYS] =
                 std::array::from_fn(|p| head_row(kv.keys, group[p] * kv_dim + g * d));
-            let key_scale: [f32; KEYS] =
-                std::array::from_fn(|p| scale * kv.scales.key(group[p], g));
+            // Unscaled pools (f32, bf16) multiply by 1 exactly: skipped, with its lookups.
+            let key_scale: [f32; KEYS] = if K::SCALED {
+                std::array::from_fn(|p| scale * kv.scales.key(group[p], g))
+            } else {
+                [scale; KEYS]
+            };
             for heads in batches(g, L::SCORE_HEADS) {
                 let q = &q_r[heads.start * d..heads.end * d];
                 let at = heads.start * stride + j; // s[heads.start][j]
@@ -220,8 +227,10 @@ pub(super) fn row_task<K: KvElement, L: HeadLoops, const CHUNKS: usize>(
     for (h, s_h) in scores.chunks_exact_mut(stride).enumerate() {
         let g = h / group_size;
         softmax(&mut s_h[..len]);
-        for (p, &slot) in s_h[..len].iter_mut().zip(slots) {
-            *p *= kv.scales.value(slot, g);
+        if K::SCALED {
+            for (p, &slot) in s_h[..len].iter_mut().zip(slots) {
+                *p *= kv.scales.value(slot, g);
+            }
         }
         s_h[len..].fill(0.0);
     }
