@@ -131,8 +131,10 @@ impl std::str::FromStr for AttentionKind {
 /// - a step with a prompt chunk runs flash attention if its longest sequence has at least
 ///   [`AutoAttention::FLASH_FROM`] positions, chapter 4's kernel below (first run of 2026-12-03:
 ///   flash 1.24× at 128 positions, 1.56× to 2.24× from 256 to 16k; after chapter 4's kernel took
-///   eight positions at a time, 1.07× at 128, 1.39× to 2.64× from 256 to 16k; below 128 nothing
-///   was measured, so chapter 4's kernel stays);
+///   eight positions at a time, 1.07× at 128, 1.39× to 2.64× from 256 to 16k; after it gained
+///   its AVX2 and AVX-512 loops, and flash its AVX-512 compilation, two runs of 2026-12-07:
+///   0.72× and 0.87× at 128, 1.09× and 0.86× at 256, 0.96× and 1.09× at 512, 1.09× to 3.29×
+///   from 1k to 16k; below 128 nothing was measured, so chapter 4's kernel stays);
 /// - a step of decode rows only (one row per sequence) runs flash attention only if its split-K
 ///   would cut the longest row into more than one partition
 ///   ([`Partitions::count`](crate::Partitions::count): few rows, long context), chapter 4's
@@ -149,8 +151,8 @@ pub struct AutoAttention {
 }
 
 impl AutoAttention {
-    /// Context length (positions) from which flash attention is faster in prefill.
-    pub const FLASH_FROM: usize = 128;
+    /// Context length (positions) from which flash attention is at least as fast in prefill.
+    pub const FLASH_FROM: usize = 512;
 
     /// Whether a step of `rows` runs flash attention.
     pub fn runs_flash(&self, rows: &[QueryRow]) -> bool {
@@ -261,12 +263,16 @@ mod tests {
         assert!(auto.runs_flash(&rows(&tables, &[(0, 3999)])));
         // One short decode: nothing to cut.
         assert!(!auto.runs_flash(&rows(&tables, &[(0, 99)])));
-        // A prompt chunk of 130 positions (with a decode beside it): flash.
-        let mut chunk: Vec<_> = (0..130).map(|p| (1, p)).collect();
+        // A prompt chunk of 600 positions (with a decode beside it): flash.
+        let mut chunk: Vec<_> = (0..600).map(|p| (1, p)).collect();
         chunk.push((2, 50));
         assert!(auto.runs_flash(&rows(&tables, &chunk)));
-        // A prompt chunk shorter than FLASH_FROM: chapter 4's kernel.
-        let short: Vec<_> = (0..20).map(|p| (1, p)).collect();
-        assert!(!auto.runs_flash(&rows(&tables, &short)));
+        // Prompt chunks shorter than FLASH_FROM: chapter 4's kernel.
+        for len in [20, 130, AutoAttention::FLASH_FROM - 1] {
+            let short: Vec<_> = (0..len).map(|p| (1, p)).collect();
+            assert!(!auto.runs_flash(&rows(&tables, &short)), "{len} positions");
+        }
+        let exact: Vec<_> = (0..AutoAttention::FLASH_FROM).map(|p| (1, p)).collect();
+        assert!(auto.runs_flash(&rows(&tables, &exact)));
     }
 }
