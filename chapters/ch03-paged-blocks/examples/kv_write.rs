@@ -1,7 +1,6 @@
 //! What writing a step's new K/V into the pool costs: `KvPool::write` for every row of a step of
-//! `ROWS` tokens in each of SmolLM2-135M's 30 layers (3 KV heads of 64), the rows' slots
-//! scattered over the pool's blocks as a batch's are, into an f32 pool and into a bf16 one (which
-//! rounds each value). Prints the median and fastest ms of a step's writes over `ROUNDS` steps,
+//! `ROWS` tokens in each of SmolLM2-135M's 30 layers (3 KV heads of 64), four rows to a block,
+//! four positions apart, into an f32 pool and into a bf16 one (which rounds each value). Prints the median and fastest ms of a step's writes over `ROUNDS` steps,
 //! the pools taking turns, and the GB/s of K/V written.
 //!
 //! `cargo run --release -p ch03-paged-blocks --example kv_write [ROWS...]`
@@ -52,9 +51,9 @@ fn main() {
     println!("| rows a step | pool | median ms/step | fastest ms/step | GB/s written |");
     println!("|---:|:---|---:|---:|---:|");
     for n in rows {
-        // Row r writes position r % 16 of block 4 · (r / 16) + r % 4: the slots of sixteen
-        // rows spread over four blocks, as a batch's sequences hold theirs.
-        let blocks = 4 * n.div_ceil(BLOCK_SIZE) + 4;
+        // Row r writes position r % 16 of block 4 · (r / 16) + r % 4: sixteen rows to four
+        // blocks, four to a block, four positions apart (every slot distinct, inside the pool).
+        let blocks = 4 * n.div_ceil(BLOCK_SIZE);
         let slots: Vec<usize> = (0..n)
             .map(|r| (4 * (r / BLOCK_SIZE) + r % 4) * BLOCK_SIZE + r % BLOCK_SIZE)
             .collect();

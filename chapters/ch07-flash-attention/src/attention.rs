@@ -335,6 +335,17 @@ pub fn flash_attention_paged<K: KvElement>(
 }
 // ANCHOR_END: flash_attention_paged
 
+/// Whether the prefill tasks run their AVX-512 compilation where the CPU has AVX-512F; see
+/// [`set_prefill_avx512`].
+static PREFILL_AVX512: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `false` makes the prefill tasks run their AVX2 compilation even on a CPU with AVX-512F, for
+/// the whole process; the results are the same bits either way (the tests check it). For
+/// measuring the difference and for those tests.
+pub fn set_prefill_avx512(on: bool) {
+    PREFILL_AVX512.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// [`prefill_task`] compiled for AVX2 + FMA when `isa` says the CPU has them, and for AVX-512F
 /// as well where the CPU also has that: the same code, whose 16-wide tile rows then take one
 /// register instead of two (the same operations in the same order, so the same bits).
@@ -387,7 +398,9 @@ fn run_prefill_task<K: KvElement>(
             ) {
                 prefill_task::<K, true>(kv, blocks, task, q, kv_tile, dims, tiles, stats, o)
             }
-            if ch02::kernels::Avx512::cached().is_some() {
+            if ch02::kernels::Avx512::cached().is_some()
+                && PREFILL_AVX512.load(std::sync::atomic::Ordering::Relaxed)
+            {
                 // SAFETY: an `Avx512` proof exists only once run-time detection found AVX-512F,
                 // AVX2 and FMA; `avx512` is safe Rust otherwise.
                 return unsafe { avx512(kv, blocks, task, q, kv_tile, dims, tiles, stats, o) };

@@ -132,9 +132,11 @@ impl std::str::FromStr for AttentionKind {
 ///   [`AutoAttention::FLASH_FROM`] positions, chapter 4's kernel below (first run of 2026-12-03:
 ///   flash 1.24× at 128 positions, 1.56× to 2.24× from 256 to 16k; after chapter 4's kernel took
 ///   eight positions at a time, 1.07× at 128, 1.39× to 2.64× from 256 to 16k; after it gained
-///   its AVX2 and AVX-512 loops, and flash its AVX-512 compilation, two runs of 2026-12-07:
-///   0.72× and 0.87× at 128, 1.09× and 0.86× at 256, 0.96× and 1.09× at 512, 1.09× to 3.29×
-///   from 1k to 16k; below 128 nothing was measured, so chapter 4's kernel stays);
+///   its AVX2 and AVX-512 loops, and flash its AVX-512 compilation, three runs of 2026-12-07:
+///   0.72×, 0.87× and 0.89× at 128, 1.09×, 0.86× and 0.98× at 256, 0.96×, 1.09× and 1.03× at
+///   512, 1.09× to 3.50× from 1k to 16k. Chapter 4's kernel led at 128 and the two tied at 256
+///   and 512; the rule starts flash at 512 rather than 256, where one run had flash 14% behind.
+///   Below 128 nothing was measured);
 /// - a step of decode rows only (one row per sequence) runs flash attention only if its split-K
 ///   would cut the longest row into more than one partition
 ///   ([`Partitions::count`](crate::Partitions::count): few rows, long context), chapter 4's
@@ -151,7 +153,8 @@ pub struct AutoAttention {
 }
 
 impl AutoAttention {
-    /// Context length (positions) from which flash attention is at least as fast in prefill.
+    /// Context length (positions) from which flash attention is about as fast as chapter 4's
+    /// kernel in prefill, or faster (the two tie within the runs' spread at 512).
     pub const FLASH_FROM: usize = 512;
 
     /// Whether a step of `rows` runs flash attention.

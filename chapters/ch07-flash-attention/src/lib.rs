@@ -34,6 +34,7 @@ pub mod traffic;
 
 pub use attention::{
     FlashParams, ParamError, Partitions, Scratch, TileSizes, flash_attention_paged,
+    set_prefill_avx512,
 };
 pub use backend::{
     AttentionKind, AutoAttention, FlashAttention, cpu_executor, populated_cpu_executor,

@@ -17,7 +17,7 @@ use ch01::attention::AttentionShape;
 use ch02::kernels::vector::ToF32;
 use ch03::{BlockId, KvScales};
 
-/// Columns of one register block: two 8-lane vectors.
+/// Columns of one register block: two 8-lane vectors (AVX2), or one 16-lane vector (AVX-512).
 pub const LANES: usize = 16;
 /// Rows of one register block.
 pub const ROWS: usize = 4;
@@ -193,7 +193,8 @@ pub fn load_kv_tile<K: ToF32>(
 
 // ANCHOR: scores
 /// `S = Q Kᵀ`: `q` [rows, dp], `kt` [dp, bcp] → `s` [rows, bcp], a register block of 4 rows ×
-/// 16 columns at a time (8 vector accumulators), so that every K element loaded serves 4 rows.
+/// 16 columns at a time (8 vector accumulators with AVX2, 4 with AVX-512), so that every K
+/// element loaded serves 4 rows.
 #[inline(always)]
 pub fn scores<const FMA: bool>(q: &[f32], kt: &[f32], s: &mut [f32], dp: usize, bcp: usize) {
     for (q4, s4) in q

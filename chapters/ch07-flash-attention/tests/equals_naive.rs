@@ -1,19 +1,20 @@
 //! Flash attention equals chapter 1's naive attention: dense and paged, prefill chunks and
 //! split-K decodes, on random shapes (lengths that are not multiples of any tile, head dims
 //! 24, 64 and 128 beside small odd ones, GQA groups 1 to 4), random tile sizes and partition
-//! counts, random block tables, f32 and bf16 pools, in every instruction set this CPU runs.
+//! counts, random block tables, f32 and bf16 pools, in every instruction set this CPU runs (and,
+//! with AVX-512, the prefill tasks' AVX2 and AVX-512 compilations equal bit for bit).
 
 mod support;
 
 use ch01::attention::{AttentionShape, causal_attention};
 use ch01::testing::{assert_rel_close, seeded_runner};
-use ch02::kernels::Isa;
+use ch02::kernels::{Avx512, Isa};
 use ch02::workload::WorkloadRng;
 use ch03::{BlockManager, KvPool, KvScales};
 use ch04::attention::QueryRow;
 use ch07_flash_attention::{
     FlashParams, LayerKv, Partitions, Scratch, TileSizes, flash_attention_paged,
-    flash_attention_with, naive_attention,
+    flash_attention_with, naive_attention, set_prefill_avx512,
 };
 use half::bf16;
 use ndarray::{Array2, ArrayView2};
@@ -139,6 +140,15 @@ fn paged_flash_equals_naive_attention_per_sequence() {
                 };
                 flash_attention_paged(isa, &layer, &rows, &q, &params, &mut scratch, &mut out);
                 assert_rel_close(&what, &out, &expected, F32_REL);
+                // On a CPU with AVX-512, the prefill tasks' AVX2 compilation gives the same bits.
+                if matches!(isa, Isa::Avx2Fma(_)) && Avx512::cached().is_some() {
+                    let mut avx2 = vec![f32::NAN; out.len()];
+                    set_prefill_avx512(false);
+                    flash_attention_paged(isa, &layer, &rows, &q, &params, &mut scratch, &mut avx2);
+                    set_prefill_avx512(true);
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&avx2), bits(&out), "{what}: AVX2 against AVX-512");
+                }
                 // The same scratch again, on the bf16 pool: buffers kept from a step are reused.
                 out.fill(f32::NAN);
                 let (keys, values) = pool_bf16.layer_kv(0);
