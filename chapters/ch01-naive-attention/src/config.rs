@@ -155,6 +155,21 @@ impl LlamaConfig {
         Self::from_json(&text, &path)
     }
 
+    /// SmolLM2-135M-Instruct's architecture, the fields of its `config.json` that kiln reads:
+    /// 30 layers of 9 query heads sharing 3 KV heads of 64, hidden size 576. For examples and
+    /// tests that need the model's shapes (a KV pool's, attention's) without its weights.
+    pub fn smollm2_135m() -> LlamaConfig {
+        let json = r#"{
+            "model_type": "llama", "hidden_act": "silu", "hidden_size": 576,
+            "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+            "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": true,
+            "vocab_size": 49152
+        }"#;
+        Self::from_json(json, Path::new("SmolLM2-135M-Instruct/config.json"))
+            .expect("SmolLM2-135M's config is valid")
+    }
+
     /// Parses a config; `path` is only used in error messages.
     pub fn from_json(text: &str, path: &Path) -> Result<Self> {
         let bad = |message: String| Error::Config {

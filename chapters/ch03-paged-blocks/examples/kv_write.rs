@@ -5,7 +5,6 @@
 //!
 //! `cargo run --release -p ch03-paged-blocks --example kv_write [ROWS...]`
 
-use std::path::Path;
 use std::time::Instant;
 
 use ch01::LlamaConfig;
@@ -13,19 +12,8 @@ use ch03_paged_blocks::{KvElement, KvPool};
 use half::bf16;
 use ndarray::Array2;
 
-const LAYERS: usize = 30;
 const BLOCK_SIZE: usize = 16;
 const ROUNDS: usize = 31;
-
-fn config() -> LlamaConfig {
-    let json = format!(
-        r#"{{"model_type": "llama", "vocab_size": 8, "hidden_size": 576,
-            "intermediate_size": 8, "num_hidden_layers": {LAYERS}, "num_attention_heads": 9,
-            "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0}}"#
-    );
-    LlamaConfig::from_json(&json, Path::new("example/config.json")).expect("a valid config")
-}
 
 /// One step's writes: row `r` of `k`, `v` [rows, kv_dim] into `slots[r]`, in every layer.
 fn write_step<K: KvElement>(
@@ -34,7 +22,7 @@ fn write_step<K: KvElement>(
     k: &Array2<f32>,
     v: &Array2<f32>,
 ) {
-    for layer in 0..LAYERS {
+    for layer in 0..pool.num_layers() {
         for (r, &slot) in slots.iter().enumerate() {
             pool.write(layer, slot, k.row(r), v.row(r));
         }
@@ -47,7 +35,11 @@ fn main() {
         .filter_map(|a| a.parse().ok())
         .collect();
     let rows = if rows.is_empty() { vec![32, 512] } else { rows };
-    let kv_dim = 3 * 64;
+    let config = LlamaConfig::smollm2_135m();
+    let (layers, kv_dim) = (
+        config.num_hidden_layers,
+        config.num_key_value_heads * config.head_dim,
+    );
     println!("| rows a step | pool | median ms/step | fastest ms/step | GB/s written |");
     println!("|---:|:---|---:|---:|---:|");
     for n in rows {
@@ -59,8 +51,8 @@ fn main() {
             .collect();
         let k = Array2::from_shape_fn((n, kv_dim), |(r, c)| ((r * 31 + c * 7) % 97) as f32 / 97.0);
         let v = k.mapv(|x| 1.0 - x);
-        let mut f32_pool = KvPool::<f32>::new(&config(), BLOCK_SIZE, blocks).expect("a pool");
-        let mut bf16_pool = KvPool::<bf16>::new(&config(), BLOCK_SIZE, blocks).expect("a pool");
+        let mut f32_pool = KvPool::<f32>::new(&config, BLOCK_SIZE, blocks).expect("a pool");
+        let mut bf16_pool = KvPool::<bf16>::new(&config, BLOCK_SIZE, blocks).expect("a pool");
         f32_pool.populate();
         bf16_pool.populate();
         let mut times = [Vec::new(), Vec::new()];
@@ -74,7 +66,7 @@ fn main() {
         }
         for ((name, bytes), mut t) in [("f32", 4), ("bf16", 2)].into_iter().zip(times) {
             t.sort_by(f64::total_cmp);
-            let written = (LAYERS * n * 2 * kv_dim * bytes) as f64;
+            let written = (layers * n * 2 * kv_dim * bytes) as f64;
             let median = t[ROUNDS / 2];
             println!(
                 "| {n} | {name} | {:.3} | {:.3} | {:.1} |",

@@ -17,7 +17,6 @@
 //!
 //! `cargo run --release -p ch04-continuous-batching --example batch_decode_attention [--warm] [T...]`
 
-use std::path::Path;
 use std::time::Instant;
 
 use ch01::LlamaConfig;
@@ -37,16 +36,6 @@ const SHAPE: AttentionShape = AttentionShape {
     num_kv_heads: 3,
     head_dim: 64,
 };
-
-fn config() -> LlamaConfig {
-    let json = format!(
-        r#"{{"model_type": "llama", "vocab_size": 8, "hidden_size": 576,
-            "intermediate_size": 8, "num_hidden_layers": {LAYERS}, "num_attention_heads": 9,
-            "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0}}"#
-    );
-    LlamaConfig::from_json(&json, Path::new("example/config.json")).expect("a valid config")
-}
 
 /// A deterministic value in [−1, 1) for index `i`.
 fn value(i: usize) -> f32 {
@@ -110,8 +99,12 @@ fn time_steps<K: KvElement>(passes: &[Pass], t: usize, warm: bool) -> Vec<(f64, 
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
     let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
-    let mut pool = KvPool::<K>::new(&config(), BLOCK_SIZE, SEQUENCES * blocks_per_seq)
-        .expect("a pool this size");
+    let mut pool = KvPool::<K>::new(
+        &LlamaConfig::smollm2_135m(),
+        BLOCK_SIZE,
+        SEQUENCES * blocks_per_seq,
+    )
+    .expect("a pool this size");
     // Sequence s holds blocks s, s + 32, s + 64, ...: interleaved, as a pool's free list
     // hands them out to sequences that grow together.
     let tables: Vec<Vec<BlockId>> = (0..SEQUENCES)

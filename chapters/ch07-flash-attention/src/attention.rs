@@ -368,36 +368,28 @@ fn run_prefill_task<K: KvElement>(
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma(_) => {
-            #[target_feature(enable = "avx2,fma")]
-            #[allow(clippy::too_many_arguments)]
-            unsafe fn avx2<K: KvElement>(
-                kv: &LayerKv<K>,
-                blocks: &[ch03::BlockId],
-                task: PrefillTask,
-                q: &[f32],
-                kv_tile: usize,
-                dims: TileDims,
-                tiles: &mut Tiles,
-                stats: &mut [RowStats],
-                o: &mut [f32],
-            ) {
-                prefill_task::<K, true>(kv, blocks, task, q, kv_tile, dims, tiles, stats, o)
+            // `prefill_task` compiled with each set of features: the same code in both.
+            macro_rules! compiled_for {
+                ($name:ident, $features:literal) => {
+                    #[target_feature(enable = $features)]
+                    #[allow(clippy::too_many_arguments)]
+                    unsafe fn $name<K: KvElement>(
+                        kv: &LayerKv<K>,
+                        blocks: &[ch03::BlockId],
+                        task: PrefillTask,
+                        q: &[f32],
+                        kv_tile: usize,
+                        dims: TileDims,
+                        tiles: &mut Tiles,
+                        stats: &mut [RowStats],
+                        o: &mut [f32],
+                    ) {
+                        prefill_task::<K, true>(kv, blocks, task, q, kv_tile, dims, tiles, stats, o)
+                    }
+                };
             }
-            #[target_feature(enable = "avx512f,avx2,fma")]
-            #[allow(clippy::too_many_arguments)]
-            unsafe fn avx512<K: KvElement>(
-                kv: &LayerKv<K>,
-                blocks: &[ch03::BlockId],
-                task: PrefillTask,
-                q: &[f32],
-                kv_tile: usize,
-                dims: TileDims,
-                tiles: &mut Tiles,
-                stats: &mut [RowStats],
-                o: &mut [f32],
-            ) {
-                prefill_task::<K, true>(kv, blocks, task, q, kv_tile, dims, tiles, stats, o)
-            }
+            compiled_for!(avx2, "avx2,fma");
+            compiled_for!(avx512, "avx512f,avx2,fma");
             if ch02::kernels::Avx512::cached().is_some()
                 && PREFILL_AVX512.load(std::sync::atomic::Ordering::Relaxed)
             {

@@ -2,8 +2,6 @@
 //! the log-normal's median and spread, the clipping invariants, and the utilisation arithmetic
 //! on a small example worked by hand.
 
-use std::path::Path;
-
 use ch01::LlamaConfig;
 use ch01::testing::seeded_runner;
 use ch02_kv_cache::workload::{
@@ -269,20 +267,9 @@ fn utilisation_is_a_share_in_zero_one_for_every_policy() {
 
 // ───────────────────────────── bytes ─────────────────────────────
 
-/// SmolLM2-135M's architecture: 30 layers, 9 query heads, 3 KV heads, head_dim 576 / 9 = 64.
-fn smollm2_135m() -> LlamaConfig {
-    let json = r#"{
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-        "rope_theta": 100000.0, "tie_word_embeddings": true, "hidden_act": "silu"
-    }"#;
-    LlamaConfig::from_json(json, Path::new("smollm2-135m/config.json")).unwrap()
-}
-
 #[test]
 fn bytes_per_token_and_requests_that_fit() {
-    let config = smollm2_135m();
+    let config = LlamaConfig::smollm2_135m();
     // 2 × 30 × 3 × 64 × 2 bytes (bf16) = 23 040 bytes = 22.5 KiB per token.
     assert_eq!(bytes_per_token(&config, 2), 23_040);
     assert_eq!(bytes_per_token(&config, 4), 46_080);
