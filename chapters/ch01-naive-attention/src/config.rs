@@ -164,7 +164,8 @@ impl LlamaConfig {
             "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
             "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
             "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": true,
-            "vocab_size": 49152
+            "attention_bias": false, "mlp_bias": false, "vocab_size": 49152,
+            "bos_token_id": 1, "eos_token_id": 2
         }"#;
         Self::from_json(json, Path::new("SmolLM2-135M-Instruct/config.json"))
             .expect("SmolLM2-135M's config is valid")
@@ -458,4 +459,25 @@ pub fn eos_token_ids(dir: &Path, config: &LlamaConfig) -> Result<Vec<u32>> {
         check_token_id("eos_token_id", id, config.vocab_size).map_err(bad)?;
     }
     Ok(ids.into_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smollm2_135m_is_the_checkpoints_config() {
+        let config = LlamaConfig::smollm2_135m();
+        let shape = config.attention_shape();
+        assert_eq!(
+            (shape.num_heads, shape.num_kv_heads, shape.head_dim),
+            (9, 3, 64)
+        );
+        assert_eq!((config.hidden_size, config.num_hidden_layers), (576, 30));
+        // Where the checkpoint has been fetched (`just fetch-smollm2`, as CI does): its own file.
+        let dir = crate::fixtures_dir().join(".cache/SmolLM2-135M-Instruct");
+        if dir.join("config.json").exists() {
+            assert_eq!(LlamaConfig::from_dir(&dir).unwrap(), config);
+        }
+    }
 }

@@ -99,12 +99,10 @@ fn time_steps<K: KvElement>(passes: &[Pass], t: usize, warm: bool) -> Vec<(f64, 
     let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
     let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
-    let mut pool = KvPool::<K>::new(
-        &LlamaConfig::smollm2_135m(),
-        BLOCK_SIZE,
-        SEQUENCES * blocks_per_seq,
-    )
-    .expect("a pool this size");
+    let config = LlamaConfig::smollm2_135m();
+    assert_eq!(config.num_hidden_layers, LAYERS, "SmolLM2-135M's layers");
+    let mut pool = KvPool::<K>::new(&config, BLOCK_SIZE, SEQUENCES * blocks_per_seq)
+        .expect("a pool this size");
     // Sequence s holds blocks s, s + 32, s + 64, ...: interleaved, as a pool's free list
     // hands them out to sequences that grow together.
     let tables: Vec<Vec<BlockId>> = (0..SEQUENCES)

@@ -140,15 +140,7 @@ fn paged_flash_equals_naive_attention_per_sequence() {
                 };
                 flash_attention_paged(isa, &layer, &rows, &q, &params, &mut scratch, &mut out);
                 assert_rel_close(&what, &out, &expected, F32_REL);
-                // On a CPU with AVX-512, the prefill tasks' AVX2 compilation gives the same bits.
-                if matches!(isa, Isa::Avx2Fma(_)) && Avx512::cached().is_some() {
-                    let mut avx2 = vec![f32::NAN; out.len()];
-                    set_prefill_avx512(false);
-                    flash_attention_paged(isa, &layer, &rows, &q, &params, &mut scratch, &mut avx2);
-                    set_prefill_avx512(true);
-                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&avx2), bits(&out), "{what}: AVX2 against AVX-512");
-                }
+                same_bits_in_avx2(isa, &what, &layer, &rows, &q, &params, &mut scratch, &out);
                 // The same scratch again, on the bf16 pool: buffers kept from a step are reused.
                 out.fill(f32::NAN);
                 let (keys, values) = pool_bf16.layer_kv(0);
@@ -161,10 +153,43 @@ fn paged_flash_equals_naive_attention_per_sequence() {
                 };
                 flash_attention_paged(isa, &layer, &rows, &q, &params, &mut scratch, &mut out);
                 assert_rel_close(&format!("{what}, bf16"), &out, &expected_bf16, F32_REL);
+                let what = format!("{what}, bf16");
+                same_bits_in_avx2(isa, &what, &layer, &rows, &q, &params, &mut scratch, &out);
             }
             Ok(())
         })
         .unwrap();
+}
+
+/// On a CPU with AVX-512 and `isa` = AVX2: the prefill tasks' AVX2 compilation gives `out`'s
+/// bits, which their AVX-512 compilation gave. (The switch is back on when this returns or
+/// panics; a test running meanwhile gets one compilation or the other, the same bits.)
+#[allow(clippy::too_many_arguments)]
+fn same_bits_in_avx2<K: ch03::KvElement>(
+    isa: Isa,
+    what: &str,
+    layer: &LayerKv<K>,
+    rows: &[QueryRow],
+    q: &[f32],
+    params: &FlashParams,
+    scratch: &mut Scratch,
+    out: &[f32],
+) {
+    if !matches!(isa, Isa::Avx2Fma(_)) || Avx512::cached().is_none() {
+        return;
+    }
+    struct BackOn;
+    impl Drop for BackOn {
+        fn drop(&mut self) {
+            set_prefill_avx512(true);
+        }
+    }
+    let _back_on = BackOn;
+    set_prefill_avx512(false);
+    let mut avx2 = vec![f32::NAN; out.len()];
+    flash_attention_paged(isa, layer, rows, q, params, scratch, &mut avx2);
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&avx2), bits(out), "{what}: AVX2 against AVX-512");
 }
 
 #[test]
