@@ -31,14 +31,27 @@
 #define TC_WARPS 4
 #define TC_PAD 8  // bf16 elements of padding per shared row: fragment reads hit 32 banks
 
-// Two f32 rounded to bf16 (nearest, ties to even), `lo` in the lower half.
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
-}
-
 // The PTX instructions, each behind a function (kernels/emulation/ptx_on_threads.h gives each
 // its meaning on CPU threads, where KILN_EMULATION is defined).
 #ifndef KILN_EMULATION
+// Two f32 rounded to bf16 (nearest, ties to even), `lo` in the lower half: one instruction
+// (sm_80 and later) where common.cuh's f32_to_bf16 takes five integer ones per value. The
+// softmax weights of every tile go through it, so it is part of the work beside the mma.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+// 2^x by the special-function unit alone (relative error about 2^-22; results below 2^-126,
+// weights too small to count beside the row's largest, which is 1, flush to 0). exp2f's
+// precise form adds a scaling around it for subnormal results.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // The four 8 x 8 bf16 matrices whose rows lanes 0-7, 8-15, 16-23 and 24-31 point at, one
 // register each, in the B layout above (lane 4g + t: row g, columns 2t, 2t + 1); with .trans,
 // transposed (row 2t and 2t + 1, column g).
@@ -142,7 +155,10 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
     int seq = blockIdx.z, head = blockIdx.y;
     int kv_head = head / (num_heads / num_kv_heads);
     int seq_rows = (int)(row_start[seq + 1] - row_start[seq]);
-    int first = blockIdx.x * block_rows;
+    // Tiles in reverse: a causal tile's work grows with its position, and the GPU starts blocks
+    // roughly in the order of blockIdx.x, so the longest tiles start first and the short ones
+    // fill in behind them, rather than the longest starting last and running alone at the end.
+    int first = (gridDim.x - 1 - blockIdx.x) * block_rows;
     if (first >= seq_rows) return;
     int tile_rows = min(block_rows, seq_rows - first);
     long row0 = (long)row_start[seq] + first;
@@ -254,18 +270,26 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
 
         // Causal mask (and keys past the tile's last row), then the online softmax per row.
         // Each row's 64 scores lie in the 4 threads of its quad: reduce over them with shuffles.
+        // Only diagonal tiles are masked, behind a branch the whole warp takes or skips, so the
+        // other tiles issue none of its compares.
 #pragma unroll
         for (int f = 0; f < MF; f++) {
-            int r_lo = warp_row0 + 16 * f + g;
+            if (diagonal) {
+#pragma unroll
+                for (int n = 0; n < TC_BC / 8; n++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int r = warp_row0 + 16 * f + g + ((i & 2) ? 8 : 0);
+                        int key = key0 + n * 8 + 2 * t + (i & 1);
+                        if (key > pos0 + r) s[f][n][i] = -INFINITY;
+                    }
+                }
+            }
             float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
             for (int n = 0; n < TC_BC / 8; n++) {
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int r = r_lo + ((i & 2) ? 8 : 0), key = key0 + n * 8 + 2 * t + (i & 1);
-                    if (diagonal && key > pos0 + r) s[f][n][i] = -INFINITY;
-                    row_max[i >> 1] = fmaxf(row_max[i >> 1], s[f][n][i]);
-                }
+                for (int i = 0; i < 4; i++) row_max[i >> 1] = fmaxf(row_max[i >> 1], s[f][n][i]);
             }
             float correction[2];
 #pragma unroll
@@ -274,7 +298,7 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
                 row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
                 // Key 0 is visible to every row, so from the first tile on m is finite.
                 float m_new = fmaxf(m[f][h], row_max[h]);
-                correction[h] = exp2f(m[f][h] - m_new);  // 0 on the first tile (m = −∞)
+                correction[h] = exp2_approx(m[f][h] - m_new);  // 0 on the first tile (m = −∞)
                 m[f][h] = m_new;
                 l[f][h] *= correction[h];
             }
@@ -282,7 +306,7 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
             for (int n = 0; n < TC_BC / 8; n++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    float p = exp2f(s[f][n][i] - m[f][i >> 1]);  // 0 where masked
+                    float p = exp2_approx(s[f][n][i] - m[f][i >> 1]);  // 0 where masked
                     s[f][n][i] = p;
                     l[f][i >> 1] += p;
                 }

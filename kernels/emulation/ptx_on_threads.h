@@ -31,6 +31,25 @@ inline void ldmatrix(unsigned* r, const unsigned short* row, bool trans) {
 }
 }  // namespace emulation
 
+// cvt.rn.bf16x2.f32: two f32 rounded to bf16, nearest with ties to even, `lo` in the lower half
+// (a NaN becomes the canonical one; the kernel's weights are never NaN).
+inline unsigned pack_bf16(float lo, float hi) {
+    auto round = [](float f) -> unsigned {
+        unsigned bits = __float_as_uint(f);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+        return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    };
+    return round(lo) | round(hi) << 16;
+}
+
+// ex2.approx.ftz.f32: 2^x, with subnormal inputs and results flushed to 0 (the hardware's
+// approximation error of about 2^-22 is left out: the check's bound is 1e-2).
+inline float exp2_approx(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.0f;
+    float y = std::exp2(x);
+    return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
+}
+
 inline void ldmatrix_x4(unsigned* r, const unsigned short* row) { emulation::ldmatrix(r, row, false); }
 inline void ldmatrix_x4_trans(unsigned* r, const unsigned short* row) { emulation::ldmatrix(r, row, true); }
 
