@@ -118,8 +118,9 @@ __device__ __forceinline__ bf16_bits (*tc_q_tile())[D + TC_PAD] {
 
 // Starts copying the K and V rows of keys key0 .. key0 + TC_BC into buffer `buf`, 16 bytes (8
 // elements) of one key's row per thread and step, keys past kv_len as zeros; one commit group.
-// The block's 2 · TC_BC threads take key threadIdx.x % TC_BC each, so each finds its key's slot
-// once.
+// Thread 2j + h copies the 16-byte chunks 2i + h (i = 0 .. D / 16) of key j's row, finding its
+// slot once: a warp's copy instruction then reads 16 whole 32-byte sectors, two threads each,
+// never half of one (whose other half another instruction would fetch again).
 template <int D>
 __device__ __forceinline__ void stage_tile(int buf, int key0, int kv_len, const bf16_bits* k_cache,
                                            const bf16_bits* v_cache, const u32* table,
@@ -127,7 +128,8 @@ __device__ __forceinline__ void stage_tile(int buf, int key0, int kv_len, const 
     static_assert(32 * TC_WARPS == 2 * TC_BC, "two threads per key");
     bf16_bits(*k_s)[D + TC_PAD] = tc_tile<D>(buf, 0);
     bf16_bits(*v_s)[D + TC_PAD] = tc_tile<D>(buf, 1);
-    int j = threadIdx.x % TC_BC, key = key0 + j;
+    int j = threadIdx.x >> 1, half = threadIdx.x & 1, key = key0 + j;
+    // A key past kv_len copies nothing (zeros land); its source address, row 0, is never read.
     long at = 0;
     int bytes = 0;
     if (key < kv_len) {
@@ -135,10 +137,12 @@ __device__ __forceinline__ void stage_tile(int buf, int key0, int kv_len, const 
         at = slot * kv_stride + (long)kv_head * D;
         bytes = 16;
     }
-    for (int c = threadIdx.x / TC_BC; c < D / 8; c += 2) {
-        long from = bytes ? at + c * 8 : 0;
-        cp_async_16(&k_s[j][c * 8], k_cache + from, bytes);
-        cp_async_16(&v_s[j][c * 8], v_cache + from, bytes);
+    const bf16_bits* k_row = k_cache + at + half * 8;
+    const bf16_bits* v_row = v_cache + at + half * 8;
+#pragma unroll
+    for (int i = 0; i < D / 16; i++) {
+        cp_async_16(&k_s[j][i * 16 + half * 8], k_row + i * 16, bytes);
+        cp_async_16(&v_s[j][i * 16 + half * 8], v_row + i * 16, bytes);
     }
     cp_async_commit();
 }
