@@ -26,6 +26,7 @@
 // partial_o: [num_seqs, num_heads, num_partitions, head_dim]; partial_ml: [..., num_partitions, 2].
 // Grid: (num_kv_heads, num_seqs, num_partitions); block: THREADS. CH divides head_dim.
 struct __align__(16) DecodeShared {
+    long row[PART_MAX];                // element offset of each key's row (its slot, its head)
     float q[GROUP_MAX][HEAD_DIM_MAX];  // the group's queries, times 1/√d
     float p[GROUP_MAX][PART_MAX];      // scores, then exp(s − m)
     float o[GROUP_MAX][HEAD_DIM_MAX];  // the partition's output, summed over key sets
@@ -56,14 +57,19 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
         int g = i / head_dim, d = i % head_dim;
         q_s[g][d] = q[q_row + (kv_head * group + g) * head_dim + d] * scale;
     }
+    // Each key's row, found through the block table once for both passes (the values pass
+    // would otherwise divide by the block size for every chunk it reads).
+    for (int j = tid; j < n; j += THREADS) {
+        int key = begin + j;
+        sh.row[j] = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +
+                    (long)kv_head * head_dim;
+    }
     __syncthreads();
 
     // ANCHOR: key_loop
     // Scores: thread t scores keys t, t + THREADS, ... against every head of the group.
     for (int j = tid; j < n; j += THREADS) {
-        int key = begin + j;
-        long at = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +
-                  (long)kv_head * head_dim;
+        long at = sh.row[j];
         float s[GROUP_MAX];
 #pragma unroll
         for (int g = 0; g < GROUP_MAX; g++) s[g] = 0.0f;
@@ -118,9 +124,7 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
     if (active) {
 #pragma unroll 8
         for (int j = set; j < n; j += sets) {
-            int key = begin + j;
-            long at = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +
-                      (long)kv_head * head_dim + c * CV;
+            long at = sh.row[j] + c * CV;
             float v[CV];
             load_chunk<CV>(v_cache, at, v);
 #pragma unroll

@@ -34,14 +34,6 @@ struct Chunk<bf16_bits> {
     static constexpr int N = 8;
 };
 
-// Element offset of chunk c of key j's row (j counted from the partition's first key, `begin`).
-__device__ __forceinline__ long key_row(const u32* table, int begin, int j, int block_size,
-                                        long kv_stride, int kv_head, int d, int c, int ch) {
-    int key = begin + j;
-    return ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +
-           (long)kv_head * d + c * ch;
-}
-
 template <typename T, int D, int G>
 __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache, const u32* rows,
                              const u32* context_lens, const u32* block_tables, float* partial_o,
@@ -52,6 +44,7 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
     constexpr int ROWS = 32 / LANES;      // rows one warp instruction reads: 1 to 4
     constexpr int STEP = WARPS * ROWS;    // rows the block reads per instruction
     static_assert(LANES <= 32 && 32 % LANES == 0, "a row is read by a power-of-two group of lanes");
+    __shared__ long row_s[PART_MAX];      // element offset of each key's row (its slot, its head)
     __shared__ float p_s[G][PART_MAX];    // scores, then exp(s − m)
     __shared__ float o_s[WARPS][G][D];    // each warp's sum of p · v
     __shared__ float ml_s[G][2];
@@ -73,6 +66,14 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
         for (int e = 0; e < CH; e++) qr[g][e] = q[q_row + (long)(kv_head * G + g) * D + c * CH + e] * scale;
     }
 
+    // Each key's row, found through the block table once for both passes (a division by the
+    // block size is some twenty instructions; a lane would otherwise do it for every row it reads).
+    for (int j = threadIdx.x; j < n; j += THREADS) {
+        int key = begin + j;
+        row_s[j] = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride + (long)kv_head * D;
+    }
+    __syncthreads();
+
     // ANCHOR: lane_groups
     // Scores: warp w reads rows w·ROWS + sub, then STEP further on, UNROLL instructions at a time.
     // The loop bound is the same for every lane of a warp, so every lane reaches the shuffles.
@@ -83,7 +84,7 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
         for (int u = 0; u < UNROLL; u++) {
             int j = j0 + u * STEP;
             if (j < n) {
-                load_chunk<CH>(k_cache, key_row(table, begin, j, block_size, kv_stride, kv_head, D, c, CH), k[u]);
+                load_chunk<CH>(k_cache, row_s[j] + c * CH, k[u]);
             } else {
 #pragma unroll
                 for (int e = 0; e < CH; e++) k[u][e] = 0.0f;
@@ -124,7 +125,7 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
         for (int u = 0; u < UNROLL; u++) {
             int j = j0 + u * STEP;
             if (j < n) {
-                load_chunk<CH>(v_cache, key_row(table, begin, j, block_size, kv_stride, kv_head, D, c, CH), v[u]);
+                load_chunk<CH>(v_cache, row_s[j] + c * CH, v[u]);
             }
         }
 #pragma unroll
