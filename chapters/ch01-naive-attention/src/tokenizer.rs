@@ -15,6 +15,9 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::token_bytes::ByteForm;
 use crate::tokenizer_json;
+pub use crate::tokenizer_json::{
+    MAX_ADDED_TOKEN_BYTES, MAX_ADDED_TOKENS, MAX_ADDED_TOKENS_BYTES, check_added_tokens,
+};
 
 /// Text → ids done by other code than the `tokenizers` pipeline's own `encode`, for a
 /// vocabulary whose model that crate cannot express. It is handed the tokenizer's pipeline

@@ -9,6 +9,11 @@
 //! bytes per four declared before it reads any of it, an allocation whose failure aborts the
 //! process; [`check_precompiled`] refuses such a map before the crate sees it.
 //!
+//! The crate also matches every added token (`<|im_start|>`, `<tool_call>`) in one automaton it
+//! builds as it loads, in time that grows with the square of a token's length when the token
+//! repeats itself: one added token of 100,000 `a`s did not load within a minute.
+//! [`check_added_tokens`] holds a file's added tokens to limits no real tokenizer comes near.
+//!
 //! The file's `truncation` and `padding` settings are switched off ([`without_length_rules`]),
 //! as `transformers` overrides them at every encode: a prompt is never silently cut to the
 //! file's `max_length`, and never padded to a length the file chose (`pad_to_multiple_of: 2^42`
@@ -17,18 +22,64 @@
 use base64::Engine as _;
 use serde_json::Value;
 
-/// The one part of a `tokenizer.json` read before the crate reads it all.
+/// The parts of a `tokenizer.json` read before the crate reads it all.
 #[derive(serde::Deserialize)]
-struct Normalizer {
+struct Checked {
     #[serde(default)]
     normalizer: Value,
+    #[serde(default)]
+    added_tokens: Vec<AddedTokenText>,
+}
+
+#[derive(serde::Deserialize)]
+struct AddedTokenText {
+    content: String,
+}
+
+/// The longest added token [`check_added_tokens`] accepts, in bytes (real ones are tens).
+pub const MAX_ADDED_TOKEN_BYTES: usize = 1 << 10;
+/// The most added tokens [`check_added_tokens`] accepts (real tokenizers have up to thousands).
+pub const MAX_ADDED_TOKENS: usize = 1 << 16;
+/// The most bytes all added tokens together may hold.
+pub const MAX_ADDED_TOKENS_BYTES: usize = 1 << 20;
+
+/// Refuses added tokens that would make the `tokenizers` crate's matcher slow to build: more
+/// than [`MAX_ADDED_TOKENS`] of them, one longer than [`MAX_ADDED_TOKEN_BYTES`], or more than
+/// [`MAX_ADDED_TOKENS_BYTES`] together. Within these limits the slowest set measured (1,024
+/// tokens of 1,000 bytes, each a run of one letter then of another) built in 0.05 s.
+pub fn check_added_tokens<'a>(tokens: impl IntoIterator<Item = &'a str>) -> Result<(), String> {
+    let (mut count, mut bytes) = (0usize, 0usize);
+    for token in tokens {
+        count += 1;
+        bytes += token.len();
+        if token.len() > MAX_ADDED_TOKEN_BYTES {
+            let start: String = token.chars().take(16).collect();
+            return Err(format!(
+                "added token {start:?}... is {} bytes long; kiln reads added tokens of up to \
+                 {MAX_ADDED_TOKEN_BYTES}",
+                token.len()
+            ));
+        }
+    }
+    if count > MAX_ADDED_TOKENS {
+        return Err(format!(
+            "{count} added tokens; kiln reads up to {MAX_ADDED_TOKENS}"
+        ));
+    }
+    if bytes > MAX_ADDED_TOKENS_BYTES {
+        return Err(format!(
+            "the added tokens hold {bytes} bytes together; kiln reads up to {MAX_ADDED_TOKENS_BYTES}"
+        ));
+    }
+    Ok(())
 }
 
 /// `bytes` (a `tokenizer.json`) as a tokenizer, or why not. Its truncation and padding are as
 /// the file says: [`crate::Tokenizer::from_parts`] switches them off.
 pub(crate) fn load(bytes: &[u8]) -> Result<tokenizers::Tokenizer, String> {
-    let json: Normalizer = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let json: Checked = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
     check_precompiled(&json.normalizer)?;
+    check_added_tokens(json.added_tokens.iter().map(|t| t.content.as_str()))?;
     guarded(|| tokenizers::Tokenizer::from_bytes(bytes))
 }
 

@@ -695,3 +695,55 @@ fn tokenizer_precompiled_map_that_declares_more_than_it_holds_is_rejected() {
     let err = tokenizer.err().expect("an empty map").to_string();
     assert_mentions(&err, &["tokenizer.json", "shorter than its 4-byte header"]);
 }
+
+#[test]
+fn added_tokens_beyond_the_limits_are_rejected_before_the_crate_builds_its_matcher() {
+    use ch01_naive_attention::tokenizer::{
+        MAX_ADDED_TOKEN_BYTES, MAX_ADDED_TOKENS, MAX_ADDED_TOKENS_BYTES,
+    };
+    let token = |id: usize, content: String| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true})
+    };
+    let with_added = |added: Vec<serde_json::Value>| {
+        edited_tokenizer(move |json| {
+            json["added_tokens"].as_array_mut().unwrap().extend(added);
+        })
+    };
+    // One token of 100,000 `a`s kept the tokenizers crate building its matcher for minutes.
+    let started = std::time::Instant::now();
+    let (_tmp, long) = with_added(vec![token(5000, "a".repeat(100_000))]);
+    let err = long.err().expect("a 100,000-byte added token").to_string();
+    assert_mentions(&err, &["tokenizer.json", "100000 bytes long", "up to 1024"]);
+    assert!(
+        started.elapsed().as_secs() < 30,
+        "refused before the crate's build"
+    );
+    // At the limits: a token of exactly MAX_ADDED_TOKEN_BYTES loads, one byte more does not.
+    for (len, loads) in [
+        (MAX_ADDED_TOKEN_BYTES, true),
+        (MAX_ADDED_TOKEN_BYTES + 1, false),
+    ] {
+        let (_tmp, tokenizer) = with_added(vec![token(5000, "a".repeat(len))]);
+        assert_eq!(tokenizer.is_ok(), loads, "a token of {len} bytes");
+    }
+    let many = |count: usize, len: usize| {
+        (0..count)
+            .map(|i| token(5000 + i, format!("{i:0len$}")))
+            .collect::<Vec<_>>()
+    };
+    // The fixture has added tokens of its own: the count and the bytes include them.
+    let (_tmp, too_many) = with_added(many(MAX_ADDED_TOKENS, 6));
+    assert_mentions(
+        &too_many.err().expect("too many added tokens").to_string(),
+        &["added tokens; kiln reads up to 65536"],
+    );
+    let (_tmp, too_big) = with_added(many(MAX_ADDED_TOKENS_BYTES / 1000 + 1, 1000));
+    assert_mentions(
+        &too_big
+            .err()
+            .expect("too many bytes of added tokens")
+            .to_string(),
+        &["bytes together; kiln reads up to 1048576"],
+    );
+}

@@ -297,6 +297,8 @@ fn pipeline(file: &GgufFile, merges: SpmMergeList) -> GgufResult<tokenizers::Tok
                 .then(|| AddedToken::from(t, control).normalized(false))
         })
         .collect();
+    ch01::tokenizer::check_added_tokens(added.iter().map(|t| t.content.as_str()))
+        .map_err(|e| tokenizer_error(path, e))?;
     tokenizer.add_tokens(&added);
 
     // BOS / EOS added around every encoded text when the file says so.

@@ -267,6 +267,32 @@ fn user_defined_tokens_are_text_and_end_of_generation_texts_stop() {
     assert_eq!(eos_token_ids(&file).unwrap(), [2, im_end]);
 }
 
+/// A control token is matched whole by an automaton the `tokenizers` crate builds at load, in
+/// time that grows with the square of a self-repeating token's length: one of 100,000 `a`s is
+/// refused with an error before that build (as `tokenizer.json`'s added tokens are, in ch01);
+/// one of 1,024 bytes loads.
+#[test]
+fn a_control_token_too_long_to_match_is_refused() {
+    for (len, loads) in [(100_000, false), (1024, true)] {
+        let (mut tokens, mut scores, mut types) = vocab();
+        tokens.push("a".repeat(len));
+        scores.push(0.0);
+        types.push(token_type::CONTROL);
+        let file = file_of(tokens, scores, types, None);
+        match load_tokenizer(&file) {
+            Ok(_) => assert!(loads, "a control token of {len} bytes loaded"),
+            Err(e) => {
+                assert!(!loads, "a control token of {len} bytes: {e}");
+                let e = e.to_string();
+                assert!(
+                    e.contains("spm.gguf") && e.contains("100000 bytes long"),
+                    "{e}"
+                );
+            }
+        }
+    }
+}
+
 /// A byte-level file with Llama 3's pre-tokenizer: a piece that is a token is taken whole
 /// before any merge (`abc` is a token that no merge reaches), and BOS begins every text unless
 /// the file says otherwise.
