@@ -80,6 +80,12 @@ pub const RENDER_STACK_BYTES: usize = if cfg!(target_pointer_width = "64") {
 } else {
     64 << 20 // a 32-bit process has 4 GB of address space in all
 };
+/// The longest template source kiln compiles (1 MiB; real templates are a few KiB, the longest
+/// tens). minijinja parses a run of unary operators (`- - - 1`, `not not x`) by recursion with
+/// no depth limit of its own, a level a byte: 20,000 minus signs overflowed an 8 MiB stack,
+/// which aborts the process. So a template compiles on a thread with a [`RENDER_STACK_BYTES`]
+/// stack, which a source of this length cannot overflow.
+pub const TEMPLATE_SOURCE_LIMIT: usize = 1 << 20;
 /// The deepest nesting `tojson` writes, as serde_json reads: deeper (or a value that contains
 /// itself) is an error, not a stack overflow.
 pub const TOJSON_MAX_DEPTH: usize = 128;
@@ -233,11 +239,20 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_filter("join", join);
         env.add_filter("string", string);
-        env.add_template_owned(TEMPLATE_NAME, source)
-            .map_err(|e| TemplateError::Compile {
+        if source.len() > TEMPLATE_SOURCE_LIMIT {
+            return Err(TemplateError::Compile {
                 path,
-                message: e.to_string(),
-            })?;
+                message: format!(
+                    "its source is {} bytes; kiln compiles templates of up to {TEMPLATE_SOURCE_LIMIT}",
+                    source.len()
+                ),
+            });
+        }
+        let compiled = on_big_stack(|| env.add_template_owned(TEMPLATE_NAME, source))?;
+        compiled.map_err(|e| TemplateError::Compile {
+            path,
+            message: e.to_string(),
+        })?;
         Ok(ChatTemplate {
             env,
             bos_token,
@@ -266,18 +281,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &[(String, Json)],
     ) -> Result<String, TemplateError> {
-        std::thread::scope(|scope| {
-            let render = std::thread::Builder::new()
-                .name("chat-template".into())
-                .stack_size(RENDER_STACK_BYTES)
-                .spawn_scoped(scope, || {
-                    self.render_here(messages, add_generation_prompt, extra)
-                })
-                .map_err(TemplateError::Thread)?;
-            render
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-        })
+        on_big_stack(|| self.render_here(messages, add_generation_prompt, extra))?
     }
 
     /// [`ChatTemplate::render_with`] on the calling thread.
@@ -415,6 +419,21 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
         minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
             .with_source(RaisedException(message)),
     )
+}
+
+/// Runs `work` on a thread of its own with a [`RENDER_STACK_BYTES`] stack and waits for it (a
+/// panic in it goes on in the caller); an error only when the thread cannot start.
+fn on_big_stack<T: Send>(work: impl FnOnce() -> T + Send) -> Result<T, TemplateError> {
+    std::thread::scope(|scope| {
+        let thread = std::thread::Builder::new()
+            .name("chat-template".into())
+            .stack_size(RENDER_STACK_BYTES)
+            .spawn_scoped(scope, work)
+            .map_err(TemplateError::Thread)?;
+        Ok(thread
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+    })
 }
 
 fn render_error(err: minijinja::Error) -> TemplateError {
@@ -1441,6 +1460,34 @@ mod tests {
         ] {
             assert_eq!(py_float(x), repr);
         }
+    }
+
+    /// minijinja parses a run of unary operators by recursion, a level a byte: 20,000 minus
+    /// signs overflowed an 8 MiB stack and aborted the process. On the compile thread's stack a
+    /// source as long as the limit compiles (or fails with an error); one byte more is refused.
+    #[test]
+    fn unary_operator_runs_as_long_as_the_source_limit_do_not_abort() {
+        for op in ["-", "not "] {
+            let run = op.repeat((TEMPLATE_SOURCE_LIMIT - 8) / op.len());
+            let source = format!("{{{{ {run}1 }}}}");
+            assert!(source.len() <= TEMPLATE_SOURCE_LIMIT);
+            let template = ChatTemplate::from_source(&source, None, None);
+            if let Ok(template) = template {
+                // An even run of minus signs renders 1, an odd one -1; `not`s render a bool.
+                let out = template.render(&[], false).unwrap();
+                assert!(
+                    ["1", "-1", "True", "False"].contains(&out.as_str()),
+                    "{out}"
+                );
+            }
+        }
+        let over = "-".repeat(TEMPLATE_SOURCE_LIMIT + 1);
+        let err = ChatTemplate::from_source(&over, None, None).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("kiln compiles templates of up to 1048576"),
+            "{err}"
+        );
     }
 
     #[test]
