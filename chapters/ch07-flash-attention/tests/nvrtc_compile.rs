@@ -21,15 +21,51 @@ fn nvrtc_or_skip() -> bool {
     true
 }
 
+/// Assembles `ptx` for `arch` with the ptxas at `ptxas`, failing with its log if it refuses; the
+/// lines of its report that give each entry's registers and spills.
+fn assemble(ptxas: &std::path::Path, file: &str, arch: Arch, ptx: &str) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join(format!("{file}.ptx"));
+    std::fs::write(&source, ptx).unwrap();
+    let out = std::process::Command::new(ptxas)
+        .arg(format!("-arch={}", arch.name()))
+        .arg("-v")
+        .arg(&source)
+        .arg("-o")
+        .arg(dir.path().join("out.cubin"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", ptxas.display()));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "ptxas refused {file}'s PTX for {}:\n{log}",
+        arch.name()
+    );
+    log.lines()
+        .filter(|l| l.contains("Compiling entry") || l.contains("registers") || l.contains("spill"))
+        .map(|l| l.trim().trim_start_matches("ptxas info    : ").to_string())
+        .collect()
+}
+
+/// With `KILN_PTXAS` naming a ptxas (`fixtures/scripts/fetch_ptxas.sh`, as CI does), each PTX
+/// is also assembled for its architecture: NVRTC passes a kernel's inline `asm` (the
+/// tensor-core prefill's `mma.sync`, `ldmatrix`, `cp.async`, `cvt`, `ex2`) through unread, so a
+/// mistyped instruction or operand would otherwise show only when a GPU loads the module.
 #[test]
 fn every_kernel_compiles_for_every_architecture() {
     if !nvrtc_or_skip() {
         return;
     }
+    let ptxas = std::env::var_os("KILN_PTXAS").map(std::path::PathBuf::from);
     for kernel in KERNELS {
         for arch in Arch::ALL {
             let ptx = compile_kernel(kernel, arch).unwrap_or_else(|e| panic!("{e}"));
             let text = ptx.to_src();
+            if let Some(ptxas) = &ptxas {
+                for line in assemble(ptxas, kernel.file, arch, &text) {
+                    println!("  {line}");
+                }
+            }
             for function in kernel.functions {
                 assert!(
                     text.contains(&format!(".entry {function}(")),
