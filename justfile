@@ -182,8 +182,9 @@ gpu-bundle:
 tp-mpi:
     KILN_REQUIRE_MPI=1 cargo test --release --features mpi --test mpi -- --nocapture
 
-# Compile every kernels/*.cu through NVRTC and assemble it with ptxas (both from PyPI wheels), and run the attention kernels
-# on CPU threads against attention in f64 (kernels/emulation/), no GPU needed.
+# Compile every kernels/*.cu through NVRTC and assemble it with ptxas (both from PyPI wheels),
+# and run the attention kernels on CPU threads against attention in f64 (kernels/emulation/),
+# no GPU needed.
 kernels:
     LD_LIBRARY_PATH="$(bash fixtures/scripts/fetch_nvrtc.sh)" KILN_REQUIRE_NVRTC=1 KILN_PTXAS="$(bash fixtures/scripts/fetch_ptxas.sh)" cargo test -p ch07-flash-attention --features cuda --test nvrtc_compile -- --nocapture
     bash fixtures/scripts/emulate_kernels.sh

@@ -160,8 +160,9 @@ __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const
     int kv_head = head / (num_heads / num_kv_heads);
     int seq_rows = (int)(row_start[seq + 1] - row_start[seq]);
     // Tiles in reverse: a causal tile's work grows with its position, and the GPU starts blocks
-    // roughly in the order of blockIdx.x, so the longest tiles start first and the short ones
-    // fill in behind them, rather than the longest starting last and running alone at the end.
+    // roughly in the order of their index (x fastest, then heads, then sequences), so within each
+    // head and sequence the longest tile starts first, and the blocks started last, at the end
+    // of the grid, are short ones rather than the longest of the last head.
     int first = (gridDim.x - 1 - blockIdx.x) * block_rows;
     if (first >= seq_rows) return;
     int tile_rows = min(block_rows, seq_rows - first);

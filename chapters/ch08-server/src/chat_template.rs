@@ -31,7 +31,8 @@
 //! a result bounded by [`TEMPLATE_OUTPUT_LIMIT`] before it is built (and `str.format` fields at
 //! most [`FORMAT_MAX_WIDTH`] wide or precise). A render runs on a stack of
 //! [`RENDER_STACK_BYTES`], deep enough for minijinja's recursion through the most deeply nested
-//! list the fuel lets a template build.
+//! list the fuel lets a template build; compiling runs on such a stack too, for a source of at
+//! most [`TEMPLATE_SOURCE_LIMIT`] bytes.
 //!
 //! Fuel counts work and sizes: a unit per instruction, and a unit per 64 bytes or so of what a
 //! render writes, of the strings and lists it makes (their items count too), and of the text it
@@ -70,7 +71,7 @@ pub const TEMPLATE_FUEL: u64 = 5_000_000;
 /// `tojson` calls together may produce. Text averages about 4 bytes a token, so this is some 16
 /// million tokens, more than any model's context; a render that goes past it fails at once.
 pub const TEMPLATE_OUTPUT_LIMIT: usize = 64 << 20;
-/// The stack a render runs on. minijinja prints, compares, sorts and drops a nested list
+/// The stack a render (and a compile) runs on. minijinja prints, compares, sorts and drops a nested list
 /// recursively, a few hundred bytes of stack per level, and fuel allows lists nested some
 /// hundreds of thousands deep (`{% set ns.d = [ns.d] %}` in a loop): on a thread's usual 2 MiB
 /// that overflowed the stack, which aborts the process. Only the pages a render touches are
@@ -80,12 +81,16 @@ pub const RENDER_STACK_BYTES: usize = if cfg!(target_pointer_width = "64") {
 } else {
     64 << 20 // a 32-bit process has 4 GB of address space in all
 };
-/// The longest template source kiln compiles (1 MiB; real templates are a few KiB, the longest
-/// tens). minijinja parses a run of unary operators (`- - - 1`, `not not x`) by recursion with
-/// no depth limit of its own, a level a byte: 20,000 minus signs overflowed an 8 MiB stack,
-/// which aborts the process. So a template compiles on a thread with a [`RENDER_STACK_BYTES`]
-/// stack, which a source of this length cannot overflow.
-pub const TEMPLATE_SOURCE_LIMIT: usize = 1 << 20;
+/// The longest template source kiln compiles (64 KiB; real templates are a few KiB, the longest
+/// some 16). minijinja parses a run of unary operators (`---1`, `not not x`) by recursion with
+/// no depth limit of its own, a level for every one to four bytes, and compiles a chain of
+/// operators (`x-1-1-1`) by recursion too: 20,000 minus signs overflowed an 8 MiB stack, which
+/// aborts the process. So a template compiles on a thread with a [`RENDER_STACK_BYTES`] stack,
+/// which a source of this length cannot overflow. The compiler's work on such a run or chain
+/// ending in a variable grows with the square of its depth, and this limit bounds it, but not
+/// to little: a 64 KiB run of minus signs before a variable compiled in 103 s, a chain
+/// `x-1-1-1...` as long in 10 s (a model file that does this only slows its own start).
+pub const TEMPLATE_SOURCE_LIMIT: usize = 64 << 10;
 /// The deepest nesting `tojson` writes, as serde_json reads: deeper (or a value that contains
 /// itself) is an error, not a stack overflow.
 pub const TOJSON_MAX_DEPTH: usize = 128;
@@ -220,6 +225,15 @@ impl ChatTemplate {
         eos_token: Option<String>,
         path: Option<PathBuf>,
     ) -> Result<Self, TemplateError> {
+        if source.len() > TEMPLATE_SOURCE_LIMIT {
+            return Err(TemplateError::Compile {
+                path,
+                message: format!(
+                    "its source is {} bytes; kiln compiles templates of up to {TEMPLATE_SOURCE_LIMIT}",
+                    source.len()
+                ),
+            });
+        }
         let mut env = Environment::new();
         // A template comes with the model file: a bound on its work per render, so that
         // nested loops in one cannot spin every chat request for minutes. Real templates take
@@ -239,15 +253,6 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_filter("join", join);
         env.add_filter("string", string);
-        if source.len() > TEMPLATE_SOURCE_LIMIT {
-            return Err(TemplateError::Compile {
-                path,
-                message: format!(
-                    "its source is {} bytes; kiln compiles templates of up to {TEMPLATE_SOURCE_LIMIT}",
-                    source.len()
-                ),
-            });
-        }
         let compiled = on_big_stack(|| env.add_template_owned(TEMPLATE_NAME, source))?;
         compiled.map_err(|e| TemplateError::Compile {
             path,
@@ -1462,30 +1467,39 @@ mod tests {
         }
     }
 
-    /// minijinja parses a run of unary operators by recursion, a level a byte: 20,000 minus
-    /// signs overflowed an 8 MiB stack and aborted the process. On the compile thread's stack a
-    /// source as long as the limit compiles (or fails with an error); one byte more is refused.
+    /// minijinja parses a run of unary operators by recursion: 20,000 minus signs overflowed an
+    /// 8 MiB stack and aborted the process. On the compile thread's stack, runs and chains as
+    /// long as the source limit allows compile (or fail with an error), ending in a constant
+    /// (folded as it goes) or in a variable (the compiler's work then grows with the square of
+    /// the depth: 10 s for this chain); one byte more is refused.
     #[test]
-    fn unary_operator_runs_as_long_as_the_source_limit_do_not_abort() {
-        for op in ["-", "not "] {
-            let run = op.repeat((TEMPLATE_SOURCE_LIMIT - 8) / op.len());
-            let source = format!("{{{{ {run}1 }}}}");
+    fn operator_runs_as_long_as_the_source_limit_do_not_abort() {
+        let fits = |unit: &str, end: &str| {
+            let run = unit.repeat((TEMPLATE_SOURCE_LIMIT - 16) / unit.len());
+            format!("{{{{ {run}{end} }}}}")
+        };
+        let chain = "-1".repeat((TEMPLATE_SOURCE_LIMIT - 16) / 2);
+        let extra = [("n".to_string(), serde_json::json!(1))];
+        // (A run of minus signs that long ending in a variable compiles too, in 103 s: left out.)
+        for source in [
+            fits("-", "1"),
+            fits("not ", "1"),
+            format!("{{{{ n{chain} }}}}"),
+        ] {
             assert!(source.len() <= TEMPLATE_SOURCE_LIMIT);
-            let template = ChatTemplate::from_source(&source, None, None);
-            if let Ok(template) = template {
-                // An even run of minus signs renders 1, an odd one -1; `not`s render a bool.
-                let out = template.render(&[], false).unwrap();
-                assert!(
-                    ["1", "-1", "True", "False"].contains(&out.as_str()),
-                    "{out}"
-                );
+            if let Ok(template) = ChatTemplate::from_source(&source, None, None)
+                && let Ok(out) = template.render_with(&[], false, &extra)
+            {
+                // Minus signs render an integer, `not`s a bool.
+                let printed = out.parse::<i64>().is_ok() || ["True", "False"].contains(&&*out);
+                assert!(printed, "{out}");
             }
         }
         let over = "-".repeat(TEMPLATE_SOURCE_LIMIT + 1);
         let err = ChatTemplate::from_source(&over, None, None).unwrap_err();
         assert!(
             err.to_string()
-                .contains("kiln compiles templates of up to 1048576"),
+                .contains("kiln compiles templates of up to 65536"),
             "{err}"
         );
     }

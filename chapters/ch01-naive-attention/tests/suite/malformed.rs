@@ -710,7 +710,7 @@ fn added_tokens_beyond_the_limits_are_rejected_before_the_crate_builds_its_match
             json["added_tokens"].as_array_mut().unwrap().extend(added);
         })
     };
-    // One token of 100,000 `a`s kept the tokenizers crate building its matcher for minutes.
+    // One token of 100,000 `a`s kept the tokenizers crate building its matcher past a minute.
     let started = std::time::Instant::now();
     let (_tmp, long) = with_added(vec![token(5000, "a".repeat(100_000))]);
     let err = long.err().expect("a 100,000-byte added token").to_string();
