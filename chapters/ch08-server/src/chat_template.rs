@@ -32,7 +32,8 @@
 //! most [`FORMAT_MAX_WIDTH`] wide or precise). A render runs on a stack of
 //! [`RENDER_STACK_BYTES`], deep enough for minijinja's recursion through the most deeply nested
 //! list the fuel lets a template build; compiling runs on such a stack too, for a source of at
-//! most [`TEMPLATE_SOURCE_LIMIT`] bytes.
+//! most [`TEMPLATE_SOURCE_LIMIT`] bytes whose tags hold at most [`TEMPLATE_TAG_LIMIT`] each
+//! (`crate::template_size` says why).
 //!
 //! Fuel counts work and sizes: a unit per instruction, and a unit per 64 bytes or so of what a
 //! render writes, of the strings and lists it makes (their items count too), and of the text it
@@ -81,16 +82,7 @@ pub const RENDER_STACK_BYTES: usize = if cfg!(target_pointer_width = "64") {
 } else {
     64 << 20 // a 32-bit process has 4 GB of address space in all
 };
-/// The longest template source kiln compiles (64 KiB; real templates are a few KiB, the longest
-/// some 16). minijinja parses a run of unary operators (`---1`, `not not x`) by recursion with
-/// no depth limit of its own, a level for every one to four bytes, and compiles a chain of
-/// operators (`x-1-1-1`) by recursion too: 20,000 minus signs overflowed an 8 MiB stack, which
-/// aborts the process. So a template compiles on a thread with a [`RENDER_STACK_BYTES`] stack,
-/// which a source of this length cannot overflow. The compiler's work on such a run or chain
-/// ending in a variable grows with the square of its depth, and this limit bounds it, but not
-/// to little: a 64 KiB run of minus signs before a variable compiled in 103 s, a chain
-/// `x-1-1-1...` as long in 10 s (a model file that does this only slows its own start).
-pub const TEMPLATE_SOURCE_LIMIT: usize = 64 << 10;
+pub use crate::template_size::{TEMPLATE_SOURCE_LIMIT, TEMPLATE_TAG_LIMIT};
 /// The deepest nesting `tojson` writes, as serde_json reads: deeper (or a value that contains
 /// itself) is an error, not a stack overflow.
 pub const TOJSON_MAX_DEPTH: usize = 128;
@@ -225,14 +217,8 @@ impl ChatTemplate {
         eos_token: Option<String>,
         path: Option<PathBuf>,
     ) -> Result<Self, TemplateError> {
-        if source.len() > TEMPLATE_SOURCE_LIMIT {
-            return Err(TemplateError::Compile {
-                path,
-                message: format!(
-                    "its source is {} bytes; kiln compiles templates of up to {TEMPLATE_SOURCE_LIMIT}",
-                    source.len()
-                ),
-            });
+        if let Err(message) = crate::template_size::check(&source) {
+            return Err(TemplateError::Compile { path, message });
         }
         let mut env = Environment::new();
         // A template comes with the model file: a bound on its work per render, so that
@@ -1467,39 +1453,34 @@ mod tests {
         }
     }
 
-    /// minijinja parses a run of unary operators by recursion: 20,000 minus signs overflowed an
-    /// 8 MiB stack and aborted the process. On the compile thread's stack, runs and chains as
-    /// long as the source limit allows compile (or fail with an error), ending in a constant
-    /// (folded as it goes) or in a variable (the compiler's work then grows with the square of
-    /// the depth: 10 s for this chain); one byte more is refused.
+    /// minijinja parses a run of unary operators by recursion, and compiles a chain of operators
+    /// in work that grows with the square of its depth (`crate::template_size`): runs and
+    /// chains as long as a tag may hold compile and render, ending in a constant or in a
+    /// variable; a tag one byte longer is refused.
     #[test]
-    fn operator_runs_as_long_as_the_source_limit_do_not_abort() {
+    fn operator_runs_as_long_as_a_tag_may_hold_compile() {
+        let tag = |body: String| format!("{{{{{body}}}}}");
         let fits = |unit: &str, end: &str| {
-            let run = unit.repeat((TEMPLATE_SOURCE_LIMIT - 16) / unit.len());
-            format!("{{{{ {run}{end} }}}}")
+            let run = unit.repeat((TEMPLATE_TAG_LIMIT - end.len()) / unit.len());
+            tag(format!("{run}{end}"))
         };
-        let chain = "-1".repeat((TEMPLATE_SOURCE_LIMIT - 16) / 2);
         let extra = [("n".to_string(), serde_json::json!(1))];
-        // (A run of minus signs that long ending in a variable compiles too, in 103 s: left out.)
         for source in [
             fits("-", "1"),
-            fits("not ", "1"),
-            format!("{{{{ n{chain} }}}}"),
+            fits("-", "n"),
+            fits("not ", "n"),
+            tag(format!("n{}", "-1".repeat((TEMPLATE_TAG_LIMIT - 1) / 2))),
         ] {
-            assert!(source.len() <= TEMPLATE_SOURCE_LIMIT);
-            if let Ok(template) = ChatTemplate::from_source(&source, None, None)
-                && let Ok(out) = template.render_with(&[], false, &extra)
-            {
-                // Minus signs render an integer, `not`s a bool.
-                let printed = out.parse::<i64>().is_ok() || ["True", "False"].contains(&&*out);
-                assert!(printed, "{out}");
-            }
+            let template = ChatTemplate::from_source(&source, None, None).unwrap();
+            let out = template.render_with(&[], false, &extra).unwrap();
+            // Minus signs render an integer, `not`s a bool.
+            let printed = out.parse::<i64>().is_ok() || ["True", "False"].contains(&&*out);
+            assert!(printed, "{out}");
         }
-        let over = "-".repeat(TEMPLATE_SOURCE_LIMIT + 1);
+        let over = tag("-".repeat(TEMPLATE_TAG_LIMIT) + "n");
         let err = ChatTemplate::from_source(&over, None, None).unwrap_err();
         assert!(
-            err.to_string()
-                .contains("kiln compiles templates of up to 65536"),
+            err.to_string().contains("kiln compiles tags of up to 2048"),
             "{err}"
         );
     }

@@ -51,6 +51,7 @@ pub mod routes;
 pub mod server;
 pub mod state;
 pub mod structured;
+pub mod template_size;
 pub mod tools;
 
 pub use connections::ConnectionLimits;
