@@ -149,21 +149,26 @@ __device__ __forceinline__ void stage_tile(int buf, int key0, int kv_len, const 
 
 // q, out: [rows, num_heads · D] f32; k_cache, v_cache: [slots, num_kv_heads · D] bf16; the other
 // arrays as flash_prefill.cu. Grid: (ceil(max rows of a sequence / tc_rows<MF>()), num_heads,
-// num_seqs); block: 32 · TC_WARPS.
+// num_seqs), as the CUDA-core kernel's, its blocks taken in another order (below); block:
+// 32 · TC_WARPS.
 template <int D, int MF>
 __device__ void flash_prefill_tc(const float* q, const bf16_bits* k_cache, const bf16_bits* v_cache,
                                  float* out, const u32* row_start, const u32* start_pos,
                                  const u32* block_tables, int max_blocks, int block_size,
                                  int num_heads, int num_kv_heads, float scale) {
     constexpr int block_rows = tc_rows<MF>();
-    int seq = blockIdx.z, head = blockIdx.y;
+    // Which tile of which head and sequence this block takes: the grid's blocks in order of their
+    // index (x fastest, then y, then z, the order a GPU roughly starts them in) take the last
+    // query tile of every head and sequence, then the one before it, and so on. A causal tile's
+    // work grows with its position, so the longest tiles start first and the short ones fill in
+    // behind them; the blocks started last are short ones.
+    long pairs = (long)gridDim.y * gridDim.z;  // (head, sequence) pairs
+    long index = blockIdx.x + (long)gridDim.x * (blockIdx.y + (long)gridDim.y * blockIdx.z);
+    int tile = (int)(gridDim.x - 1 - index / pairs);
+    int head = (int)(index % pairs % gridDim.y), seq = (int)(index % pairs / gridDim.y);
     int kv_head = head / (num_heads / num_kv_heads);
     int seq_rows = (int)(row_start[seq + 1] - row_start[seq]);
-    // Tiles in reverse: a causal tile's work grows with its position, and the GPU starts blocks
-    // roughly in the order of their index (x fastest, then heads, then sequences), so within each
-    // head and sequence the longest tile starts first, and the blocks started last, at the end
-    // of the grid, are short ones rather than the longest of the last head.
-    int first = (gridDim.x - 1 - blockIdx.x) * block_rows;
+    int first = tile * block_rows;
     if (first >= seq_rows) return;
     int tile_rows = min(block_rows, seq_rows - first);
     long row0 = (long)row_start[seq] + first;
