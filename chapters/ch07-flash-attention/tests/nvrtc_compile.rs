@@ -47,7 +47,7 @@ fn assemble(ptxas: &std::path::Path, file: &str, arch: Arch, ptx: &str) -> Vec<S
         .collect()
 }
 
-/// With `KILN_PTXAS` naming a ptxas (`fixtures/scripts/fetch_ptxas.sh`, as CI does), each PTX
+/// With `KILN_PTXAS` naming a ptxas (`fixtures/scripts/fetch_nvrtc.sh --ptxas`, as CI does), each PTX
 /// is also assembled for its architecture: NVRTC passes a kernel's inline `asm` (the
 /// tensor-core prefill's `mma.sync`, `ldmatrix`, `cp.async`, `cvt`, `ex2`) through unread, so a
 /// mistyped instruction or operand would otherwise show only when a GPU loads the module.
