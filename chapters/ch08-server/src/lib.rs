@@ -45,6 +45,7 @@ pub mod engine_thread;
 pub mod error;
 pub mod metrics;
 pub mod params;
+pub mod prompt_pieces;
 pub mod protocol;
 pub mod rate_limit;
 pub mod routes;

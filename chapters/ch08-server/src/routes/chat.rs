@@ -15,6 +15,7 @@ use crate::chat_template::{ChatMessage, TemplateError};
 use crate::driver::{Delta, TokenInfo};
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
+use crate::prompt_pieces;
 use crate::protocol::{
     ChatChoice, ChatLogprobs, ChatRequest, ChatResponse, ChatTokenLogprob, FunctionCall,
     ResponseMessage, ToolCall, Usage,
@@ -240,6 +241,9 @@ async fn render_and_tokenize(
             }
             if !truncating {
                 params::fits_by_bytes(text.len(), max_tokens, "messages", &shared.limits)?;
+                let room =
+                    prompt_pieces::room(max_tokens.map(|(m, _)| m), shared.limits.max_model_len);
+                prompt_pieces::fits_by_pieces(&shared.tokenizer, &text, room, "messages")?;
             }
             // The template writes the special tokens (BOS) itself, unless asked.
             shared

@@ -11,6 +11,7 @@ use super::{
 use crate::driver::Delta;
 use crate::error::ApiError;
 use crate::params;
+use crate::prompt_pieces;
 use crate::protocol::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt,
     TopLogprobs, Usage,
@@ -136,6 +137,12 @@ async fn tokenize(
     let shared = Arc::clone(state);
     state
         .off_runtime(move || {
+            if let Some(max_tokens) = bound {
+                let room = prompt_pieces::room(Some(max_tokens), shared.limits.max_model_len);
+                for text in &texts {
+                    prompt_pieces::fits_by_pieces(&shared.tokenizer, text, room, "prompt")?;
+                }
+            }
             let prompts = texts
                 .iter()
                 .map(|text| shared.tokenizer.encode(text, add_special_tokens))

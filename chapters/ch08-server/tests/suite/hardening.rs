@@ -221,6 +221,59 @@ async fn a_chat_prompt_too_long_for_the_context_names_messages() {
     server.stop().await;
 }
 
+/// A tokenizer with one token of 300 bytes lets the byte bound through 512 × 1,200 bytes of
+/// text; a prompt within that but far past the context is refused by counting it in pieces
+/// (`prompt_pieces`), before the whole of it is tokenized, with an error that names the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_within_the_byte_bound_but_past_the_context_is_refused_by_its_pieces() {
+    let path = ch01::default_model_dir().join("tokenizer.json");
+    let mut saved: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let merge = saved["model"]["merges"]
+        .as_array_mut()
+        .unwrap()
+        .pop()
+        .unwrap();
+    let merged: String = match &merge {
+        Value::String(m) => m.split(' ').collect(),
+        m => m
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap())
+            .collect(),
+    };
+    let vocab = saved["model"]["vocab"].as_object_mut().unwrap();
+    let id = vocab.remove(&merged).unwrap();
+    vocab.insert("~".repeat(300), id);
+    let inner = tokenizers::Tokenizer::from_bytes(saved.to_string().as_bytes()).unwrap();
+    let (bos, eos) = (
+        loaded().tokenizer.bos_token_id(),
+        loaded().tokenizer.eos_token_id(),
+    );
+    let tokenizer = Arc::new(ch01::Tokenizer::from_parts(inner, path, bos, eos));
+    assert_eq!(max_token_bytes(&tokenizer), 1200);
+    let server = start(Setup {
+        tokenizer: Some(tokenizer),
+        ..Setup::default()
+    })
+    .await;
+    let long = "ROMEO. ".repeat(40_000); // 280 KB: under 512 × 1,200 bytes
+    let completion = json!({"model": MODEL, "prompt": long, "max_tokens": 2});
+    let chat = json!({"model": MODEL, "max_tokens": 2,
+                      "messages": [{"role": "user", "content": long}]});
+    for (route, body, param) in [
+        ("/v1/completions", &completion, "prompt"),
+        ("/v1/chat/completions", &chat, "messages"),
+    ] {
+        let response = server.post(route).json(body).send().await.unwrap();
+        let e = expect_error(response, StatusCode::BAD_REQUEST).await;
+        assert_eq!(e["param"], param, "{e}");
+        let message = e["message"].as_str().unwrap();
+        assert!(message.contains("leaves 510 tokens"), "{e}");
+    }
+    server.stop().await;
+}
+
 /// `truncate_prompt_tokens` keeps a prompt's last tokens, so a text far longer than the
 /// context is served when it asks for truncation: the byte bound, which refuses such a text
 /// before tokenizing it, does not apply (the body limit still bounds the work).
