@@ -226,9 +226,13 @@ async fn bad_constraints_and_parameters_are_400s_naming_their_field() {
         ),
         (json!({"guided_regex": "a".repeat(70_000)}), "guided_regex"),
         (json!({"guided_choice": []}), "guided_choice"),
-        // 5 prompts × n = 16: more constrained choices than one request may run.
+        // 5 prompts × n = 16, and 2 × 9: more constrained choices than one request may run.
         (
             json!({"guided_regex": "a", "n": 16, "prompt": vec![PROMPT; 5]}),
+            "n",
+        ),
+        (
+            json!({"guided_regex": "a", "n": 9, "prompt": vec![PROMPT; 2]}),
             "n",
         ),
         (
