@@ -179,10 +179,10 @@ async fn render_and_tokenize(
     max_tokens: Option<(u32, &'static str)>,
     mode: &ToolMode,
 ) -> Result<Vec<u32>, ApiError> {
-    let truncating = request
-        .sampling
-        .truncate_prompt_tokens
-        .is_some_and(|k| k >= 1);
+    let keep = (request.sampling.truncate_prompt_tokens)
+        .filter(|&k| k >= 1)
+        .map(|k| k as usize);
+    let truncating = keep.is_some();
     let bytes = messages.iter().map(|m| m.content.len()).sum();
     if !truncating {
         params::fits_by_bytes(bytes, max_tokens, "messages", &state.limits)?;
@@ -245,11 +245,15 @@ async fn render_and_tokenize(
                     prompt_pieces::room(max_tokens.map(|(m, _)| m), shared.limits.max_model_len);
                 prompt_pieces::fits_by_pieces(&shared.tokenizer, &text, room, "messages")?;
             }
-            // The template writes the special tokens (BOS) itself, unless asked.
-            shared
-                .tokenizer
-                .encode(&text, add_special_tokens)
-                .map_err(|e| ApiError::bad_param("messages", format!("cannot tokenize: {e}")))
+            // The template writes the special tokens (BOS) itself, unless asked. A prompt to be
+            // truncated is tokenized from its end, as far back as its kept tokens need.
+            match keep {
+                Some(k) => {
+                    prompt_pieces::last_tokens(&shared.tokenizer, &text, k, add_special_tokens)
+                }
+                None => shared.tokenizer.encode(&text, add_special_tokens),
+            }
+            .map_err(|e| ApiError::bad_param("messages", format!("cannot tokenize: {e}")))
         })
         .await?
 }

@@ -52,14 +52,13 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     let special = request.add_special_tokens.unwrap_or(true);
     // A prompt to be truncated may be longer than the context: no byte bound applies.
-    let truncating = request
-        .sampling
-        .truncate_prompt_tokens
-        .is_some_and(|k| k >= 1);
-    let bound = (!truncating).then_some(max_tokens);
+    let length = match request.sampling.truncate_prompt_tokens {
+        Some(k) if k >= 1 => Length::Keep(k as usize),
+        _ => Length::Fit(max_tokens),
+    };
     let (prompts, texts) = match request.prompt {
-        Prompt::Text(text) => tokenize(&state, vec![text], bound, special).await?,
-        Prompt::Texts(texts) => tokenize(&state, texts, bound, special).await?,
+        Prompt::Text(text) => tokenize(&state, vec![text], length, special).await?,
+        Prompt::Texts(texts) => tokenize(&state, texts, length, special).await?,
         Prompt::Tokens(tokens) => (vec![tokens], None),
         Prompt::TokenLists(lists) => {
             params::check_prompt_count(lists.len(), &state.limits)?;
@@ -116,19 +115,29 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
     .await
 }
 
+/// How long a text prompt may be.
+#[derive(Clone, Copy)]
+enum Length {
+    /// It must fit the context with this many tokens (`max_tokens`) after it.
+    Fit(u32),
+    /// Its last this many tokens are kept (`truncate_prompt_tokens`): any length.
+    Keep(usize),
+}
+
 // ANCHOR: tokenize
 /// Tokenizes text prompts off the async runtime (see [`AppState::off_runtime`]), after
-/// refusing, by their bytes alone, a list that is too long and, given `bound` (the request's
-/// `max_tokens`, `None` for a prompt to be truncated), a text that cannot fit the context with
-/// it. Returns the prompts' ids and their texts (for echo).
+/// refusing a list that is too long and, unless its last tokens are to be kept, a text that
+/// cannot fit the context: by its bytes alone, then, for a long one, by counting it in pieces
+/// (`prompt_pieces`). A prompt to be truncated is tokenized from its end, as far back as its
+/// kept tokens need. Returns the prompts' ids and their texts (for echo).
 async fn tokenize(
     state: &Arc<AppState>,
     texts: Vec<String>,
-    bound: Option<u32>,
+    length: Length,
     add_special_tokens: bool,
 ) -> Result<(Vec<Vec<u32>>, Option<Vec<String>>), ApiError> {
     params::check_prompt_count(texts.len(), &state.limits)?;
-    if let Some(max_tokens) = bound {
+    if let Length::Fit(max_tokens) = length {
         for text in &texts {
             let max_tokens = Some((max_tokens, "max_tokens"));
             params::fits_by_bytes(text.len(), max_tokens, "prompt", &state.limits)?;
@@ -137,15 +146,21 @@ async fn tokenize(
     let shared = Arc::clone(state);
     state
         .off_runtime(move || {
-            if let Some(max_tokens) = bound {
+            let tokenizer = &shared.tokenizer;
+            if let Length::Fit(max_tokens) = length {
                 let room = prompt_pieces::room(Some(max_tokens), shared.limits.max_model_len);
                 for text in &texts {
-                    prompt_pieces::fits_by_pieces(&shared.tokenizer, text, room, "prompt")?;
+                    prompt_pieces::fits_by_pieces(tokenizer, text, room, "prompt")?;
                 }
             }
             let prompts = texts
                 .iter()
-                .map(|text| shared.tokenizer.encode(text, add_special_tokens))
+                .map(|text| match length {
+                    Length::Fit(_) => tokenizer.encode(text, add_special_tokens),
+                    Length::Keep(k) => {
+                        prompt_pieces::last_tokens(tokenizer, text, k, add_special_tokens)
+                    }
+                })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| ApiError::bad_param("prompt", format!("cannot tokenize: {e}")))?;
             Ok((prompts, Some(texts)))
