@@ -24,12 +24,6 @@ pub const PIECE_BYTES: usize = 64 << 10;
 /// are cut at whitespace where they can be, and 16 a seam leaves room.
 pub const SEAM_TOKENS: usize = 16;
 
-/// The tokens a prompt may hold: the context, less `max_tokens` (at least one), as
-/// [`crate::params::fits_by_bytes`] counts it.
-pub fn room(max_tokens: Option<u32>, max_model_len: usize) -> usize {
-    max_model_len.saturating_sub(max_tokens.map_or(1, |m| m.max(1) as usize))
-}
-
 /// Where to cut `text` at or after byte `at`: where a run of whitespace begins after something
 /// else, within 4 KiB (where pre-tokenizers split a text into words, so that each side's words
 /// are the whole text's), else at the first character boundary (the text's length if `at` is
@@ -65,11 +59,12 @@ fn pieces(text: &str) -> impl Iterator<Item = &str> {
 /// those of a suffix of it, from a [`seam`] [`PIECE_BYTES`] before its end, then twice as far,
 /// and so on, until the suffix makes `keep` tokens and [`SEAM_TOKENS`] more, or is the whole
 /// text. Cut where a run of whitespace begins, a suffix's tokens are the whole text's past its
-/// first (a BOS the tokenizer adds goes before them), so the last `keep` are the whole text's
-/// last `keep`. Only where no run begins within 4 KiB of the cut (a run of one character that
-/// long) is the suffix cut inside a word, and then that word's tokens may differ from the whole
-/// text's: 300,000 spaces, one word to a byte-level tokenizer, are cut into tokens of 81 spaces
-/// from a different start.
+/// first word (a BOS the tokenizer adds goes before them), so the last `keep` are the whole
+/// text's last `keep`. Where no run begins within 4 KiB of the cut (CJK prose, base64, a run of
+/// one character), the suffix is cut inside a word, whose tokens may differ from the whole
+/// text's; they fall among the [`SEAM_TOKENS`] extra unless the word runs on for more tokens
+/// than that: 300,000 spaces, one word to a byte-level tokenizer, are cut into tokens of 81
+/// spaces from a different start.
 pub fn last_tokens(
     tokenizer: &ch01::Tokenizer,
     text: &str,
@@ -90,35 +85,39 @@ pub fn last_tokens(
     }
 }
 
-/// Refuses `text` (the request's `param`) when, counted in pieces, it already comes to more than
-/// `room` tokens with [`SEAM_TOKENS`] allowed for each seam: a text of `n` tokens whose pieces
-/// make `m` is refused only if `m - SEAM_TOKENS · seams > room`, so one that fits is never
-/// refused while no seam adds more than that. Texts of at most [`PIECE_BYTES`] are left to the
-/// tokenizer (they cost little).
+/// Refuses `text` (the request's `param`) when, counted in pieces, it already comes to more
+/// tokens than the context leaves it beside the completion's `max_tokens` (at least one, as
+/// [`crate::params::fits_by_bytes`] counts it), with [`SEAM_TOKENS`] allowed for each seam: a
+/// text whose pieces make `m` tokens is refused only if `m - SEAM_TOKENS · seams` is more than
+/// that, so one that fits is not refused while no seam adds more. Texts of at most
+/// [`PIECE_BYTES`] are left to the tokenizer (they cost little).
 pub fn fits_by_pieces(
     tokenizer: &ch01::Tokenizer,
     text: &str,
-    room: usize,
+    max_tokens: Option<u32>,
+    max_model_len: usize,
     param: &str,
 ) -> Result<(), ApiError> {
     if text.len() <= PIECE_BYTES {
         return Ok(());
     }
-    let mut count = 0usize;
+    let completion = max_tokens.map_or(1, |m| m.max(1) as usize);
+    let room = max_model_len.saturating_sub(completion);
+    let (mut count, mut counted_bytes) = (0usize, 0usize);
     for (seams, piece) in pieces(text).enumerate() {
         let tokens = (tokenizer.encode(piece, false))
             .map_err(|e| ApiError::bad_param(param, format!("cannot tokenize: {e}")))?;
         count += tokens.len();
+        counted_bytes += piece.len();
         let at_least = count.saturating_sub(SEAM_TOKENS * seams);
         if at_least > room {
             return Err(ApiError::bad_param(
                 param,
                 format!(
-                    "This model's context leaves {room} tokens for the {param}. However, the \
-                     first {} bytes of it are already at least {at_least} tokens. Please reduce \
-                     the length of the {param}.",
-                    text.len()
-                        .min(pieces(text).take(seams + 1).map(str::len).sum())
+                    "This model's maximum context length is {max_model_len} tokens. However, the \
+                     first {counted_bytes} bytes of your {param} are already at least {at_least} \
+                     tokens, and the completion needs {completion}. Please reduce the length of \
+                     the {param}."
                 ),
             ));
         }
@@ -196,7 +195,7 @@ mod tests {
                 counted.saturating_sub(SEAM_TOKENS * seams) <= whole,
                 "{counted} {whole}"
             );
-            assert!(fits_by_pieces(&tokenizer, &text, whole, "prompt").is_ok());
+            assert!(fits_by_pieces(&tokenizer, &text, Some(1), whole + 1, "prompt").is_ok());
         }
     }
 
@@ -226,13 +225,16 @@ mod tests {
     fn a_text_far_too_long_is_refused_after_its_first_pieces() {
         let tokenizer = tokenizer();
         let digits = "7".repeat(5_000_000);
-        let err = fits_by_pieces(&tokenizer, &digits, 8192, "prompt").unwrap_err();
+        let err = fits_by_pieces(&tokenizer, &digits, Some(16), 8192, "prompt").unwrap_err();
         let message = format!("{err:?}");
-        assert!(message.contains("leaves 8192 tokens"), "{message}");
+        assert!(
+            message.contains("maximum context length is 8192 tokens"),
+            "{message}"
+        );
         // Refused on the strength of its first pieces, not all 77 of them.
         let first = message.split("the first ").nth(1).unwrap();
         let bytes: usize = first.split(' ').next().unwrap().parse().unwrap();
         assert!(bytes <= 4 * PIECE_BYTES, "{message}");
-        assert!(fits_by_pieces(&tokenizer, &digits[..1000], 10, "prompt").is_ok());
+        assert!(fits_by_pieces(&tokenizer, &digits[..1000], None, 10, "prompt").is_ok());
     }
 }

@@ -82,10 +82,42 @@ fn longest_tag(source: &[u8]) -> (usize, usize) {
             .collect();
         i = j + 2;
         if close == b"%}" && word == b"raw" {
-            i = find(source, i, b"endraw").unwrap_or(source.len());
+            i = end_of_raw(source, i);
         }
     }
     (longest, longest_at)
+}
+
+/// Where the text of a `{% raw %}` block that starts at `from` ends: just past the first
+/// `{% endraw %}` tag (`{%`, an optional `-` or `+`, whitespace, `endraw`, whitespace, an
+/// optional `-` or `+`, `%}`, as minijinja's lexer reads it), or the source's end. A bare
+/// `endraw` in the raw text does not end it.
+fn end_of_raw(source: &[u8], from: usize) -> usize {
+    let mut at = from;
+    while let Some(open) = find(source, at, b"{%") {
+        let mut j = open + 2;
+        let skip_ws = |mut j: usize| {
+            while source.get(j).is_some_and(u8::is_ascii_whitespace) {
+                j += 1;
+            }
+            j
+        };
+        if matches!(source.get(j), Some(b'-' | b'+')) {
+            j += 1;
+        }
+        j = skip_ws(j);
+        if source[j..].starts_with(b"endraw") {
+            j = skip_ws(j + b"endraw".len());
+            if matches!(source.get(j), Some(b'-' | b'+')) {
+                j += 1;
+            }
+            if source[j..].starts_with(b"%}") {
+                return j + 2;
+            }
+        }
+        at = open + 2;
+    }
+    source.len()
 }
 
 /// The first `needle` in `haystack` at or after `from`.
@@ -114,6 +146,19 @@ mod tests {
             "-".repeat(10)
         );
         assert_eq!(longest_tag(dict.as_bytes()).0, 30, "{dict:.60}");
+    }
+
+    /// A raw block ends at an `{% endraw %}` tag, not at the word: a deep tag after the word
+    /// `endraw` inside raw text, hidden from a scanner that stopped there, is measured.
+    #[test]
+    fn a_raw_block_ends_only_at_its_endraw_tag() {
+        let deep = "-".repeat(TEMPLATE_TAG_LIMIT + 10);
+        for raw_end in ["{% endraw %}", "{%- endraw -%}", "{%+endraw+%}"] {
+            let source = format!("{{% raw %}}endraw{{#{raw_end}{{{{ {deep}n }}}}#}}");
+            assert!(check(&source).is_err(), "{source:.60}");
+        }
+        let unclosed = format!("{{% raw %}}{{{{ {deep}n }}}}");
+        assert!(check(&unclosed).is_ok(), "all raw text");
     }
 
     #[test]

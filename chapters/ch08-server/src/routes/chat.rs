@@ -179,9 +179,11 @@ async fn render_and_tokenize(
     max_tokens: Option<(u32, &'static str)>,
     mode: &ToolMode,
 ) -> Result<Vec<u32>, ApiError> {
+    // A prompt of more than max_model_len tokens is refused whatever it keeps, so tokenizing
+    // more of one than that from its end would only cost time.
     let keep = (request.sampling.truncate_prompt_tokens)
         .filter(|&k| k >= 1)
-        .map(|k| k as usize);
+        .map(|k| (k as usize).min(state.limits.max_model_len));
     let truncating = keep.is_some();
     let bytes = messages.iter().map(|m| m.content.len()).sum();
     if !truncating {
@@ -241,9 +243,14 @@ async fn render_and_tokenize(
             }
             if !truncating {
                 params::fits_by_bytes(text.len(), max_tokens, "messages", &shared.limits)?;
-                let room =
-                    prompt_pieces::room(max_tokens.map(|(m, _)| m), shared.limits.max_model_len);
-                prompt_pieces::fits_by_pieces(&shared.tokenizer, &text, room, "messages")?;
+                let (max_tokens, len) = (max_tokens.map(|(m, _)| m), shared.limits.max_model_len);
+                prompt_pieces::fits_by_pieces(
+                    &shared.tokenizer,
+                    &text,
+                    max_tokens,
+                    len,
+                    "messages",
+                )?;
             }
             // The template writes the special tokens (BOS) itself, unless asked. A prompt to be
             // truncated is tokenized from its end, as far back as its kept tokens need.

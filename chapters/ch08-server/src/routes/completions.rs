@@ -52,8 +52,10 @@ async fn handle(state: Arc<AppState>, request: Request) -> Result<Response, ApiE
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     let special = request.add_special_tokens.unwrap_or(true);
     // A prompt to be truncated may be longer than the context: no byte bound applies.
+    // A prompt of more than max_model_len tokens is refused whatever it keeps, so tokenizing
+    // more of one than that from its end would only cost time.
     let length = match request.sampling.truncate_prompt_tokens {
-        Some(k) if k >= 1 => Length::Keep(k as usize),
+        Some(k) if k >= 1 => Length::Keep((k as usize).min(state.limits.max_model_len)),
         _ => Length::Fit(max_tokens),
     };
     let (prompts, texts) = match request.prompt {
@@ -148,9 +150,15 @@ async fn tokenize(
         .off_runtime(move || {
             let tokenizer = &shared.tokenizer;
             if let Length::Fit(max_tokens) = length {
-                let room = prompt_pieces::room(Some(max_tokens), shared.limits.max_model_len);
+                let len = shared.limits.max_model_len;
                 for text in &texts {
-                    prompt_pieces::fits_by_pieces(tokenizer, text, room, "prompt")?;
+                    prompt_pieces::fits_by_pieces(
+                        tokenizer,
+                        text,
+                        Some(max_tokens),
+                        len,
+                        "prompt",
+                    )?;
                 }
             }
             let prompts = texts

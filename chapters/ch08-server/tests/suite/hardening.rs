@@ -269,7 +269,11 @@ async fn a_prompt_within_the_byte_bound_but_past_the_context_is_refused_by_its_p
         let e = expect_error(response, StatusCode::BAD_REQUEST).await;
         assert_eq!(e["param"], param, "{e}");
         let message = e["message"].as_str().unwrap();
-        assert!(message.contains("leaves 510 tokens"), "{e}");
+        assert!(
+            message.contains("maximum context length is 512 tokens"),
+            "{e}"
+        );
+        assert!(message.contains("bytes of your"), "{e}");
     }
     server.stop().await;
 }
