@@ -56,7 +56,7 @@ fn pieces(text: &str) -> impl Iterator<Item = &str> {
 }
 
 /// The tokens of `text` of which a request keeps the last `keep` (`truncate_prompt_tokens`):
-/// those of a suffix of it, from a [`seam`] [`PIECE_BYTES`] before its end, then twice as far,
+/// those of a suffix of it, from a cut [`PIECE_BYTES`] before its end, then twice as far,
 /// and so on, until the suffix makes `keep` tokens and [`SEAM_TOKENS`] more, or is the whole
 /// text. Cut where a run of whitespace begins, a suffix's tokens are the whole text's past its
 /// first word (a BOS the tokenizer adds goes before them), so the last `keep` are the whole

@@ -228,23 +228,7 @@ async fn a_chat_prompt_too_long_for_the_context_names_messages() {
 async fn a_prompt_within_the_byte_bound_but_past_the_context_is_refused_by_its_pieces() {
     let path = ch01::default_model_dir().join("tokenizer.json");
     let mut saved: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    let merge = saved["model"]["merges"]
-        .as_array_mut()
-        .unwrap()
-        .pop()
-        .unwrap();
-    let merged: String = match &merge {
-        Value::String(m) => m.split(' ').collect(),
-        m => m
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| p.as_str().unwrap())
-            .collect(),
-    };
-    let vocab = saved["model"]["vocab"].as_object_mut().unwrap();
-    let id = vocab.remove(&merged).unwrap();
-    vocab.insert("~".repeat(300), id);
+    rename_last_merge(&mut saved, &"~".repeat(300));
     let inner = tokenizers::Tokenizer::from_bytes(saved.to_string().as_bytes()).unwrap();
     let (bos, eos) = (
         loaded().tokenizer.bos_token_id(),

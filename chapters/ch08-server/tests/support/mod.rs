@@ -54,6 +54,29 @@ pub fn loaded() -> &'static Loaded {
     })
 }
 
+/// In a saved `tokenizer.json`, drops the last merge and gives the token it made (which no
+/// later merge uses) the text `to`: its id.
+pub fn rename_last_merge(saved: &mut Value, to: &str) -> Value {
+    let merge = saved["model"]["merges"]
+        .as_array_mut()
+        .unwrap()
+        .pop()
+        .unwrap();
+    let pieces: Vec<&str> = match &merge {
+        Value::String(m) => m.split(' ').collect(),
+        m => m
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap())
+            .collect(),
+    };
+    let vocab = saved["model"]["vocab"].as_object_mut().unwrap();
+    let id = vocab.remove(&pieces.concat()).unwrap();
+    vocab.insert(to.to_string(), id.clone());
+    id
+}
+
 /// The model's tokenizer with its last two tokens (each made by the last merges, never merged
 /// further) turned into the special tokens `<tool_call>` and `</tool_call>`, as some models'
 /// tokenizers have them: the model can sample them, and decoded text leaves them out. Their ids.
@@ -63,23 +86,7 @@ pub fn tool_tag_tokenizer() -> (Arc<Tokenizer>, [u32; 2]) {
     let mut saved: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let mut ids = [0; 2];
     for (i, tag) in ["</tool_call>", "<tool_call>"].into_iter().enumerate() {
-        let merge = saved["model"]["merges"]
-            .as_array_mut()
-            .unwrap()
-            .pop()
-            .unwrap();
-        let pieces: Vec<&str> = match &merge {
-            Value::String(m) => m.split(' ').collect(),
-            m => m
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|p| p.as_str().unwrap())
-                .collect(),
-        };
-        let vocab = saved["model"]["vocab"].as_object_mut().unwrap();
-        let id = vocab.remove(&pieces.concat()).unwrap();
-        vocab.insert(tag.to_string(), id.clone());
+        let id = rename_last_merge(&mut saved, tag);
         ids[1 - i] = id.as_u64().unwrap() as u32;
         saved["added_tokens"].as_array_mut().unwrap().push(json!({
             "id": id, "content": tag, "single_word": false, "lstrip": false, "rstrip": false,
