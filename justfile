@@ -186,6 +186,7 @@ tp-mpi:
 # and run the attention kernels on CPU threads against attention in f64 (kernels/emulation/),
 # no GPU needed.
 kernels:
+    bash fixtures/scripts/fetch_nvrtc.sh --ptxas > /dev/null
     LD_LIBRARY_PATH="$(bash fixtures/scripts/fetch_nvrtc.sh)" KILN_REQUIRE_NVRTC=1 KILN_PTXAS="$(bash fixtures/scripts/fetch_nvrtc.sh --ptxas)" cargo test -p ch07-flash-attention --features cuda --test nvrtc_compile -- --nocapture
     bash fixtures/scripts/emulate_kernels.sh
 

@@ -118,7 +118,7 @@ __device__ __forceinline__ bf16_bits (*tc_q_tile())[D + TC_PAD] {
 
 // Starts copying the K and V rows of keys key0 .. key0 + TC_BC into buffer `buf`, 16 bytes (8
 // elements) of one key's row per thread and step, keys past kv_len as zeros; one commit group.
-// Thread 2j + h copies the 16-byte chunks 2i + h (i = 0 .. D / 16) of key j's row, finding its
+// Thread 2j + h copies the 16-byte chunks 2i + h (0 <= i < D / 16) of key j's row, finding its
 // slot once: a warp's copy instruction then reads 16 whole 32-byte sectors, two threads each,
 // never half of one (whose other half another instruction would fetch again).
 template <int D>

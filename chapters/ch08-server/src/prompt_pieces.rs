@@ -6,7 +6,7 @@
 //! vocabulary's longest token: 5.3 MB for SmolLM2 at 8,192 positions, whose full tokenization
 //! took 6.6 s and 1.85 GB (a digit a token). [`fits_by_pieces`] tokenizes such a text in pieces
 //! of [`PIECE_BYTES`] and stops as soon as their count shows it cannot fit: for that text, after
-//! two pieces. A text that fits is tokenized whole afterwards, as before, so its tokens are the
+//! its first piece. A text that fits is tokenized whole afterwards, as before, so its tokens are the
 //! tokenizer's own.
 //!
 //! A request with `truncate_prompt_tokens = k` keeps its prompt's last `k` tokens, and needed the

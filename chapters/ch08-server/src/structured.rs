@@ -371,7 +371,8 @@ fn allow_only(logits: &mut [f32], keep: &[u32]) {
 pub struct TokenRules {
     /// Added to the token's logit (`logit_bias`, -100..=100).
     pub logit_bias: Vec<(u32, f32)>,
-    /// Only these tokens may be sampled (`allowed_token_ids`), sorted.
+    /// Only these tokens may be sampled (`allowed_token_ids`), sorted, each id once (the mask
+    /// walks the list beside the vocabulary).
     pub allowed_token_ids: Option<Vec<u32>>,
     /// Token sequences that must never be completed (`bad_words`, tokenized).
     pub bad_words: Vec<Vec<u32>>,

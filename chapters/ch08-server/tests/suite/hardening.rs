@@ -264,7 +264,7 @@ async fn a_prompt_within_the_byte_bound_but_past_the_context_is_refused_by_its_p
 
 /// `truncate_prompt_tokens` keeps a prompt's last tokens, so a text far longer than the
 /// context is served when it asks for truncation: the byte bound, which refuses such a text
-/// before tokenizing it, does not apply (the body limit still bounds the work).
+/// before tokenizing it, does not apply (only the suffix the kept tokens need is tokenized).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncate_prompt_tokens_serves_a_text_longer_than_the_context() {
     let server = start(Setup::default()).await;
