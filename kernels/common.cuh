@@ -44,6 +44,22 @@ __device__ __forceinline__ float load_f32(const bf16_bits* p, long i) { return b
 __device__ __forceinline__ void store_from_f32(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_from_f32(bf16_bits* p, long i, float v) { p[i] = f32_to_bf16(v); }
 
+// The pool slot of position `key` of a sequence whose block table is `table` (blocks of
+// `block_size` positions), as ch03's `BlockTable::slot` finds it.
+__device__ __forceinline__ long key_slot(const u32* table, int key, int block_size) {
+    return (long)table[key / block_size] * block_size + key % block_size;
+}
+
+// The element offsets of keys begin .. begin + n's rows (`head_offset` into rows of `kv_stride`
+// elements), into `rows`, by the block's threads together: split-K decode finds them once for
+// both its passes (a division by the block size is some twenty instructions). The caller
+// synchronises the block before reading them.
+__device__ __forceinline__ void partition_rows(long* rows, const u32* table, int begin, int n,
+                                               int block_size, long kv_stride, long head_offset) {
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        rows[j] = key_slot(table, begin + j, block_size) * kv_stride + head_offset;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;

@@ -61,8 +61,7 @@ __device__ void flash_prefill(const float* q, const T* k_cache, const T* v_cache
             int j = i / head_dim, d = i % head_dim, key = key0 + j;
             float kx = 0.0f, vx = 0.0f;
             if (key < kv_len) {
-                long slot = (long)table[key / block_size] * block_size + key % block_size;
-                long at = slot * kv_stride + kv_head * head_dim + d;
+                long at = key_slot(table, key, block_size) * kv_stride + kv_head * head_dim + d;
                 kx = load_f32(k_cache, at);
                 vx = load_f32(v_cache, at);
             }

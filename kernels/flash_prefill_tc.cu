@@ -133,8 +133,7 @@ __device__ __forceinline__ void stage_tile(int buf, int key0, int kv_len, const 
     long at = 0;
     int bytes = 0;
     if (key < kv_len) {
-        long slot = (long)table[key / block_size] * block_size + key % block_size;
-        at = slot * kv_stride + (long)kv_head * D;
+        at = key_slot(table, key, block_size) * kv_stride + (long)kv_head * D;
         bytes = 16;
     }
     const bf16_bits* k_row = k_cache + at + half * 8;

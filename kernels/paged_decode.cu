@@ -57,13 +57,7 @@ __device__ void paged_decode(DecodeShared& sh, const float* q, const T* k_cache,
         int g = i / head_dim, d = i % head_dim;
         q_s[g][d] = q[q_row + (kv_head * group + g) * head_dim + d] * scale;
     }
-    // Each key's row, found through the block table once for both passes (otherwise the scores
-    // pass divides by the block size for every key, and the values pass for every chunk).
-    for (int j = tid; j < n; j += THREADS) {
-        int key = begin + j;
-        sh.row[j] = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride +
-                    (long)kv_head * head_dim;
-    }
+    partition_rows(sh.row, table, begin, n, block_size, kv_stride, (long)kv_head * head_dim);
     __syncthreads();
 
     // ANCHOR: key_loop

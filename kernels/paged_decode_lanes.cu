@@ -66,12 +66,7 @@ __device__ void decode_lanes(const float* q, const T* k_cache, const T* v_cache,
         for (int e = 0; e < CH; e++) qr[g][e] = q[q_row + (long)(kv_head * G + g) * D + c * CH + e] * scale;
     }
 
-    // Each key's row, found through the block table once for both passes (a division by the
-    // block size is some twenty instructions; a lane would otherwise do it for every row it reads).
-    for (int j = threadIdx.x; j < n; j += THREADS) {
-        int key = begin + j;
-        row_s[j] = ((long)table[key / block_size] * block_size + key % block_size) * kv_stride + (long)kv_head * D;
-    }
+    partition_rows(row_s, table, begin, n, block_size, kv_stride, (long)kv_head * D);
     __syncthreads();
 
     // ANCHOR: lane_groups
