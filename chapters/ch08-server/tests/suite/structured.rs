@@ -259,6 +259,10 @@ async fn bad_constraints_and_parameters_are_400s_naming_their_field() {
         (json!({"stop": ["a".repeat(1025)]}), "stop"),
         (json!({"stop_token_ids": vec![5; 1025]}), "stop_token_ids"),
         (json!({"bad_words": ["a".repeat(1025)]}), "bad_words"),
+        (
+            json!({"bad_words": vec!["a".repeat(1024); 65]}),
+            "bad_words",
+        ),
         (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
         (json!({"best_of": 2}), "best_of"),
         (json!({"skip_special_tokens": false}), "skip_special_tokens"),
