@@ -31,7 +31,7 @@ impl KvDtype {
     pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::Bf16, KvDtype::Fp8E4M3, KvDtype::Int8];
 
     /// Bytes of one element (a code, for a scaled dtype).
-    pub fn size(self) -> usize {
+    pub const fn size(self) -> usize {
         match self {
             KvDtype::F32 => 4,
             KvDtype::Bf16 => 2,
@@ -98,7 +98,9 @@ impl std::str::FromStr for KvDtype {
 /// # Safety
 /// The all-zero bit pattern must be a valid value of the type (it is `0.0` for the floats
 /// here): a pool takes its memory zeroed from the system and reads it as `Self` before any
-/// write (see `KvPool::new`).
+/// write (see `KvPool::new`). The type is `DTYPE`'s element and nothing else: its
+/// `DTYPE.size()` bytes, none of them padding, are an f32, a bf16, an FP8 E4M3 code or an int8
+/// code, as `DTYPE` says (chapter 4's vector loops load them as that, and check the size).
 /// Kernels read it widened to f32 ([`ToF32`], exact for every type here).
 ///
 /// A `SCALED` type stores each head's row of a position as codes and one scale: the row's value

@@ -54,6 +54,8 @@ use rayon::prelude::*;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod widen;
 
 /// Which compiled form of a row's loops [`batch_attention_with`] runs: one per instruction set,
 /// each carrying the proof that the CPU has it (as [`Isa`]).

@@ -34,9 +34,10 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use ch02::kernels::Avx2Fma;
-use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, ToF32, softmax};
+use ch02::kernels::vector::{KEYS, PREFETCH_POSITIONS, softmax};
 use ch03::KvElement;
 
+use super::widen::widen;
 use super::{RowQuery, RowScratch, prefetch_rows, slots as slots_of};
 
 /// Lanes per vector.
@@ -407,13 +408,6 @@ pub(super) fn lane_sums(a: [__m256; KEYS]) -> __m256 {
     _mm256_add_ps(low, high)
 }
 // ANCHOR_END: lane_sums
-
-/// Eight stored K/V elements widened to f32 (exact for every [`KvElement`]).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-pub(super) fn widen<K: ToF32>(x: &[K; LANES]) -> __m256 {
-    load(&x.map(K::to_f32))
-}
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]

@@ -34,12 +34,13 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use ch02::kernels::Avx512;
-use ch02::kernels::vector::{KEYS, ToF32};
+use ch02::kernels::vector::KEYS;
 use ch03::KvElement;
 
 use super::avx2::{
-    HeadLoops, LANES, ask_ahead, attend_row_on, head_row, lane_sums, load, row_task, store, widen,
+    HeadLoops, LANES, ask_ahead, attend_row_on, head_row, lane_sums, load, row_task, store,
 };
+use super::widen::{widen_pair, widen16};
 use super::{RowQuery, RowScratch};
 
 /// Lanes per wide vector.
@@ -155,7 +156,7 @@ fn score_heads<K: KvElement, const CHUNKS: usize, const HEADS: usize>(
     let mut acc = [[_mm512_setzero_ps(); KEYS / 2]; HEADS];
     for c in 0..CHUNKS {
         let k2: [__m512; KEYS / 2] =
-            std::array::from_fn(|i| pair(widen(&k[2 * i][c]), widen(&k[2 * i + 1][c])));
+            std::array::from_fn(|i| widen_pair(&k[2 * i][c], &k[2 * i + 1][c]));
         for h in 0..HEADS {
             let q_c = load(&q[h][c]);
             let q2 = pair(q_c, q_c);
@@ -205,7 +206,7 @@ fn weigh_values<K: KvElement, const WIDE: usize, const HEADS: usize>(
             ask_ahead(stored, kv_dim, slots, len, j);
         }
         let v: &[[K; WIDE_LANES]; WIDE] = head_row(stored, slots[j] * kv_dim + offset);
-        let v: [__m512; WIDE] = std::array::from_fn(|c| widen_wide(&v[c]));
+        let v: [__m512; WIDE] = std::array::from_fn(|c| widen16(&v[c]));
         for (h, acc_h) in acc.iter_mut().enumerate() {
             let w_h = _mm512_set1_ps(w[h * stride + j]);
             for c in 0..WIDE {
@@ -236,17 +237,4 @@ fn half(a: __m512, which: usize) -> __m256 {
     } else {
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)))
     }
-}
-
-/// Sixteen stored K/V elements widened to f32 (exact for every [`KvElement`]).
-#[inline]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn widen_wide<K: ToF32>(x: &[K; WIDE_LANES]) -> __m512 {
-    // A loop rather than `x.map`, which is not inlined at this size.
-    let mut wide = [0.0f32; WIDE_LANES];
-    for (w, &e) in wide.iter_mut().zip(x) {
-        *w = e.to_f32();
-    }
-    // SAFETY: `wide` is 16 readable f32 (an unaligned load).
-    unsafe { _mm512_loadu_ps(wide.as_ptr()) }
 }

@@ -1,0 +1,165 @@
+//! What each KV dtype costs chapter 4's decode attention: a batch-32 decode step of
+//! SmolLM2-135M's 30 layers (9 query heads sharing 3 KV heads of 64, `T` cached positions per
+//! sequence) through `batch_attention_with`, over pools of f32, bf16, int8 and FP8 E4M3, with
+//! each row kernel this CPU runs. Prints the median and the fastest of `ROUNDS` steps in ms, and
+//! GB/s of K/V read (codes and scales). The dtypes' steps are taken in turn, one of each per
+//! round, so that the machine's drift falls on all of them alike.
+//!
+//! With `--warm`, every layer reads layer 0's K/V, from cache after the first: the step then
+//! times the kernel's own work (the 8-bit formats' widening above all), not memory's.
+//!
+//! `cargo run --release -p ch07-flash-attention --example kv_dtype_decode [--warm] [T...]`
+
+use std::time::Instant;
+
+use ch01::LlamaConfig;
+use ch01::attention::AttentionShape;
+use ch03::{BlockId, KvDtype, KvElement, KvPool};
+use ch04::attention::{QueryRow, RowKernel, batch_attention_with};
+use ch05::fp8::F8E4M3;
+use ch05::kv_cache::KvInt8;
+use half::bf16;
+use ndarray::ArrayView1;
+
+const LAYERS: usize = 30;
+const SEQUENCES: usize = 32;
+const BLOCK_SIZE: usize = 16;
+const ROUNDS: usize = 30;
+const SHAPE: AttentionShape = AttentionShape {
+    num_heads: 9,
+    num_kv_heads: 3,
+    head_dim: 64,
+};
+
+/// A deterministic value in [−1, 1) for index `i`.
+fn value(i: usize) -> f32 {
+    ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0
+}
+
+/// One pool, filled, and the step's rows over it: a step runs `kernel` over every layer.
+struct Step<K: KvElement> {
+    pool: KvPool<K>,
+    tables: Vec<Vec<BlockId>>,
+    t: usize,
+}
+
+impl<K: KvElement> Step<K> {
+    fn new(t: usize) -> Self {
+        let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
+        let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
+        let config = LlamaConfig::smollm2_135m();
+        assert_eq!(config.num_hidden_layers, LAYERS, "SmolLM2-135M's layers");
+        let mut pool = KvPool::<K>::new(&config, BLOCK_SIZE, SEQUENCES * blocks_per_seq)
+            .expect("a pool this size");
+        // Sequence s holds blocks s, s + 32, s + 64, ...: interleaved, as sequences that grow
+        // together get them from the free list.
+        let tables: Vec<Vec<BlockId>> = (0..SEQUENCES)
+            .map(|s| {
+                (0..blocks_per_seq)
+                    .map(|b| (b * SEQUENCES + s) as BlockId)
+                    .collect()
+            })
+            .collect();
+        let row: Vec<f32> = (0..kv_dim).map(value).collect();
+        for layer in 0..LAYERS {
+            for table in &tables {
+                for pos in 0..t {
+                    let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
+                    let k: Vec<f32> = row.iter().map(|v| v * value(slot + layer)).collect();
+                    pool.write(layer, slot, ArrayView1::from(&k), ArrayView1::from(&row));
+                }
+            }
+        }
+        Step { pool, tables, t }
+    }
+
+    /// Seconds of one step over every layer.
+    fn run(&self, kernel: RowKernel, warm: bool, q: &[f32], out: &mut [f32]) -> f64 {
+        let rows: Vec<QueryRow> = (self.tables.iter())
+            .map(|blocks| QueryRow {
+                blocks,
+                pos: self.t - 1,
+            })
+            .collect();
+        let start = Instant::now();
+        for layer in 0..LAYERS {
+            let layer = if warm { 0 } else { layer };
+            batch_attention_with(kernel, &self.pool, layer, &rows, q, SHAPE, out);
+        }
+        start.elapsed().as_secs_f64()
+    }
+}
+
+/// A pool of any dtype, for the rounds to take in turn.
+trait AnyStep {
+    fn dtype(&self) -> KvDtype;
+    fn run(&self, kernel: RowKernel, warm: bool, q: &[f32], out: &mut [f32]) -> f64;
+}
+
+impl<K: KvElement> AnyStep for Step<K> {
+    fn dtype(&self) -> KvDtype {
+        K::DTYPE
+    }
+    fn run(&self, kernel: RowKernel, warm: bool, q: &[f32], out: &mut [f32]) -> f64 {
+        Step::run(self, kernel, warm, q, out)
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let warm = args.iter().any(|a| a == "--warm");
+    let lengths: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
+    let lengths = if lengths.is_empty() {
+        vec![192, 512]
+    } else {
+        lengths
+    };
+    let from = if warm {
+        "from cache (--warm)"
+    } else {
+        "from memory"
+    };
+    println!("K/V {from}, medians and fastest of {ROUNDS} steps:\n");
+    println!("| T | kernel | KV dtype | median ms/step | GB/s | fastest ms/step |");
+    println!("|---:|:---|:---|---:|---:|---:|");
+    let q: Vec<f32> = (0..SEQUENCES * SHAPE.num_heads * SHAPE.head_dim)
+        .map(|i| value(i * 3) * 4.0)
+        .collect();
+    let mut out = vec![0.0; q.len()];
+    for t in lengths {
+        let steps: Vec<Box<dyn AnyStep>> = vec![
+            Box::new(Step::<f32>::new(t)),
+            Box::new(Step::<bf16>::new(t)),
+            Box::new(Step::<KvInt8>::new(t)),
+            Box::new(Step::<F8E4M3>::new(t)),
+        ];
+        for kernel in RowKernel::available() {
+            let mut times = vec![Vec::new(); steps.len()];
+            for round in 0..ROUNDS + 2 {
+                for i in 0..steps.len() {
+                    let k = (round + i) % steps.len();
+                    let secs = steps[k].run(kernel, warm, &q, &mut out);
+                    if round >= 2 {
+                        times[k].push(secs); // after two rounds of warm-up
+                    }
+                }
+            }
+            let kernel_name = format!("{kernel:?}");
+            let kernel_name = kernel_name.split('(').next().unwrap_or(&kernel_name);
+            for (step, mut times) in steps.iter().zip(times) {
+                times.sort_by(f64::total_cmp);
+                let dtype = step.dtype();
+                let bytes = (LAYERS * SEQUENCES * t * 2) as u64
+                    * dtype.row_bytes(SHAPE.num_kv_heads, SHAPE.head_dim);
+                let (median, fastest) = (times[ROUNDS / 2], times[0]);
+                println!(
+                    "| {t} | {kernel_name} | {dtype} | {:.2} | {:.1} | {:.2} |",
+                    median * 1e3,
+                    bytes as f64 / median / 1e9,
+                    fastest * 1e3
+                );
+            }
+        }
+    }
+    std::hint::black_box(&out);
+}
