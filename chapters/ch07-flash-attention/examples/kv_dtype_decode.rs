@@ -5,6 +5,10 @@
 //! GB/s of K/V read (codes and scales). The dtypes' steps are taken in turn, one of each per
 //! round, so that the machine's drift falls on all of them alike.
 //!
+//! Beside the attention, the step's other use of the pool: writing its 32 new rows of K and V
+//! into every layer (`KvPool::write`, which quantizes them for the 8-bit dtypes), timed the same
+//! way: the rows "K/V write" (GB/s of the dtype's bytes written).
+//!
 //! With `--warm`, every layer reads layer 0's K/V, from cache after the first: the step then
 //! times the kernel's own work (the 8-bit formats' widening above all), not memory's.
 //!
@@ -30,6 +34,7 @@ const SHAPE: AttentionShape = AttentionShape {
     num_kv_heads: 3,
     head_dim: 64,
 };
+const KV_DIM: usize = SHAPE.num_kv_heads * SHAPE.head_dim;
 
 /// A deterministic value in [−1, 1) for index `i`.
 fn value(i: usize) -> f32 {
@@ -45,7 +50,6 @@ struct Step<K: KvElement> {
 
 impl<K: KvElement> Step<K> {
     fn new(t: usize) -> Self {
-        let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
         let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
         let config = LlamaConfig::smollm2_135m();
         assert_eq!(config.num_hidden_layers, LAYERS, "SmolLM2-135M's layers");
@@ -60,7 +64,7 @@ impl<K: KvElement> Step<K> {
                     .collect()
             })
             .collect();
-        let row: Vec<f32> = (0..kv_dim).map(value).collect();
+        let row: Vec<f32> = (0..KV_DIM).map(value).collect();
         for layer in 0..LAYERS {
             for table in &tables {
                 for pos in 0..t {
@@ -71,6 +75,21 @@ impl<K: KvElement> Step<K> {
             }
         }
         Step { pool, tables, t }
+    }
+
+    /// Seconds of one step's writes: a row of K and V for each sequence (at its last position
+    /// again), in every layer.
+    fn write(&mut self, k: &[f32], v: &[f32]) -> f64 {
+        let pos = self.t - 1;
+        let start = Instant::now();
+        for layer in 0..LAYERS {
+            for table in &self.tables {
+                let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
+                self.pool
+                    .write(layer, slot, ArrayView1::from(k), ArrayView1::from(v));
+            }
+        }
+        start.elapsed().as_secs_f64()
     }
 
     /// Seconds of one step over every layer.
@@ -94,6 +113,7 @@ impl<K: KvElement> Step<K> {
 trait AnyStep {
     fn dtype(&self) -> KvDtype;
     fn run(&self, kernel: RowKernel, warm: bool, q: &[f32], out: &mut [f32]) -> f64;
+    fn write(&mut self, k: &[f32], v: &[f32]) -> f64;
 }
 
 impl<K: KvElement> AnyStep for Step<K> {
@@ -102,6 +122,48 @@ impl<K: KvElement> AnyStep for Step<K> {
     }
     fn run(&self, kernel: RowKernel, warm: bool, q: &[f32], out: &mut [f32]) -> f64 {
         Step::run(self, kernel, warm, q, out)
+    }
+    fn write(&mut self, k: &[f32], v: &[f32]) -> f64 {
+        Step::write(self, k, v)
+    }
+}
+
+/// (median, fastest) seconds of `ROUNDS` runs of `run` on each step, one of each per round,
+/// starting one step later each round, after two rounds of warm-up.
+fn in_turn(
+    steps: &mut [Box<dyn AnyStep>],
+    mut run: impl FnMut(&mut dyn AnyStep) -> f64,
+) -> Vec<(f64, f64)> {
+    let mut times = vec![Vec::new(); steps.len()];
+    for round in 0..ROUNDS + 2 {
+        for i in 0..steps.len() {
+            let k = (round + i) % steps.len();
+            let secs = run(steps[k].as_mut());
+            if round >= 2 {
+                times[k].push(secs);
+            }
+        }
+    }
+    (times.into_iter())
+        .map(|mut times| {
+            times.sort_by(f64::total_cmp);
+            (times[ROUNDS / 2], times[0])
+        })
+        .collect()
+}
+
+/// The table's rows for `what` at `t` positions: ms per step and GB/s of `rows` K/V rows of
+/// each dtype.
+fn print_rows(t: usize, what: &str, steps: &[Box<dyn AnyStep>], times: &[(f64, f64)], rows: u64) {
+    for (step, &(median, fastest)) in steps.iter().zip(times) {
+        let dtype = step.dtype();
+        let bytes = rows * dtype.row_bytes(SHAPE.num_kv_heads, SHAPE.head_dim);
+        println!(
+            "| {t} | {what} | {dtype} | {:.2} | {:.1} | {:.2} |",
+            median * 1e3,
+            bytes as f64 / median / 1e9,
+            fastest * 1e3
+        );
     }
 }
 
@@ -126,40 +188,37 @@ fn main() {
         .map(|i| value(i * 3) * 4.0)
         .collect();
     let mut out = vec![0.0; q.len()];
+    let k: Vec<f32> = (0..KV_DIM).map(|i| value(i * 5)).collect();
+    let v: Vec<f32> = (0..KV_DIM).map(|i| value(i * 7)).collect();
     for t in lengths {
-        let steps: Vec<Box<dyn AnyStep>> = vec![
+        let mut steps: Vec<Box<dyn AnyStep>> = vec![
             Box::new(Step::<f32>::new(t)),
             Box::new(Step::<bf16>::new(t)),
             Box::new(Step::<KvInt8>::new(t)),
             Box::new(Step::<F8E4M3>::new(t)),
         ];
         for kernel in RowKernel::available() {
-            let mut times = vec![Vec::new(); steps.len()];
-            for round in 0..ROUNDS + 2 {
-                for i in 0..steps.len() {
-                    let k = (round + i) % steps.len();
-                    let secs = steps[k].run(kernel, warm, &q, &mut out);
-                    if round >= 2 {
-                        times[k].push(secs); // after two rounds of warm-up
-                    }
-                }
-            }
-            let kernel_name = format!("{kernel:?}");
-            let kernel_name = kernel_name.split('(').next().unwrap_or(&kernel_name);
-            for (step, mut times) in steps.iter().zip(times) {
-                times.sort_by(f64::total_cmp);
-                let dtype = step.dtype();
-                let bytes = (LAYERS * SEQUENCES * t * 2) as u64
-                    * dtype.row_bytes(SHAPE.num_kv_heads, SHAPE.head_dim);
-                let (median, fastest) = (times[ROUNDS / 2], times[0]);
-                println!(
-                    "| {t} | {kernel_name} | {dtype} | {:.2} | {:.1} | {:.2} |",
-                    median * 1e3,
-                    bytes as f64 / median / 1e9,
-                    fastest * 1e3
-                );
-            }
+            let times = in_turn(&mut steps, |step| step.run(kernel, warm, &q, &mut out));
+            let kernel = format!("{kernel:?}");
+            let kernel = kernel.split('(').next().unwrap_or(&kernel);
+            // Every position's K and V row, every layer and sequence.
+            print_rows(
+                t,
+                kernel,
+                &steps,
+                &times,
+                (LAYERS * SEQUENCES * t * 2) as u64,
+            );
         }
+        let times = in_turn(&mut steps, |step| step.write(&k, &v));
+        // A row of K and V a sequence, every layer.
+        print_rows(
+            t,
+            "K/V write",
+            &steps,
+            &times,
+            (LAYERS * SEQUENCES * 2) as u64,
+        );
     }
     std::hint::black_box(&out);
 }
