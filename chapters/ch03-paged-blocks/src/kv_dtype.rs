@@ -123,7 +123,7 @@ pub unsafe trait KvElement: ToF32 + Default + Send + Sync + 'static {
 }
 // ANCHOR_END: kv_element
 
-// SAFETY: all-zero bits are 0.0.
+// SAFETY: an f32 is `DTYPE`'s element; all-zero bits are 0.0.
 unsafe impl KvElement for f32 {
     const DTYPE: KvDtype = KvDtype::F32;
     #[inline(always)]
@@ -132,7 +132,7 @@ unsafe impl KvElement for f32 {
     }
 }
 
-// SAFETY: all-zero bits are 0.0.
+// SAFETY: a bf16 (two bytes, no padding) is `DTYPE`'s element; all-zero bits are 0.0.
 unsafe impl KvElement for bf16 {
     const DTYPE: KvDtype = KvDtype::Bf16;
     #[inline(always)]

@@ -79,7 +79,7 @@ impl ToF32 for KvInt8 {
     }
 }
 
-// SAFETY: all-zero bits are the code 0.
+// SAFETY: one byte (`repr(transparent)` over an i8), an int8 code; all-zero bits are the code 0.
 unsafe impl KvElement for KvInt8 {
     const DTYPE: KvDtype = KvDtype::Int8;
     const SCALED: bool = true;
@@ -112,7 +112,7 @@ unsafe impl KvElement for KvInt8 {
 // ANCHOR_END: kv_int8
 
 // ANCHOR: kv_fp8
-// SAFETY: all-zero bits are +0.
+// SAFETY: one byte (`repr(transparent)` over a u8), an E4M3 code; all-zero bits are +0.
 unsafe impl KvElement for F8E4M3 {
     const DTYPE: KvDtype = KvDtype::Fp8E4M3;
     const SCALED: bool = true;

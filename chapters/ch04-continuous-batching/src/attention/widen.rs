@@ -148,6 +148,7 @@ mod tests {
     /// An E4M3 code read from the format's definition (sign, 4 exponent bits of bias 7, 3
     /// mantissa bits, no infinities, NaN at magnitude 0x7F), not from chapter 5's bit trick.
     #[derive(Debug, Clone, Copy, Default)]
+    #[repr(transparent)]
     struct E4M3(u8);
 
     impl ToF32 for E4M3 {
@@ -168,7 +169,7 @@ mod tests {
         }
     }
 
-    // SAFETY: one byte, all-zero bits are +0.
+    // SAFETY: one byte (`repr(transparent)`), an E4M3 code; all-zero bits are +0.
     unsafe impl KvElement for E4M3 {
         const DTYPE: KvDtype = KvDtype::Fp8E4M3;
         fn from_f32(_: f32) -> Self {
@@ -178,6 +179,7 @@ mod tests {
 
     /// An int8 code.
     #[derive(Debug, Clone, Copy, Default)]
+    #[repr(transparent)]
     struct Int8(i8);
 
     impl ToF32 for Int8 {
@@ -186,7 +188,7 @@ mod tests {
         }
     }
 
-    // SAFETY: one byte, all-zero bits are 0.
+    // SAFETY: one byte (`repr(transparent)`), an int8 code; all-zero bits are 0.
     unsafe impl KvElement for Int8 {
         const DTYPE: KvDtype = KvDtype::Int8;
         fn from_f32(_: f32) -> Self {
