@@ -19,28 +19,15 @@
 
 use std::time::Instant;
 
-use ch01::LlamaConfig;
-use ch01::attention::AttentionShape;
 use ch03::{BlockId, KvElement, KvPool};
-use ch04_continuous_batching::attention::{QueryRow, RowKernel, batch_attention_with};
+use ch04_continuous_batching::attention::{RowKernel, batch_attention_with};
+use ch04_continuous_batching::decode_workload::{
+    BLOCK_SIZE, DecodeWorkload, LAYERS, SEQUENCES, SHAPE, value,
+};
 use half::bf16;
-use ndarray::ArrayView1;
 use rayon::prelude::*;
 
-const LAYERS: usize = 30;
-const SEQUENCES: usize = 32;
-const BLOCK_SIZE: usize = 16;
 const ROUNDS: usize = 30;
-const SHAPE: AttentionShape = AttentionShape {
-    num_heads: 9,
-    num_kv_heads: 3,
-    head_dim: 64,
-};
-
-/// A deterministic value in [−1, 1) for index `i`.
-fn value(i: usize) -> f32 {
-    ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0
-}
 
 /// What one turn of [`time_steps`] runs: a row kernel, or the pure read ([`read_blocks`]).
 #[derive(Debug, Clone, Copy)]
@@ -96,36 +83,10 @@ fn read_blocks<K: KvElement>(
 /// a drift of the machine's bandwidth, and whatever one step leaves in cache for the next,
 /// fall on all of them alike.
 fn time_steps<K: KvElement>(passes: &[Pass], t: usize, warm: bool) -> Vec<(f64, f64)> {
-    let kv_dim = SHAPE.num_kv_heads * SHAPE.head_dim;
     let q_dim = SHAPE.num_heads * SHAPE.head_dim;
-    let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
-    let config = LlamaConfig::smollm2_135m();
-    assert_eq!(config.num_hidden_layers, LAYERS, "SmolLM2-135M's layers");
-    let mut pool = KvPool::<K>::new(&config, BLOCK_SIZE, SEQUENCES * blocks_per_seq)
-        .expect("a pool this size");
-    // Sequence s holds blocks s, s + 32, s + 64, ...: interleaved, as a pool's free list
-    // hands them out to sequences that grow together.
-    let tables: Vec<Vec<BlockId>> = (0..SEQUENCES)
-        .map(|s| {
-            (0..blocks_per_seq)
-                .map(|b| (b * SEQUENCES + s) as BlockId)
-                .collect()
-        })
-        .collect();
-    let row: Vec<f32> = (0..kv_dim).map(value).collect();
-    for layer in 0..LAYERS {
-        for table in &tables {
-            for pos in 0..t {
-                let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
-                let k: Vec<f32> = row.iter().map(|v| v * value(slot + layer)).collect();
-                pool.write(layer, slot, ArrayView1::from(&k), ArrayView1::from(&row));
-            }
-        }
-    }
-    let rows: Vec<QueryRow> = tables
-        .iter()
-        .map(|blocks| QueryRow { blocks, pos: t - 1 })
-        .collect();
+    let workload = DecodeWorkload::<K>::new(t);
+    let (pool, tables) = (&workload.pool, &workload.tables);
+    let rows = workload.rows();
     let q: Vec<f32> = (0..SEQUENCES * q_dim).map(|i| value(i * 3) * 4.0).collect();
     let mut out = vec![0.0; q.len()];
     let mut steps = vec![Vec::new(); passes.len()];
@@ -138,9 +99,9 @@ fn time_steps<K: KvElement>(passes: &[Pass], t: usize, warm: bool) -> Vec<(f64, 
                 let layer = if warm { 0 } else { layer };
                 match passes[k] {
                     Pass::Kernel(kernel) => {
-                        batch_attention_with(kernel, &pool, layer, &rows, &q, SHAPE, &mut out)
+                        batch_attention_with(kernel, pool, layer, &rows, &q, SHAPE, &mut out)
                     }
-                    Pass::PureRead => read += read_blocks(&pool, layer, &tables, t),
+                    Pass::PureRead => read += read_blocks(pool, layer, tables, t),
                 }
             }
             if round >= 2 {

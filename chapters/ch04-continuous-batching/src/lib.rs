@@ -31,6 +31,7 @@
 
 pub mod attention;
 pub mod cpu_executor;
+pub mod decode_workload;
 pub mod driver;
 pub mod engine;
 pub mod executor;

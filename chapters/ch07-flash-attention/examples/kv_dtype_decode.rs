@@ -16,77 +16,32 @@
 
 use std::time::Instant;
 
-use ch01::LlamaConfig;
-use ch01::attention::AttentionShape;
-use ch03::{BlockId, KvDtype, KvElement, KvPool};
-use ch04::attention::{QueryRow, RowKernel, batch_attention_with};
+use ch03::{KvDtype, KvElement};
+use ch04::attention::{RowKernel, batch_attention_with};
+use ch04::decode_workload::{DecodeWorkload, KV_DIM, LAYERS, SEQUENCES, SHAPE, value};
 use ch05::fp8::F8E4M3;
 use ch05::kv_cache::KvInt8;
 use half::bf16;
 use ndarray::ArrayView1;
 
-const LAYERS: usize = 30;
-const SEQUENCES: usize = 32;
-const BLOCK_SIZE: usize = 16;
 const ROUNDS: usize = 30;
-const SHAPE: AttentionShape = AttentionShape {
-    num_heads: 9,
-    num_kv_heads: 3,
-    head_dim: 64,
-};
-const KV_DIM: usize = SHAPE.num_kv_heads * SHAPE.head_dim;
 
-/// A deterministic value in [−1, 1) for index `i`.
-fn value(i: usize) -> f32 {
-    ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0
-}
-
-/// One pool, filled, and the step's rows over it: a step runs `kernel` over every layer.
-struct Step<K: KvElement> {
-    pool: KvPool<K>,
-    tables: Vec<Vec<BlockId>>,
-    t: usize,
-}
+/// One pool of the step, of dtype `K`.
+struct Step<K: KvElement>(DecodeWorkload<K>);
 
 impl<K: KvElement> Step<K> {
     fn new(t: usize) -> Self {
-        let blocks_per_seq = t.div_ceil(BLOCK_SIZE);
-        let config = LlamaConfig::smollm2_135m();
-        assert_eq!(config.num_hidden_layers, LAYERS, "SmolLM2-135M's layers");
-        let mut pool = KvPool::<K>::new(&config, BLOCK_SIZE, SEQUENCES * blocks_per_seq)
-            .expect("a pool this size");
-        // Sequence s holds blocks s, s + 32, s + 64, ...: interleaved, as sequences that grow
-        // together get them from the free list.
-        let tables: Vec<Vec<BlockId>> = (0..SEQUENCES)
-            .map(|s| {
-                (0..blocks_per_seq)
-                    .map(|b| (b * SEQUENCES + s) as BlockId)
-                    .collect()
-            })
-            .collect();
-        let row: Vec<f32> = (0..KV_DIM).map(value).collect();
-        for layer in 0..LAYERS {
-            for table in &tables {
-                for pos in 0..t {
-                    let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
-                    let k: Vec<f32> = row.iter().map(|v| v * value(slot + layer)).collect();
-                    pool.write(layer, slot, ArrayView1::from(&k), ArrayView1::from(&row));
-                }
-            }
-        }
-        Step { pool, tables, t }
+        Step(DecodeWorkload::new(t))
     }
 
     /// Seconds of one step's writes: a row of K and V for each sequence (at its last position
     /// again), in every layer.
     fn write(&mut self, k: &[f32], v: &[f32]) -> f64 {
-        let pos = self.t - 1;
         let start = Instant::now();
         for layer in 0..LAYERS {
-            for table in &self.tables {
-                let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
-                self.pool
-                    .write(layer, slot, ArrayView1::from(k), ArrayView1::from(v));
+            for s in 0..SEQUENCES {
+                let slot = self.0.last_slot(s);
+                (self.0.pool).write(layer, slot, ArrayView1::from(k), ArrayView1::from(v));
             }
         }
         start.elapsed().as_secs_f64()
@@ -94,16 +49,11 @@ impl<K: KvElement> Step<K> {
 
     /// Seconds of one step over every layer.
     fn run(&self, kernel: RowKernel, warm: bool, q: &[f32], out: &mut [f32]) -> f64 {
-        let rows: Vec<QueryRow> = (self.tables.iter())
-            .map(|blocks| QueryRow {
-                blocks,
-                pos: self.t - 1,
-            })
-            .collect();
+        let rows = self.0.rows();
         let start = Instant::now();
         for layer in 0..LAYERS {
             let layer = if warm { 0 } else { layer };
-            batch_attention_with(kernel, &self.pool, layer, &rows, q, SHAPE, out);
+            batch_attention_with(kernel, &self.0.pool, layer, &rows, q, SHAPE, out);
         }
         start.elapsed().as_secs_f64()
     }
