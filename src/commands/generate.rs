@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
-use ch01::{FinishReason, GenerateOptions, Llama, OutputText, SamplingParams};
+use ch01::{FinishReason, GenerateOptions, Llama, OutputText, SamplingParams, Tokenizer};
 use ch03::{KvDtype, PagedKv};
 use ch04::{Engine, EngineClient, Request, RequestId, RequestOutput, StepTrace};
 
@@ -306,7 +306,8 @@ fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
     Ok(prompts)
 }
 
-/// Every prompt at once through chapter 4's engine; the completions in line order. `model`:
+/// Every prompt through chapter 4's engine, fed to it as it makes room (`Feed`); the
+/// completions in line order. `model`:
 /// the host weights (`None` on a GPU, whose executor loads its own, and on tensor-parallel
 /// ranks, which load their shards, unless a layer-skip drafter needs them).
 fn run_many(
@@ -349,20 +350,11 @@ fn run_many(
     {
         engine = engine.with_speculator(speculator);
     }
-    let tokenized = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, prompt)| {
-            tokenizer
-                .encode(prompt, true)
-                .with_context(|| format!("prompt {i} ({})", quoted(prompt)))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let seed = options.sampling.seed;
     eprintln!(
-        "kiln: {} | {} prompts | seed {seed} (+ i for prompt i)\nkiln: {} | attention {}",
+        "kiln: {} | {} prompts | seed {} (+ i for prompt i)\nkiln: {} | attention {}",
         args.model.model.display(),
         prompts.len(),
+        options.sampling.seed,
         args.engine.describe(),
         attention,
     );
@@ -378,28 +370,15 @@ fn run_many(
         trace: args.trace,
         recompute: args.engine.preemption_mode == PreemptionMode::Recompute,
         error: None,
+        feed: Feed {
+            prompts,
+            next: 0,
+            window: (2 * engine_config.max_num_seqs).max(FEED_AHEAD_AT_LEAST),
+            tokenizer,
+            options,
+        },
+        unfinished: 0,
     };
-    for ((i, prompt), tokens) in prompts.iter().enumerate().zip(tokenized) {
-        let context = || format!("prompt {i} ({})", quoted(prompt));
-        let text = OutputText::after(tokenizer, options.stop.clone(), &tokens);
-        let request = Request {
-            prompt: tokens,
-            params: SamplingParams {
-                seed: seed.wrapping_add(i as u64),
-                ..options.sampling.clone()
-            },
-            max_tokens: options.max_tokens,
-            stop_token_ids: options.eos_token_ids.clone(),
-            ignore_eos: options.ignore_eos,
-            priority: 0,
-            logprobs: None,
-        };
-        let id = engine
-            .add_request(request)
-            .map_err(|e| admission_error(e, context()))?;
-        client.index.insert(id, i);
-        client.texts.push(text);
-    }
     ch04::drive(&mut engine, &mut client)?;
     if let Some(error) = client.error {
         return Err(error);
@@ -437,10 +416,14 @@ fn run_many(
     Ok(())
 }
 
-/// `--prompts-file` as chapter 4's engine loop sees it: every request was added up front; each
-/// step's tokens go through its completion's text, a stop string aborts it.
+/// Unfinished requests the engine is kept fed with at least (beyond twice `--max-num-seqs`).
+const FEED_AHEAD_AT_LEAST: usize = 64;
+
+/// `--prompts-file` as chapter 4's engine loop sees it: requests are added in line order, up to
+/// `feed.window` unfinished at once; each step's tokens go through its completion's text, a stop
+/// string aborts it.
 struct Prompts<'t> {
-    /// Per prompt (line order), its completion's text.
+    /// Per prompt added so far (line order), its completion's text.
     texts: Vec<OutputText<'t>>,
     /// Engine id → line.
     index: BTreeMap<RequestId, usize>,
@@ -448,12 +431,37 @@ struct Prompts<'t> {
     recomputing: BTreeSet<RequestId>,
     trace: bool,
     recompute: bool,
-    /// A detokenizer error: the loop stops at the next poll.
+    /// A tokenizer, admission or detokenizer error: the loop stops at the next poll.
     error: Option<anyhow::Error>,
+    feed: Feed<'t>,
+    /// Requests added and not finished.
+    unfinished: usize,
+}
+
+/// The file's prompts not yet in the engine. Adding them all at once made the time of a step
+/// grow with the waiting list (the scheduler looks through it every step) and tokenized the
+/// whole file first: 40,000 one-token completions took 22-23 s against 9-10 s fed, and
+/// 1,000,000 held 1.9 GB at once.
+struct Feed<'t> {
+    prompts: &'t [String],
+    /// The next prompt to add.
+    next: usize,
+    /// Unfinished requests kept in the engine while prompts remain.
+    window: usize,
+    tokenizer: &'t Tokenizer,
+    options: &'t GenerateOptions,
 }
 
 impl EngineClient for Prompts<'_> {
     fn poll(&mut self, engine: &mut Engine<'_>) -> ControlFlow<()> {
+        while self.error.is_none()
+            && self.unfinished < self.feed.window
+            && self.feed.next < self.feed.prompts.len()
+        {
+            if let Err(error) = self.add_next(engine) {
+                self.error = Some(error);
+            }
+        }
         if self.error.is_some() || !engine.has_unfinished() {
             return ControlFlow::Break(());
         }
@@ -478,6 +486,41 @@ impl EngineClient for Prompts<'_> {
 }
 
 impl Prompts<'_> {
+    /// The next prompt of the file, tokenized, into the engine.
+    fn add_next(&mut self, engine: &mut Engine<'_>) -> anyhow::Result<()> {
+        let Feed {
+            prompts,
+            next: i,
+            tokenizer,
+            options,
+            ..
+        } = self.feed;
+        let prompt = &prompts[i];
+        let context = || format!("prompt {i} ({})", quoted(prompt));
+        let tokens = tokenizer.encode(prompt, true).with_context(context)?;
+        let text = OutputText::after(tokenizer, options.stop.clone(), &tokens);
+        let request = Request {
+            prompt: tokens,
+            params: SamplingParams {
+                seed: options.sampling.seed.wrapping_add(i as u64),
+                ..options.sampling.clone()
+            },
+            max_tokens: options.max_tokens,
+            stop_token_ids: options.eos_token_ids.clone(),
+            ignore_eos: options.ignore_eos,
+            priority: 0,
+            logprobs: None,
+        };
+        let id = engine
+            .add_request(request)
+            .map_err(|e| admission_error(e, context()))?;
+        self.index.insert(id, i);
+        self.texts.push(text);
+        self.feed.next += 1;
+        self.unfinished += 1;
+        Ok(())
+    }
+
     /// One request's new tokens into its text; a completed stop string aborts the request.
     fn fold(&mut self, engine: &mut Engine<'_>, output: RequestOutput) -> anyhow::Result<()> {
         let text = &mut self.texts[self.index[&output.id]];
@@ -488,10 +531,12 @@ impl Prompts<'_> {
         for token in tokens {
             if text.push(token)?.stopped {
                 engine.abort(output.id);
+                self.unfinished -= 1;
                 return Ok(());
             }
         }
         if output.finished.is_some() {
+            self.unfinished -= 1;
             text.finish()?;
         }
         Ok(())
