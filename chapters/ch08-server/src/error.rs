@@ -145,12 +145,15 @@ impl IntoResponse for ApiError {
             self.to_json(),
         )
             .into_response();
-        // A 413 or 408 leaves the rest of the body unread: the connection cannot carry another
-        // request, so the client is told not to reuse it (else its next request on it may
-        // find it closed).
+        // A 413 or 408 leaves the rest of the body unread, and so does a 503 for too many
+        // bodies held at once: the connection cannot carry another request, so the client is
+        // told not to reuse it (else its next request on it may find it closed). Other 503s
+        // mean the server is shutting down, when closing costs nothing.
         if matches!(
             self.status,
-            StatusCode::PAYLOAD_TOO_LARGE | StatusCode::REQUEST_TIMEOUT
+            StatusCode::PAYLOAD_TOO_LARGE
+                | StatusCode::REQUEST_TIMEOUT
+                | StatusCode::SERVICE_UNAVAILABLE
         ) {
             response
                 .headers_mut()

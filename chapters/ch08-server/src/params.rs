@@ -588,6 +588,16 @@ impl Planned {
         (self.prompt_tokens + self.requests.iter().map(|r| r.max_tokens).sum::<usize>()) as u64
     }
 
+    /// Tokens the server holds for the request's sequences at most: every choice's prompt
+    /// (each choice holds its own copy) and its max_tokens (what it may generate).
+    pub fn held_tokens(&self) -> u64 {
+        let held = self
+            .requests
+            .iter()
+            .map(|r| r.prompt.len() as u64 + r.max_tokens as u64);
+        held.fold(0, u64::saturating_add)
+    }
+
     /// Lowers the choices' max_tokens so that the [`budget`](Planned::budget) is at most
     /// `tokens`, each choice keeping an equal share (at least 1). For a request that gave no
     /// `max_tokens` (each choice may use the rest of the context) under a limit of `tokens` a

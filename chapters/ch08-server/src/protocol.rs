@@ -232,6 +232,9 @@ impl RequestMessage {
                 for part in parts {
                     match (part.kind.as_str(), &part.text) {
                         ("text", Some(text)) => texts.push(text.as_str()),
+                        ("text", None) => {
+                            return Err("a content part of type \"text\" needs a `text`".into());
+                        }
                         (kind, _) => {
                             return Err(format!(
                                 "content parts of type {kind:?} are not supported (text only)"
@@ -594,6 +597,21 @@ mod tests {
         assert_eq!(r.sampling.stop, Some(StringOrList::One("x".into())));
         assert!(r.sampling.stream && r.sampling.stream_options.unwrap().include_usage);
         assert_eq!(r.messages[0].to_template().unwrap().content, "a\nb");
+        // A part the template cannot take is named for what is wrong with it.
+        for (part, says) in [
+            (r#"{"type": "text"}"#, "needs a `text`"),
+            (
+                r#"{"type": "image_url", "image_url": {"url": "x"}}"#,
+                "\"image_url\" are not supported",
+            ),
+        ] {
+            let body = format!(
+                r#"{{"model": "m", "messages": [{{"role": "user", "content": [{part}]}}]}}"#
+            );
+            let r: ChatRequest = serde_json::from_str(&body).unwrap();
+            let err = r.messages[0].to_template().unwrap_err();
+            assert!(err.contains(says), "{part}: {err}");
+        }
     }
 
     #[test]

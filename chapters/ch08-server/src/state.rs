@@ -40,6 +40,21 @@ pub struct AppState {
     pub max_in_flight: Option<usize>,
     /// Engine sequences admitted and not yet finished.
     pub in_flight: AtomicUsize,
+    /// Most tokens the server holds for the sequences in it at once: every choice's prompt (a
+    /// copy each) and `max_tokens` ([`Planned::held_tokens`](crate::params::Planned::held_tokens));
+    /// `None`: no limit. Without it, waiting sequences grew memory without bound: 60 requests
+    /// of 64 prompts of 8,000 token ids × 16 choices took a server from 1.2 GB to 5.3 GB.
+    pub max_tokens_in_flight: Option<u64>,
+    /// Tokens held for the sequences admitted and not yet finished.
+    pub tokens_in_flight: AtomicU64,
+    /// Bytes of request bodies being read or parsed, server-wide, as permits: a body that
+    /// would pass them is refused (503, retry) rather than buffered. Without it, 480 bodies of
+    /// 8 MiB, each answered 400, took a server from 1.2 GB to 5.9 GB at once.
+    pub body_bytes: Arc<Semaphore>,
+    /// Large bodies are parsed on tokio's blocking threads one at a time, apart from
+    /// [`AppState::tokenizing`]: a flood of them delays other large bodies, not every
+    /// request's tokenization (a request of a few tokens waited 19 s behind such a flood).
+    pub parsing: Arc<Semaphore>,
     /// Tokenizing and template rendering run on tokio's blocking threads, this many at once,
     /// so that no HTTP worker thread ever tokenizes.
     pub tokenizing: Arc<Semaphore>,
@@ -60,10 +75,12 @@ pub struct AppState {
     pub tag_decoder: std::sync::OnceLock<Result<Option<Arc<Tokenizer>>, String>>,
 }
 
-/// A request admitted into the server; dropping it gives its sequences' places back.
+/// A request admitted into the server; dropping it gives its sequences' places and tokens
+/// back.
 pub struct Admitted {
     state: Arc<AppState>,
     sequences: usize,
+    held_tokens: u64,
 }
 
 impl Drop for Admitted {
@@ -71,6 +88,9 @@ impl Drop for Admitted {
         self.state
             .in_flight
             .fetch_sub(self.sequences, Ordering::SeqCst);
+        self.state
+            .tokens_in_flight
+            .fetch_sub(self.held_tokens, Ordering::SeqCst);
     }
 }
 
@@ -130,15 +150,17 @@ impl AppState {
     }
 
     // ANCHOR: admit
-    /// Admits a request of `sequences` engine sequences (prompts × n) and `tokens` tokens
-    /// (prompt + max_tokens, every choice) from `key`, or refuses it with 429 (rate limit or
-    /// full queue) or 503 (shutting down). Both the queue and the requests-per-minute limit
-    /// count sequences, not HTTP requests: one request of 64 prompts × 16 choices is 1,024.
+    /// Admits a request of `sequences` engine sequences (prompts × n), charged `tokens` tokens
+    /// (every prompt once, every choice's max_tokens) and holding `held_tokens` (every
+    /// choice's prompt and max_tokens), from `key`, or refuses it with 429 (rate limit, full
+    /// queue, too many tokens held) or 503 (shutting down). Both the queue and the
+    /// requests-per-minute limit count sequences, not HTTP requests: one request of 64 prompts
+    /// × 16 choices is 1,024.
     pub fn admit(
         self: &Arc<Self>,
         key: &str,
         sequences: usize,
-        tokens: u64,
+        (tokens, held_tokens): (u64, u64),
     ) -> Result<Admitted, ApiError> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ApiError::unavailable("the server is shutting down"));
@@ -146,10 +168,37 @@ impl AppState {
         // Take the places first, so that a request refused for a full queue is not charged
         // to the key's rate limit.
         let in_flight = self.in_flight.fetch_add(sequences, Ordering::SeqCst);
+        let tokens_in_flight = self
+            .tokens_in_flight
+            .fetch_add(held_tokens, Ordering::SeqCst);
         let admitted = Admitted {
             state: Arc::clone(self),
             sequences,
+            held_tokens,
         };
+        if let Some(max) = self.max_tokens_in_flight
+            && tokens_in_flight.saturating_add(held_tokens) > max
+        {
+            if held_tokens > max {
+                // Waiting cannot help: no Retry-After.
+                return Err(ApiError {
+                    retry_after: None,
+                    ..ApiError::too_many(
+                        format!(
+                            "the request holds {held_tokens} tokens (every choice's prompt and \
+                             max_tokens), more than the server's {max}"
+                        ),
+                        Duration::ZERO,
+                    )
+                });
+            }
+            return Err(ApiError::too_many(
+                format!(
+                    "the server holds its most tokens ({max}) for other requests: retry shortly"
+                ),
+                Duration::from_secs(1),
+            ));
+        }
         if let Some(max) = self.max_in_flight
             && in_flight + sequences > max
         {
@@ -207,9 +256,15 @@ impl AppState {
         &self,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, ApiError> {
-        let permit = self
-            .tokenizing
-            .clone()
+        Self::off_runtime_on(&self.tokenizing, work).await
+    }
+
+    /// [`AppState::off_runtime`] under another semaphore's permits.
+    pub async fn off_runtime_on<T: Send + 'static>(
+        semaphore: &Arc<Semaphore>,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let permit = Arc::clone(semaphore)
             .acquire_owned()
             .await
             .map_err(|_| ApiError::unavailable("the server is shutting down"))?;

@@ -7,7 +7,7 @@ pub mod info;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -19,7 +19,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::{StreamExt, stream};
 use serde::de::DeserializeOwned;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::access_log::AccessNote;
 use crate::driver::{self, Delta};
@@ -82,13 +82,20 @@ pub async fn accept<T: DeserializeOwned + Send + 'static>(
     let key = state.authorize_client(&parts.headers, client)?;
     note.key_id(&key);
     require_json(&parts.headers)?;
-    let bytes = read_body(state, &parts.headers, body).await?;
+    let (bytes, held) = read_body(state, &parts.headers, body).await?;
     // Parsing is linear in the body, up to the 8 MiB limit: a large body is parsed off the
-    // HTTP worker threads too.
+    // HTTP worker threads too, one at a time. The body's bytes are held until it is parsed.
     let request: T = if bytes.len() > PARSE_ON_RUNTIME_BYTES {
-        state.off_runtime(move || parse_body(&bytes)).await??
+        let parse = move || {
+            let parsed = parse_body(&bytes);
+            drop(held);
+            parsed
+        };
+        AppState::off_runtime_on(&state.parsing, parse).await??
     } else {
-        parse_body(&bytes)?
+        let parsed = parse_body(&bytes);
+        drop(held);
+        parsed?
     };
     state.check_model(model_of(&request))?;
     Ok(Accepted {
@@ -104,7 +111,13 @@ pub async fn accept<T: DeserializeOwned + Send + 'static>(
 /// only if it names UTF-8, which is how the body is read): a browser may send a cross-site
 /// `text/plain` POST without asking, never a JSON one.
 fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
-    let value = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    let header = headers.get(CONTENT_TYPE);
+    if header.is_some_and(|v| v.to_str().is_err()) {
+        return Err(ApiError::unsupported_media_type(
+            "the Content-Type header must be visible ASCII text",
+        ));
+    }
+    let value = header.and_then(|v| v.to_str().ok());
     let mut parts = value.map(|v| v.split(';').map(str::trim));
     let declared = parts.as_mut().and_then(Iterator::next);
     let charset = (parts.into_iter().flatten())
@@ -131,8 +144,14 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// The body, at most `max_body_bytes` (413 beyond, from `Content-Length` before anything is
-/// read), within the body-read timeout (408).
-async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+/// read), within the body-read timeout (408), and the permits of [`AppState::body_bytes`] it
+/// holds, one a byte (503 with `Retry-After: 1` when the server is holding too many bodies
+/// already): the caller keeps them until it has parsed the body.
+async fn read_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
     let limit = state.max_body_bytes;
     let too_large = || {
         ApiError::payload_too_large(format!(
@@ -146,19 +165,37 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(too_large());
     }
+    let reserve = |bytes: usize| {
+        let bytes = u32::try_from(bytes).unwrap_or(u32::MAX);
+        Arc::clone(&state.body_bytes)
+            .try_acquire_many_owned(bytes)
+            .map_err(|_| ApiError {
+                retry_after: Some(Duration::from_secs(1)),
+                ..ApiError::unavailable(
+                    "the server is reading too many request bodies at once: retry shortly",
+                )
+            })
+    };
+    // A declared length is reserved (and allocated) at once; a chunked body as it arrives.
+    let declared = declared.map_or(0, |length| length as usize);
+    let mut held = reserve(declared)?;
     let read = async {
         let mut chunks = body.into_data_stream();
-        let mut bytes = Vec::new();
+        let mut bytes = Vec::with_capacity(declared);
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk.map_err(|e| {
                 ApiError::bad_request(format!("could not read the request body: {e}"))
             })?;
-            if bytes.len() + chunk.len() > limit {
+            let len = bytes.len() + chunk.len();
+            if len > limit {
                 return Err(too_large());
+            }
+            if len > held.num_permits() {
+                held.merge(reserve(len - held.num_permits())?);
             }
             bytes.extend_from_slice(&chunk);
         }
-        Ok(Bytes::from(bytes))
+        Ok((Bytes::from(bytes), held))
     };
     tokio::time::timeout(state.body_read_timeout, read)
         .await
@@ -289,7 +326,8 @@ pub async fn serve_generation<S: Shape>(mut job: Job<S>) -> Result<Response, Api
     }
     // Check the admission rules before spawning anything.
     let sequences = job.planned.requests.len();
-    let admitted = job.state.admit(&job.key, sequences, job.planned.budget())?;
+    let tokens = (job.planned.budget(), job.planned.held_tokens());
+    let admitted = job.state.admit(&job.key, sequences, tokens)?;
     if job.generation.stream {
         Ok(stream_response(job, admitted))
     } else {
@@ -415,5 +453,11 @@ mod tests {
             assert!(require_json(&with_type(refused)).is_err(), "{refused}");
         }
         assert!(require_json(&HeaderMap::new()).is_err());
+        // A header that is not visible ASCII is named as such (it once read as no header).
+        let mut headers = HeaderMap::new();
+        let value = axum::http::HeaderValue::from_bytes(b"application/json\xe9").unwrap();
+        headers.insert(CONTENT_TYPE, value);
+        let err = require_json(&headers).unwrap_err();
+        assert!(format!("{err:?}").contains("visible ASCII"), "{err:?}");
     }
 }

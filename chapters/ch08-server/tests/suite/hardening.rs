@@ -627,6 +627,122 @@ async fn prompt_lists_are_capped_and_sequences_fill_the_queue() {
     server.stop().await;
 }
 
+/// The tokens the server holds for its sequences (every choice's prompt and max_tokens) are
+/// bounded: a request larger than the bound is refused for good, one that would pass it while
+/// others run is told to retry, and every token is given back when its request ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tokens_held_for_waiting_and_running_sequences_are_bounded() {
+    let mut setup = Setup::default();
+    setup.config.max_tokens_in_flight = Some(1_000);
+    let server = start(setup).await;
+    let post = |body: Value| server.post("/v1/completions").json(&body).send();
+    // 3 prompts of 400 tokens hold 1,203 tokens with one each to generate.
+    let too_big =
+        post(json!({"model": MODEL, "prompt": vec![vec![5u32; 400]; 3], "max_tokens": 1}))
+            .await
+            .unwrap();
+    assert!(!too_big.headers().contains_key("retry-after"));
+    let e = expect_error(too_big, StatusCode::TOO_MANY_REQUESTS).await;
+    assert!(
+        e["message"].as_str().unwrap().contains("1203 tokens"),
+        "{e}"
+    );
+    // 4 choices of a 4-token prompt and 200 tokens hold 816; 200 more do not fit beside them.
+    let body = json!({"model": MODEL, "prompt": [5, 6, 7, 8], "n": 4, "max_tokens": 200,
+                      "ignore_eos": true, "stream": true});
+    let mut events = server.open_stream("/v1/completions", &body).await;
+    events.next().await.expect("a first chunk");
+    let full = post(json!({"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 200}))
+        .await
+        .unwrap();
+    assert!(full.headers().contains_key("retry-after"));
+    expect_error(full, StatusCode::TOO_MANY_REQUESTS).await;
+    let fits = post(json!({"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 100}))
+        .await
+        .unwrap();
+    assert_eq!(fits.status(), StatusCode::OK);
+    drop(events);
+    server.wait_idle().await;
+    let held = || {
+        server
+            .state
+            .tokens_in_flight
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+    let given_back = Instant::now();
+    while held() != 0 && given_back.elapsed() < WAIT {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(held(), 0, "every request's tokens are given back");
+    server.stop().await;
+}
+
+/// The request bodies being read are bounded server-wide (32 of the largest size): the 33rd
+/// body declared at that size is refused at once with a 503 to retry, not buffered, and the
+/// bytes are given back when the connections go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_read_at_once_are_bounded_server_wide() {
+    let mut setup = Setup::default();
+    setup.config.max_body_bytes = 100_000;
+    let server = start(setup).await;
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: kiln\r\nContent-Type: application/json\r\n\
+                Content-Length: 100000\r\n\r\n";
+    let mut reading = Vec::new();
+    for _ in 0..ch08_server::server::BODIES_AT_ONCE {
+        let mut socket = connect(&server);
+        socket.write_all(head.as_bytes()).unwrap();
+        reading.push(socket);
+    }
+    // Until every one of them holds its body's bytes (none of which ever arrive).
+    let budget = &server.state.body_bytes;
+    let since = Instant::now();
+    while budget.available_permits() > 0 && since.elapsed() < WAIT {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        budget.available_permits(),
+        0,
+        "32 bodies hold the whole budget"
+    );
+    let mut refused = connect(&server);
+    refused.write_all(head.as_bytes()).unwrap();
+    // The answer comes at once (the connection may stay open, its body never sent).
+    let reply = blocking(move || {
+        let (mut reply, mut buf, since) = (Vec::new(), [0u8; 4096], Instant::now());
+        while !String::from_utf8_lossy(&reply).contains("retry shortly") && since.elapsed() < WAIT {
+            match refused.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => reply.extend_from_slice(&buf[..n]),
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                Err(_) => break,
+            }
+        }
+        reply
+    })
+    .await;
+    let reply = String::from_utf8_lossy(&reply).to_lowercase();
+    assert!(reply.starts_with("http/1.1 503"), "{reply}");
+    assert!(reply.contains("retry-after: 1"), "{reply}");
+    assert!(reply.contains("too many request bodies"), "{reply}");
+    drop(reading);
+    let since = Instant::now();
+    while budget.available_permits() < 32 * 100_000 && since.elapsed() < WAIT {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        budget.available_permits(),
+        32 * 100_000,
+        "the bytes are given back"
+    );
+    let ok = (server.post("/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    server.stop().await;
+}
+
 // ─────────────────────────────────── 4. disconnects ───────────────────────────────────
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
