@@ -69,11 +69,11 @@ pub struct Args {
     /// that run; a request that would pass it gets 429.
     #[arg(long, value_name = "N")]
     pub max_queue: Option<usize>,
-    /// Tokens the server may hold for the engine sequences in it at once, running or waiting:
-    /// every choice's prompt and max_tokens. A request that would pass it gets 429 (with
-    /// Retry-After: 1 unless it is larger than the limit); 0: no limit.
-    #[arg(long, value_name = "TOKENS", default_value_t = ch08::server::DEFAULT_MAX_TOKENS_IN_FLIGHT)]
-    pub max_tokens_in_flight: u64,
+    /// Prompt tokens the server may hold for the engine sequences in it at once, running or
+    /// waiting: every choice's prompt (each holds a copy). A request that would pass it gets 429
+    /// (with Retry-After: 1 unless it is larger than the limit); 0: no limit.
+    #[arg(long, value_name = "TOKENS", default_value_t = ch08::server::DEFAULT_MAX_PROMPT_TOKENS_IN_FLIGHT)]
+    pub max_prompt_tokens_in_flight: u64,
     /// Seed of the requests that name none (request n gets a seed derived from it and n).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -214,7 +214,8 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         attention: args.attention.kind(),
         rate_limit: args.rate_limit,
         max_queue: args.max_queue,
-        max_tokens_in_flight: (args.max_tokens_in_flight > 0).then_some(args.max_tokens_in_flight),
+        max_prompt_tokens_in_flight: (args.max_prompt_tokens_in_flight > 0)
+            .then_some(args.max_prompt_tokens_in_flight),
         seed: args.seed,
         shutdown_grace: seconds(args.shutdown_grace, "shutdown-grace")?,
         priority_scheduling: args.scheduling_policy == "priority",
@@ -272,7 +273,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
         args.rate_limit
             .map_or("none".into(), |r| format!("{r} per minute")),
         args.max_queue.map_or("none".into(), |q| q.to_string()),
-        match args.max_tokens_in_flight {
+        match args.max_prompt_tokens_in_flight {
             0 => "none".to_string(),
             tokens => tokens.to_string(),
         },

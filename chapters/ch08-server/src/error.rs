@@ -18,8 +18,11 @@ pub struct ApiError {
     /// The request field at fault, when there is one.
     pub param: Option<String>,
     pub code: Option<&'static str>,
-    /// Sent as `Retry-After` (whole seconds, rounded up) with a 429.
+    /// Sent as `Retry-After` (whole seconds, rounded up) with a 429 or a 503.
     pub retry_after: Option<Duration>,
+    /// The answer leaves the request's body unread: sent with `Connection: close` (as every
+    /// 413 and 408 is).
+    pub close_connection: bool,
 }
 // ANCHOR_END: api_error
 
@@ -46,6 +49,7 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            close_connection: false,
         }
     }
 
@@ -145,19 +149,25 @@ impl IntoResponse for ApiError {
             self.to_json(),
         )
             .into_response();
-        // A 413 or 408 leaves the rest of the body unread, and so does a 503 for too many
-        // bodies held at once: the connection cannot carry another request, so the client is
-        // told not to reuse it (else its next request on it may find it closed). Other 503s
-        // mean the server is shutting down, when closing costs nothing.
-        if matches!(
-            self.status,
-            StatusCode::PAYLOAD_TOO_LARGE
-                | StatusCode::REQUEST_TIMEOUT
-                | StatusCode::SERVICE_UNAVAILABLE
-        ) {
+        // A 413 or 408 leaves the rest of the body unread, and so does a refusal marked
+        // `close_connection`: the connection cannot carry another request, so the client is
+        // told not to reuse it (else its next request on it may find it closed).
+        if self.close_connection
+            || matches!(
+                self.status,
+                StatusCode::PAYLOAD_TOO_LARGE | StatusCode::REQUEST_TIMEOUT
+            )
+        {
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        // A 429 that no wait can lift (a request larger than a limit) says so to clients
+        // that retry 429s by themselves (the openai clients read this header).
+        if self.status == StatusCode::TOO_MANY_REQUESTS && self.retry_after.is_none() {
+            response
+                .headers_mut()
+                .insert("x-should-retry", HeaderValue::from_static("false"));
         }
         if let Some(wait) = self.retry_after {
             let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);

@@ -28,7 +28,7 @@
 //! | [`engine_thread`] | the engine on its own thread; the handlers' `EngineHandle`          |
 //! | [`driver`]        | one request's generation: tokens → text, stop strings, latencies    |
 //! | [`routes`]        | the endpoints; streaming (SSE) or whole responses                   |
-//! | [`state`]         | what handlers share; admission (keys, rate limits, queue limit)      |
+//! | [`state`]         | what handlers share; admission (keys, rate limits, queue bounds)     |
 //! | [`server`]        | start-up checks, the router, graceful shutdown                       |
 //! | [`dashboard`]     | `/dashboard`: the engine's queues, block tables and steps, live      |
 //! | [`structured`]    | constrained decoding (llguidance token masks), tool calls, biases   |

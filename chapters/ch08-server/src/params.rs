@@ -588,14 +588,11 @@ impl Planned {
         (self.prompt_tokens + self.requests.iter().map(|r| r.max_tokens).sum::<usize>()) as u64
     }
 
-    /// Tokens the server holds for the request's sequences at most: every choice's prompt
-    /// (each choice holds its own copy) and its max_tokens (what it may generate).
+    /// The prompt tokens the server holds for the request's sequences: every choice's prompt
+    /// (each choice holds its own copy, and waits with it). What a running choice generates is
+    /// bounded by the engine's `max_num_seqs` and context instead.
     pub fn held_tokens(&self) -> u64 {
-        let held = self
-            .requests
-            .iter()
-            .map(|r| r.prompt.len() as u64 + r.max_tokens as u64);
-        held.fold(0, u64::saturating_add)
+        (self.requests.iter()).fold(0, |held, r| held.saturating_add(r.prompt.len() as u64))
     }
 
     /// Lowers the choices' max_tokens so that the [`budget`](Planned::budget) is at most

@@ -24,12 +24,14 @@ use crate::rate_limit::{RateLimit, RateLimiter};
 use crate::routes::{self, unix_now};
 use crate::state::AppState;
 
-/// The default of [`ServerConfig::max_tokens_in_flight`]: 2²⁴ tokens, some 2,000 sequences of
-/// 8,192 tokens (prompt and max_tokens), or 134 MB of prompt ids held twice.
-pub const DEFAULT_MAX_TOKENS_IN_FLIGHT: u64 = 1 << 24;
+/// The default of [`ServerConfig::max_prompt_tokens_in_flight`]: 2²⁴ tokens, 2,048 waiting
+/// sequences of 8,192 prompt tokens, or some 134 MB of prompt ids held twice (the request's
+/// copy and the scheduler's).
+pub const DEFAULT_MAX_PROMPT_TOKENS_IN_FLIGHT: u64 = 1 << 24;
 
 /// Request bodies of the largest size (`max_body_bytes`) that may be read or parsed at once,
-/// server-wide (`AppState::body_bytes`): 256 MiB at the default 8 MiB.
+/// server-wide (`AppState::body_bytes`, which counts a body's bytes beyond its first
+/// `routes::FREE_BODY_BYTES`): 256 MiB at the default 8 MiB.
 pub const BODIES_AT_ONCE: usize = 32;
 
 /// Where the served model's weights are.
@@ -119,9 +121,9 @@ pub struct ServerConfig {
     /// Engine sequences (prompts × n) that may wait beyond the `max_num_seqs` that run;
     /// `None`: no limit.
     pub max_queue: Option<usize>,
-    /// Tokens the server may hold for the sequences in it at once (every choice's prompt and
-    /// max_tokens; see `AppState::max_tokens_in_flight`); `None`: no limit.
-    pub max_tokens_in_flight: Option<u64>,
+    /// Prompt tokens the server may hold for the sequences in it at once (every choice's
+    /// prompt; see `AppState::max_prompt_tokens_in_flight`); `None`: no limit.
+    pub max_prompt_tokens_in_flight: Option<u64>,
     pub seed: u64,
     /// How long in-flight requests may go on after a shutdown signal before they are aborted.
     pub shutdown_grace: Duration,
@@ -163,7 +165,7 @@ impl Default for ServerConfig {
             attention: AttentionKind::default(),
             rate_limit: None,
             max_queue: None,
-            max_tokens_in_flight: Some(DEFAULT_MAX_TOKENS_IN_FLIGHT),
+            max_prompt_tokens_in_flight: Some(DEFAULT_MAX_PROMPT_TOKENS_IN_FLIGHT),
             seed: 0,
             shutdown_grace: Duration::from_secs(30),
             max_body_bytes: 8 << 20,
@@ -304,10 +306,11 @@ impl Server {
                 .max_queue
                 .map(|queue| queue.saturating_add(config.engine.max_num_seqs)),
             in_flight: AtomicUsize::new(0),
-            max_tokens_in_flight: config.max_tokens_in_flight,
-            tokens_in_flight: AtomicU64::new(0),
+            max_prompt_tokens_in_flight: config.max_prompt_tokens_in_flight,
+            prompt_tokens_in_flight: AtomicU64::new(0),
             body_bytes: Arc::new(tokio::sync::Semaphore::new(
-                config.max_body_bytes.saturating_mul(BODIES_AT_ONCE),
+                (config.max_body_bytes.saturating_mul(BODIES_AT_ONCE))
+                    .min(tokio::sync::Semaphore::MAX_PERMITS),
             )),
             parsing: Arc::new(tokio::sync::Semaphore::new(1)),
             tokenizing: Arc::new(tokio::sync::Semaphore::new(config.tokenizer_workers.max(1))),

@@ -1,5 +1,6 @@
 //! What every handler shares: the engine's handle, the tokenizer and template, the metrics,
-//! and the admission rules (keys, rate limits, the queue limit).
+//! and the admission rules (keys, rate limits, the queue limit, the prompt tokens and request
+//! bodies held at once).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -40,13 +41,13 @@ pub struct AppState {
     pub max_in_flight: Option<usize>,
     /// Engine sequences admitted and not yet finished.
     pub in_flight: AtomicUsize,
-    /// Most tokens the server holds for the sequences in it at once: every choice's prompt (a
-    /// copy each) and `max_tokens` ([`Planned::held_tokens`](crate::params::Planned::held_tokens));
+    /// Most prompt tokens the server holds for the sequences in it at once, every choice's
+    /// prompt counted (each holds a copy; [`Planned::held_tokens`](crate::params::Planned::held_tokens));
     /// `None`: no limit. Without it, waiting sequences grew memory without bound: 60 requests
     /// of 64 prompts of 8,000 token ids × 16 choices took a server from 1.2 GB to 5.3 GB.
-    pub max_tokens_in_flight: Option<u64>,
-    /// Tokens held for the sequences admitted and not yet finished.
-    pub tokens_in_flight: AtomicU64,
+    pub max_prompt_tokens_in_flight: Option<u64>,
+    /// Prompt tokens held for the sequences admitted and not yet finished.
+    pub prompt_tokens_in_flight: AtomicU64,
     /// Bytes of request bodies being read or parsed, server-wide, as permits: a body that
     /// would pass them is refused (503, retry) rather than buffered. Without it, 480 bodies of
     /// 8 MiB, each answered 400, took a server from 1.2 GB to 5.9 GB at once.
@@ -75,6 +76,17 @@ pub struct AppState {
     pub tag_decoder: std::sync::OnceLock<Result<Option<Arc<Tokenizer>>, String>>,
 }
 
+/// The tokens a request counts for at admission.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestTokens {
+    /// What the key's tokens per minute are charged: every prompt once, every choice's
+    /// max_tokens ([`Planned::budget`](crate::params::Planned::budget)).
+    pub charged: u64,
+    /// What the server holds while the request is in it: every choice's prompt
+    /// ([`Planned::held_tokens`](crate::params::Planned::held_tokens)).
+    pub held: u64,
+}
+
 /// A request admitted into the server; dropping it gives its sequences' places and tokens
 /// back.
 pub struct Admitted {
@@ -89,7 +101,7 @@ impl Drop for Admitted {
             .in_flight
             .fetch_sub(self.sequences, Ordering::SeqCst);
         self.state
-            .tokens_in_flight
+            .prompt_tokens_in_flight
             .fetch_sub(self.held_tokens, Ordering::SeqCst);
     }
 }
@@ -150,78 +162,73 @@ impl AppState {
     }
 
     // ANCHOR: admit
-    /// Admits a request of `sequences` engine sequences (prompts × n), charged `tokens` tokens
-    /// (every prompt once, every choice's max_tokens) and holding `held_tokens` (every
-    /// choice's prompt and max_tokens), from `key`, or refuses it with 429 (rate limit, full
-    /// queue, too many tokens held) or 503 (shutting down). Both the queue and the
-    /// requests-per-minute limit count sequences, not HTTP requests: one request of 64 prompts
-    /// × 16 choices is 1,024.
+    /// Admits a request of `sequences` engine sequences (prompts × n), charged `tokens.charged`
+    /// (every prompt once, every choice's max_tokens) and holding `tokens.held` (every choice's
+    /// prompt), from `key`, or refuses it with 429 (rate limit, full queue, too many prompt
+    /// tokens held) or 503 (shutting down). Both the queue and the requests-per-minute limit
+    /// count sequences, not HTTP requests: one request of 64 prompts × 16 choices is 1,024.
     pub fn admit(
         self: &Arc<Self>,
         key: &str,
         sequences: usize,
-        (tokens, held_tokens): (u64, u64),
+        tokens: RequestTokens,
     ) -> Result<Admitted, ApiError> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
+        // A request no wait can admit is told so first, without Retry-After.
+        let never = |message: String| ApiError {
+            retry_after: None,
+            ..ApiError::too_many(message, Duration::ZERO)
+        };
+        if let Some(max) = self.max_in_flight
+            && sequences > max
+        {
+            return Err(never(format!(
+                "the request is {sequences} sequences (prompts × n), more than the server's \
+                 queue of {max}"
+            )));
+        }
+        if let Some(max) = self.max_prompt_tokens_in_flight
+            && tokens.held > max
+        {
+            return Err(never(format!(
+                "the request holds {} prompt tokens (every choice's prompt), more than the \
+                 server's {max}",
+                tokens.held
+            )));
+        }
         // Take the places first, so that a request refused for a full queue is not charged
         // to the key's rate limit.
         let in_flight = self.in_flight.fetch_add(sequences, Ordering::SeqCst);
-        let tokens_in_flight = self
-            .tokens_in_flight
-            .fetch_add(held_tokens, Ordering::SeqCst);
+        let prompt_tokens_in_flight =
+            (self.prompt_tokens_in_flight).fetch_add(tokens.held, Ordering::SeqCst);
         let admitted = Admitted {
             state: Arc::clone(self),
             sequences,
-            held_tokens,
+            held_tokens: tokens.held,
         };
-        if let Some(max) = self.max_tokens_in_flight
-            && tokens_in_flight.saturating_add(held_tokens) > max
-        {
-            if held_tokens > max {
-                // Waiting cannot help: no Retry-After.
-                return Err(ApiError {
-                    retry_after: None,
-                    ..ApiError::too_many(
-                        format!(
-                            "the request holds {held_tokens} tokens (every choice's prompt and \
-                             max_tokens), more than the server's {max}"
-                        ),
-                        Duration::ZERO,
-                    )
-                });
-            }
-            return Err(ApiError::too_many(
-                format!(
-                    "the server holds its most tokens ({max}) for other requests: retry shortly"
-                ),
-                Duration::from_secs(1),
-            ));
-        }
         if let Some(max) = self.max_in_flight
             && in_flight + sequences > max
         {
-            if sequences > max {
-                // Waiting cannot help: no Retry-After.
-                return Err(ApiError {
-                    retry_after: None,
-                    ..ApiError::too_many(
-                        format!(
-                            "the request is {sequences} sequences (prompts × n), more than \
-                             the server's queue of {max}"
-                        ),
-                        Duration::ZERO,
-                    )
-                });
-            }
             return Err(ApiError::too_many(
                 format!("the server's queue is full ({max} sequences): retry shortly"),
                 Duration::from_secs(1),
             ));
         }
+        if let Some(max) = self.max_prompt_tokens_in_flight
+            && prompt_tokens_in_flight.saturating_add(tokens.held) > max
+        {
+            return Err(ApiError::too_many(
+                format!(
+                    "the server holds its most prompt tokens ({max}) for other requests: retry \
+                     shortly"
+                ),
+                Duration::from_secs(1),
+            ));
+        }
         if let Some(limiter) = &self.rate_limiter {
-            match limiter.check_many(key, sequences as u64, tokens, Instant::now()) {
+            match limiter.check_many(key, sequences as u64, tokens.charged, Instant::now()) {
                 Ok(()) => {}
                 Err(RateLimited::Wait(wait)) => {
                     return Err(ApiError::too_many(

@@ -26,7 +26,7 @@ use crate::driver::{self, Delta};
 use crate::error::ApiError;
 use crate::params::{Generation, Planned};
 use crate::protocol::Usage;
-use crate::state::{Admitted, AppState};
+use crate::state::{Admitted, AppState, RequestTokens};
 
 /// Parses a JSON body into `T`, with OpenAI-shaped errors: 400 for anything that is not the
 /// request's JSON (the message names the field at fault).
@@ -43,6 +43,11 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 /// Bodies up to this size are parsed on the HTTP worker (a fraction of a millisecond); larger
 /// ones on the blocking pool.
 const PARSE_ON_RUNTIME_BYTES: usize = 64 << 10;
+
+/// The bytes of every body that [`AppState::body_bytes`] does not count: a request of this size
+/// is never refused for the large bodies others send (and the connection limit bounds what
+/// these hold together: 512 × 64 KiB = 32 MiB).
+pub const FREE_BODY_BYTES: usize = PARSE_ON_RUNTIME_BYTES;
 
 /// A generation request past the checks every endpoint makes first.
 pub struct Accepted<T> {
@@ -145,8 +150,10 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
 
 /// The body, at most `max_body_bytes` (413 beyond, from `Content-Length` before anything is
 /// read), within the body-read timeout (408), and the permits of [`AppState::body_bytes`] it
-/// holds, one a byte (503 with `Retry-After: 1` when the server is holding too many bodies
-/// already): the caller keeps them until it has parsed the body.
+/// holds: one a byte of the body's buffer beyond its first [`FREE_BODY_BYTES`], taken as the
+/// buffer grows (503 with `Retry-After: 1` when the server holds too many large bodies
+/// already). A body announced and never sent holds nothing. The caller keeps the permits until
+/// it has parsed the body.
 async fn read_body(
     state: &AppState,
     headers: &HeaderMap,
@@ -171,17 +178,16 @@ async fn read_body(
             .try_acquire_many_owned(bytes)
             .map_err(|_| ApiError {
                 retry_after: Some(Duration::from_secs(1)),
+                close_connection: true,
                 ..ApiError::unavailable(
-                    "the server is reading too many request bodies at once: retry shortly",
+                    "the server is reading too many large request bodies at once: retry shortly",
                 )
             })
     };
-    // A declared length is reserved (and allocated) at once; a chunked body as it arrives.
-    let declared = declared.map_or(0, |length| length as usize);
-    let mut held = reserve(declared)?;
     let read = async {
+        let mut held = reserve(0)?;
         let mut chunks = body.into_data_stream();
-        let mut bytes = Vec::with_capacity(declared);
+        let mut bytes = Vec::with_capacity(declared.map_or(0, |d| d as usize).min(FREE_BODY_BYTES));
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk.map_err(|e| {
                 ApiError::bad_request(format!("could not read the request body: {e}"))
@@ -190,8 +196,14 @@ async fn read_body(
             if len > limit {
                 return Err(too_large());
             }
-            if len > held.num_permits() {
-                held.merge(reserve(len - held.num_permits())?);
+            if len > bytes.capacity() {
+                // The buffer grows by doubling, as a Vec would, and is charged for all of it.
+                let capacity = len.max(2 * bytes.capacity()).min(limit);
+                let charge = capacity.saturating_sub(FREE_BODY_BYTES);
+                if charge > held.num_permits() {
+                    held.merge(reserve(charge - held.num_permits())?);
+                }
+                bytes.reserve_exact(capacity - bytes.len());
             }
             bytes.extend_from_slice(&chunk);
         }
@@ -326,7 +338,10 @@ pub async fn serve_generation<S: Shape>(mut job: Job<S>) -> Result<Response, Api
     }
     // Check the admission rules before spawning anything.
     let sequences = job.planned.requests.len();
-    let tokens = (job.planned.budget(), job.planned.held_tokens());
+    let tokens = RequestTokens {
+        charged: job.planned.budget(),
+        held: job.planned.held_tokens(),
+    };
     let admitted = job.state.admit(&job.key, sequences, tokens)?;
     if job.generation.stream {
         Ok(stream_response(job, admitted))

@@ -627,48 +627,49 @@ async fn prompt_lists_are_capped_and_sequences_fill_the_queue() {
     server.stop().await;
 }
 
-/// The tokens the server holds for its sequences (every choice's prompt and max_tokens) are
-/// bounded: a request larger than the bound is refused for good, one that would pass it while
-/// others run is told to retry, and every token is given back when its request ends.
+/// The prompt tokens the server holds for its sequences (every choice's prompt) are bounded: a
+/// request larger than the bound is refused for good (and told not to retry), one that would
+/// pass it while others run is told to retry, and every token is given back when its request
+/// ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_tokens_held_for_waiting_and_running_sequences_are_bounded() {
+async fn the_prompt_tokens_held_for_waiting_and_running_sequences_are_bounded() {
     let mut setup = Setup::default();
-    setup.config.max_tokens_in_flight = Some(1_000);
+    setup.config.max_prompt_tokens_in_flight = Some(1_000);
     let server = start(setup).await;
     let post = |body: Value| server.post("/v1/completions").json(&body).send();
-    // 3 prompts of 400 tokens hold 1,203 tokens with one each to generate.
+    let held = || (server.state.prompt_tokens_in_flight).load(std::sync::atomic::Ordering::SeqCst);
+    // 3 prompts of 400 tokens hold 1,200.
     let too_big =
         post(json!({"model": MODEL, "prompt": vec![vec![5u32; 400]; 3], "max_tokens": 1}))
             .await
             .unwrap();
     assert!(!too_big.headers().contains_key("retry-after"));
+    assert_eq!(too_big.headers()["x-should-retry"], "false");
     let e = expect_error(too_big, StatusCode::TOO_MANY_REQUESTS).await;
     assert!(
-        e["message"].as_str().unwrap().contains("1203 tokens"),
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("1200 prompt tokens"),
         "{e}"
     );
-    // 4 choices of a 4-token prompt and 200 tokens hold 816; 200 more do not fit beside them.
-    let body = json!({"model": MODEL, "prompt": [5, 6, 7, 8], "n": 4, "max_tokens": 200,
+    // 4 choices of a 200-token prompt hold 800; a 201-token prompt does not fit beside them.
+    let body = json!({"model": MODEL, "prompt": vec![5u32; 200], "n": 4, "max_tokens": 300,
                       "ignore_eos": true, "stream": true});
     let mut events = server.open_stream("/v1/completions", &body).await;
     events.next().await.expect("a first chunk");
-    let full = post(json!({"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 200}))
+    assert_eq!(held(), 800);
+    let full = post(json!({"model": MODEL, "prompt": vec![5u32; 201], "max_tokens": 1}))
         .await
         .unwrap();
     assert!(full.headers().contains_key("retry-after"));
     expect_error(full, StatusCode::TOO_MANY_REQUESTS).await;
-    let fits = post(json!({"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 100}))
+    let fits = post(json!({"model": MODEL, "prompt": vec![5u32; 200], "max_tokens": 1}))
         .await
         .unwrap();
     assert_eq!(fits.status(), StatusCode::OK);
     drop(events);
     server.wait_idle().await;
-    let held = || {
-        server
-            .state
-            .tokens_in_flight
-            .load(std::sync::atomic::Ordering::SeqCst)
-    };
     let given_back = Instant::now();
     while held() != 0 && given_back.elapsed() < WAIT {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -677,69 +678,87 @@ async fn the_tokens_held_for_waiting_and_running_sequences_are_bounded() {
     server.stop().await;
 }
 
-/// The request bodies being read are bounded server-wide (32 of the largest size): the 33rd
-/// body declared at that size is refused at once with a 503 to retry, not buffered, and the
-/// bytes are given back when the connections go.
+/// Large request bodies are bounded server-wide: what they hold beyond their first 64 KiB is
+/// at most 32 of the largest size, a body that would pass it is refused at once with a 503 to
+/// retry (not buffered), a small request is served all the while, a body announced and never
+/// sent holds nothing, and the bytes are given back when the connections go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn request_bodies_read_at_once_are_bounded_server_wide() {
+async fn large_request_bodies_held_at_once_are_bounded_server_wide() {
+    const LIMIT: usize = 1 << 20;
     let mut setup = Setup::default();
-    setup.config.max_body_bytes = 100_000;
+    setup.config.max_body_bytes = LIMIT;
     let server = start(setup).await;
-    let head = "POST /v1/completions HTTP/1.1\r\nHost: kiln\r\nContent-Type: application/json\r\n\
-                Content-Length: 100000\r\n\r\n";
-    let mut reading = Vec::new();
-    for _ in 0..ch08_server::server::BODIES_AT_ONCE {
-        let mut socket = connect(&server);
-        socket.write_all(head.as_bytes()).unwrap();
-        reading.push(socket);
-    }
-    // Until every one of them holds its body's bytes (none of which ever arrive).
-    let budget = &server.state.body_bytes;
-    let since = Instant::now();
-    while budget.available_permits() > 0 && since.elapsed() < WAIT {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        budget.available_permits(),
-        0,
-        "32 bodies hold the whole budget"
+    let budget = Arc::clone(&server.state.body_bytes);
+    let whole = budget.available_permits();
+    assert_eq!(whole, ch08_server::server::BODIES_AT_ONCE * LIMIT);
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: kiln\r\nContent-Type: application/json\r\n\
+         Content-Length: {LIMIT}\r\n\r\n"
     );
-    let mut refused = connect(&server);
-    refused.write_all(head.as_bytes()).unwrap();
-    // The answer comes at once (the connection may stay open, its body never sent).
-    let reply = blocking(move || {
-        let (mut reply, mut buf, since) = (Vec::new(), [0u8; 4096], Instant::now());
-        while !String::from_utf8_lossy(&reply).contains("retry shortly") && since.elapsed() < WAIT {
-            match refused.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => reply.extend_from_slice(&buf[..n]),
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-                Err(_) => break,
+    // Announced and never sent: nothing held.
+    let mut silent = connect(&server);
+    silent.write_all(head.as_bytes()).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(budget.available_permits(), whole);
+    // Bodies of the largest size, all but their last byte sent, until the server refuses one.
+    let body_but_one = Arc::new(vec![b' '; LIMIT - 1]);
+    let (mut held, mut refusal) = (Vec::new(), None);
+    for _ in 0..2 * ch08_server::server::BODIES_AT_ONCE {
+        let (mut socket, head, body) = (connect(&server), head.clone(), Arc::clone(&body_but_one));
+        let (socket, sent, reply) = blocking(move || {
+            socket.write_all(head.as_bytes()).unwrap();
+            let sent = socket.write_all(&body).is_ok();
+            // A held body gets no answer; a refused one gets its 503 at once.
+            let (mut reply, mut buf, since) = (Vec::new(), [0u8; 4096], Instant::now());
+            while since.elapsed() < Duration::from_millis(300) {
+                match socket.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => reply.extend_from_slice(&buf[..n]),
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                    Err(_) => break,
+                }
             }
+            (socket, sent, reply)
+        })
+        .await;
+        if reply.is_empty() && sent {
+            held.push(socket);
+        } else {
+            refusal = Some(String::from_utf8_lossy(&reply).to_lowercase());
+            break;
         }
-        reply
-    })
-    .await;
-    let reply = String::from_utf8_lossy(&reply).to_lowercase();
-    assert!(reply.starts_with("http/1.1 503"), "{reply}");
-    assert!(reply.contains("retry-after: 1"), "{reply}");
-    assert!(reply.contains("too many request bodies"), "{reply}");
-    drop(reading);
-    let since = Instant::now();
-    while budget.available_permits() < 32 * 100_000 && since.elapsed() < WAIT {
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(
-        budget.available_permits(),
-        32 * 100_000,
-        "the bytes are given back"
+    let refusal = refusal.expect("a body past the budget is refused");
+    assert!(refusal.starts_with("http/1.1 503"), "{refusal}");
+    assert!(refusal.contains("retry-after: 1"), "{refusal}");
+    assert!(refusal.contains("connection: close"), "{refusal}");
+    assert!(
+        refusal.contains("too many large request bodies"),
+        "{refusal}"
     );
+    let charge = LIMIT - ch08_server::routes::FREE_BODY_BYTES;
+    assert_eq!(
+        held.len(),
+        whole / charge,
+        "as many held as the budget pays for"
+    );
+    // A small request is served while the budget is spent.
     let ok = (server.post("/v1/completions"))
         .json(&json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}))
         .send()
         .await
         .unwrap();
     assert_eq!(ok.status(), StatusCode::OK);
+    drop((held, silent));
+    let since = Instant::now();
+    while budget.available_permits() < whole && since.elapsed() < WAIT {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        budget.available_permits(),
+        whole,
+        "the bytes are given back"
+    );
     server.stop().await;
 }
 
