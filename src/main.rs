@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! kiln generate   --prompt TEXT            stream a completion, then timings on stderr
-//! kiln generate   --prompts-file FILE      one prompt per line, all at once through the engine
+//! kiln generate   --prompts-file FILE      one prompt per line, through the engine
 //! kiln forward    --prompt TEXT --out FILE logits of every position as safetensors
 //! kiln perplexity --file TEXT --ctx 512    llama.cpp-style perplexity
 //! kiln quantize   --type q4_0 --out F.gguf a Hugging Face checkpoint → GGUF (kiln and llama.cpp load it)

@@ -1,5 +1,6 @@
 //! `kiln generate`: stream a completion to stdout, timings to stderr (as llama.cpp prints them).
-//! With `--prompts-file`, every prompt of the file runs at once through chapter 4's engine.
+//! With `--prompts-file`, the file's prompts run through chapter 4's engine, fed to it as it
+//! makes room.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -28,9 +29,10 @@ pub struct Args {
     // --attention-backend too: one prompt runs chapter 2's attention, which no backend replaces.
     #[arg(long, conflicts_with_all = ["EngineArgs", "attention_backend"])]
     pub prompt: Option<String>,
-    /// A file of prompts, one per line (empty lines skipped), all run at once through chapter
-    /// 4's engine; prompt i (from 0) samples with seed + i. Completions are printed in order
-    /// once all have finished.
+    /// A file of prompts, one per line (empty lines skipped), run through chapter 4's engine,
+    /// twice --max-num-seqs of them (at least 64) in it at a time, in line order; prompt i
+    /// (from 0) samples with seed + i. Completions are printed in order once all have finished;
+    /// a prompt that cannot be tokenized or admitted ends the run with an error naming its line.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["recompute", "contiguous"])]
     pub prompts_file: Option<PathBuf>,
     /// Maximum number of tokens to generate.
@@ -373,7 +375,7 @@ fn run_many(
         feed: Feed {
             prompts,
             next: 0,
-            window: (2 * engine_config.max_num_seqs).max(FEED_AHEAD_AT_LEAST),
+            window: (engine_config.max_num_seqs.saturating_mul(2)).max(FEED_AHEAD_AT_LEAST),
             tokenizer,
             options,
         },
@@ -383,6 +385,12 @@ fn run_many(
     if let Some(error) = client.error {
         return Err(error);
     }
+    anyhow::ensure!(
+        client.texts.len() == prompts.len(),
+        "the engine went idle with {} of {} prompts added",
+        client.texts.len(),
+        prompts.len()
+    );
     let wall = start.elapsed().as_secs_f64();
 
     let mut stdout = std::io::stdout().lock();
@@ -416,7 +424,7 @@ fn run_many(
     Ok(())
 }
 
-/// Unfinished requests the engine is kept fed with at least (beyond twice `--max-num-seqs`).
+/// The fewest unfinished requests the engine is fed (otherwise twice `--max-num-seqs`).
 const FEED_AHEAD_AT_LEAST: usize = 64;
 
 /// `--prompts-file` as chapter 4's engine loop sees it: requests are added in line order, up to

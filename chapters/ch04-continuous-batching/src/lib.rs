@@ -28,6 +28,7 @@
 //! | `presample`      | the step's plain decodes sampled on several threads before `update` takes their tokens in order |
 //! | [`processor`]    | the [`LogitsProcessor`] seam: a per-sequence mask or bias on the logits before sampling (chapter 8) |
 //! | [`speculation`]  | the [`Speculator`] seam: drafts proposed, lookahead slots, verification (chapter 6) |
+//! | [`decode_workload`] | the batch-32 decode step the attention examples time                |
 
 pub mod attention;
 pub mod cpu_executor;
