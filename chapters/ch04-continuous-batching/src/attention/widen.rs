@@ -1,5 +1,5 @@
 //! Stored K/V elements widened to f32 vectors, by the pool's dtype: one load and one or two
-//! conversions for f32, bf16 and int8, a dozen instructions for FP8 E4M3, the same values as
+//! conversions for f32, bf16 and int8, about ten instructions for FP8 E4M3, the same values as
 //! [`ToF32::to_f32`](ch02::kernels::vector::ToF32) lane by lane (exact for every dtype).
 //!
 //! ```text
