@@ -32,7 +32,8 @@ pub struct Args {
     /// A file of prompts, one per line (empty lines skipped), run through chapter 4's engine,
     /// twice --max-num-seqs of them (at least 64) in it at a time, in line order; prompt i
     /// (from 0) samples with seed + i. Completions are printed in order once all have finished;
-    /// a prompt that cannot be tokenized or admitted ends the run with an error naming its line.
+    /// a prompt that cannot be tokenized or admitted ends the run with an error naming it (its
+    /// index from 0 and its text).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["recompute", "contiguous"])]
     pub prompts_file: Option<PathBuf>,
     /// Maximum number of tokens to generate.

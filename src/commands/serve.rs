@@ -259,7 +259,7 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
     );
     eprintln!(
         "kiln serve: chat template {} | API keys: {} | rate limit: {} | max queue: {} | max \
-         tokens in flight: {}",
+         prompt tokens in flight: {}",
         if has_template {
             "yes"
         } else {

@@ -260,6 +260,22 @@ impl RateLimiter {
         self.check_many(key, 1, tokens, now)
     }
 
+    /// The refusal no wait can lift: more tokens, or more requests, than a minute allows
+    /// ([`RateLimited::TooLarge`], [`RateLimited::TooManySequences`]). Charges nothing.
+    pub fn never(&self, requests: u64, tokens: u64) -> Result<(), RateLimited> {
+        if let Some(limit) = self.limit.tokens_per_minute
+            && tokens > limit
+        {
+            return Err(RateLimited::TooLarge { tokens, limit });
+        }
+        if let Some(limit) = self.limit.requests_per_minute.map(u64::from)
+            && requests > limit
+        {
+            return Err(RateLimited::TooManySequences { requests, limit });
+        }
+        Ok(())
+    }
+
     /// [`RateLimiter::check`] for `requests` requests at once (a request of several engine
     /// sequences is charged one request each). More requests than the per-minute capacity is
     /// [`RateLimited::TooLarge`], as is more tokens.
@@ -273,16 +289,7 @@ impl RateLimiter {
         if self.limit == RateLimit::UNLIMITED {
             return Ok(());
         }
-        if let Some(limit) = self.limit.tokens_per_minute
-            && tokens > limit
-        {
-            return Err(RateLimited::TooLarge { tokens, limit });
-        }
-        if let Some(limit) = self.limit.requests_per_minute.map(u64::from)
-            && requests > limit
-        {
-            return Err(RateLimited::TooManySequences { requests, limit });
-        }
+        self.never(requests, tokens)?;
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         if keys.len() >= PRUNE_AT && !keys.contains_key(key) {
             keys.retain(|_, state| !state.is_full(now));
@@ -332,6 +339,23 @@ mod tests {
 
     fn secs(s: f64) -> Duration {
         Duration::from_secs_f64(s)
+    }
+
+    /// `never` refuses what no wait can admit, as `check_many` does, and charges nothing.
+    #[test]
+    fn never_refuses_what_a_minute_cannot_hold_and_charges_nothing() {
+        let limiter = RateLimiter::new(limit("4:100"));
+        assert!(matches!(
+            limiter.never(5, 10),
+            Err(RateLimited::TooManySequences { .. })
+        ));
+        assert!(matches!(
+            limiter.never(1, 101),
+            Err(RateLimited::TooLarge { .. })
+        ));
+        assert!(limiter.never(4, 100).is_ok());
+        // Nothing was charged: the whole minute's allowance is still there.
+        assert!(limiter.check_many("k", 4, 100, Instant::now()).is_ok());
     }
 
     #[test]

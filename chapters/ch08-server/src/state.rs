@@ -198,6 +198,11 @@ impl AppState {
                 tokens.held
             )));
         }
+        if let Some(limiter) = &self.rate_limiter
+            && let Err(too_large) = limiter.never(sequences as u64, tokens.charged)
+        {
+            return Err(never(too_large.to_string()));
+        }
         // Take the places first, so that a request refused for a full queue is not charged
         // to the key's rate limit.
         let in_flight = self.in_flight.fetch_add(sequences, Ordering::SeqCst);
@@ -243,11 +248,8 @@ impl AppState {
                     too_large @ (RateLimited::TooLarge { .. }
                     | RateLimited::TooManySequences { .. }),
                 ) => {
-                    // Waiting cannot help: no Retry-After.
-                    return Err(ApiError {
-                        retry_after: None,
-                        ..ApiError::too_many(too_large.to_string(), Duration::ZERO)
-                    });
+                    // Checked above, with the other refusals no wait can lift.
+                    return Err(never(too_large.to_string()));
                 }
             }
         }

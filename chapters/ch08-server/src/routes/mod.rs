@@ -46,7 +46,8 @@ const PARSE_ON_RUNTIME_BYTES: usize = 64 << 10;
 
 /// The bytes of every body that [`AppState::body_bytes`] does not count: a request of this size
 /// is never refused for the large bodies others send (and the connection limit bounds what
-/// these hold together: 512 × 64 KiB = 32 MiB).
+/// these hold together: 512 × 64 KiB = 32 MiB). While a buffer grows it briefly holds its old
+/// bytes beside the new ones, up to 1.5 times its charge.
 pub const FREE_BODY_BYTES: usize = PARSE_ON_RUNTIME_BYTES;
 
 /// A generation request past the checks every endpoint makes first.
@@ -172,6 +173,7 @@ async fn read_body(
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(too_large());
     }
+    let declared = declared.map(|length| length as usize); // within the limit
     let reserve = |bytes: usize| {
         let bytes = u32::try_from(bytes).unwrap_or(u32::MAX);
         Arc::clone(&state.body_bytes)
@@ -187,7 +189,7 @@ async fn read_body(
     let read = async {
         let mut held = reserve(0)?;
         let mut chunks = body.into_data_stream();
-        let mut bytes = Vec::with_capacity(declared.map_or(0, |d| d as usize).min(FREE_BODY_BYTES));
+        let mut bytes = Vec::with_capacity(declared.unwrap_or(0).min(FREE_BODY_BYTES));
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk.map_err(|e| {
                 ApiError::bad_request(format!("could not read the request body: {e}"))
@@ -197,8 +199,14 @@ async fn read_body(
                 return Err(too_large());
             }
             if len > bytes.capacity() {
-                // The buffer grows by doubling, as a Vec would, and is charged for all of it.
-                let capacity = len.max(2 * bytes.capacity()).min(limit);
+                // The buffer grows by doubling, as a Vec would, to no more than the declared
+                // length, the limit, or (while the body is within them) the free bytes, and is
+                // charged for all of it beyond the free bytes.
+                let mut capacity = len.max(bytes.capacity().saturating_mul(2));
+                if len <= FREE_BODY_BYTES {
+                    capacity = capacity.min(FREE_BODY_BYTES);
+                }
+                let capacity = capacity.min(declared.unwrap_or(limit)).min(limit).max(len);
                 let charge = capacity.saturating_sub(FREE_BODY_BYTES);
                 if charge > held.num_permits() {
                     held.merge(reserve(charge - held.num_permits())?);
