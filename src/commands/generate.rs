@@ -375,7 +375,6 @@ fn run_many(
         error: None,
         feed: Feed {
             prompts,
-            next: 0,
             window: (engine_config.max_num_seqs.saturating_mul(2)).max(FEED_AHEAD_AT_LEAST),
             tokenizer,
             options,
@@ -432,7 +431,8 @@ const FEED_AHEAD_AT_LEAST: usize = 64;
 /// `feed.window` unfinished at once; each step's tokens go through its completion's text, a stop
 /// string aborts it.
 struct Prompts<'t> {
-    /// Per prompt added so far (line order), its completion's text.
+    /// Per prompt added so far (line order), its completion's text: `texts.len()` is the next
+    /// prompt to add.
     texts: Vec<OutputText<'t>>,
     /// Engine id → line.
     index: BTreeMap<RequestId, usize>,
@@ -447,14 +447,12 @@ struct Prompts<'t> {
     unfinished: usize,
 }
 
-/// The file's prompts not yet in the engine. Adding them all at once made the time of a step
+/// The file's prompts, added to the engine from `Prompts::texts.len()` on. Adding them all at once made the time of a step
 /// grow with the waiting list (the scheduler looks through it every step) and tokenized the
 /// whole file first: 40,000 one-token completions took 22-23 s against 9-10 s fed, and
 /// 1,000,000 held 1.9 GB at once.
 struct Feed<'t> {
     prompts: &'t [String],
-    /// The next prompt to add.
-    next: usize,
     /// Unfinished requests kept in the engine while prompts remain.
     window: usize,
     tokenizer: &'t Tokenizer,
@@ -465,7 +463,7 @@ impl EngineClient for Prompts<'_> {
     fn poll(&mut self, engine: &mut Engine<'_>) -> ControlFlow<()> {
         while self.error.is_none()
             && self.unfinished < self.feed.window
-            && self.feed.next < self.feed.prompts.len()
+            && self.texts.len() < self.feed.prompts.len()
         {
             if let Err(error) = self.add_next(engine) {
                 self.error = Some(error);
@@ -499,11 +497,11 @@ impl Prompts<'_> {
     fn add_next(&mut self, engine: &mut Engine<'_>) -> anyhow::Result<()> {
         let Feed {
             prompts,
-            next: i,
             tokenizer,
             options,
             ..
         } = self.feed;
+        let i = self.texts.len(); // prompts are added in line order, one text each
         let prompt = &prompts[i];
         let context = || format!("prompt {i} ({})", quoted(prompt));
         let tokens = tokenizer.encode(prompt, true).with_context(context)?;
@@ -525,7 +523,6 @@ impl Prompts<'_> {
             .map_err(|e| admission_error(e, context()))?;
         self.index.insert(id, i);
         self.texts.push(text);
-        self.feed.next += 1;
         self.unfinished += 1;
         Ok(())
     }
