@@ -1,6 +1,6 @@
 //! Dot products over 8-bit weight codes: f32 activations times E4M3 codes (FP8 weights) or int8
-//! codes (W8A16, int8 weights with f32 activations), the codes widened to f32 as they are read;
-//! and int8 times int8 (W8A8), summed exactly in i32.
+//! codes (W8A16, int8 weights with f32 activations), the codes widened to f32 as they are read.
+//! (W8A8's int8 times int8 runs on the tiles of `kernels::int8` where a CPU has AVX2.)
 //!
 //! ```text
 //! E4M3  s eeee mmm  →  sign-extended to 32 bits, shifted left by 20, AND 0x87F0_0000:
@@ -8,12 +8,9 @@
 //!                              its exponent's low bits and its mantissa's high ones)
 //!       × 2¹²⁰ as an f32      →  2^(e − 7) · 1.m, or m · 2⁻⁹ when e = 0 (as `F8E4M3::to_f32`)
 //! int8  q                  →  sign-extended to 32 bits, converted to f32 (exact: |q| ≤ 128)
-//! int8 × int8              →  both sign-extended to 16 bits, multiplied and added in pairs
-//!                              into 32-bit lanes (`vpmaddwd`)
 //! ```
 //! Decode reads each weight once per token, so these loops are the whole of a decode's
-//! products (and of W8A8's prefill, which has no GEMM, and W8A16's below the GEMM's
-//! threshold). The f32 loop keeps four accumulators of eight lanes, four multiply-adds in
+//! products (and of a prefill below the GEMM's threshold). The f32 loop keeps four accumulators of eight lanes, four multiply-adds in
 //! flight, where one would wait on its own previous add. A NaN code (0x7F, 0xFF) would come out
 //! as ±480 in the E4M3 loop: layers holding one keep chapter 2's generic loop, which widens it to
 //! NaN.
@@ -22,9 +19,6 @@ use ch02::kernels::Isa;
 use ch02::kernels::vector::dot;
 
 use crate::fp8::F8E4M3;
-use crate::smoothquant::w8a8;
-#[cfg(doc)]
-use crate::smoothquant::w8a8::MAX_IN_FEATURES;
 
 /// `Σ_i x[i] · w[i]` over `x.len().min(w.len())` elements, in f32, for `w` that holds no NaN
 /// code (the AVX2 loop reads one as ±480; callers with one use chapter 2's `dot`). Each code
@@ -51,20 +45,6 @@ pub fn dot_int8(isa: Isa, x: &[f32], q: &[i8]) -> f32 {
         Isa::Avx2Fma(_) => {
             // SAFETY: as in `dot_e4m3`.
             unsafe { avx2::dot(x, q) }
-        }
-    }
-}
-
-/// `Σ_i a[i] · b[i]` of int8 codes over `a.len().min(b.len())` elements, exact in i32 for codes
-/// in `-127..=127` and up to [`MAX_IN_FEATURES`] elements (W8A8's grids): the same result on
-/// every instruction set (the portable one is the book's [`w8a8::dot_i8`]).
-pub fn dot_int8_int8(isa: Isa, a: &[i8], b: &[i8]) -> i32 {
-    match isa {
-        Isa::Portable => w8a8::dot_i8(a, b),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma(_) => {
-            // SAFETY: as in `dot_e4m3`.
-            unsafe { avx2::dot_int8_int8(a, b) }
         }
     }
 }
@@ -171,59 +151,6 @@ mod avx2 {
             .sum();
         lanes.iter().sum::<f32>() + tail
     }
-
-    /// Sixteen int8 codes at `p`, sign-extended to i16 lanes.
-    ///
-    /// # Safety
-    /// AVX2 must be present; `p` must point to 16 readable codes.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn widen16(p: *const i8) -> __m256i {
-        // SAFETY: 16 readable bytes at `p` (the caller's).
-        _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(p as *const __m128i) })
-    }
-
-    /// `Σ_i a[i] · b[i]` in i32: 16 codes of each sign-extended to i16, multiplied and added in
-    /// pairs (`vpmaddwd`: each pair's sum at most 2 · 128², exact), two accumulators of eight i32
-    /// lanes. Exact while the sum and every partial sum of it fit an i32 (W8A8's grids and
-    /// widths keep them so).
-    ///
-    /// # Safety
-    /// AVX2 must be present.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn dot_int8_int8(a: &[i8], b: &[i8]) -> i32 {
-        let n = a.len().min(b.len());
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_si256(); 2];
-        let mut i = 0;
-        while i + 32 <= n {
-            for (h, acc) in acc.iter_mut().enumerate() {
-                let j = i + 16 * h;
-                // SAFETY: j + 16 ≤ n, within both slices.
-                let (va, vb) = unsafe { (widen16(ap.add(j)), widen16(bp.add(j))) };
-                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(va, vb));
-            }
-            i += 32;
-        }
-        while i + 16 <= n {
-            // SAFETY: i + 16 ≤ n, within both slices.
-            let (va, vb) = unsafe { (widen16(ap.add(i)), widen16(bp.add(i))) };
-            acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(va, vb));
-            i += 16;
-        }
-        let mut lanes = [0i32; 8];
-        // SAFETY: `lanes` holds 8 i32.
-        unsafe {
-            _mm256_storeu_si256(
-                lanes.as_mut_ptr() as *mut __m256i,
-                _mm256_add_epi32(acc[0], acc[1]),
-            )
-        };
-        let tail: i32 = (a[i..n].iter().zip(&b[i..n]))
-            .map(|(&x, &y)| i32::from(x) * i32::from(y))
-            .sum();
-        lanes.iter().sum::<i32>() + tail
-    }
 }
 
 #[cfg(test)]
@@ -307,29 +234,5 @@ mod tests {
             }
         }
         sums_round_as_f32(&codes, f32::from, dot_int8);
-    }
-
-    /// The int8 × int8 sum equals the exact one on every instruction set, at lengths that leave
-    /// every tail of the 32- and 16-code loops (0 to 80) and longer ones, with every code (−128
-    /// too) and at the extremes (127 · 127 and −128 · −128 throughout).
-    #[test]
-    fn int8_int8_sums_are_exact() {
-        let codes: Vec<i8> = (i8::MIN..=i8::MAX).collect();
-        for n in (0..=80).chain([100, 256, 1000]) {
-            let a: Vec<i8> = (0..n).map(|i| codes[(i * 37 + 5) % 256]).collect();
-            let b: Vec<i8> = (0..n).map(|i| codes[(i * 101 + n) % 256]).collect();
-            let cases = [
-                (a.clone(), b.clone()),
-                (vec![127; n], vec![127; n]),
-                (vec![-128; n], vec![-128; n]),
-                (vec![-128; n], vec![127; n]),
-            ];
-            for (a, b) in cases {
-                let want: i64 = a.iter().zip(&b).map(|(&x, &y)| x as i64 * y as i64).sum();
-                for isa in Isa::available() {
-                    assert_eq!(dot_int8_int8(isa, &a, &b) as i64, want, "{isa:?} n={n}");
-                }
-            }
-        }
     }
 }

@@ -47,6 +47,8 @@
 //! the 8 rows' sub-block scales in integers, then the f32 steps once; tiles of one group × 1
 //! token (decode) or × 4 (2 on AVX2) tokens, prefetching [`K_PREFETCH_BYTES`] ahead. Q5_K keeps
 //! the file's rows, one row at a time and, in [`matmul`], four tokens per unpacked super-block.
+//! W8A8's int8 weights times int8 activations use the same interleaving with a whole row's sum
+//! in integers ([`int8`]).
 //!
 //! # The error bound against dequantize-then-dense
 //!
@@ -86,6 +88,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod int8;
 pub mod interleave;
 #[cfg(target_arch = "x86_64")]
 mod ktiles;

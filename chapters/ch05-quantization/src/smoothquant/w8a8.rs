@@ -14,17 +14,23 @@
 //! f32 rounding of the final product. With [`Int8Activations::None`] the activations stay f32
 //! (W8A16: what "RTN int8" means in the benchmark's table): the dot products widen the codes as
 //! they read them, and a prefill runs on chapter 2's GEMM with the codes widened a chunk of rows
-//! at a time. The integer products stay dot products: an f32 GEMM would
-//! not add their i32 sums exactly.
+//! at a time. The integer products never pass through f32 (whose sums would not be exact): on
+//! a CPU with AVX2, W8A8 keeps its codes in interleaved groups of 8 rows and forms the sums in
+//! register tiles of rows × tokens ([`crate::kernels::int8`]); elsewhere, one dot product per
+//! output and token. Both give the same i32 sums, so the same outputs bit for bit.
 
 use ch01::linear::{DenseLinear, Linear, LinearLoader, LinearSpec};
 use ch02::kernels::Isa;
 use ch02::{FastLoader, WeightDtype};
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::cell::RefCell;
 
-use crate::codes_dot::{dot_int8, dot_int8_int8};
+use crate::codes_dot::dot_int8;
+use crate::kernels::int8::{Int8Cpu, Int8Rows, int8_products};
+use crate::kernels::interleave::ROWS as GROUP_ROWS;
+use crate::kernels::round_half_away;
 use crate::widened::{GEMM_FROM_TOKENS, scaled_codes_matmul};
 
 /// The largest code of the symmetric int8 grid.
@@ -67,15 +73,58 @@ pub enum W8A8Error {
 
 /// A projection with int8 weights, per-channel scales, and int8 (or f32) activations.
 ///
-/// Invariant: `codes.len() == out · in`, every code in `-127..=127`, `scale.len() == out`,
+/// Invariant: `codes` holds `out · in` codes, every one in `-127..=127`, `scale.len() == out`,
 /// every scale positive and finite, `in ≤ MAX_IN_FEATURES`, `bias` is `[out]` when present.
 pub struct W8A8Linear {
-    codes: Vec<i8>,            // [out, in]
+    codes: Codes,              // [out, in]
     scale: Vec<f32>,           // [out]
     bias: Option<Array1<f32>>, // [out]
     activations: Int8Activations,
     in_features: usize,
     isa: Isa, // the dot products' and the GEMM's instruction set
+}
+
+/// The weight codes, laid out for the products the layer runs.
+enum Codes {
+    /// Row-major `[out, in]`: one dot product per output and token (f32 activations, or a CPU
+    /// without AVX2).
+    Rows(Vec<i8>),
+    /// Interleaved groups of 8 rows: int8 activations on the int8 tiles of `cpu`.
+    Tiled(Int8Rows, Int8Cpu),
+}
+
+impl Codes {
+    /// `codes` `[out, in]` (in `-127..=127`) as the products for `activations` on `isa` read
+    /// them.
+    fn arrange(
+        codes: Vec<i8>,
+        out: usize,
+        n: usize,
+        activations: Int8Activations,
+        isa: Isa,
+    ) -> Codes {
+        let cpu = Int8Cpu::detect(isa).filter(|_| activations == Int8Activations::PerToken);
+        match cpu.map(|cpu| (Int8Rows::pack(&codes, out, n), cpu)) {
+            Some((Ok(rows), cpu)) => Codes::Tiled(rows, cpu),
+            _ => Codes::Rows(codes),
+        }
+    }
+
+    /// The codes `[out, in]`, row-major.
+    fn rows(&self) -> Cow<'_, [i8]> {
+        match self {
+            Codes::Rows(codes) => Cow::Borrowed(codes),
+            Codes::Tiled(rows, _) => Cow::Owned(rows.unpack()),
+        }
+    }
+
+    /// Bytes held.
+    fn bytes(&self) -> usize {
+        match self {
+            Codes::Rows(codes) => codes.len(),
+            Codes::Tiled(rows, _) => rows.bytes(),
+        }
+    }
 }
 
 /// The symmetric int8 grid of `values`: its scale `max |v| / 127` (1 for all zeros; never
@@ -85,9 +134,12 @@ pub fn grid_scale(values: &[f32]) -> f32 {
     crate::kv_cache::int8_scale(values)
 }
 
-/// `round(v / scale)`, halves away from zero, clamped to `-127..=127`.
+/// `round(v / scale)`, halves away from zero, clamped to `-127..=127` (NaN to 0): clamped
+/// first, then rounded in operations that vectorise, where `f32::round` is a library call per
+/// element on baseline x86-64. Clamping first changes nothing: ±127.5 and beyond round to ±128,
+/// which the clamp after would have made ±127.
 fn code(v: f32, inv_scale: f32) -> i8 {
-    (v * inv_scale).round().clamp(-QMAX, QMAX) as i8
+    round_half_away((v * inv_scale).clamp(-QMAX, QMAX)) as i8
 }
 
 // ANCHOR: quantize_token
@@ -169,20 +221,32 @@ impl W8A8Linear {
                 out: out_features,
             });
         }
+        let isa = Isa::detect();
         Ok(W8A8Linear {
-            codes,
+            codes: Codes::arrange(codes, out_features, in_features, activations, isa),
             scale,
             bias,
             activations,
             in_features,
-            isa: Isa::detect(),
+            isa,
         })
     }
 
     /// The same layer computed with `isa` (the tests compare every one).
     pub fn with_isa(mut self, isa: Isa) -> Self {
+        let (out, n) = (self.scale.len(), self.in_features);
+        let codes = match self.codes {
+            Codes::Rows(codes) => codes,
+            Codes::Tiled(rows, _) => rows.unpack(),
+        };
+        self.codes = Codes::arrange(codes, out, n, self.activations, isa);
         self.isa = isa;
         self
+    }
+
+    /// Whether the products run on the int8 tiles (int8 activations on a CPU with AVX2).
+    pub fn tiled(&self) -> bool {
+        matches!(self.codes, Codes::Tiled(..))
     }
 
     /// Round-to-nearest of dense `weight` [out, in] to int8, one scale per output channel.
@@ -207,9 +271,42 @@ impl W8A8Linear {
         W8A8Linear::new(codes, out, n, scales, bias, activations)
     }
 
+    // ANCHOR: w8a8_tiled
+    /// `y_t` `[out, T]` `= s_w[o] · s_x[t] · Σ_i q_x[t, i] · q_w[o, i]` on the int8 tiles of
+    /// `cpu`: [`TASK_ROWS`] outputs per task, [`TOKEN_STEP`] tokens at a time, so that the
+    /// sums of one step fit on the stack. `q_x` is `[T, w.stride()]`, `s_x` `[T]`.
+    fn tiled_into(&self, w: &Int8Rows, cpu: Int8Cpu, q_x: &[i8], s_x: &[f32], y_t: &mut [f32]) {
+        let (t, stride) = (s_x.len(), w.stride());
+        y_t.par_chunks_mut(TASK_ROWS * t)
+            .enumerate()
+            .for_each(|(c, y_c)| {
+                let g0 = c * TASK_ROWS / GROUP_ROWS;
+                let groups = g0..g0 + (y_c.len() / t).div_ceil(GROUP_ROWS);
+                let mut sums = [0i32; TASK_ROWS * TOKEN_STEP]; // [rows, tokens of the step]
+                for t0 in (0..t).step_by(TOKEN_STEP) {
+                    let tn = TOKEN_STEP.min(t - t0);
+                    let sums = &mut sums[..groups.len() * GROUP_ROWS * tn];
+                    int8_products(
+                        cpu,
+                        w,
+                        groups.clone(),
+                        &q_x[t0 * stride..(t0 + tn) * stride],
+                        sums,
+                    );
+                    for (j, y_o) in y_c.chunks_exact_mut(t).enumerate() {
+                        let s_w = self.scale[c * TASK_ROWS + j];
+                        for i in 0..tn {
+                            y_o[t0 + i] = s_w * s_x[t0 + i] * sums[j * tn + i] as f32;
+                        }
+                    }
+                }
+            });
+    }
+    // ANCHOR_END: w8a8_tiled
+
     /// The weight codes `[out, in]`, row-major.
-    pub fn codes(&self) -> &[i8] {
-        &self.codes
+    pub fn codes(&self) -> Cow<'_, [i8]> {
+        self.codes.rows()
     }
 
     /// The per-output-channel scales `[out]`.
@@ -219,9 +316,9 @@ impl W8A8Linear {
 
     /// The weights the layer computes with, `s_w[o] · q_w[o, i]` `[out, in]`.
     pub fn dequantized(&self) -> Array2<f32> {
-        let n = self.in_features;
+        let (n, codes) = (self.in_features, self.codes());
         Array2::from_shape_fn((self.scale.len(), n), |(o, i)| {
-            self.scale[o] * f32::from(self.codes[o * n + i])
+            self.scale[o] * f32::from(codes[o * n + i])
         })
     }
 }
@@ -236,7 +333,7 @@ impl Linear for W8A8Linear {
     }
 
     fn weight_bytes(&self) -> usize {
-        self.codes.len() + 4 * self.scale.len() + self.bias.as_ref().map_or(0, |b| 4 * b.len())
+        self.codes.bytes() + 4 * self.scale.len() + self.bias.as_ref().map_or(0, |b| 4 * b.len())
     }
 
     fn forward(&self, x: ArrayView2<f32>) -> Array2<f32> {
@@ -250,30 +347,53 @@ impl Linear for W8A8Linear {
         let (t, n, out) = (x.nrows(), self.in_features, self.out_features());
         assert_eq!(x.ncols(), n, "x is [T, in_features]");
         assert_eq!(y.dim(), (t, out), "y is [T, out_features]");
+        if t == 0 {
+            return;
+        }
         let int8 = self.activations == Int8Activations::PerToken;
+        // Codes per token as the products read them (the tiles' rows end on a multiple of 4).
+        let stride = match &self.codes {
+            Codes::Tiled(w, _) => w.stride(),
+            Codes::Rows(_) => n,
+        };
         with_scratch(|scratch| {
             let W8A8Scratch { q_x, s_x, x_f, y_t } = scratch;
             // The activations, once per call: int8 codes and a scale per token, or f32 as
             // they are. The buffers grow once to the largest call.
-            q_x.resize(if int8 { t * n } else { 0 }, 0); // [T, in]
+            q_x.resize(if int8 { t * stride } else { 0 }, 0); // [T, stride]
             s_x.clear();
             s_x.resize(t, 1.0); // [T]
             x_f.resize(if int8 { 0 } else { t * n }, 0.0); // [T, in]
             for (r, x_t) in x.rows().into_iter().enumerate() {
-                let dst = r * n..(r + 1) * n;
                 if int8 {
+                    let (q, pad) = q_x[r * stride..(r + 1) * stride].split_at_mut(n);
+                    pad.fill(0);
                     s_x[r] = match x_t.as_slice() {
-                        Some(row) => quantize_token(row, &mut q_x[dst]),
-                        None => quantize_token(&x_t.to_vec(), &mut q_x[dst]),
+                        Some(row) => quantize_token(row, q),
+                        None => quantize_token(&x_t.to_vec(), q),
                     };
                 } else {
-                    for (d, v) in x_f[dst].iter_mut().zip(x_t) {
+                    for (d, v) in x_f[r * n..(r + 1) * n].iter_mut().zip(x_t) {
                         *d = *v;
                     }
                 }
             }
             let bias = |o: usize| self.bias.as_ref().map_or(0.0, |b| b[o]);
             let isa = self.isa;
+            let codes = match &self.codes {
+                Codes::Rows(codes) => codes,
+                Codes::Tiled(w, cpu) => {
+                    // Int8 activations on the tiles: exact i32 sums, then the two scales.
+                    y_t.resize(out * t, 0.0); // [out, T]
+                    self.tiled_into(w, *cpu, q_x, s_x, y_t);
+                    for o in 0..out {
+                        for r in 0..t {
+                            y[[r, o]] = y_t[o * t + r] + bias(o);
+                        }
+                    }
+                    return;
+                }
+            };
             if !int8 && t >= GEMM_FROM_TOKENS {
                 // Many tokens with f32 activations (W8A16, a prefill): y[t, o] = s_w[o] ·
                 // (x[t] · q_w[o]) + bias[o] on chapter 2's GEMM, the codes widened a chunk of
@@ -282,7 +402,7 @@ impl Linear for W8A8Linear {
                     isa,
                     x_f,
                     y,
-                    &self.codes,
+                    codes,
                     f32::from,
                     &self.scale,
                     self.bias.as_ref(),
@@ -292,15 +412,15 @@ impl Linear for W8A8Linear {
             y_t.resize(out * t, 0.0); // [out, T]
             const ROWS: usize = 16;
             let (q_x, s_x, x_f) = (&*q_x, &*s_x, &*x_f);
-            y_t.par_chunks_mut(ROWS * t.max(1))
+            y_t.par_chunks_mut(ROWS * t)
                 .enumerate()
                 .for_each(|(c, y_c)| {
-                    for (j, y_o) in y_c.chunks_exact_mut(t.max(1)).enumerate() {
+                    for (j, y_o) in y_c.chunks_exact_mut(t).enumerate() {
                         let o = c * ROWS + j;
-                        let w_o = &self.codes[o * n..(o + 1) * n];
+                        let w_o = &codes[o * n..(o + 1) * n];
                         for (r, y_ot) in y_o.iter_mut().enumerate() {
                             *y_ot = if int8 {
-                                let acc = dot_int8_int8(isa, &q_x[r * n..(r + 1) * n], w_o);
+                                let acc = dot_i8(&q_x[r * n..(r + 1) * n], w_o);
                                 self.scale[o] * s_x[r] * acc as f32
                             } else {
                                 self.scale[o] * dot_int8(isa, &x_f[r * n..(r + 1) * n], w_o)
@@ -318,11 +438,17 @@ impl Linear for W8A8Linear {
     // ANCHOR_END: w8a8_forward
 }
 
+/// Output rows per task of the tiled products: 4 groups of 8 (a decode tile's on AVX-512 VNNI).
+const TASK_ROWS: usize = 4 * GROUP_ROWS;
+
+/// Tokens per step of a tiled task; its sums, `TASK_ROWS · TOKEN_STEP` i32, live on the stack.
+const TOKEN_STEP: usize = 32;
+
 /// One thread's buffers for [`W8A8Linear::forward_into`]: nothing is allocated per token
 /// once they have grown to the largest call.
 #[derive(Default)]
 struct W8A8Scratch {
-    q_x: Vec<i8>,  // [T, in] activation codes
+    q_x: Vec<i8>,  // [T, stride] activation codes
     s_x: Vec<f32>, // [T] activation scales
     x_f: Vec<f32>, // [T, in] activations as they are (int8 weights, f32 activations)
     y_t: Vec<f32>, // [out, T] the outputs, transposed

@@ -136,6 +136,47 @@ fn w8a16_kernel_matches_dequantized_reference() {
     check_kernel(Int8Activations::None, 24);
 }
 
+/// W8A8 on the int8 tiles (interleaved rows, a CPU with AVX2) equals the layer of
+/// [`Isa::Portable`], one dot product per output and token, bit for bit: the same exact i32
+/// sums, the same scaling. Rows and columns past the tiles' groups of 8 and words of 4, outputs
+/// past a 32-row task, tokens past a 32-token step.
+#[test]
+fn w8a8_tiles_equal_dot_products() {
+    let mut runner = seeded_runner(48, 25);
+    runner
+        .run(&(shape(), any::<bool>()), |((t, n, out, seed), bias)| {
+            let mut rng = WorkloadRng::new(seed);
+            let w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 0.3)).unwrap();
+            let x = Array2::from_shape_vec((t, n), uniform(&mut rng, t * n, 4.0)).unwrap();
+            let b = bias.then(|| Array1::from(uniform(&mut rng, out, 1.0)));
+            let layer = || W8A8Linear::quantize(w.view(), b.clone(), Int8Activations::PerToken);
+            let tiled = layer().unwrap().with_isa(Isa::detect());
+            let dots = layer().unwrap().with_isa(Isa::Portable);
+            prop_assert!(!dots.tiled());
+            if !tiled.tiled() {
+                eprintln!("skipped: no int8 tiles on this CPU");
+                return Ok(());
+            }
+            let (got, want) = (tiled.forward(x.view()), dots.forward(x.view()));
+            for ((r, o), &v) in got.indexed_iter() {
+                let w = want[[r, o]];
+                prop_assert_eq!(
+                    v.to_bits(),
+                    w.to_bits(),
+                    "[{}, {}] -> {}: y[{}, {}]",
+                    t,
+                    n,
+                    out,
+                    r,
+                    o
+                );
+            }
+            prop_assert_eq!(tiled.codes(), dots.codes());
+            Ok(())
+        })
+        .unwrap();
+}
+
 #[test]
 fn bad_layers_are_errors() {
     let new = |codes: Vec<i8>, out, n, scale: Vec<f32>| {
