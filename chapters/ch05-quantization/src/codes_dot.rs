@@ -10,8 +10,8 @@
 //! int8  q                  →  sign-extended to 32 bits, converted to f32 (exact: |q| ≤ 128)
 //! ```
 //! Decode reads each weight once per token, so these loops are the whole of a decode's
-//! products (and of a prefill below the GEMM's threshold). The f32 loop keeps four accumulators of eight lanes, four multiply-adds in
-//! flight, where one would wait on its own previous add. A NaN code (0x7F, 0xFF) would come out
+//! products (and of a prefill below the GEMM's threshold). The f32 loop keeps four accumulators
+//! of eight lanes, four multiply-adds in flight, where one would wait on its own previous add. A NaN code (0x7F, 0xFF) would come out
 //! as ±480 in the E4M3 loop: layers holding one keep chapter 2's generic loop, which widens it to
 //! NaN.
 

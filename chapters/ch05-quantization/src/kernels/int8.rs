@@ -132,7 +132,8 @@ impl Int8Rows {
     }
 }
 
-/// A CPU that runs the tiles: AVX2, or AVX-512 VNNI too. Safe code gets one only from [`Int8Cpu::detect`], after run-time detection.
+/// A CPU that runs the tiles: AVX2, or AVX-512 VNNI too. Safe code gets one only from
+/// [`Int8Cpu::detect`], after run-time detection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Int8Cpu(Cpu);
 
@@ -162,7 +163,7 @@ impl Int8Cpu {
     }
 
     /// This CPU's AVX2 form (for the tests, which compare both forms).
-    pub fn avx2(self) -> Int8Cpu {
+    pub(crate) fn avx2(self) -> Int8Cpu {
         match self.0 {
             #[cfg(target_arch = "x86_64")]
             Cpu::Vnni(cpu) => Int8Cpu(Cpu::Avx2(cpu.avx2_f16c().avx2_fma())),
@@ -196,11 +197,13 @@ pub fn int8_products(cpu: Int8Cpu, w: &Int8Rows, groups: Range<usize>, x: &[i8],
         groups.len() * ROWS * tokens,
         "[rows, tokens] sums"
     );
+    #[cfg(target_arch = "x86_64")]
+    use x86::Int8Tiles;
     match cpu.0 {
         #[cfg(target_arch = "x86_64")]
-        Cpu::Avx2(cpu) => x86::rows(cpu, w, groups, x, tokens, out),
+        Cpu::Avx2(cpu) => cpu.rows(w, groups, x, tokens, out),
         #[cfg(target_arch = "x86_64")]
-        Cpu::Vnni(cpu) => x86::rows(cpu, w, groups, x, tokens, out),
+        Cpu::Vnni(cpu) => cpu.rows(w, groups, x, tokens, out),
     }
 }
 // ANCHOR_END: int8_products
@@ -215,18 +218,6 @@ mod x86 {
     use super::super::vnni::{Avx512Vnni, Dpbusd};
     use super::{Int8Rows, ROWS};
     use ch02::kernels::Avx2Fma;
-
-    /// [`Int8Tiles::rows`].
-    pub(super) fn rows<C: Int8Tiles>(
-        cpu: C,
-        w: &Int8Rows,
-        groups: Range<usize>,
-        x: &[i8],
-        tokens: usize,
-        out: &mut [i32],
-    ) {
-        cpu.rows(w, groups, x, tokens, out)
-    }
 
     /// A CPU proof with its tile shapes and its body compiled for it.
     pub trait Int8Tiles: Copy {
@@ -279,7 +270,8 @@ mod x86 {
     }
 
     impl Int8Tiles for Avx512Vnni {
-        /// Decode: 4 groups; prefill: 2 groups × 4 tokens (32 registers).
+        /// Decode: 4 groups; prefill: 4 groups × 4 tokens (16 accumulators, 4 words and the
+        /// broadcasts among 32 registers).
         fn rows(
             self,
             w: &Int8Rows,
@@ -418,13 +410,14 @@ mod x86 {
 
     // ANCHOR: int8_tile
     /// `out[g][t][r]` = the exact sum of row `ROWS·g + r` of the `G` groups at `w` times token
-    /// `t` of `x`.
+    /// `t` of `x`, when every code lies in `-127..=127` (else the sums may be wrong, never
+    /// unsafe).
     ///
     /// # Safety
     /// The CPU must support AVX2 and what `D` uses; `w` must point to `G · stride · ROWS` codes
-    /// in `-127..=127` (the groups, one after the other), `bias` to the groups' `G · ROWS`
-    /// constants `128 · Σ w` (read only when `D` multiplies biased activations), `x` to
-    /// `T · stride` codes in `-127..=127`; `stride` is a multiple of 4.
+    /// (the groups, one after the other), `bias` to the groups' `G · ROWS` constants (read only
+    /// when `D` multiplies biased activations), `x` to `T · stride` codes; `stride` is a
+    /// multiple of 4.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn body<D: ByteDot, const G: usize, const T: usize>(
@@ -449,8 +442,9 @@ mod x86 {
                 // The VNNI form multiplies x + 128 (unsigned: the sign bit flipped) by w.
                 let x_u = _mm256_xor_si256(x_b, _mm256_set1_epi8(i8::MIN));
                 for ((acc, w), abs) in acc.iter_mut().zip(w_k).zip(abs) {
-                    // SAFETY: `D`'s instructions are present (caller); |w|, |x| ≤ 127, so a pair
-                    // of products stays below 32768, and x + 128 ≤ 255.
+                    // SAFETY: `D`'s instructions are present (caller). With |w|, |x| ≤ 127 a
+                    // pair of `maddubs` products stays below 32768; `vpdpbusd` adds in i32 and
+                    // never saturates, so x + 128 ≤ 255 is exact there.
                     acc[t] = unsafe {
                         if D::BIASED_SIGNED {
                             D::dot(acc[t], x_u, w)

@@ -196,8 +196,8 @@ pub trait ByteDot {
     const BIASED_SIGNED: bool;
 
     /// # Safety
-    /// The CPU must support the instructions of the implementation; `2 · u · |s| < 32768` for
-    /// every pair of bytes.
+    /// The CPU must support the instructions of the implementation. (For an exact sum, when
+    /// `BIASED_SIGNED` is false: `2 · u · |s| < 32768` for every pair of bytes.)
     unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
 }
 

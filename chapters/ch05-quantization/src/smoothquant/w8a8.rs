@@ -103,10 +103,16 @@ impl Codes {
         activations: Int8Activations,
         isa: Isa,
     ) -> Codes {
-        let cpu = Int8Cpu::detect(isa).filter(|_| activations == Int8Activations::PerToken);
-        match cpu.map(|cpu| (Int8Rows::pack(&codes, out, n), cpu)) {
-            Some((Ok(rows), cpu)) => Codes::Tiled(rows, cpu),
-            _ => Codes::Rows(codes),
+        // A layer without inputs has nothing to tile: its outputs are its bias.
+        let cpu =
+            Int8Cpu::detect(isa).filter(|_| activations == Int8Activations::PerToken && n > 0);
+        match cpu {
+            Some(cpu) => {
+                let rows = Int8Rows::pack(&codes, out, n)
+                    .expect("W8A8Linear::new checked the shape and the codes");
+                Codes::Tiled(rows, cpu)
+            }
+            None => Codes::Rows(codes),
         }
     }
 
@@ -160,8 +166,8 @@ pub fn quantize_token(x: &[f32], out: &mut [i8]) -> f32 {
 /// `Σ_i a[i] · b[i]` of int8 codes, exact in i32 (for `len ≤ MAX_IN_FEATURES`). Written as
 /// 32-wide chunks of i16 products summed into i32 lanes, which the compiler turns into
 /// multiply-add instructions (`pmaddwd`); no `unsafe`, no intrinsics. The layer runs it where
-/// the CPU has no AVX2 and FMA (or is not x86-64); where it has, a loop of AVX2 intrinsics with
-/// the same (exact) result.
+/// it has no int8 tiles (a CPU without AVX2, or [`Isa::Portable`]); the tiles' sums are the
+/// same, exactly.
 pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
     const LANES: usize = 32;
     let mut acc = [0i32; LANES];

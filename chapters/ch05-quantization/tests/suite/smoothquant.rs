@@ -177,6 +177,23 @@ fn w8a8_tiles_equal_dot_products() {
         .unwrap();
 }
 
+/// A layer without inputs (in = 0) gives its bias for every token, on the tiles' instruction
+/// set and on the portable one.
+#[test]
+fn a_layer_without_inputs_gives_its_bias() {
+    let w = Array2::<f32>::zeros((11, 0));
+    let b = Array1::from(vec![0.5f32; 11]);
+    let x = Array2::<f32>::zeros((3, 0));
+    for isa in Isa::available() {
+        let layer = W8A8Linear::quantize(w.view(), Some(b.clone()), Int8Activations::PerToken)
+            .unwrap()
+            .with_isa(isa);
+        let y = layer.forward(x.view());
+        assert_eq!(y.dim(), (3, 11));
+        assert!(y.iter().all(|&v| v == 0.5), "{isa:?}: {y:?}");
+    }
+}
+
 #[test]
 fn bad_layers_are_errors() {
     let new = |codes: Vec<i8>, out, n, scale: Vec<f32>| {
