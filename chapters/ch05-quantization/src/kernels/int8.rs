@@ -163,7 +163,8 @@ impl Int8Cpu {
     }
 
     /// This CPU's AVX2 form (for the tests, which compare both forms).
-    pub(crate) fn avx2(self) -> Int8Cpu {
+    #[cfg(test)]
+    fn avx2(self) -> Int8Cpu {
         match self.0 {
             #[cfg(target_arch = "x86_64")]
             Cpu::Vnni(cpu) => Int8Cpu(Cpu::Avx2(cpu.avx2_f16c().avx2_fma())),
