@@ -76,6 +76,19 @@ fn activation_codes_round_to_nearest() {
         .unwrap();
 }
 
+/// Seeded weights `[out, in]` in ±0.3, inputs `[t, in]` in ±4 and, if `bias`, a bias in ±1.
+fn random_layer(
+    seed: u64,
+    (t, n, out): (usize, usize, usize),
+    bias: bool,
+) -> (Array2<f32>, Array2<f32>, Option<Array1<f32>>) {
+    let mut rng = WorkloadRng::new(seed);
+    let w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 0.3)).unwrap();
+    let x = Array2::from_shape_vec((t, n), uniform(&mut rng, t * n, 4.0)).unwrap();
+    let b = bias.then(|| Array1::from(uniform(&mut rng, out, 1.0)));
+    (w, x, b)
+}
+
 /// The W8A8 (or W8A16) layer against `Σ_i x'[i] · w'[o, i] + b[o]` in f64, where `x'` and `w'`
 /// are the dequantized f32 operands; the bound is f32's rounding of the operands, of the scales'
 /// product and of the bias addition, relative to `Σ |terms| + |b|`; on every instruction set.
@@ -83,10 +96,7 @@ fn check_kernel(activations: Int8Activations, seed_byte: u8) {
     let mut runner = seeded_runner(48, seed_byte);
     runner
         .run(&(shape(), any::<bool>()), |((t, n, out, seed), bias)| {
-            let mut rng = WorkloadRng::new(seed);
-            let w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 0.3)).unwrap();
-            let x = Array2::from_shape_vec((t, n), uniform(&mut rng, t * n, 4.0)).unwrap();
-            let b = bias.then(|| Array1::from(uniform(&mut rng, out, 1.0)));
+            let (w, x, b) = random_layer(seed, (t, n, out), bias);
             let layer = || W8A8Linear::quantize(w.view(), b.clone(), activations).unwrap();
             let w_deq = layer().dequantized(); // [out, in]
             for isa in Isa::available() {
@@ -145,10 +155,7 @@ fn w8a8_tiles_equal_dot_products() {
     let mut runner = seeded_runner(48, 25);
     runner
         .run(&(shape(), any::<bool>()), |((t, n, out, seed), bias)| {
-            let mut rng = WorkloadRng::new(seed);
-            let w = Array2::from_shape_vec((out, n), uniform(&mut rng, out * n, 0.3)).unwrap();
-            let x = Array2::from_shape_vec((t, n), uniform(&mut rng, t * n, 4.0)).unwrap();
-            let b = bias.then(|| Array1::from(uniform(&mut rng, out, 1.0)));
+            let (w, x, b) = random_layer(seed, (t, n, out), bias);
             let layer = || W8A8Linear::quantize(w.view(), b.clone(), Int8Activations::PerToken);
             let tiled = layer().unwrap().with_isa(Isa::detect());
             let dots = layer().unwrap().with_isa(Isa::Portable);
