@@ -1,8 +1,9 @@
 //! The access log: one record per HTTP request, written when its response has been sent (a
 //! stream's, when the stream ends), with what an operator needs and nothing a client sent as a
-//! secret: the key's identity (`key-2`), never the key; the path, never the query.
+//! secret: the key's identity (`key-2`), never the key; the path, never the query. What the
+//! client chose is escaped and cut short (see `Escaped`): one request, one line.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -13,6 +14,38 @@ use axum::response::Response;
 
 use crate::connections::hold_until_sent;
 use crate::protocol::Usage;
+
+/// The most bytes of a path (or method) a record holds: a longer one is cut, and says so.
+pub const MAX_LOGGED_BYTES: usize = 1024;
+
+/// Text the client chose (the method, the path), as a record holds it: `"` and `\` escaped as
+/// `\"` and `\\`, control characters as `\xNN` (a newline would start a forged record, an
+/// escape sequence would drive the operator's terminal), and cut after [`MAX_LOGGED_BYTES`]
+/// with `...(N bytes)`, N the whole length. The quotes around it then end only where the
+/// server put them.
+struct Escaped<'a>(&'a str);
+
+impl fmt::Display for Escaped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = self.0;
+        let mut end = text.len().min(MAX_LOGGED_BYTES);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        for c in text[..end].chars() {
+            match c {
+                '"' => f.write_str("\\\"")?,
+                '\\' => f.write_str("\\\\")?,
+                c if c.is_control() => write!(f, "\\x{:02x}", u32::from(c))?,
+                c => f.write_char(c)?,
+            }
+        }
+        if end < text.len() {
+            write!(f, "...({} bytes)", text.len())?;
+        }
+        Ok(())
+    }
+}
 
 /// One request, as logged.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,7 +71,9 @@ impl fmt::Display for AccessRecord {
         write!(
             f,
             "{client} {key} \"{} {}\" {}",
-            self.method, self.path, self.status
+            Escaped(&self.method),
+            Escaped(&self.path),
+            self.status
         )?;
         if let Some(usage) = self.usage {
             write!(
@@ -165,5 +200,36 @@ mod tests {
             ..record
         };
         assert_eq!(bare.to_string(), "- - \"POST /v1/completions\" 401 0.412s");
+    }
+
+    /// A path is the client's text: its quotes, backslashes and control characters are escaped,
+    /// so it cannot end its field and forge the rest of the line (or start another), and a long
+    /// one is cut. `GET /x"%20200%200.001s\` used to read `"GET /x" 200 0.001s\" 404 0.000s`.
+    #[test]
+    fn a_path_cannot_forge_a_record_or_flood_the_log() {
+        let record = |path: &str| {
+            AccessRecord {
+                method: "GET".into(),
+                path: path.into(),
+                status: 404,
+                client: None,
+                key_id: None,
+                usage: None,
+                latency: Duration::ZERO,
+            }
+            .to_string()
+        };
+        assert_eq!(
+            record("/x\" 200 0.001s\\"),
+            r#"- - "GET /x\" 200 0.001s\\" 404 0.000s"#
+        );
+        assert_eq!(
+            record("/a\nb\x1b[2J\u{85}é"),
+            r#"- - "GET /a\x0ab\x1b[2J\x85é" 404 0.000s"#
+        );
+        let long = format!("/{}", "é".repeat(40_000)); // 80,001 bytes
+        let line = record(&long);
+        assert!(line.len() < MAX_LOGGED_BYTES + 100, "{} bytes", line.len());
+        assert!(line.ends_with("...(80001 bytes)\" 404 0.000s"), "{line}");
     }
 }
