@@ -2,7 +2,8 @@
 //! send a request, so that slow or silent clients cannot hold the server's sockets.
 //!
 //! ```text
-//! accept ─ a slot free? ── no ─▶ 503, closed at once (nothing is read)
+//! accept ─ a slot free? ── no ─▶ 503, its sending side closed at once; what the client sent
+//!            │                   read and dropped (≤ 100 ms, ≤ 64 KiB), then the socket closed
 //!            │ yes
 //!            ▼
 //!  one task per connection: hyper's HTTP/1 over the socket, axum's router per request
@@ -64,6 +65,12 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// A connection over the limit is read for at most this long and this many bytes before it is
+/// closed, and at most this many at once (see [`turn_away`]).
+const DRAIN_TIME: Duration = Duration::from_millis(100);
+const DRAIN_BYTES: usize = 64 * 1024;
+const MAX_DRAINING: usize = 64;
+
 /// What a connection over the limit is sent before it is closed.
 fn busy_response() -> Vec<u8> {
     let body = ApiError::unavailable("too many open connections: retry shortly").to_json();
@@ -90,6 +97,7 @@ pub async fn serve(
         limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
     ));
     let busy = busy_response();
+    let draining = Arc::new(Semaphore::new(MAX_DRAINING));
     let (closing, closed) = watch::channel(false);
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
@@ -110,6 +118,10 @@ pub async fn serve(
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             // Best effort, never waiting: a full socket buffer just gets the close.
             let _ = stream.try_write(&busy);
+            // Past MAX_DRAINING, closed at once (the client may then be reset).
+            if let Ok(permit) = Arc::clone(&draining).try_acquire_owned() {
+                connections.spawn(turn_away(stream, permit));
+            }
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -128,6 +140,28 @@ pub async fn serve(
     Ok(())
 }
 // ANCHOR_END: serve
+
+/// Closes a connection over the limit that has been sent the 503: its sending side at once (the
+/// client reads the answer, then its end), then the socket, once what the client sent has been
+/// read and dropped, for at most [`DRAIN_TIME`] and [`DRAIN_BYTES`]. A socket closed with bytes
+/// unread, or that bytes reach afterwards, is reset, and a client still writing its request
+/// then gets ECONNRESET instead of the 503. It holds no slot, and ends by itself.
+async fn turn_away(mut stream: TcpStream, _draining: OwnedSemaphorePermit) {
+    let _ = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_shutdown(cx)).await;
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        let mut read = 0;
+        while read < DRAIN_BYTES && stream.readable().await.is_ok() {
+            match stream.try_read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => read += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIME, drain).await;
+}
 
 /// One connection, until the client closes it, a timeout closes it, or shutdown.
 async fn connection(

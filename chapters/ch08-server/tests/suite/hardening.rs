@@ -433,6 +433,48 @@ async fn connections_past_the_limit_get_503_and_the_server_recovers() {
     server.stop().await;
 }
 
+/// A connection past the limit whose client has sent its request reads the 503, and can still
+/// send the rest: the server reads what arrives for a moment before it closes. It used to close
+/// without reading, and a socket closed with bytes unread (or that bytes reach after) is reset:
+/// the client's next write failed with ECONNRESET, and an HTTP client reports that, not the 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_past_the_limit_that_sent_its_request_can_read_the_503() {
+    let mut setup = Setup::default();
+    setup.config.connections = quick_timeouts(1);
+    let server = start(setup).await;
+    let _idle = connect(&server);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut second = connect(&server);
+    let (reply, closed, body_sent) = blocking(move || {
+        let body = "x".repeat(4096);
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: kiln\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n",
+            body.len()
+        );
+        second.write_all(head.as_bytes()).unwrap();
+        // The answer comes before the body is sent, as to a client that sends it in a second
+        // write, or a moment later.
+        let reader = second.try_clone().unwrap();
+        let (reply, closed) = until_closed(reader, Instant::now(), &[], Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(10));
+        let body_sent = second.write_all(body.as_bytes()).map_err(|e| e.kind());
+        (reply, closed, body_sent)
+    })
+    .await;
+    assert!(
+        reply.starts_with(b"HTTP/1.1 503"),
+        "{}",
+        String::from_utf8_lossy(&reply)
+    );
+    assert!(
+        closed.is_some_and(|c| c < Duration::from_millis(200)),
+        "the answer ends at once: {closed:?}"
+    );
+    assert_eq!(body_sent, Ok(()), "the connection was reset");
+    server.stop().await;
+}
+
 // ─────────────────────────────────── 5. admission ───────────────────────────────────
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
