@@ -135,9 +135,23 @@ fn assert_fails_with(args: &[&str], needle: &str) {
 
 #[test]
 fn bad_inputs_exit_nonzero_with_a_clear_message() {
+    // A `--model` that is not there, or is neither a file (GGUF) nor a directory (Hugging
+    // Face), is named as such: it used to be read as a directory, and the error was about
+    // `/nonexistent/model.gguf/config.json`.
     assert_fails_with(
-        &["generate", "--model", "/nonexistent/model", "--prompt", "x"],
-        "/nonexistent/model/config.json",
+        &[
+            "generate",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "x",
+        ],
+        "--model /nonexistent/model.gguf does not exist",
+    );
+    assert_fails_with(
+        &["generate", "--model", "/dev/null", "--prompt", "x"],
+        "--model /dev/null is neither a regular file (a GGUF model) nor a directory (a Hugging \
+         Face model)",
     );
     // Zero ranks is no way to run a model (it used to run one, silently).
     assert_fails_with(
@@ -1212,7 +1226,8 @@ fn quantize_awq_refuses_a_group_size_its_layout_cannot_read_back() {
     };
     let refused = run("128");
     assert!(
-        !refused.status.success() && stderr(&refused).contains("group size 128 must divide in"),
+        !refused.status.success()
+            && stderr(&refused).contains("group size 128 must divide in_features (64)"),
         "{}",
         stderr(&refused)
     );

@@ -164,6 +164,7 @@ impl ModelArgs {
     /// template), decoding none of its weights: what the host keeps when an executor loads the
     /// weights onto a GPU.
     pub fn load_host_side(&self) -> anyhow::Result<HostSide> {
+        self.check_model_path()?;
         let path = &self.model;
         let context = || format!("loading model from {}", path.display());
         if self.is_gguf() {
@@ -348,6 +349,24 @@ impl ModelArgs {
         self.model.is_file()
     }
 
+    /// `--model` is there, and is a regular file (GGUF) or a directory (Hugging Face): anything
+    /// else would be read as a directory, and the error would name a `config.json` inside it.
+    fn check_model_path(&self) -> anyhow::Result<()> {
+        let path = &self.model;
+        match std::fs::metadata(path) {
+            Ok(meta) if meta.is_file() || meta.is_dir() => Ok(()),
+            Ok(_) => bail!(
+                "--model {} is neither a regular file (a GGUF model) nor a directory (a Hugging \
+                 Face model)",
+                path.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                bail!("--model {} does not exist", path.display())
+            }
+            Err(e) => bail!("--model {}: {e}", path.display()),
+        }
+    }
+
     /// The model's name for tables and the API: the directory's name, or the file's without
     /// its extension.
     pub fn name(&self) -> String {
@@ -362,6 +381,7 @@ impl ModelArgs {
     /// Loads with the given kind of projection (chapter 1's benchmark measures `DenseLoader`).
     pub fn load_with(&self, loader: &dyn LinearLoader) -> anyhow::Result<LoadedModel> {
         self.check_runs_on_cpu()?;
+        self.check_model_path()?;
         let path = &self.model;
         let context = || format!("loading model from {}", path.display());
         if self.is_gguf() {

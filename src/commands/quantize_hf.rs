@@ -22,7 +22,7 @@ pub struct Args {
     /// every input size and SmolLM2's 576 is not a multiple of 128].
     #[arg(long, value_name = "G")]
     pub group_size: Option<usize>,
-    /// GPTQ's act-order (`desc_act`): columns by decreasing Hessian diagonal.
+    /// GPTQ's act-order (`desc_act`): columns by decreasing Hessian diagonal (gptq only).
     #[arg(long)]
     pub act_order: bool,
     /// An asymmetric grid with a zero point per group (gptq, rtn; awq always has one).
@@ -52,6 +52,9 @@ impl Args {
         let group_size = self.group_size.unwrap_or(default_group);
         if group_size == 0 {
             bail!("--group-size must be at least 1");
+        }
+        if self.act_order && name != "gptq" {
+            bail!("--act-order orders GPTQ's columns: it does not apply to --method {name}");
         }
         let gptq_config = HfQuantConfig {
             method: QuantMethod::Gptq,
@@ -239,7 +242,33 @@ pub fn quantize_dir(
 
 #[cfg(test)]
 mod tests {
-    use super::calibration_samples;
+    use super::{Args, calibration_samples};
+
+    /// `--act-order` orders GPTQ's columns: with round-to-nearest or AWQ it is refused, as the
+    /// other flags that do not apply are. It used to be dropped silently (`desc_act: false`).
+    #[test]
+    fn act_order_is_refused_where_it_does_not_apply() {
+        let args = |method: &str| Args {
+            method: Some(method.into()),
+            group_size: None,
+            act_order: true,
+            asym: method == "awq",
+            format: None,
+            calibration: None,
+            samples: 32,
+            seq_len: 512,
+        };
+        for method in ["rtn", "awq"] {
+            let error = args(method).method().map(|(_, c)| c).unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                format!(
+                    "--act-order orders GPTQ's columns: it does not apply to --method {method}"
+                )
+            );
+        }
+        assert!(args("gptq").method().unwrap().1.desc_act);
+    }
 
     /// A window that starts inside a character near the text's end: its end moves to the
     /// text's end (it once looked for a character boundary past it, forever).

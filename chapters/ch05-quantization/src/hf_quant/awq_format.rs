@@ -32,9 +32,9 @@ pub const ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
 /// [`GroupQuantized::new`] narrows to `in` when it is wider).
 pub fn check(rows: usize, cols: usize, group: usize) -> Result<(), HfQuantError> {
     let reason = if !rows.is_multiple_of(8) {
-        "out must be a multiple of 8".to_string()
+        format!("out_features ({rows}) must be a multiple of 8")
     } else if group == 0 || !cols.is_multiple_of(group) {
-        format!("the group size {group} must divide in")
+        format!("the group size {group} must divide in_features ({cols})")
     } else {
         return Ok(());
     };

@@ -288,7 +288,7 @@ fn awq_group_sizes_that_do_not_divide_the_inputs_are_refused() {
         let e = check_model(&config(g), &model).unwrap_err();
         assert!(
             e.to_string()
-                .contains(&format!("group size {g} must divide in")),
+                .contains(&format!("group size {g} must divide in_features (64)")),
             "{e}"
         );
     }
@@ -315,7 +315,7 @@ fn awq_group_sizes_that_do_not_divide_the_inputs_are_refused() {
     let e = write_quantized_dir(&dir, &out, &config(128), &layers, &Default::default());
     assert!(
         matches!(&e, Err(WriteError::Layer { source, .. })
-            if source.to_string().contains("group size 128 must divide in")),
+            if source.to_string().contains("group size 128 must divide in_features (64)")),
         "{e:?}"
     );
     assert!(!out.exists(), "nothing is written");
