@@ -631,3 +631,37 @@ fn special_tokens_outside_the_embedding_are_refused() {
         }
     }
 }
+
+/// An embedding table that is not a matrix `[vocab, hidden]` is refused, naming its shape: its
+/// first dimension was taken for the vocabulary, so a `[1, 3, 32]` table made a vocabulary of
+/// one token and the error blamed the EOS id, and a `[96]` one loaded as 96 tokens.
+#[test]
+fn an_embedding_that_is_not_a_matrix_is_refused() {
+    for shape in [&[1usize, 3, 32][..], &[96]] {
+        let mut w = GgufWriter::new();
+        tiny_llama(&mut w);
+        w.add_metadata(
+            "tokenizer.ggml.tokens",
+            GgufValue::strings(["a", "b", "ab"]),
+        )
+        .unwrap();
+        w.add_metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
+        let elements: usize = shape.iter().product();
+        let bytes = vec![0u8; elements * 4];
+        w.add_tensor("token_embd.weight", GgmlType::F32, shape, bytes)
+            .unwrap();
+        let file = GgufFile::from_bytes("embd.gguf", w.to_bytes()).unwrap();
+        let error = llama_config(&file).err().unwrap();
+        assert!(
+            matches!(error, GgufError::Unsupported { .. }),
+            "{shape:?}: {error}"
+        );
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "embd.gguf: tensor token_embd.weight has shape {shape:?} (outermost first): the \
+                 embedding table must be a matrix [vocab, hidden]"
+            )
+        );
+    }
+}

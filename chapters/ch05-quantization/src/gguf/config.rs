@@ -135,7 +135,15 @@ pub fn llama_config(file: &GgufFile) -> GgufResult<LlamaConfig> {
 
     // The rows of the embedding table are the vocabulary.
     let vocab_size = match file.tensor_info("token_embd.weight") {
-        Some(t) => t.shape().first().copied().unwrap_or(0),
+        Some(t) => match t.shape()[..] {
+            [rows, _] => rows,
+            ref shape => {
+                return Err(unsupported(format!(
+                    "tensor token_embd.weight has shape {shape:?} (outermost first): the \
+                     embedding table must be a matrix [vocab, hidden]"
+                )));
+            }
+        },
         None => match file.opt_usize(&key("vocab_size"))? {
             Some(n) => n,
             None => file.get_array("tokenizer.ggml.tokens")?.len(),

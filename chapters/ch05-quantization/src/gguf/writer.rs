@@ -13,7 +13,7 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::error::{GgufError, GgufResult};
 use super::file::{ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS};
@@ -166,12 +166,8 @@ impl<'a> GgufWriter<'a> {
             .file_name()
             .ok_or_else(|| GgufError::Write(format!("{} is not a file name", path.display())))?;
         refuse_existing(path).map_err(|e| GgufError::io(path, e))?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(file_name);
-        tmp_name.push(format!(".tmp{}", std::process::id()));
-        let tmp = path.with_file_name(tmp_name);
+        let (file, tmp) = create_temporary(path, file_name).map_err(|e| GgufError::io(path, e))?;
         let result = (|| {
-            let file = std::fs::File::create(&tmp)?;
             let mut out = std::io::BufWriter::new(file);
             self.write_to(&mut out)?;
             out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
@@ -182,6 +178,48 @@ impl<'a> GgufWriter<'a> {
             GgufError::io(path, e)
         })
     }
+}
+
+/// Tries at the temporary file's name before giving up (see [`create_temporary`]).
+const TEMPORARY_NAMES: u32 = 16;
+
+/// A new, empty file beside `path` to write into, and its name: `.{file_name}.tmp{pid}`, or
+/// that with `-1`, `-2`, ... when something is there already. The file is created only where
+/// nothing is (`create_new`): a link planted at the name is not followed, as `File::create`
+/// would (truncating its target and writing the model into it), and a file left there by an
+/// earlier process with this id is neither written over nor removed.
+fn create_temporary(
+    path: &Path,
+    file_name: &std::ffi::OsStr,
+) -> std::io::Result<(std::fs::File, PathBuf)> {
+    let pid = std::process::id();
+    for n in 0..TEMPORARY_NAMES {
+        let mut name = std::ffi::OsString::from(".");
+        name.push(file_name);
+        name.push(format!(".tmp{pid}"));
+        if n > 0 {
+            name.push(format!("-{n}"));
+        }
+        let tmp = path.with_file_name(name);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+        {
+            Ok(file) => return Ok((file, tmp)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AlreadyExists,
+        format!(
+            "the temporary names .{}.tmp{pid} to -{} beside it are all taken: remove the ones \
+             no process is writing",
+            file_name.to_string_lossy(),
+            TEMPORARY_NAMES - 1
+        ),
+    ))
 }
 
 /// An `AlreadyExists` error when anything (a file, a directory, a dangling link) is at `path`.
@@ -395,6 +433,38 @@ mod tests {
         assert!(refused.contains("already exists"), "{refused}");
         assert_eq!(GgufFile::open(&path).unwrap().get_u32("k").unwrap(), 1);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    /// Whatever is already at the temporary file's name (`.m.gguf.tmp<pid>`) is left as it is:
+    /// a link there is not followed (`File::create` once truncated the link's target and wrote
+    /// the model into it), a stale file is not overwritten; the writer takes another name.
+    #[cfg(unix)]
+    #[test]
+    fn write_never_writes_through_what_is_at_its_temporary_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let pid = std::process::id();
+        let link = dir.path().join(format!(".m.gguf.tmp{pid}"));
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let stale = dir.path().join(format!(".n.gguf.tmp{pid}"));
+        std::fs::write(&stale, "stale").unwrap();
+        let mut w = GgufWriter::new();
+        w.add_metadata("k", 1u8).unwrap();
+        for name in ["m.gguf", "n.gguf"] {
+            let path = dir.path().join(name);
+            w.write(&path).unwrap();
+            assert!(std::fs::symlink_metadata(&path).unwrap().is_file());
+            assert_eq!(GgufFile::open(&path).unwrap().get_u32("k").unwrap(), 1);
+        }
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        assert_eq!(std::fs::read_to_string(&stale).unwrap(), "stale");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            5,
+            "no temporary file of the writer's left behind"
+        );
     }
 
     #[test]
