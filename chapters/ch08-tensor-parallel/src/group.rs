@@ -21,7 +21,7 @@ use ndarray::ArrayView2;
 use crate::comm::{CommError, Communicator};
 use crate::executor::{BuildError, KvBlocks, group_layout};
 use crate::rank::Rank;
-use crate::step_codec::{self, StepCodecError};
+use crate::step_codec::{self, InvalidStep, StepCodecError};
 
 /// Why a worker rank stopped before rank 0 closed the group.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +32,8 @@ pub enum WorkerError {
     Comm(#[from] CommError),
     #[error(transparent)]
     Codec(#[from] StepCodecError),
+    #[error("a step from rank 0 does not fit this rank: {0}")]
+    Step(#[from] InvalidStep),
     #[error("the group plan from rank 0 is {0} bytes, not 24")]
     Plan(usize),
     #[error(
@@ -53,10 +55,11 @@ pub struct RankGroupExecutor<C: Communicator> {
     broken: Option<String>,
 }
 
-/// What every rank of a group must agree on, hashed: the model's config and how its
-/// projections are stored (the bytes of a column-split projection and of the head shard, the
-/// same on every rank; a row-split bias lives on rank 0 only, so those are left out).
-fn fingerprint(shard: &Llama) -> u64 {
+/// What every rank of a group must agree on, hashed (rank 0 sends it in the plan): the model's
+/// config and how its projections are stored (the bytes of a column-split projection and of the
+/// head shard, the same on every rank; a row-split bias lives on rank 0 only, so those are left
+/// out).
+pub fn fingerprint(shard: &Llama) -> u64 {
     let q_proj = shard
         .layers
         .first()
@@ -184,6 +187,7 @@ pub fn run_worker<C: Communicator>(shard: Llama, mut comm: C) -> Result<(), Work
             return Ok(());
         }
         let step = step_codec::decode(&message)?;
+        step_codec::check(&step, rank.pool().block_size(), rank.pool().num_blocks())?;
         rank.execute(&step, &mut comm)?;
     }
 }

@@ -12,7 +12,9 @@
 //! ```
 //! Little-endian throughout. [`decode`] checks every length against the bytes that remain before
 //! it allocates, so a corrupt message is a [`StepCodecError`], never a huge allocation or a
-//! panic; `decode(encode(step)) == step` for every step.
+//! panic; `decode(encode(step)) == step` for every step. [`check`] then holds a decoded step to
+//! the rank's pool (its blocks, each sequence's positions and logit rows): a step that decodes
+//! but could not come from rank 0's scheduler is an [`InvalidStep`], not a panic in the forward.
 
 use ch03::BlockCopy;
 use ch04::{BlockOp, ScheduledSeq, SchedulerOutput};
@@ -136,6 +138,101 @@ pub fn decode(bytes: &[u8]) -> Result<SchedulerOutput, StepCodecError> {
         block_ops,
         finished,
     })
+}
+
+/// Why a step that decodes cannot run on a rank's pool. Rank 0's scheduler never sends one (a
+/// sequence's blocks cover its positions, every block is the pool's), so it is a corrupt or
+/// foreign message; [`check`] refuses it before it indexes the pool.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidStep {
+    #[error("{what} names block {block}, but this rank's pool has {num_blocks} blocks")]
+    Block {
+        what: String,
+        block: u32,
+        num_blocks: usize,
+    },
+    #[error("request {id} asks for {logit_rows} logit rows of its {tokens} tokens")]
+    LogitRows {
+        id: u64,
+        logit_rows: usize,
+        tokens: usize,
+    },
+    #[error(
+        "request {id}'s {tokens} tokens from position {start_pos} run past its block table \
+         ({blocks} blocks of {block_size} positions)"
+    )]
+    Positions {
+        id: u64,
+        start_pos: usize,
+        tokens: usize,
+        blocks: usize,
+        block_size: usize,
+    },
+}
+
+/// Checks a decoded `step` against a pool of `num_blocks` blocks of `block_size` positions:
+/// every block it names is one of the pool's, every sequence's logit rows are among its tokens,
+/// and its block table holds every position its tokens write. What [`decode`] cannot know, and
+/// what the executor would otherwise index out of bounds (a panic) or subtract past zero.
+pub fn check(
+    step: &SchedulerOutput,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<(), InvalidStep> {
+    let block = |what: &dyn Fn() -> String, block: u32| {
+        if (block as usize) < num_blocks {
+            Ok(())
+        } else {
+            Err(InvalidStep::Block {
+                what: what(),
+                block,
+                num_blocks,
+            })
+        }
+    };
+    for seq in &step.seqs {
+        let (id, tokens) = (seq.id, seq.tokens.len());
+        if seq.logit_rows > tokens {
+            return Err(InvalidStep::LogitRows {
+                id,
+                logit_rows: seq.logit_rows,
+                tokens,
+            });
+        }
+        let blocks = seq.block_table.len();
+        let end = seq.start_pos.checked_add(tokens);
+        if tokens > 0 && end.is_none_or(|end| end > blocks.saturating_mul(block_size)) {
+            return Err(InvalidStep::Positions {
+                id,
+                start_pos: seq.start_pos,
+                tokens,
+                blocks,
+                block_size,
+            });
+        }
+        for &b in &seq.block_table {
+            block(&|| format!("request {id}'s block table"), b)?;
+        }
+    }
+    for op in &step.block_ops {
+        match op {
+            BlockOp::Copy(copy) => {
+                block(&|| "a block copy's source".into(), copy.src)?;
+                block(&|| "a block copy's target".into(), copy.dst)?;
+            }
+            BlockOp::SwapOut { blocks, .. } => {
+                for &b in blocks {
+                    block(&|| "a swap-out".into(), b)?;
+                }
+            }
+            BlockOp::SwapIn { blocks, .. } => {
+                for &b in blocks.iter().flatten() {
+                    block(&|| "a swap-in".into(), b)?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `n` as a u32 length or count. Steps are bounded by the scheduler's token budget and block
