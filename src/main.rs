@@ -75,6 +75,11 @@ enum Command {
     /// Check that every figure the book shows names the command of this repository that wrote
     /// it, and that the command (still) writes it.
     Figures(figures::Args),
+    /// `kiln serve`'s chat template renders: frames on stdin and stdout (ch08's
+    /// chat_template/worker.rs), so that a template that crashes ends this process, not the
+    /// server. Not for people: hidden from --help.
+    #[command(name = commands::serve::CHAT_TEMPLATE_WORKER, hide = true)]
+    ChatTemplateWorker,
 }
 
 /// The most `--threads` per CPU of the machine.
@@ -93,6 +98,11 @@ fn main() -> anyhow::Result<()> {
             MAX_THREADS_PER_CPU * cpus
         );
     }
+    if let Command::ChatTemplateWorker = cli.command {
+        // Before the thread pool: the worker needs no threads but its render's, and limits its
+        // own address space.
+        return Ok(ch08::chat_template::worker::main()?);
+    }
     ch02::elementwise::set_parallel_elementwise(!cli.serial_elementwise);
     // Every command runs on a worker of the kernels' thread pool: parallel loops started there
     // queue their jobs on the worker's own deque, so a decode step allocates nothing.
@@ -105,7 +115,7 @@ fn main() -> anyhow::Result<()> {
         return commands::serve::run(args, pool);
     }
     pool.install(|| match cli.command {
-        Command::Serve(_) => unreachable!("handled above"),
+        Command::Serve(_) | Command::ChatTemplateWorker => unreachable!("handled above"),
         Command::Generate(args) => commands::generate::run(args),
         Command::Forward(args) => commands::forward::run(args),
         Command::Perplexity(args) => commands::perplexity::run(args),

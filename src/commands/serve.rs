@@ -21,6 +21,10 @@ use super::speculative_args::{SpeculativeArgs, TargetWeights};
 use super::tensor_parallel::TensorParallelArgs;
 use super::{ModelArgs, ModelFormat};
 
+/// The hidden subcommand that renders the served chat template in a process of its own
+/// (`ch08::chat_template::worker::main`).
+pub const CHAT_TEMPLATE_WORKER: &str = "chat-template-worker";
+
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
@@ -194,6 +198,17 @@ pub fn run(args: Args, pool: Arc<rayon::ThreadPool>) -> anyhow::Result<()> {
             .transpose(),
     }
     .with_context(|| format!("loading the chat template of {}", path.display()))?;
+    // A template comes with the model file: it renders in worker processes (this binary's
+    // hidden subcommand), so that one that crashes its render fails that request, not the
+    // server.
+    let chat_template = match chat_template {
+        Some(template) => {
+            let kiln = std::env::current_exe()
+                .context("finding kiln's own executable, to render the chat template in")?;
+            Some(template.isolated(kiln, vec![CHAT_TEMPLATE_WORKER.to_string()]))
+        }
+        None => None,
+    };
     let name = args
         .served_model_name
         .clone()

@@ -44,24 +44,44 @@
 //! allocation failed and aborted the process. A template that copies each message's text several
 //! times may run out of fuel before its output reaches [`TEMPLATE_OUTPUT_LIMIT`].
 //!
-//! What is not bounded (minijinja 3.1 offers no limit to set, and operators no hook):
+//! What a render cannot be kept from doing (minijinja 3.1 offers no limit to set, and
+//! operators no hook):
 //! - a list repeated by `*` is lazy and costs no fuel, and minijinja charges for turning it into
 //!   one string only after building it: `(['x' * 1000000] * 1000000) ~ ''` fails an allocation
-//!   of 4 GB and aborts the process (measured with a 3 GB address-space limit). The `join` and
-//!   `string` filters, `str.join` and `str.format` are checked here first (`check_joined`,
-//!   `check_format`), which the `~` operator cannot be;
+//!   of 4 GB and aborts the process. The `join` and `string` filters, `str.join` and
+//!   `str.format` are checked here first (`check_joined`, `check_format`), which the `~`
+//!   operator cannot be;
 //! - minijinja's own printing of a value that contains itself: after `{% set ns.me = ns %}`,
 //!   `{{ ns }}` (or anything else that turns `ns` into text) recurses without end, until the
 //!   stack overflows, which aborts the process. Only `tojson`, which is ours, has a depth
 //!   limit.
+//!
+//! Neither can be stopped inside the process that renders, so a server renders in another:
+//! [`ChatTemplate::isolated`] sends each render to a worker process ([`worker`]; `kiln serve`
+//! starts `kiln chat-template-worker`), which caps its own address space at
+//! [`worker::WORKER_ADDRESS_SPACE`] (3 GiB). Either template then ends its worker, not the
+//! server: the overflow after 1.6 s and 1.4 GiB of memory (the stack, filled), the allocation
+//! after 3.2 s and 1.9 GiB (measured on 2 cores). The render fails with
+//! [`TemplateError::Crashed`], which a chat request answers with a 400 as it does any render
+//! error, and the next render starts a fresh worker (14 ms to start one, compile SmolLM2's
+//! template and render). A worker that gives no answer within [`WORKER_TIMEOUT`] is killed. A
+//! template that is not isolated, as `from_source` and `from_model_dir` make it, renders in the
+//! calling process, where these two still abort it.
 
+mod isolated;
+mod wire;
+pub mod worker;
+
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use minijinja::syntax::SyntaxConfig;
 use minijinja::value::{Kwargs, Serde, Value, ValueKind};
 use minijinja::{Environment, ErrorKind, State};
 use serde_json::Value as Json;
+
+pub use isolated::WORKER_TIMEOUT;
 
 /// The name the template is registered under (it appears in minijinja's error messages).
 const TEMPLATE_NAME: &str = "chat_template";
@@ -152,6 +172,16 @@ pub enum TemplateError {
     /// trouble, not the request's.
     #[error("could not start the chat template's thread: {0}")]
     Thread(std::io::Error),
+    /// An isolated template's render process ([`ChatTemplate::isolated`]) ended instead of
+    /// answering (a stack overflow, a failed allocation: see the module doc), answered garbage,
+    /// or gave no answer within its timeout and was killed. `status` says which, with its exit
+    /// status and the last lines it wrote. The request's fault, as `Render` is: the next render
+    /// starts a fresh process.
+    #[error("the chat template crashed its render process: {status}")]
+    Crashed { status: String },
+    /// An isolated template's render process could not be started: the server's trouble.
+    #[error("could not start the chat template's render process: {0}")]
+    Spawn(std::io::Error),
 }
 
 fn in_path(path: Option<&Path>) -> String {
@@ -167,6 +197,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// Where renders run: `None` in the calling process, else in worker processes.
+    isolation: Option<isolated::Isolation>,
 }
 
 impl ChatTemplate {
@@ -248,7 +280,28 @@ impl ChatTemplate {
             env,
             bos_token,
             eos_token,
+            isolation: None,
         })
+    }
+
+    /// Renders in worker processes from now on, each started as `program args` and serving
+    /// [`worker::main`] (`kiln serve` starts `kiln chat-template-worker`), so that a template
+    /// that crashes its render fails that render with [`TemplateError::Crashed`] instead of
+    /// aborting this process. A worker that gives no answer within [`WORKER_TIMEOUT`] is
+    /// killed. Workers start when a render needs one; two are kept waiting between renders.
+    pub fn isolated(self, program: PathBuf, args: Vec<String>) -> Self {
+        self.isolated_with_timeout(program, args, WORKER_TIMEOUT)
+    }
+
+    /// [`ChatTemplate::isolated`] with another timeout than [`WORKER_TIMEOUT`].
+    pub fn isolated_with_timeout(
+        mut self,
+        program: PathBuf,
+        args: Vec<String>,
+        timeout: Duration,
+    ) -> Self {
+        self.isolation = Some(isolated::Isolation::new(program, args, timeout));
+        self
     }
 
     /// Renders the conversation; `add_generation_prompt` as in transformers'
@@ -265,14 +318,29 @@ impl ChatTemplate {
     /// a request's `chat_template_kwargs`. They cannot override `messages`,
     /// `add_generation_prompt` or the special tokens.
     ///
-    /// It renders on a thread of its own with a [`RENDER_STACK_BYTES`] stack (see there).
+    /// It renders on a thread of its own with a [`RENDER_STACK_BYTES`] stack (see there): in
+    /// this process, or, [`ChatTemplate::isolated`], in a worker process.
     pub fn render_with(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         extra: &[(String, Json)],
     ) -> Result<String, TemplateError> {
-        on_big_stack(|| self.render_here(messages, add_generation_prompt, extra))?
+        let Some(isolation) = &self.isolation else {
+            return on_big_stack(|| self.render_here(messages, add_generation_prompt, extra))?;
+        };
+        let source = self.env.get_template(TEMPLATE_NAME).map_err(render_error)?;
+        let handshake = wire::Handshake {
+            source: Cow::Borrowed(source.source()),
+            bos_token: self.bos_token.as_deref().map(Cow::Borrowed),
+            eos_token: self.eos_token.as_deref().map(Cow::Borrowed),
+        };
+        let request = wire::Request {
+            messages: Cow::Borrowed(messages),
+            add_generation_prompt,
+            extra: Cow::Borrowed(extra),
+        };
+        isolation.render(&handshake, &request)
     }
 
     /// [`ChatTemplate::render_with`] on the calling thread.
