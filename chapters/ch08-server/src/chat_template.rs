@@ -59,12 +59,11 @@
 //! Neither can be stopped inside the process that renders, so a server renders in another:
 //! [`ChatTemplate::isolated`] sends each render to a worker process ([`worker`]; `kiln serve`
 //! starts `kiln chat-template-worker`), which caps its own address space at
-//! [`worker::WORKER_ADDRESS_SPACE`] (3 GiB). Either template then ends its worker, not the
-//! server: the overflow after 1.6 s and 1.4 GiB of memory (the stack, filled), the allocation
-//! after 3.2 s and 1.9 GiB (measured on 2 cores). The render fails with
-//! [`TemplateError::Crashed`], which a chat request answers with a 400 as it does any render
-//! error, and the next render starts a fresh worker (14 ms to start one, compile SmolLM2's
-//! template and render). A worker that gives no answer within [`WORKER_TIMEOUT`] is killed. A
+//! [`worker::WORKER_ADDRESS_SPACE`] (3 GiB, on Linux). Either template then ends its worker, not
+//! the server. The render fails with [`TemplateError::Crashed`], which a chat request answers
+//! with a 400 as it does any render error, and the next render starts a fresh worker. A worker
+//! that cannot start, or ends before it has compiled the template, fails the render with
+//! [`TemplateError::WorkerStart`] (the server's trouble, a 503). A worker that gives no answer within [`WORKER_TIMEOUT`] is killed. A
 //! template that is not isolated, as `from_source` and `from_model_dir` make it, renders in the
 //! calling process, where these two still abort it.
 
@@ -182,6 +181,10 @@ pub enum TemplateError {
     /// An isolated template's render process could not be started: the server's trouble.
     #[error("could not start the chat template's render process: {0}")]
     Spawn(std::io::Error),
+    /// An isolated template's render process started but ended, or failed, before it had
+    /// compiled the template (which compiled in this process): the server's trouble too.
+    #[error("the chat template's render process did not start: {status}")]
+    WorkerStart { status: String },
 }
 
 fn in_path(path: Option<&Path>) -> String {

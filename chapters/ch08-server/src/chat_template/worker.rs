@@ -52,12 +52,18 @@ pub fn run(mut input: impl Read, mut output: impl Write) -> io::Result<()> {
         return Ok(());
     };
     while let Some(frame) = wire::read_frame(&mut input)? {
-        let request: Request = wire::decode(&frame)?;
-        let rendered = template.render_with(
-            &request.messages,
-            request.add_generation_prompt,
-            &request.extra,
-        );
+        // A whole frame that does not decode (JSON nested past serde_json's depth limit, which
+        // the HTTP body passed a level or two shallower) fails this request, not the worker.
+        let rendered = match wire::decode::<Request>(&frame) {
+            Ok(request) => template.render_with(
+                &request.messages,
+                request.add_generation_prompt,
+                &request.extra,
+            ),
+            Err(e) => Err(TemplateError::Render {
+                message: format!("the request could not be read: {e}"),
+            }),
+        };
         let reply = match rendered {
             Ok(prompt) => Reply::Prompt(prompt),
             Err(TemplateError::Thread(e)) => Reply::Thread(e.to_string()),
@@ -94,6 +100,8 @@ fn limit_this_process(address_space: u64) -> io::Result<()> {
         }
         Ok(())
     };
+    // A limit past what `rlim_t` holds (a 32-bit one) is no limit.
+    let address_space = libc::rlim_t::try_from(address_space).unwrap_or(libc::RLIM_INFINITY);
     lower(libc::RLIMIT_AS, address_space)?;
     lower(libc::RLIMIT_CORE, 0)
 }
@@ -176,6 +184,25 @@ mod tests {
         let mut output = Vec::new();
         run(&[][..], &mut output).unwrap();
         assert!(output.is_empty());
+    }
+
+    #[test]
+    fn a_request_that_does_not_decode_fails_alone() {
+        let garbage = [&3u32.to_le_bytes()[..], b"{{{"].concat();
+        let (ready, replies) = serve(&[
+            handshake("{{ messages[0].content }}"),
+            garbage,
+            request("after"),
+        ]);
+        assert!(matches!(ready, Ready::Compiled), "{ready:?}");
+        assert!(
+            matches!(&replies[0], Reply::Render(m) if m.starts_with("the request could not be read")),
+            "{replies:?}"
+        );
+        assert!(
+            matches!(&replies[1], Reply::Prompt(p) if p == "after"),
+            "{replies:?}"
+        );
     }
 
     #[test]

@@ -228,9 +228,9 @@ async fn render_and_tokenize(
             let mut text = template
                 .render_with(&messages, add_generation_prompt, &extra)
                 .map_err(|e| match e {
-                    TemplateError::Thread(_) | TemplateError::Spawn(_) => {
-                        ApiError::unavailable(e.to_string())
-                    }
+                    TemplateError::Thread(_)
+                    | TemplateError::Spawn(_)
+                    | TemplateError::WorkerStart { .. } => ApiError::unavailable(e.to_string()),
                     e => ApiError::bad_param("messages", format!("chat template: {e}")),
                 })?;
             if let Some((_, content)) = last.filter(|_| continue_final) {
