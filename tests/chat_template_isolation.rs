@@ -3,11 +3,14 @@
 //! module doc of ch08's `chat_template.rs`) fail one render, and the next render gets a fresh
 //! worker. Without the worker these tests abort their own process.
 
+mod common;
+
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ch08::chat_template::{ChatMessage, ChatTemplate, TemplateError};
+use common::Server;
 
 /// SmolLM2-Instruct's template, as in its tokenizer_config.json.
 const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -138,16 +141,6 @@ fn renders_at_the_same_time_each_get_their_own_prompt() {
     });
 }
 
-/// Kills the server if the test fails before it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Through `kiln serve`: a model folder whose chat_template.jinja crashes on "boom" answers
 /// that request with a 400 that says so, and goes on serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,48 +162,28 @@ async fn kiln_serve_answers_a_crashing_template_with_400_and_goes_on() {
         .unwrap()
         .port();
     let log = tempfile::NamedTempFile::new().unwrap();
-    let mut server = Server(
-        Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args([
-                "serve",
-                "--port",
-                &port.to_string(),
-                "--served-model-name",
-                "bard",
-            ])
-            .args(["--kv-cache-memory", "8MiB", "--model"])
-            .arg(model.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log.reopen().unwrap())
-            .spawn()
-            .expect("start kiln serve"),
-    );
-    let server_log = || std::fs::read_to_string(log.path()).unwrap_or_default();
+    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "serve",
+            "--port",
+            &port.to_string(),
+            "--served-model-name",
+            "bard",
+        ])
+        .args(["--kv-cache-memory", "8MiB", "--model"])
+        .arg(model.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .expect("start kiln serve");
+    let mut server = Server { child, log };
     let url = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(r) = client.get(format!("{url}/health")).send().await
-            && r.status() == reqwest::StatusCode::OK
-        {
-            break;
-        }
-        assert!(
-            server.0.try_wait().unwrap().is_none(),
-            "kiln serve exited early:\n{}",
-            server_log()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "never healthy:\n{}",
-            server_log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    server.wait_healthy(&client, &url).await;
 
     let chat = |content: &str| {
         client
@@ -227,7 +200,7 @@ async fn kiln_serve_answers_a_crashing_template_with_400_and_goes_on() {
             response.status(),
             reqwest::StatusCode::BAD_REQUEST,
             "{}",
-            server_log()
+            server.log()
         );
         let body: serde_json::Value = response.json().await.unwrap();
         let message = body["error"]["message"].as_str().unwrap();
@@ -240,8 +213,8 @@ async fn kiln_serve_answers_a_crashing_template_with_400_and_goes_on() {
             response.status(),
             reqwest::StatusCode::OK,
             "round {round}:\n{}",
-            server_log()
+            server.log()
         );
-        assert!(server.0.try_wait().unwrap().is_none(), "{}", server_log());
+        assert!(server.exited().is_none(), "{}", server.log());
     }
 }

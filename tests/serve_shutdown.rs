@@ -2,35 +2,13 @@
 //! flight finish (or aborts it after `--shutdown-grace`), and exits with status 0.
 #![cfg(unix)]
 
+mod common;
+
 use std::net::TcpListener;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Kills the server if the test fails before it exits.
-struct Server {
-    child: Child,
-    log: tempfile::NamedTempFile,
-}
-
-impl Server {
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.log.path()).unwrap_or_default()
-    }
-
-    /// The exit status, if it has exited.
-    fn exited(&mut self) -> Option<ExitStatus> {
-        self.child.try_wait().expect("try_wait")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if self.exited().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
+use common::Server;
 
 /// A port nothing listens on now (bound, read, released).
 fn free_port() -> u16 {
@@ -86,25 +64,7 @@ async fn sigterm_refuses_new_work_finishes_the_stream_and_exits_zero() {
         .unwrap();
 
     // Up: /health answers 200.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(r) = client.get(format!("{url}/health")).send().await
-            && r.status() == reqwest::StatusCode::OK
-        {
-            break;
-        }
-        assert!(
-            server.exited().is_none(),
-            "kiln serve exited early:\n{}",
-            server.log()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "kiln serve never became healthy:\n{}",
-            server.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    server.wait_healthy(&client, &url).await;
 
     // A long stream in flight.
     let body = serde_json::json!({

@@ -416,15 +416,20 @@ fn tiny_llama(w: &mut GgufWriter) {
     w.add_metadata("tokenizer.ggml.model", "gpt2").unwrap();
 }
 
-/// A small valid model file: config keys, a two-token tokenizer, nested arrays, three tensors.
-fn valid_file() -> Vec<u8> {
-    let mut w = GgufWriter::new();
-    tiny_llama(&mut w);
+/// `tiny_llama`'s config keys and a tokenizer of three tokens ("a", "b", "ab").
+fn tiny_llama_with_tokens(w: &mut GgufWriter) {
+    tiny_llama(w);
     w.add_metadata(
         "tokenizer.ggml.tokens",
         GgufValue::strings(["a", "b", "ab"]),
     )
     .unwrap();
+}
+
+/// A small valid model file: config keys, a two-token tokenizer, nested arrays, three tensors.
+fn valid_file() -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    tiny_llama_with_tokens(&mut w);
     w.add_metadata("tokenizer.ggml.token_type", GgufValue::array([1i32, 1, 1]))
         .unwrap();
     w.add_metadata("tokenizer.ggml.merges", GgufValue::strings(["a b"]))
@@ -639,12 +644,7 @@ fn special_tokens_outside_the_embedding_are_refused() {
 fn an_embedding_that_is_not_a_matrix_is_refused() {
     for shape in [&[1usize, 3, 32][..], &[96]] {
         let mut w = GgufWriter::new();
-        tiny_llama(&mut w);
-        w.add_metadata(
-            "tokenizer.ggml.tokens",
-            GgufValue::strings(["a", "b", "ab"]),
-        )
-        .unwrap();
+        tiny_llama_with_tokens(&mut w);
         w.add_metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
         let elements: usize = shape.iter().product();
         let bytes = vec![0u8; elements * 4];

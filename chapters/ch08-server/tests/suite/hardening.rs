@@ -402,6 +402,19 @@ async fn a_request_longer_than_the_keep_alive_timeout_is_not_cut() {
     server.stop().await;
 }
 
+/// A connection past `--max-connections`: answered 503, and closed within 200 ms.
+fn assert_refused_at_once(reply: &[u8], closed: Option<Duration>) {
+    assert!(
+        reply.starts_with(b"HTTP/1.1 503"),
+        "{}",
+        String::from_utf8_lossy(reply)
+    );
+    assert!(
+        closed.is_some_and(|c| c < Duration::from_millis(200)),
+        "refused at once: {closed:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_limit_get_503_and_the_server_recovers() {
     let mut setup = Setup::default();
@@ -413,15 +426,7 @@ async fn connections_past_the_limit_get_503_and_the_server_recovers() {
     let fourth = connect(&server);
     let (reply, closed) =
         blocking(move || until_closed(fourth, Instant::now(), &[], Duration::ZERO)).await;
-    assert!(
-        reply.starts_with(b"HTTP/1.1 503"),
-        "{}",
-        String::from_utf8_lossy(&reply)
-    );
-    assert!(
-        closed.is_some_and(|c| c < Duration::from_millis(200)),
-        "refused at once: {closed:?}"
-    );
+    assert_refused_at_once(&reply, closed);
     // The three idle ones are closed by the keep-alive timeout; then the server answers.
     for socket in idle {
         let (_, closed) =
@@ -462,15 +467,7 @@ async fn a_connection_past_the_limit_that_sent_its_request_can_read_the_503() {
         (reply, closed, body_sent)
     })
     .await;
-    assert!(
-        reply.starts_with(b"HTTP/1.1 503"),
-        "{}",
-        String::from_utf8_lossy(&reply)
-    );
-    assert!(
-        closed.is_some_and(|c| c < Duration::from_millis(200)),
-        "the answer ends at once: {closed:?}"
-    );
+    assert_refused_at_once(&reply, closed);
     assert_eq!(body_sent, Ok(()), "the connection was reset");
     server.stop().await;
 }
