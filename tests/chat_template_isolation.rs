@@ -5,12 +5,11 @@
 
 mod common;
 
+use std::ffi::OsStr;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ch08::chat_template::{ChatMessage, ChatTemplate, TemplateError};
-use common::Server;
 
 /// SmolLM2-Instruct's template, as in its tokenizer_config.json.
 const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -156,34 +155,8 @@ async fn kiln_serve_answers_a_crashing_template_with_400_and_goes_on() {
         booby_trapped(SELF_CONTAINING),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args([
-            "serve",
-            "--port",
-            &port.to_string(),
-            "--served-model-name",
-            "bard",
-        ])
-        .args(["--kv-cache-memory", "8MiB", "--model"])
-        .arg(model.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log.reopen().unwrap())
-        .spawn()
-        .expect("start kiln serve");
-    let mut server = Server { child, log };
-    let url = format!("http://127.0.0.1:{port}");
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    server.wait_healthy(&client, &url).await;
+    let (mut server, client, url) =
+        common::serve([OsStr::new("--model"), model.path().as_os_str()]).await;
 
     let chat = |content: &str| {
         client

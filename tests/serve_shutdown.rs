@@ -4,20 +4,8 @@
 
 mod common;
 
-use std::net::TcpListener;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-use common::Server;
-
-/// A port nothing listens on now (bound, read, released).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// The next server-sent event's data from `response` (keep-alive comments skipped).
 async fn next_event(response: &mut reqwest::Response, buffer: &mut Vec<u8>) -> Option<String> {
@@ -45,26 +33,8 @@ async fn next_event(response: &mut reqwest::Response, buffer: &mut Vec<u8>) -> O
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_refuses_new_work_finishes_the_stream_and_exits_zero() {
     let grace = 5;
-    let port = free_port();
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["serve", "--port", &port.to_string()])
-        .args(["--shutdown-grace", &grace.to_string()])
-        .args(["--kv-cache-memory", "8MiB", "--served-model-name", "bard"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log.reopen().unwrap())
-        .spawn()
-        .expect("start kiln serve");
-    let mut server = Server { child, log };
-    let url = format!("http://127.0.0.1:{port}");
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-
     // Up: /health answers 200.
-    server.wait_healthy(&client, &url).await;
+    let (mut server, client, url) = common::serve(["--shutdown-grace", &grace.to_string()]).await;
 
     // A long stream in flight.
     let body = serde_json::json!({

@@ -1,8 +1,47 @@
 //! What the tests that start `kiln serve` share: the child process with its log, and the wait
 //! until it answers.
 
-use std::process::{Child, ExitStatus};
+use std::ffi::OsStr;
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+/// A port nothing listens on now (bound, read, released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `kiln serve --port P --served-model-name bard --kv-cache-memory 8MiB` and `args`, on a free
+/// port, once it answers /health: the server, a client (60 s timeout) and its URL.
+pub async fn serve<I, S>(args: I) -> (Server, reqwest::Client, String)
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let port = free_port();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["serve", "--port", &port.to_string()])
+        .args(["--kv-cache-memory", "8MiB", "--served-model-name", "bard"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .expect("start kiln serve");
+    let mut server = Server { child, log };
+    let url = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    server.wait_healthy(&client, &url).await;
+    (server, client, url)
+}
 
 /// A running `kiln serve`, its stderr written to `log`; killed and reaped when dropped.
 pub struct Server {
