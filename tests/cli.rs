@@ -146,11 +146,11 @@ fn bad_inputs_exit_nonzero_with_a_clear_message() {
             "--prompt",
             "x",
         ],
-        "--model /nonexistent/model.gguf does not exist",
+        "model /nonexistent/model.gguf does not exist",
     );
     assert_fails_with(
         &["generate", "--model", "/dev/null", "--prompt", "x"],
-        "--model /dev/null is neither a regular file (a GGUF model) nor a directory (a Hugging \
+        "model /dev/null is neither a regular file (a GGUF model) nor a directory (a Hugging \
          Face model)",
     );
     // Zero ranks is no way to run a model (it used to run one, silently).

@@ -356,14 +356,14 @@ impl ModelArgs {
         match std::fs::metadata(path) {
             Ok(meta) if meta.is_file() || meta.is_dir() => Ok(()),
             Ok(_) => bail!(
-                "--model {} is neither a regular file (a GGUF model) nor a directory (a Hugging \
+                "model {} is neither a regular file (a GGUF model) nor a directory (a Hugging \
                  Face model)",
                 path.display()
             ),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                bail!("--model {} does not exist", path.display())
+                bail!("model {} does not exist", path.display())
             }
-            Err(e) => bail!("--model {}: {e}", path.display()),
+            Err(e) => bail!("model {}: {e}", path.display()),
         }
     }
 

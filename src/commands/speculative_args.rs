@@ -257,7 +257,10 @@ impl SpeculativeArgs {
                     model: dir.clone(),
                     ..args.clone()
                 };
-                let config = draft.load_host_side()?.config;
+                let config = draft
+                    .load_host_side()
+                    .with_context(|| format!("--speculative-model {}", dir.display()))?
+                    .config;
                 Some(gpu_draft_executor(&draft, &config, cache, memory)?)
             }
             (SpecMethod::LayerSkip, TargetWeights::Gpu(args, target)) => {

@@ -11,9 +11,9 @@
 //! ```
 //! Decode reads each weight once per token, so these loops are the whole of a decode's
 //! products (and of a prefill below the GEMM's threshold). The f32 loop keeps four accumulators
-//! of eight lanes, four multiply-adds in flight, where one would wait on its own previous add. A NaN code (0x7F, 0xFF) would come out
-//! as ±480 in the E4M3 loop: layers holding one keep chapter 2's generic loop, which widens it to
-//! NaN.
+//! of eight lanes, four multiply-adds in flight, where one would wait on its own previous add.
+//! A NaN code (0x7F, 0xFF) would come out as ±480 in the E4M3 loop: layers holding one keep
+//! chapter 2's generic loop, which widens it to NaN.
 
 use ch02::kernels::Isa;
 use ch02::kernels::vector::dot;

@@ -8,7 +8,7 @@
 //! |------------------|---------------------------------------------------------------------------|
 //! | [`mod@format`]   | [`GgmlType`]: every GGUF tensor type, its id, block length and block bytes |
 //! | [`blocks`]       | the block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_K): [`dequantize`](blocks::dequantize) and [`quantize`](blocks::quantize) |
-//! | [`kernels`]      | integer `matvec` / `matmul` on [`QuantMatrix`] weights, activations quantized to 8 bits, AVX2 and portable |
+//! | [`kernels`]      | integer `matvec` / `matmul` on [`QuantMatrix`] weights, activations quantized to 8 bits, AVX2 and portable; W8A8's int8 tiles |
 //! | [`quant_linear`] | [`QuantLinear`] (chapter 1's `Linear` seam on those kernels) and [`QuantLoader`] |
 //! | [`gguf`]         | GGUF files: reader, writer, config, weight source, tokenizer, [`load_gguf`] |
 //! | [`group_quant`]  | part 2: [`GroupQuantized`], 4-bit codes with a grid per group; round-to-nearest |

@@ -63,9 +63,9 @@
 //! the server. The render fails with [`TemplateError::Crashed`], which a chat request answers
 //! with a 400 as it does any render error, and the next render starts a fresh worker. A worker
 //! that cannot start, or ends before it has compiled the template, fails the render with
-//! [`TemplateError::WorkerStart`] (the server's trouble, a 503). A worker that gives no answer within [`WORKER_TIMEOUT`] is killed. A
-//! template that is not isolated, as `from_source` and `from_model_dir` make it, renders in the
-//! calling process, where these two still abort it.
+//! [`TemplateError::WorkerStart`] (the server's trouble, a 503). A worker that gives no answer
+//! within [`WORKER_TIMEOUT`] is killed. A template that is not isolated, as `from_source` and
+//! `from_model_dir` make it, renders in the calling process, where these two still abort it.
 
 mod isolated;
 mod wire;
@@ -291,7 +291,7 @@ impl ChatTemplate {
     /// [`worker::main`] (`kiln serve` starts `kiln chat-template-worker`), so that a template
     /// that crashes its render fails that render with [`TemplateError::Crashed`] instead of
     /// aborting this process. A worker that gives no answer within [`WORKER_TIMEOUT`] is
-    /// killed. Workers start when a render needs one; two are kept waiting between renders.
+    /// killed. Workers start when a render needs one; at most two are kept waiting between renders.
     pub fn isolated(self, program: PathBuf, args: Vec<String>) -> Self {
         self.isolated_with_timeout(program, args, WORKER_TIMEOUT)
     }

@@ -174,7 +174,6 @@ impl Int8Cpu {
     }
 }
 
-// ANCHOR: int8_products
 /// The exact sums `out[(g − groups.start) · ROWS + r][t] = Σ_i x[t][i] · w[ROWS·g + r][i]` for
 /// the groups `groups` of `w` and every token of `x` (`[tokens, w.stride()]`, codes in
 /// `-127..=127`, zeros past `w.cols()`). `out` is `[groups.len() · ROWS, tokens]`; the rows past
@@ -207,7 +206,6 @@ pub fn int8_products(cpu: Int8Cpu, w: &Int8Rows, groups: Range<usize>, x: &[i8],
         Cpu::Vnni(cpu) => cpu.rows(w, groups, x, tokens, out),
     }
 }
-// ANCHOR_END: int8_products
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -26,8 +26,9 @@ fn uniform(rng: &mut WorkloadRng, len: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Shapes that are multiples of no lane width (32, 16) nor of the 16-row task; token counts
-/// below and above the W8A16 layer's switch to the GEMM (24).
+/// Shapes that are multiples of no lane width (32, 16), of the tiles' groups of 8 rows and words
+/// of 4, nor of the 16- or 32-row tasks; token counts below and above the W8A16 layer's switch
+/// to the GEMM (24) and the tiles' 32-token step.
 fn shape() -> impl Strategy<Value = (usize, usize, usize, u64)> {
     let tokens = prop_oneof![1usize..7, 24usize..31, 61usize..68];
     (tokens, 1usize..300, 1usize..45, any::<u64>())

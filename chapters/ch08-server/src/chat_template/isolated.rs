@@ -39,7 +39,7 @@ pub const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Workers kept waiting for the next renders; more, started for renders at the same time, are
 /// ended when their render is done.
 const MAX_IDLE_WORKERS: usize = 2;
-/// The reader thread only moves frames from a pipe to a channel.
+/// The reader and writer threads only move frames between a pipe and a channel or a buffer.
 const READER_STACK_BYTES: usize = 64 << 10;
 /// How much of a dead worker's stderr is read, and how many characters of its last lines go
 /// into the error.
@@ -202,19 +202,40 @@ impl Worker {
         deadline: Instant,
         timeout: Duration,
     ) -> Result<T, String> {
-        wire::write_frame(&mut self.stdin, frame)
-            .map_err(|e| format!("it took no request ({e})"))?;
+        let Worker {
+            child,
+            stdin,
+            replies,
+        } = self;
         let wait = deadline.saturating_duration_since(Instant::now());
-        match self.replies.recv_timeout(wait) {
-            Ok(Ok(Some(json))) => {
-                wire::decode(&json).map_err(|e| format!("it answered a malformed frame ({e})"))
+        // The frame is written on a thread of its own, so that a worker that reads nothing
+        // (a frame larger than the pipe holds) cannot hold the render past the deadline: it is
+        // killed, its pipe breaks, and the write ends.
+        std::thread::scope(|scope| {
+            let writer = std::thread::Builder::new()
+                .name("chat-template-writer".into())
+                .stack_size(READER_STACK_BYTES)
+                .spawn_scoped(scope, || wire::write_frame(stdin, frame))
+                .map_err(|e| format!("no thread could write its request ({e})"))?;
+            let reply = replies.recv_timeout(wait);
+            if matches!(reply, Err(RecvTimeoutError::Timeout)) {
+                let _ = child.kill();
             }
-            Ok(Ok(None)) | Err(RecvTimeoutError::Disconnected) => Err("it ended".into()),
-            Ok(Err(e)) => Err(format!("it answered a malformed frame ({e})")),
-            Err(RecvTimeoutError::Timeout) => Err(format!(
-                "it gave no answer within {timeout:?} and was killed"
-            )),
-        }
+            let written = writer
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            match (reply, written) {
+                (Ok(Ok(Some(json))), _) => {
+                    wire::decode(&json).map_err(|e| format!("it answered a malformed frame ({e})"))
+                }
+                (Err(RecvTimeoutError::Timeout), _) => Err(format!(
+                    "it gave no answer within {timeout:?} and was killed"
+                )),
+                (_, Err(e)) => Err(format!("it took no request ({e})")),
+                (Ok(Ok(None)) | Err(RecvTimeoutError::Disconnected), _) => Err("it ended".into()),
+                (Ok(Err(e)), _) => Err(format!("it answered a malformed frame ({e})")),
+            }
+        })
     }
 
     /// Kills (if it has not ended by itself) and reaps the worker, and says how it ended: `what`
@@ -274,7 +295,7 @@ fn read_replies(mut stdout: ChildStdout, replies: SyncSender<io::Result<Option<V
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use std::path::PathBuf;
     use std::time::{Duration, Instant};
@@ -312,6 +333,35 @@ mod tests {
         };
         assert!(status.contains("no answer within 300ms"), "{status}");
         assert!(status.contains("SIGKILL"), "{status}");
+    }
+
+    /// A worker that reads nothing, sent a handshake larger than a pipe holds (a template of
+    /// 200 KiB): the write would block for ever; the deadline kills the worker.
+    #[test]
+    fn a_worker_that_reads_nothing_is_killed_at_the_timeout() {
+        let source = format!(
+            "{{# {} #}}{{{{ messages[0].content }}}}",
+            "x".repeat(200 << 10)
+        );
+        let template = ChatTemplate::from_source(&source, None, None)
+            .unwrap()
+            .isolated_with_timeout(
+                PathBuf::from("sleep"),
+                vec!["60".into()],
+                Duration::from_millis(300),
+            );
+        let start = Instant::now();
+        let err = render(&template).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(
+            matches!(&err, TemplateError::WorkerStart { status }
+                if status.contains("no answer within 300ms")),
+            "{err}"
+        );
     }
 
     #[test]
