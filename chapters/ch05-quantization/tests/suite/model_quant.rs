@@ -315,7 +315,8 @@ fn awq_group_sizes_that_do_not_divide_the_inputs_are_refused() {
     let e = write_quantized_dir(&dir, &out, &config(128), &layers, &Default::default());
     assert!(
         matches!(&e, Err(WriteError::Layer { source, .. })
-            if source.to_string().contains("group size 128 must divide in_features (64)")),
+            // Whichever layer the writer reaches first: in_features 64 or 96.
+            if source.to_string().contains("group size 128 must divide in_features (")),
         "{e:?}"
     );
     assert!(!out.exists(), "nothing is written");
